@@ -1,0 +1,82 @@
+"""Options of ``attach()`` beyond the core arguments, validated where they are set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+
+@dataclass(kw_only=True)
+class Config:
+    """Tuning knobs; every field can be passed to ``attach()`` by name."""
+
+    every: int = 10
+    """Report every N optimizer steps (and on the first). 1 = every step."""
+
+    loss_reduction: Literal["mean", "sum"] = "mean"
+    """How the job reduces its loss over one optimizer step. "mean": the weights of a
+    step should add up to 1 (I2). "sum": deliberately unnormalized (gradients scaled
+    later, as in Megatron's per-token path); the weight mass is reported relative to
+    ``loss_scale``."""
+
+    loss_scale: float | None = None
+    """With loss_reduction="sum": the scale the job divides by later (e.g. the global
+    token count). None: the step's label-token count."""
+
+    probe_every: int | None = None
+    """Every N optimizer steps, run the exact per-modality gradient probe (one extra
+    backward per modality on probe steps). None: off."""
+
+    drift_window: int = 50
+    """Reports over which the sign consistency of 1D parameter changes is measured."""
+
+    per_param: bool = False
+    """Also report per-parameter statistics for parameters with ndim >= 2."""
+
+    max_param_series: int = 512
+    """Cap on parameters reported individually (1D and, with per_param, 2D)."""
+
+    update_sample: int = 4096
+    """Elements per tensor sampled (strided) for update_ratio; exact below this size."""
+
+    softmax_target: float = 0.7
+    """Mean top-1 probability the recommended temperature aims for (q(1-q) = 0.21)."""
+
+    softmax_max_positions: int = 4096
+    """Positions per observe call kept (deterministic stride) for softmax statistics."""
+
+    softmax_chunk_bytes: int = 64 * 1024 * 1024
+    """Bound on the extra buffer used while reducing over the vocabulary."""
+
+    flush_timeout: float = 5.0
+    """Seconds ``close()`` waits for the sender to deliver what is queued."""
+
+    queue_bytes: int = 64 * 1024 * 1024
+    """Bound on reports waiting to be sent; beyond it the oldest are dropped and counted."""
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+        for name in ("every", "drift_window", "max_param_series", "update_sample",
+                     "softmax_max_positions", "softmax_chunk_bytes", "queue_bytes"):
+            positive_int(name)
+        positive_int("probe_every", allow_none=True)
+        if self.loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        if self.loss_scale is not None and not (isinstance(self.loss_scale, (int, float)) and self.loss_scale > 0):
+            raise ValueError(f"loss_scale must be a positive number or None, got {self.loss_scale!r}")
+        if self.loss_scale is not None and self.loss_reduction != "sum":
+            raise ValueError("loss_scale applies only with loss_reduction='sum'")
+        if not (isinstance(self.softmax_target, float) and 0.0 < self.softmax_target < 1.0):
+            raise ValueError(f"softmax_target must be a float in (0, 1), got {self.softmax_target!r}")
+        if not (isinstance(self.flush_timeout, (int, float)) and self.flush_timeout >= 0):
+            raise ValueError(f"flush_timeout must be >= 0 seconds, got {self.flush_timeout!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

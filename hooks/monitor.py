@@ -1,0 +1,302 @@
+"""``attach()`` and the ``Monitor`` it returns: hooks in, reports out."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainvitals.hooks import distributed
+from trainvitals.hooks.config import Config
+from trainvitals.hooks.report import PendingReport, Pipeline, pack
+from trainvitals.hooks.signals.base import Signal, StepContext
+from trainvitals.hooks.tensors import is_sharded
+from trainvitals.hooks.transport.sinks import make_sink
+
+log = logging.getLogger("trainvitals")
+
+_RUN_RE = re.compile(r"^[A-Za-z0-9_.:\-/]{1,128}$")
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
+# Wrapper prefixes that never belong in a parameter's user-facing name.
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
+            model = model._orig_mod
+    return model
+
+
+def _clean_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+class Monitor:
+    """Watches one model and optimizer. Create it with :func:`attach`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str, sink: Any,
+                 modalities: tuple[str, ...], scaler: Any, config: Config, rules: Any = None):
+        self.model = _unwrap(model)
+        self.optimizer = optimizer
+        self.run = run
+        self.modalities = modalities
+        self.scaler = scaler
+        self.config = config
+        self.step = 0
+        self.rank = distributed.rank()
+        self.world_size = distributed.world_size()
+        self.param_names: dict[int, str] = {
+            id(p): _clean_name(n) for n, p in self.model.named_parameters()
+        }
+        first = next(iter(self.model.parameters()), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.sharded = any(is_sharded(p) for p in self.model.parameters())
+        self._pending_events: list[tuple[str, str, dict[str, str]]] = []
+        self._warned: set[str] = set()
+        self._latest: PendingReport | None = None
+        self._closed = False
+        self._reporting = False
+        self._evaluator = None
+        if rules is not None:
+            from trainvitals.alerts.local import LocalEvaluator
+
+            self._evaluator = LocalEvaluator(rules=rules)
+        send = sink if self.rank == 0 else _null_sink()
+        self._pipeline = Pipeline(send, on_report=self._evaluator.observe if self._evaluator else None)
+        self.signals: list[Signal] = _default_signals()
+        self._handles: list[Any] = [
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+        ]
+        for s in self.signals:
+            self._handles.extend(self._guard(s, "bind", s.bind, self) or [])
+        atexit.register(self.close)
+
+    # -- what signals use ----------------------------------------------------
+    def reports_at(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based) is a report step."""
+        return step == 1 or step % self.config.every == 0
+
+    @property
+    def reporting_next(self) -> bool:
+        """Whether the optimizer step now being accumulated will be reported."""
+        return not self._closed and self.reports_at(self.step + 1)
+
+    def name_of(self, p: torch.Tensor, fallback: str = "") -> str:
+        return self.param_names.get(id(p), fallback)
+
+    def groups(self) -> list[tuple[str, dict[str, Any]]]:
+        """(label, param_group) for each optimizer param group; label is the group's
+        ``name`` when set, else its index."""
+        return [(str(g.get("name", i)), g) for i, g in enumerate(self.optimizer.param_groups)]
+
+    def event(self, kind: str, detail: str = "", labels: dict[str, str] | None = None) -> None:
+        """Queue a host-side event for the next report."""
+        self._pending_events.append((kind, detail, dict(labels or {})))
+
+    def warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("trainvitals: " + message, *args)
+
+    # -- user API ------------------------------------------------------------
+    def track_loss(self, per_token: torch.Tensor, *, modality: Any, mask: torch.Tensor | None = None,
+                   segments: torch.Tensor | None = None, output: torch.Tensor | None = None) -> None:
+        """Account the loss weights of one micro-batch; call before its backward.
+
+        ``per_token``: [B, T] or [N] per-token losses the loss is reduced from.
+        ``modality``: per sample [B] or per token [B, T], integer codes or names.
+        """
+        self._loss_signal().track(self, per_token, modality=modality, mask=mask, segments=segments, output=output)
+
+    def observe_logits(self, logits: torch.Tensor, *, mask: torch.Tensor | None = None, task: str = "all",
+                       role: str = "student", temperature: float = 1.0) -> None:
+        """Softmax saturation statistics of ``logits`` ([B, T, V] or [N, V])."""
+        self._softmax_signal().observe_logits(self, logits, mask=mask, task=task, role=role, temperature=temperature)
+
+    def observe_distillation(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, *,
+                             temperature: float, mask: torch.Tensor | None = None, task: str = "all") -> None:
+        """Saturation of both roles at ``temperature`` plus the distillation signals."""
+        self._softmax_signal().observe_distillation(
+            self, student_logits, teacher_logits, temperature=temperature, mask=mask, task=task)
+
+    def latest(self) -> list[dict[str, Any]]:
+        """The most recent report's samples: dicts with ``name``, ``labels``, ``value``."""
+        return list(self._latest.materialize()["samples"]) if self._latest else []
+
+    def latest_events(self) -> list[dict[str, Any]]:
+        """The events carried by the most recent report."""
+        return list(self._latest.materialize()["events"]) if self._latest else []
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """The latest value of one series (labels must match exactly), or None."""
+        for s in self.latest():
+            if s["name"] == name and s["labels"] == labels:
+                return s["value"]
+        return None
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait (bounded) until queued reports are delivered; False on timeout."""
+        return self._pipeline.flush(self.config.flush_timeout if timeout is None else timeout)
+
+    def close(self) -> None:
+        """Remove every hook placed by ``attach`` and flush the sender (bounded wait)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        for h in self._handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001 - a handle that is already gone is fine
+                pass
+        self._handles.clear()
+        for s in self.signals:
+            self._guard(s, "close", s.close)
+        self._pipeline.close(self.config.flush_timeout)
+
+    @property
+    def dropped_reports(self) -> int:
+        return self._pipeline.total_dropped()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Monitor(run={self.run!r}, step={self.step}, every={self.config.every}, sink={self._pipeline.sink!r})"
+
+    # -- internals -----------------------------------------------------------
+    def _signal(self, cls: type) -> Any:
+        for s in self.signals:
+            if isinstance(s, cls):
+                return s
+        s = cls()
+        self.signals.append(s)
+        self._handles.extend(self._guard(s, "bind", s.bind, self) or [])
+        return s
+
+    def _loss_signal(self) -> Any:
+        from trainvitals.hooks.signals.loss_accounting import LossAccounting
+
+        return self._signal(LossAccounting)
+
+    def _softmax_signal(self) -> Any:
+        from trainvitals.hooks.signals.softmax import Softmax
+
+        return self._signal(Softmax)
+
+    def _guard(self, signal: Signal, what: str, fn: Any, *args: Any) -> Any:
+        """Run a signal callback; a failure is logged once and never reaches training."""
+        if getattr(signal, "_trainvitals_broken", False):
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001
+            signal._trainvitals_broken = True  # type: ignore[attr-defined]
+            log.warning("trainvitals: signal %s failed in %s and is turned off: %s: %s",
+                        type(signal).__name__, what, type(exc).__name__, exc)
+            return None
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._reporting = self.reporting_next
+        for s in self.signals:
+            self._guard(s, "before_step", s.before_step, self, self._reporting)
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.step += 1
+        reporting = self._reporting
+        for s in self.signals:
+            self._guard(s, "after_step", s.after_step, self, reporting)
+        if not reporting:
+            return
+        try:
+            ctx = StepContext(step=self.step, device=self.device)
+            for s in self.signals:
+                self._guard(s, "collect", s.collect, self, ctx)
+            distributed.combine(ctx)
+            for kind, detail, labels in self._pending_events:
+                ctx.event(kind, detail, labels)
+            self._pending_events.clear()
+            pending = pack(ctx, run=self.run, rank=self.rank)
+            self._latest = pending
+            self._pipeline.put(pending)
+        except Exception as exc:  # noqa: BLE001
+            self.warn_once("report", "could not assemble the report of step %d: %s", self.step, exc)
+
+
+def _null_sink() -> Any:
+    from trainvitals.hooks.transport.sinks import NullSink
+
+    return NullSink()
+
+
+def _default_signals() -> list[Signal]:
+    from trainvitals.hooks.signals.adam_state import AdamState
+    from trainvitals.hooks.signals.optimizer_stats import OptimizerStats
+    from trainvitals.hooks.signals.param_health import ParamHealth
+
+    return [OptimizerStats(), ParamHealth(), AdamState()]
+
+
+def _check_names(what: str, names: Iterable[Any]) -> tuple[str, ...]:
+    out = tuple(names)
+    for n in out:
+        if not isinstance(n, str) or not _NAME_RE.match(n):
+            raise ValueError(f"{what}: {n!r} is not a usable name; use short identifiers like 'text', 'image'")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{what}: names must be unique, got {out!r}")
+    return out
+
+
+def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str, collector: str | None = None,
+           sink: Any = None, modalities: Sequence[str] = (), every: int = 10, scaler: Any = None,
+           rules: Any = None, **options: Any) -> Monitor:
+    """Hook ``model`` and ``optimizer`` and stream training-health reports.
+
+    ``collector``: a collector URL (``http://host:9477``); or ``sink``: ``"file:PATH"``,
+    ``"null"`` or a sink object; default ``$TRAINVITALS_COLLECTOR``, else
+    ``./trainvitals-<run>.jsonl``. ``modalities``: names for integer modality codes.
+    ``every``: report every N optimizer steps. ``scaler``: a ``GradScaler``, so loss
+    weights are unscaled. ``rules``: evaluate alert rules in-process (``"default"``)
+    and log when one fires. Further options: see :class:`trainvitals.hooks.config.Config`.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"attach(model=...) needs a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"attach(optimizer=...) needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+            "pass the optimizer you call .step() on (not a scheduler or a wrapper)")
+    if not isinstance(run, str) or not _RUN_RE.match(run):
+        raise ValueError(f"run={run!r}: use 1-128 characters from letters, digits and _ . : - /")
+    if collector is not None and sink is not None:
+        raise ValueError("pass either collector=URL or sink=..., not both")
+    if collector is not None and not (isinstance(collector, str) and collector.startswith(("http://", "https://"))):
+        raise ValueError(f"collector={collector!r} must be an http(s) URL like 'http://127.0.0.1:9477'")
+    if isinstance(modalities, str):
+        raise TypeError(f"modalities={modalities!r} must be a sequence of names, e.g. ('text', 'image')")
+    mods = _check_names("modalities", modalities)
+    if scaler is not None and not (hasattr(scaler, "get_scale") and hasattr(scaler, "unscale_")):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler (or None), got {type(scaler).__name__}")
+    unknown = sorted(set(options) - set(Config.field_names()))
+    if unknown:
+        raise TypeError(f"attach() got unknown option(s) {unknown}; known options: {Config.field_names()}")
+    config = Config(every=every, **options)
+    # Only rank 0 sends; other ranks compute (and join the collectives) but keep no sender.
+    resolved = make_sink(collector, sink, run) if distributed.rank() == 0 else _null_sink()
+    return Monitor(model, optimizer, run=run, sink=resolved, modalities=mods, scaler=scaler,
+                   config=config, rules=rules)

@@ -1,0 +1,99 @@
+"""The lifecycle every signal follows, and the per-step context it writes into.
+
+A signal places its hooks in ``bind``; the Monitor calls ``before_step`` and
+``after_step`` around every optimizer step (cheap bookkeeping only), and
+``collect`` on report steps, where the signal computes its statistics as batched
+tensor work and hands them to the context. Nothing here reads a tensor's value on
+the host: values reach the host once per report, on the sender thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainvitals.hooks.monitor import Monitor
+
+Labels = dict[str, str]
+ReduceOp = Literal["sum", "max", "min"]
+
+
+@dataclass
+class _Emit:
+    name: str
+    values: torch.Tensor  # 1-D, one element per labels entry
+    labels: list[Labels]
+
+
+@dataclass
+class _Reduce:
+    tensor: torch.Tensor  # 1-D float
+    op: ReduceOp
+    then: Callable[[torch.Tensor], None]
+
+
+@dataclass
+class _Event:
+    kind: str
+    detail: str
+    labels: Labels
+    flag: torch.Tensor | None  # None: always; else emitted when the flag is > 0 on the host
+
+
+@dataclass
+class StepContext:
+    """What one report step collects: final values, cross-rank partials, events."""
+
+    step: int
+    device: torch.device
+    emits: list[_Emit] = field(default_factory=list)
+    reduces: list[_Reduce] = field(default_factory=list)
+    events: list[_Event] = field(default_factory=list)
+
+    def emit(self, name: str, values: torch.Tensor, labels: Labels | Sequence[Labels] | None = None) -> None:
+        """Report ``values`` under wire name ``name``: a 0-d tensor with one labels dict,
+        or a 1-D tensor with one labels dict per element."""
+        if isinstance(labels, dict) or labels is None:
+            labels = [labels or {}]
+        values = values.detach().reshape(-1)
+        if values.numel() != len(labels):
+            raise ValueError(f"{name}: {values.numel()} values for {len(labels)} label sets")
+        if values.numel():
+            self.emits.append(_Emit(name, values, list(labels)))
+
+    def reduce(self, tensor: torch.Tensor, op: ReduceOp, then: Callable[[torch.Tensor], None]) -> None:
+        """Combine ``tensor`` across data-parallel ranks with ``op``, then call ``then``
+        with the combined tensor (at once when there is one rank). All partials of a
+        report travel in one packed collective."""
+        self.reduces.append(_Reduce(tensor.detach().reshape(-1).float(), op, then))
+
+    def event(self, kind: str, detail: str = "", labels: Labels | None = None, *,
+              when: torch.Tensor | None = None) -> None:
+        """Attach an event to this report; with ``when`` (a 0-d tensor), only if it is > 0,
+        decided on the sender thread so the step never waits for the value."""
+        self.events.append(_Event(kind, detail, labels or {}, None if when is None else when.detach().reshape(1)))
+
+
+class Signal:
+    """Base class: override what you need. Handles returned by ``bind`` are removed
+    on ``Monitor.close()``."""
+
+    def bind(self, monitor: Monitor) -> list:
+        """Place hooks; return their handles (anything with ``remove()``)."""
+        return []
+
+    def before_step(self, monitor: Monitor, reporting: bool) -> None:
+        """Called before ``optimizer.step()``; gradients are final here."""
+
+    def after_step(self, monitor: Monitor, reporting: bool) -> None:
+        """Called after ``optimizer.step()``."""
+
+    def collect(self, monitor: Monitor, ctx: StepContext) -> None:
+        """On report steps, after ``after_step``: emit this step's statistics."""
+
+    def close(self) -> None:
+        """Release buffers."""

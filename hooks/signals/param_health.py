@@ -1,0 +1,9 @@
+"""1D parameter drift (I4). Placeholder until issue 4 lands."""
+
+from __future__ import annotations
+
+from trainvitals.hooks.signals.base import Signal
+
+
+class ParamHealth(Signal):
+    pass

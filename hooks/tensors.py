@@ -1,0 +1,51 @@
+"""Small batched-tensor helpers shared by the signals (no host syncs here)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local shard of a DTensor (FSDP2), else the tensor itself."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """True for a DTensor whose placements shard it across ranks."""
+    placements = getattr(t, "placements", None)
+    return bool(placements) and any(p.is_shard() for p in placements)
+
+
+def stack_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Stack 0-d tensors that may live on several devices onto ``device`` (float32)."""
+    if not tensors:
+        return torch.zeros(0, device=device)
+    if all(t.device == device for t in tensors):
+        return torch.stack(list(tensors)).float()
+    return torch.stack([t.to(device, non_blocking=True) for t in tensors]).float()
+
+
+def norms(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """L2 norm of each tensor, as one float32 vector on ``device``; one foreach call."""
+    if not tensors:
+        return torch.zeros(0, device=device)
+    return stack_on(torch._foreach_norm(list(tensors)), device)
+
+
+def group_sum(values: torch.Tensor, index: torch.Tensor, groups: int) -> torch.Tensor:
+    """Sum ``values`` into ``groups`` bins by ``index`` (both 1-D, same device)."""
+    out = torch.zeros(groups, dtype=values.dtype, device=values.device)
+    return out.index_add_(0, index, values)
+
+
+def group_amax(values: torch.Tensor, index: torch.Tensor, groups: int) -> torch.Tensor:
+    out = torch.full((groups,), float("-inf"), dtype=values.dtype, device=values.device)
+    return out.scatter_reduce_(0, index, values, reduce="amax", include_self=True)
+
+
+def group_amin(values: torch.Tensor, index: torch.Tensor, groups: int) -> torch.Tensor:
+    out = torch.full((groups,), float("inf"), dtype=values.dtype, device=values.device)
+    return out.scatter_reduce_(0, index, values, reduce="amin", include_self=True)
