@@ -6,6 +6,9 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 
+BUILTIN_SIGNALS = ("optimizer", "params", "adam")
+
+
 @dataclass(kw_only=True)
 class Config:
     """Tuning knobs; every field can be passed to ``attach()`` by name."""
@@ -48,6 +51,10 @@ class Config:
     softmax_chunk_bytes: int = 64 * 1024 * 1024
     """Bound on the extra buffer used while reducing over the vocabulary."""
 
+    signals: tuple[str, ...] | None = None
+    """Which built-in signals run: any of "optimizer", "params", "adam" (the loss and
+    softmax signals start with the first track_loss / observe call). None: all."""
+
     flush_timeout: float = 5.0
     """Seconds ``close()`` waits for the sender to deliver what is queued."""
 
@@ -76,6 +83,12 @@ class Config:
             raise ValueError(f"softmax_target must be a float in (0, 1), got {self.softmax_target!r}")
         if not (isinstance(self.flush_timeout, (int, float)) and self.flush_timeout >= 0):
             raise ValueError(f"flush_timeout must be >= 0 seconds, got {self.flush_timeout!r}")
+
+        if self.signals is not None:
+            self.signals = tuple(self.signals)
+            bad = sorted(set(self.signals) - set(BUILTIN_SIGNALS))
+            if bad:
+                raise ValueError(f"signals: unknown {bad}; choose from {list(BUILTIN_SIGNALS)}")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -75,7 +75,7 @@ class Monitor:
             self._evaluator = LocalEvaluator(rules=rules)
         send = sink if self.rank == 0 else _null_sink()
         self._pipeline = Pipeline(send, on_report=self._evaluator.observe if self._evaluator else None)
-        self.signals: list[Signal] = _default_signals()
+        self.signals: list[Signal] = _default_signals(config.signals)
         self._handles: list[Any] = [
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
@@ -245,12 +245,13 @@ def _null_sink() -> Any:
     return NullSink()
 
 
-def _default_signals() -> list[Signal]:
+def _default_signals(names: tuple[str, ...] | None) -> list[Signal]:
     from trainvitals.hooks.signals.adam_state import AdamState
     from trainvitals.hooks.signals.optimizer_stats import OptimizerStats
     from trainvitals.hooks.signals.param_health import ParamHealth
 
-    return [OptimizerStats(), ParamHealth(), AdamState()]
+    builtin = {"optimizer": OptimizerStats, "params": ParamHealth, "adam": AdamState}
+    return [cls() for name, cls in builtin.items() if names is None or name in names]
 
 
 def _check_names(what: str, names: Iterable[Any]) -> tuple[str, ...]:
