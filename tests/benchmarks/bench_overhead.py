@@ -1,0 +1,95 @@
+"""Overhead of the hooks: monitored step over unmonitored step, side by side.
+
+Two identical copies of DESIGN's reference model train on the same batches; blocks
+of steps alternate between them (interleaved, so machine noise hits both), and the
+ratio of per-block median step times is printed with its min and max.
+
+    python tests/benchmarks/bench_overhead.py --every 1            # all signals every step
+    python tests/benchmarks/bench_overhead.py --every 10           # the default interval
+    python tests/benchmarks/bench_overhead.py --signals params,adam --every 1
+    python tests/benchmarks/bench_overhead.py --signals none --track-loss --every 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.benchmarks.reference import ACCUM, build, make_batches, train_step  # noqa: E402
+from trainvitals.hooks import attach  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--every", type=int, default=10, help="report interval (1: all signals every step)")
+    ap.add_argument("--signals", default="all", help="built-in signals: all, none, or a list of optimizer,params,adam")
+    ap.add_argument("--track-loss", action="store_true", help="call track_loss(..., output=logits) per micro-batch")
+    ap.add_argument("--observe-logits", action="store_true", help="call observe_logits(logits) per micro-batch")
+    ap.add_argument("--blocks", type=int, default=6, help="blocks per arm (interleaved)")
+    ap.add_argument("--steps", type=int, default=5, help="steps per block")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--option", action="append", default=[], help="extra attach option name=value (int/float/str)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    signals = None if args.signals == "all" else (() if args.signals == "none" else tuple(args.signals.split(",")))
+    options = {}
+    for kv in args.option:
+        k, v = kv.split("=", 1)
+        for conv in (int, float):
+            try:
+                v = conv(v)
+                break
+            except ValueError:
+                pass
+        options[k] = v
+
+    base_model, base_opt = build(0)
+    mon_model, mon_opt = build(0)
+    mon = attach(mon_model, mon_opt, run="bench", sink="null", every=args.every, signals=signals,
+                 modalities=("text", "image"), **options)
+    batches = make_batches(ACCUM * 4, seed=1)
+
+    def step(i: int, monitored: bool) -> float:
+        micro = [batches[(i * ACCUM + k) % len(batches)] for k in range(ACCUM)]
+        t0 = time.perf_counter()
+        if monitored:
+            train_step(mon_model, mon_opt, micro, mon, track_loss=args.track_loss,
+                       observe_logits=args.observe_logits)
+        else:
+            train_step(base_model, base_opt, micro)
+        return time.perf_counter() - t0
+
+    for i in range(args.warmup):
+        step(i, False)
+        step(i, True)
+    ratios, base_all, mon_all = [], [], []
+    i = 0
+    for blk in range(args.blocks):
+        order = (False, True) if blk % 2 == 0 else (True, False)
+        med = {}
+        for monitored in order:
+            times = [step(i + k, monitored) for k in range(args.steps)]
+            med[monitored] = statistics.median(times)
+            (mon_all if monitored else base_all).extend(times)
+        i += args.steps
+        ratios.append(med[True] / med[False])
+    mon.close()
+    what = f"signals={args.signals} every={args.every}" + (" +track_loss(output)" if args.track_loss else "") + (
+        " +observe_logits" if args.observe_logits else "")
+    print(f"{what}: unmonitored median {statistics.median(base_all) * 1e3:.1f} ms/step, "
+          f"monitored {statistics.median(mon_all) * 1e3:.1f} ms/step")
+    print(f"overhead ratio (median of {len(ratios)} interleaved blocks x {args.steps} steps): "
+          f"{statistics.median(ratios):.4f}x  (min {min(ratios):.4f}, max {max(ratios):.4f})")
+
+
+if __name__ == "__main__":
+    main()
