@@ -1,0 +1,200 @@
+"""The ``trainvitals`` command line.
+
+Subcommands attach to the :func:`main` group: decorate with ``@main.command()``
+here, or call ``main.add_command(cmd)`` from another module imported below.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+from trainvitals.hooks.wire import SCHEMA_VERSION, Report, ReportBatch
+from trainvitals.monitor.settings import DEFAULT_PORT, Settings, SettingsError
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["main"]
+
+_MAX_REPLAY_BODY = 8 * 1024 * 1024  # bytes per POST, well under the collector's 16 MiB default
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="trainvitals")
+def main() -> None:
+    """trainvitals: catch the training failures the loss curve hides."""
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="YAML settings file (TRAINVITALS_* environment variables override it).",
+)
+@click.option("--host", default=None, help="Address to bind.  [default: 127.0.0.1]")
+@click.option("--port", type=int, default=None, help=f"TCP port.  [default: {DEFAULT_PORT}]")
+@click.option(
+    "--token-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="File holding the bearer token clients must send.",
+)
+def serve(
+    config_file: Path | None, host: str | None, port: int | None, token_file: Path | None
+) -> None:
+    """Run the collector: ingest reports, serve /metrics."""
+    import uvicorn
+    from trainvitals.monitor.app import create_app
+
+    try:
+        settings = Settings.from_file(config_file, host=host, port=port, token_file=token_file)
+    except SettingsError as exc:
+        raise click.ClickException(str(exc)) from None
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(settings)
+    shown = f"[{settings.host}]" if ":" in settings.host else settings.host
+    auth = "bearer token required" if settings.auth_required else "no authentication"
+    click.echo(
+        f"trainvitals collector on http://{shown}:{settings.port} "
+        f"(POST /v1/reports, GET /metrics; {auth})"
+    )
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, workers=1, log_level=settings.log_level
+    )
+
+
+@main.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--collector",
+    envvar="TRAINVITALS_COLLECTOR",
+    required=True,
+    help="Collector base URL, e.g. http://127.0.0.1:9477 (env TRAINVITALS_COLLECTOR).",
+)
+@click.option(
+    "--token",
+    envvar="TRAINVITALS_TOKEN",
+    default=None,
+    help="Bearer token (env TRAINVITALS_TOKEN).",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="File holding the bearer token.",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, 10_000),
+    default=100,
+    show_default=True,
+    help="Reports per request.",
+)
+@click.option("--timeout", type=float, default=30.0, show_default=True, help="Seconds per request.")
+def replay(
+    file: Path,
+    collector: str,
+    token: str | None,
+    token_file: Path | None,
+    batch_size: int,
+    timeout: float,
+) -> None:
+    """Send a JSONL file of reports (a file sink's output) to a collector.
+
+    Each line is a wire body {"schema": 1, "reports": [...]} or a single report.
+    """
+    import httpx
+
+    if token_file is not None:
+        token = token_file.read_text(encoding="utf-8").strip()
+    url = collector.rstrip("/")
+    if not url.endswith("/v1/reports"):
+        url += "/v1/reports"
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+
+    accepted = 0
+    with httpx.Client(timeout=timeout, headers=headers) as client:
+        for first_line, last_line, reports in _batches(file, batch_size):
+            body = f'{{"schema":{SCHEMA_VERSION},"reports":['.encode() + b",".join(reports) + b"]}"
+            try:
+                resp = client.post(url, content=body)
+            except httpx.HTTPError as exc:
+                raise click.ClickException(
+                    f"cannot reach the collector at {url}: {exc or type(exc).__name__}"
+                    f" ({accepted} reports accepted before)"
+                ) from None
+            if resp.status_code != 202:
+                raise click.ClickException(
+                    f"collector refused lines {first_line}-{last_line} of {file}: "
+                    f"HTTP {resp.status_code}: {_detail(resp)} ({accepted} reports accepted before)"
+                )
+            accepted += int(resp.json().get("accepted", len(reports)))
+    click.echo(f"{accepted} reports from {file} accepted by {collector}")
+
+
+def _detail(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["detail"])
+    except Exception:
+        return resp.text[:500] or "(empty body)"
+
+
+def _reports(file: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, one report's wire JSON) for each report in the file."""
+    with file.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as exc:
+                raise click.ClickException(f"{file}:{lineno}: not valid JSON: {exc}") from None
+            try:
+                if isinstance(obj, dict) and "reports" in obj:
+                    reports = list(ReportBatch.model_validate(obj).reports)
+                else:
+                    reports = [Report.model_validate(obj)]
+            except ValueError as exc:  # pydantic.ValidationError
+                raise click.ClickException(f"{file}:{lineno}: {_first_error(exc)}") from None
+            for report in reports:
+                yield lineno, report.model_dump_json().encode()
+
+
+def _first_error(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if errors is None:
+        return str(exc)
+    errs = errors(include_url=False)
+    parts = [
+        f"{'.'.join(str(p) for p in e['loc']) or 'line'}: {e['msg'].removeprefix('Value error, ')}"
+        for e in errs[:3]
+    ]
+    return "; ".join(parts) + (f"; ... and {len(errs) - 3} more" if len(errs) > 3 else "")
+
+
+def _batches(file: Path, size: int) -> Iterator[tuple[int, int, list[bytes]]]:
+    """Group reports into bodies of at most ``size`` reports and about 8 MiB."""
+    batch: list[bytes] = []
+    nbytes = 0
+    first = last = 0
+    for lineno, report in _reports(file):
+        if batch and (len(batch) >= size or nbytes + len(report) > _MAX_REPLAY_BODY):
+            yield first, last, batch
+            batch, nbytes = [], 0
+        if not batch:
+            first = lineno
+        batch.append(report)
+        nbytes += len(report) + 1
+        last = lineno
+    if batch:
+        yield first, last, batch

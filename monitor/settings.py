@@ -1,0 +1,167 @@
+"""Collector configuration: defaults, then a YAML file, then ``TRAINVITALS_*`` env vars.
+
+Later wins: an environment variable overrides the file, and keyword arguments
+(what the CLI passes) override both. The token never appears in ``repr`` or logs.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+__all__ = ["DEFAULT_PORT", "ENV_PREFIX", "Settings", "SettingsError"]
+
+ENV_PREFIX = "TRAINVITALS_"
+DEFAULT_PORT = 9477  # 9400 is DCGM exporter's, often on the same GPU nodes
+MiB = 1024 * 1024  # mebibyte
+
+# What Settings.from_file read, seen by the file source during one construction.
+_FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "trainvitals_settings_file", default=None
+)
+
+
+class SettingsError(ValueError):
+    """The configuration is invalid; the message names the file or variable and the field."""
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ returns everything at once
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_FILE_DATA.get() or {})
+
+
+class Settings(BaseSettings):
+    """Collector settings. Env: ``TRAINVITALS_<FIELD>`` (e.g. ``TRAINVITALS_PORT``)."""
+
+    # hide_input_in_errors: a validation error must not echo the token.
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="forbid", hide_input_in_errors=True
+    )
+
+    host: str = Field("127.0.0.1", description="Address to bind; 0.0.0.0 to serve other hosts.")
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="TCP port; 0 picks a free one.")
+    token: SecretStr | None = Field(
+        None, description="Bearer token clients must send; none: no authentication."
+    )
+    token_file: Path | None = Field(
+        None, description="File holding the token (surrounding whitespace stripped)."
+    )
+    max_body_bytes: int = Field(16 * MiB, gt=0, description="Largest request body, as sent.")
+    max_decompressed_bytes: int = Field(
+        64 * MiB, gt=0, description="Largest body after gzip decoding (bounds gzip bombs)."
+    )
+    run_ttl_seconds: float = Field(
+        3600.0, gt=0, description="A run silent this long is dropped with its series."
+    )
+    max_series: int = Field(
+        1_000_000, ge=1, description="Series cap; a batch that would pass it is refused."
+    )
+    max_events: int = Field(10_000, ge=0, description="Recent events kept for consumers.")
+    log_level: str = Field("info", description="uvicorn / logging level.")
+    # Passed through to the alert engine, which validates them.
+    rules: list[str] | str | None = Field(
+        None, description="Rule files or directories; none: the shipped defaults."
+    )
+    alerts: dict[str, Any] | None = Field(None, description="Alert engine options.")
+    notifiers: list[dict[str, Any]] | None = Field(None, description="Notifier configs.")
+
+    @model_validator(mode="after")
+    def _read_token_file(self) -> Settings:
+        if self.token_file is None:
+            if self.token is not None and not self.token.get_secret_value().strip():
+                raise ValueError("token is empty; unset it to disable authentication")
+            return self
+        if self.token is not None:
+            raise ValueError("set token or token_file, not both")
+        try:
+            text = self.token_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ValueError(f"token_file {str(self.token_file)!r}: {exc.strerror}") from None
+        if not text:
+            raise ValueError(f"token_file {str(self.token_file)!r} is empty")
+        self.token = SecretStr(text)
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _FileSource(settings_cls)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
+        """Load ``path`` (YAML mapping) under the environment; ``overrides`` win over both.
+
+        Raises :class:`SettingsError` naming the file (or env var) and the field.
+        """
+        data: dict[str, Any] = {}
+        where = "settings"
+        if path is not None:
+            where = str(path)
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    loaded = yaml.safe_load(fh)
+            except OSError as exc:
+                raise SettingsError(f"{where}: cannot read config file: {exc.strerror}") from None
+            except yaml.YAMLError as exc:
+                raise SettingsError(f"{where}: not valid YAML: {exc}") from None
+            if loaded is None:
+                loaded = {}
+            if not isinstance(loaded, dict):
+                raise SettingsError(
+                    f"{where}: expected a mapping of settings, got {type(loaded).__name__}"
+                )
+            data = loaded
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        # A token given here replaces one from the file or environment, whichever form.
+        if "token_file" in overrides:
+            overrides.setdefault("token", None)
+        elif "token" in overrides:
+            overrides["token_file"] = None
+        token = _FILE_DATA.set(data)
+        try:
+            return cls(**overrides)
+        except ValidationError as exc:
+            raise SettingsError(_describe(exc, where, data, overrides)) from None
+        finally:
+            _FILE_DATA.reset(token)
+
+    @property
+    def auth_required(self) -> bool:
+        """True when clients must send the bearer token."""
+        return self.token is not None
+
+
+def _describe(
+    exc: ValidationError, where: str, data: dict[str, Any], overrides: dict[str, Any]
+) -> str:
+    lines = []
+    for err in exc.errors(include_url=False, include_input=False):
+        loc = err["loc"]
+        field = str(loc[0]) if loc else ""
+        path = ".".join(str(p) for p in loc)
+        msg = err["msg"].removeprefix("Value error, ")
+        env_name = ENV_PREFIX + field.upper()
+        if field in overrides:
+            source = "argument"
+        elif field and env_name in os.environ:
+            source = f"environment variable {env_name}"
+        else:
+            source = where
+        lines.append(f"{source}: {path}: {msg}" if path else f"{source}: {msg}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)

@@ -1,0 +1,224 @@
+"""SeriesStore: ingest, atomic refusal, TTL expiry, the series cap, events, callbacks."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+
+import pytest
+from trainvitals.hooks.wire import ReportBatch
+from trainvitals.monitor.store import IngestRefused, SeriesLimitExceeded, SeriesStore
+from trainvitals.monitor.testing import make_body, make_report
+
+T0 = 1_000_000.0
+
+
+def batch(*reports: dict) -> ReportBatch:
+    return ReportBatch.model_validate(make_body(*reports))
+
+
+def sample(name: str, value: float, **labels: str) -> dict:
+    return {"name": name, "labels": labels, "value": value}
+
+
+def families(store: SeriesStore) -> dict[str, tuple[str, list]]:
+    return {name: (kind, series) for name, kind, series in store.snapshot(T0).families}
+
+
+def test_ingest_keeps_latest_value_per_series_and_run_state():
+    store = SeriesStore()
+    store.ingest(batch(make_report("a", 10, [sample("loss", 2.0, modality="text")])), T0)
+    store.ingest(batch(make_report("a", 20, [sample("loss", 1.5, modality="text")])), T0 + 1)
+
+    assert store.get("a", "loss", {"modality": "text"}) == 1.5
+    [run] = store.runs(T0 + 1)
+    assert (run.run, run.step, run.last_report_time, run.ranks) == ("a", 20, T0 + 1, (0,))
+    assert len(store) == 3  # loss + step + last_report_timestamp_seconds
+
+
+def test_label_order_does_not_make_a_new_series():
+    store = SeriesStore()
+    s1 = sample("softmax_saturated_ratio", 0.1, task="ie", role="teacher", threshold="0.99")
+    s2 = {"name": s1["name"], "labels": dict(reversed(list(s1["labels"].items()))), "value": 0.2}
+    store.ingest(batch(make_report("a", 1, [s1])), T0)
+    store.ingest(batch(make_report("a", 2, [s2])), T0)
+    assert len(store) == 3
+    assert store.get("a", s1["name"], s1["labels"]) == 0.2
+
+
+def test_snapshot_labels_run_and_rank_only_when_nonzero():
+    store = SeriesStore()
+    store.ingest(
+        batch(
+            make_report("a", 5, [sample("grad_norm", 3.0, group="all")]),
+            make_report("a", 5, [sample("grad_norm", 4.0, group="all")], rank=2),
+        ),
+        T0,
+    )
+    kind, series = families(store)["trainvitals_grad_norm"]
+    assert kind == "gauge"
+    assert sorted(series, key=lambda s: s[1]) == [
+        ({"run": "a", "group": "all"}, 3.0),
+        ({"run": "a", "group": "all", "rank": "2"}, 4.0),
+    ]
+    assert store.runs(T0)[0].ranks == (0, 2)
+
+
+def test_counters_store_the_latest_cumulative_value():
+    store = SeriesStore()
+    for step, total in [(1, 1.0), (2, 3.0)]:
+        store.ingest(
+            batch(make_report("a", step, [sample("nonfinite_total", total, what="loss")])), T0
+        )
+    kind, series = families(store)["trainvitals_nonfinite_total"]
+    assert kind == "counter"
+    assert series == [({"run": "a", "what": "loss"}, 3.0)]
+
+
+def test_nonfinite_values_are_kept():
+    store = SeriesStore()
+    store.ingest(batch(make_report("a", 1, [sample("grad_norm", math.inf, group="all")])), T0)
+    assert store.get("a", "grad_norm", {"group": "all"}) == math.inf
+
+
+def test_series_limit_refuses_the_whole_batch_and_changes_nothing():
+    store = SeriesStore(max_series=6)
+    store.ingest(batch(make_report("a", 1, [sample("loss", 1.0, modality="text")])), T0)
+    before = store.snapshot(T0)
+
+    too_many = batch(
+        make_report(
+            "a", 2, [sample("loss", 9.0, modality="text"), sample("loss", 9.0, modality="x")]
+        ),
+        make_report("b", 2, [sample("loss", 9.0, modality="text")]),  # +3 with step/timestamp
+    )
+    with pytest.raises(SeriesLimitExceeded, match="series limit"):
+        store.ingest(too_many, T0 + 5)
+
+    assert store.snapshot(T0) == before
+    assert store.runs(T0)[0].step == 1
+    assert len(store) == 3
+
+
+def test_series_limit_counts_updates_as_free():
+    store = SeriesStore(max_series=3)
+    for step in range(5):
+        store.ingest(batch(make_report("a", step, [sample("loss", step, modality="text")])), T0)
+    assert len(store) == 3
+    with pytest.raises(SeriesLimitExceeded):
+        store.ingest(batch(make_report("a", 9, [sample("loss", 1.0, modality="image")])), T0)
+
+
+def test_duplicate_series_within_a_batch_count_once():
+    store = SeriesStore(max_series=3)
+    s = [sample("loss", 1.0, modality="text"), sample("loss", 2.0, modality="text")]
+    store.ingest(batch(make_report("a", 1, s), make_report("a", 2, s[:1])), T0)
+    assert store.get("a", "loss", {"modality": "text"}) == 1.0  # later report wins
+    assert store.runs(T0)[0].step == 2
+
+
+@pytest.mark.parametrize("name", ["step", "last_report_timestamp_seconds", "alerts_firing"])
+def test_collector_owned_names_are_refused(name):
+    store = SeriesStore()
+    with pytest.raises(IngestRefused, match="produced by the collector"):
+        store.ingest(batch(make_report("a", 1, [sample(name, 1.0)])), T0)
+    assert store.runs(T0) == [] and len(store) == 0
+
+
+def test_gauge_counter_name_clash_is_refused_atomically():
+    store = SeriesStore()
+    store.ingest(batch(make_report("a", 1, [sample("widgets", 1.0)])), T0)
+    with pytest.raises(IngestRefused, match="both be exposed as trainvitals_widgets"):
+        store.ingest(batch(make_report("a", 2, [sample("widgets_total", 1.0)])), T0)
+    assert store.runs(T0)[0].step == 1
+    with pytest.raises(IngestRefused):
+        store.ingest(batch(make_report("b", 1, [sample("x", 1.0), sample("x_total", 1.0)])), T0)
+    assert [r.run for r in store.runs(T0)] == ["a"]
+
+
+def test_runs_expire_after_ttl_with_all_their_series():
+    store = SeriesStore(ttl_seconds=60)
+    store.ingest(batch(make_report("old", 1)), T0)
+    store.ingest(batch(make_report("new", 1)), T0 + 50)
+    assert [r.run for r in store.runs(T0 + 59)] == ["new", "old"]
+
+    assert store.expire(T0 + 60) == ["old"]
+    assert [r.run for r in store.runs(T0 + 60)] == ["new"]
+    assert len(store) == 3
+    assert store.get("old", "loss", {"modality": "text"}) is None
+
+
+def test_snapshot_and_ingest_expire_silent_runs():
+    store = SeriesStore(ttl_seconds=10)
+    store.ingest(batch(make_report("old", 1)), T0)
+    assert [r.run for r in store.snapshot(T0 + 10).runs] == []
+    store.ingest(batch(make_report("old", 1)), T0)
+    store.ingest(batch(make_report("new", 1)), T0 + 11)
+    assert [r.run for r in store.runs(T0 + 11)] == ["new"]
+
+
+def test_events_are_kept_with_their_report_and_bounded():
+    store = SeriesStore(max_events=3)
+    for step in range(5):
+        ev = {"kind": "optimizer_state_reset", "detail": f"at {step}"}
+        store.ingest(batch(make_report("a", step, events=[ev])), T0 + step)
+    evs = store.events()
+    assert [e.step for e in evs] == [2, 3, 4]
+    assert evs[-1].event.kind == "optimizer_state_reset" and evs[-1].received == T0 + 4
+    assert [e.step for e in store.events(since=T0 + 3)] == [4]
+    assert store.events(run="other") == []
+
+
+def test_on_ingest_callbacks_see_the_batch_and_cannot_break_ingest(caplog):
+    store = SeriesStore()
+    seen = []
+
+    def bad(b, now):
+        raise RuntimeError("boom")
+
+    store.on_ingest(bad)
+    handle = store.on_ingest(lambda b, now: seen.append((b.reports[0].step, now)))
+    with caplog.at_level(logging.ERROR, logger="trainvitals.monitor.store"):
+        assert store.ingest(batch(make_report("a", 7)), T0) == 1
+    assert seen == [(7, T0)]
+    assert "on_ingest callback" in caplog.text
+    assert store.runs(T0)[0].step == 7
+
+    handle.remove()
+    handle.remove()
+    store.ingest(batch(make_report("a", 8)), T0)
+    assert seen == [(7, T0)]
+
+
+def test_refused_batch_does_not_call_callbacks():
+    store = SeriesStore(max_series=1)
+    seen = []
+    store.on_ingest(lambda b, now: seen.append(b))
+    with pytest.raises(SeriesLimitExceeded):
+        store.ingest(batch(make_report("a", 1)), T0)
+    assert seen == []
+
+
+def test_concurrent_ingest_keeps_counts_consistent():
+    store = SeriesStore()
+
+    def worker(i: int) -> None:
+        for step in range(50):
+            samples = [sample("param_absmax", float(step), param=f"p{j}") for j in range(20)]
+            store.ingest(batch(make_report(f"run{i}", step, samples)), T0)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(store) == 4 * 22
+    assert sum(len(s) for _, _, s in store.snapshot(T0).families) == 4 * 20
+
+
+def test_constructor_rejects_bad_limits():
+    with pytest.raises(ValueError, match="ttl_seconds"):
+        SeriesStore(ttl_seconds=0)
+    with pytest.raises(ValueError, match="max_series"):
+        SeriesStore(max_series=0)
