@@ -1,0 +1,64 @@
+"""Layout guards: the wheel holds only trainvitals/..., the hooks stay light,
+and nothing imports the bare folder names."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_importing_hooks_does_not_import_the_collector_stack():
+    code = ("import sys, trainvitals.hooks; from trainvitals.hooks import attach; "
+            "bad = [m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_wire_schema_imports_without_torch():
+    code = "import sys, trainvitals.hooks.wire; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_public_api_is_what_we_mean():
+    import trainvitals.hooks as hooks
+
+    assert sorted(hooks.__all__) == ["Monitor", "SCHEMA_VERSION", "attach"]
+
+
+@pytest.mark.slow
+def test_wheel_contains_only_the_trainvitals_package(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    wheel = next(tmp_path.glob("trainvitals-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    code = [n for n in names if ".dist-info/" not in n]
+    assert code and all(n.startswith("trainvitals/") for n in code), code
+    assert "trainvitals/hooks/wire.py" in code
+    assert any(n.startswith("trainvitals/alerts/rules/") and n.endswith(".yaml") for n in code)
+
+
+def test_ruff_bans_bare_folder_imports(tmp_path):
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff not installed")
+    bad = tmp_path / "bad.py"
+    bad.write_text("import hooks\nfrom monitor import app\n")
+    out = subprocess.run([ruff, "check", "--config", str(ROOT / "pyproject.toml"), "--select", "TID251",
+                          str(bad)], capture_output=True, text=True)
+    assert out.returncode != 0 and out.stdout.count("TID251") == 2, out.stdout
+
+
+def test_ruff_is_clean_on_the_project():
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff not installed")
+    out = subprocess.run([ruff, "check", "hooks", "monitor", "alerts", "tests"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
