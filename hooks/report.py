@@ -40,6 +40,7 @@ class PendingReport:
     host: torch.Tensor
     ready: Any = None  # a CUDA event when the copy is asynchronous
     extra: list[dict[str, Any]] = field(default_factory=list)  # host-side samples (drop counter)
+    gated: list[int] = field(default_factory=list)  # layout indices with a presence value, after the flags
     _done: dict[str, Any] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -49,9 +50,11 @@ class PendingReport:
                 if self.ready is not None:
                     self.ready.synchronize()
                 values = self.host.tolist()
+                tail = values[len(self.layout) + len(self.flags):]
+                absent = {i for i, p in zip(self.gated, tail) if not p > 0}
                 samples = [
                     {"name": name, "labels": labels, "value": v}
-                    for (name, labels), v in zip(self.layout, values)
+                    for i, ((name, labels), v) in enumerate(zip(self.layout, values)) if i not in absent
                 ]
                 samples.extend(self.extra)
                 events = list(self.events)
@@ -71,8 +74,13 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
     dtype = torch.float32 if device.type == "mps" else torch.float64
     parts: list[torch.Tensor] = []
     layout: list[tuple[str, dict[str, str]]] = []
+    gated: list[int] = []
+    presence: list[torch.Tensor] = []
     for e in ctx.emits:
         parts.append(e.values.to(device=device, dtype=dtype, non_blocking=True))
+        if e.present is not None:
+            gated.extend(range(len(layout), len(layout) + len(e.labels)))
+            presence.append(e.present.to(device=device, dtype=dtype, non_blocking=True))
         layout.extend((e.name, lab) for lab in e.labels)
     flags: list[tuple[str, str, dict[str, str]]] = []
     events: list[dict[str, Any]] = []
@@ -82,6 +90,7 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
         else:
             parts.append(ev.flag.to(device=device, dtype=dtype, non_blocking=True))
             flags.append((ev.kind, ev.detail, ev.labels))
+    parts.extend(presence)  # after the flags: materialize reads them as the tail
     flat = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
     ready = None
     if flat.device.type == "cuda":
@@ -91,7 +100,7 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
         ready.record()
     else:
         host = flat.to("cpu")
-    return PendingReport(run, ctx.step, time.time(), rank, layout, flags, events, host, ready)
+    return PendingReport(run, ctx.step, time.time(), rank, layout, flags, events, host, ready, gated=gated)
 
 
 class Pipeline:

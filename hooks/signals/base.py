@@ -27,6 +27,7 @@ class _Emit:
     name: str
     values: torch.Tensor  # 1-D, one element per labels entry
     labels: list[Labels]
+    present: torch.Tensor | None = None  # 1-D like values: a sample is sent only where > 0
 
 
 @dataclass
@@ -54,16 +55,23 @@ class StepContext:
     reduces: list[_Reduce] = field(default_factory=list)
     events: list[_Event] = field(default_factory=list)
 
-    def emit(self, name: str, values: torch.Tensor, labels: Labels | Sequence[Labels] | None = None) -> None:
+    def emit(self, name: str, values: torch.Tensor, labels: Labels | Sequence[Labels] | None = None, *,
+             present: torch.Tensor | None = None) -> None:
         """Report ``values`` under wire name ``name``: a 0-d tensor with one labels dict,
-        or a 1-D tensor with one labels dict per element."""
+        or a 1-D tensor with one labels dict per element. With ``present`` (same shape
+        as ``values``), a sample is sent only where it is > 0: a statistic that is
+        undefined on this step is absent, decided on the sender thread (no host sync)."""
         if isinstance(labels, dict) or labels is None:
             labels = [labels or {}]
         values = values.detach().reshape(-1)
         if values.numel() != len(labels):
             raise ValueError(f"{name}: {values.numel()} values for {len(labels)} label sets")
+        if present is not None:
+            present = present.detach().reshape(-1)
+            if present.numel() != values.numel():
+                raise ValueError(f"{name}: present has {present.numel()} elements for {values.numel()} values")
         if values.numel():
-            self.emits.append(_Emit(name, values, list(labels)))
+            self.emits.append(_Emit(name, values, list(labels), present))
 
     def reduce(self, tensor: torch.Tensor, op: ReduceOp, then: Callable[[torch.Tensor], None]) -> None:
         """Combine ``tensor`` across data-parallel ranks with ``op``, then call ``then``
