@@ -1,0 +1,533 @@
+"""The evaluation engine: one state machine per (rule, series), fed report by report.
+
+States: inactive -> pending -> firing -> resolved (-> pending/firing again).
+
+- ``for_steps`` counts optimizer steps (the report's ``step``): an alert fires on
+  the first report at least ``for_steps`` steps after the one that made it
+  pending, if every report of that series in between was past the threshold.
+  ``for`` does the same in seconds of ``now``. Both are checked when evidence
+  arrives (on ``observe``), as Prometheus checks them at evaluation.
+- Hysteresis: a firing alert resolves only when the value gets back to ``clear``
+  (inclusive), and stays so for ``hold_steps``/``hold``. A value between
+  ``clear`` and the threshold keeps it firing; a pending alert needs every value
+  past the threshold, so the band resets it.
+- ``and`` conditions: the alert is past the threshold only when every condition
+  holds too. A condition that is clearly false counts as "clear" (fixing the
+  weight decay resolves ParamDrift even while the drift is still large).
+- No evidence: NaN, a series missing from a report, an ``and`` series not yet
+  seen, the first report of a counter (``increase`` needs two) or a spike
+  history shorter than ``window``: the state stays as it is. A NaN never
+  satisfies ``above``/``below`` and never clears; non-finite losses are caught by
+  NonFiniteLoss from the counter. +Inf does satisfy ``above``.
+- Series: the report's ``run``, ``rank`` only when not 0 (as the collector's
+  store labels them), and the sample's labels.
+- Event rules fire on the report that carries the event and resolve on a later
+  report of the same run without it, once ``hold_steps``/``hold`` have passed
+  since the last such event. A ``run_end`` event marks a run finished:
+  RunSilent stays quiet for it.
+- Timers (``tick``): RunSilent, holds in seconds, forgetting runs silent for
+  ``run_ttl`` (their alerts resolve) and dropping resolved alerts after
+  ``resolved_retention``.
+
+Pure Python; thread-safe (one lock); no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from trainvitals.alerts.rules import (
+    Condition,
+    EventRule,
+    Rule,
+    SilenceRule,
+    ThresholdRule,
+    load_rules,
+    render_template,
+)
+from trainvitals.hooks.wire import Report
+
+__all__ = ["RUN_END_EVENT", "Alert", "AlertState", "Engine", "Transition"]
+
+# The event kind that says a run finished on purpose (no RunSilent for it).
+RUN_END_EVENT = "run_end"
+
+LabelItems = tuple[tuple[str, str], ...]
+
+
+class AlertState(str, Enum):
+    """Where one (rule, series) stands."""
+
+    INACTIVE = "inactive"
+    PENDING = "pending"
+    FIRING = "firing"
+    RESOLVED = "resolved"
+
+
+@dataclass(frozen=True)
+class Alert:
+    """A snapshot of one (rule, series) state machine."""
+
+    rule: Rule
+    labels: Mapping[str, str]
+    state: AlertState
+    value: float
+    step: int | None
+    since: float
+    fired_at: float | None
+    resolved_at: float | None
+    detail: str = ""
+
+    @property
+    def alertname(self) -> str:
+        return self.rule.alert
+
+    @property
+    def severity(self) -> str:
+        return self.rule.severity
+
+    @property
+    def alert_labels(self) -> dict[str, str]:
+        """Labels that identify the alert downstream: alertname, severity and the series'."""
+        return {"alertname": self.rule.alert, "severity": self.rule.severity, **self.labels}
+
+    @property
+    def key(self) -> tuple[str, LabelItems]:
+        return self.rule.alert, tuple(sorted(self.labels.items()))
+
+    def fields(self) -> dict[str, Any]:
+        """Template namespace: the series labels plus the rule's numbers."""
+        out: dict[str, Any] = dict(self.labels)
+        out.update(alertname=self.rule.alert, severity=self.rule.severity, value=self.value,
+                   step=self.step if self.step is not None else -1, detail=self.detail)
+        if isinstance(self.rule, ThresholdRule):
+            out.update(above=self.rule.above, below=self.rule.below, clear=self.rule.clear_at)
+        return out
+
+    @property
+    def summary(self) -> str:
+        return render_template(self.rule.summary, self.fields())
+
+    @property
+    def description(self) -> str:
+        return render_template(self.rule.description, self.fields())
+
+
+@dataclass(frozen=True)
+class Transition(Alert):
+    """A state change of one (rule, series): ``old`` -> ``state``."""
+
+    old: AlertState = AlertState.INACTIVE
+    reason: str = ""
+
+    @property
+    def new(self) -> AlertState:
+        return self.state
+
+
+# Verdicts of one observation.
+_BAD, _BAND, _CLEAR, _UNKNOWN = "bad", "band", "clear", "unknown"
+
+
+@dataclass(eq=False)
+class _Instance:
+    rule: Rule
+    index: int
+    labels: dict[str, str]
+    run: str
+    key: tuple
+    state: AlertState = AlertState.INACTIVE
+    value: float = math.nan
+    step: int | None = None
+    pending_step: int = 0
+    pending_time: float = 0.0
+    fired_at: float | None = None
+    resolved_at: float | None = None
+    # Start of the current clear streak (threshold rules) or the last event (event rules).
+    clear_step: int | None = None
+    clear_time: float | None = None
+    detail: str = ""
+
+    def since(self) -> float:
+        if self.state is AlertState.FIRING and self.fired_at is not None:
+            return self.fired_at
+        if self.state is AlertState.RESOLVED and self.resolved_at is not None:
+            return self.resolved_at
+        return self.pending_time
+
+    def snapshot(self, cls: type[Alert] = Alert, **extra: Any) -> Any:
+        return cls(rule=self.rule, labels=dict(self.labels), state=self.state, value=self.value,
+                   step=self.step, since=self.since(), fired_at=self.fired_at,
+                   resolved_at=self.resolved_at, detail=self.detail, **extra)
+
+
+@dataclass(eq=False)
+class _Run:
+    last_seen: float
+    last_step: int
+    closed: bool = False
+
+
+@dataclass(eq=False)
+class _Compiled:
+    """A threshold rule with its matchers compiled."""
+
+    index: int
+    rule: ThresholdRule
+    match: Callable[[Mapping[str, str]], bool]
+    conditions: list[tuple[Condition, Callable[[Mapping[str, str]], bool]]] = field(default_factory=list)
+
+
+def _compile_matchers(matchers) -> Callable[[Mapping[str, str]], bool]:
+    preds = [(m.name, m.compile()) for m in matchers]
+    if not preds:
+        return lambda labels: True
+    return lambda labels: all(pred(labels.get(name)) for name, pred in preds)
+
+
+def _hold_done(rule: Rule, inst: _Instance, step: int | None, now: float) -> bool:
+    hold_steps = getattr(rule, "hold_steps", 0)
+    hold = getattr(rule, "hold", 0.0)
+    if hold_steps and (step is None or inst.clear_step is None or step - inst.clear_step < hold_steps):
+        return False
+    return inst.clear_time is not None and (hold <= 0 or now - inst.clear_time >= hold)
+
+
+class Engine:
+    """Evaluates rules against reports; returns the state changes.
+
+    ``observe(report, now)`` on every report, ``tick(now)`` every second or so
+    for the timers. ``now`` is the collector's clock (Unix seconds).
+    """
+
+    def __init__(self, rules: Iterable[Rule] | str | None = "default", *,
+                 run_ttl: float = 86400.0, resolved_retention: float = 900.0) -> None:
+        if rules is None or isinstance(rules, str):
+            rules = load_rules(rules)
+        self.rules: list[Rule] = list(rules)
+        self.run_ttl = run_ttl
+        self.resolved_retention = resolved_retention
+        self._lock = threading.Lock()
+        self._by_metric: dict[str, list[_Compiled]] = {}
+        self._by_event: dict[str, list[tuple[int, EventRule, Callable]]] = {}
+        self._silence: list[tuple[int, SilenceRule]] = []
+        self._and_metrics: set[str] = set()
+        for i, rule in enumerate(self.rules):
+            if isinstance(rule, ThresholdRule):
+                c = _Compiled(i, rule, _compile_matchers(rule.labels),
+                              [(cond, _compile_matchers(cond.labels)) for cond in rule.and_])
+                self._by_metric.setdefault(rule.metric, []).append(c)
+                self._and_metrics.update(cond.metric for cond in rule.and_)
+            elif isinstance(rule, EventRule):
+                self._by_event.setdefault(rule.event, []).append((i, rule, _compile_matchers(rule.labels)))
+            else:
+                self._silence.append((i, rule))
+        self._event_rules = [(i, r) for i, r in enumerate(self.rules) if isinstance(r, EventRule)]
+        # (rule index, run, rank, label items) -> instance
+        self._instances: dict[tuple[int, str, int, LabelItems], _Instance] = {}
+        # (run, rank) -> event-rule instances of that run, for holds.
+        self._event_instances: dict[tuple[str, int], dict[tuple, _Instance]] = {}
+        # Latest values of metrics used in `and` conditions:
+        # (run, rank, metric) -> {label names: {label items: value}}
+        self._latest: dict[tuple[str, int, str], dict[tuple[str, ...], dict[LabelItems, float]]] = {}
+        # Transform history: (rule index, run, rank, label items) -> last value | deque
+        self._history: dict[tuple[int, str, int, LabelItems], Any] = {}
+        self._runs: dict[str, _Run] = {}
+        self._next_sweep = 0.0
+
+    # ------------------------------------------------------------------ observe
+
+    def observe(self, report: Report, now: float | None = None) -> list[Transition]:
+        """Evaluate one report; return the transitions it caused."""
+        now = time.time() if now is None else now
+        out: list[Transition] = []
+        run, rank, step = report.run, report.rank, report.step
+        with self._lock:
+            info = self._runs.get(run)
+            if info is None:
+                self._runs[run] = info = _Run(now, step)
+            else:
+                info.last_seen = max(info.last_seen, now)
+                info.last_step = step
+            ended = any(ev.kind == RUN_END_EVENT for ev in report.events)
+            info.closed = ended
+            for i, _rule in self._silence:
+                inst = self._instances.get((i, run, 0, ()))
+                if inst is not None and inst.state is AlertState.FIRING:
+                    inst.state, inst.resolved_at = AlertState.RESOLVED, now
+                    inst.value = 0.0
+                    out.append(inst.snapshot(Transition, old=AlertState.FIRING, reason="run reported"))
+
+            # First pass: remember values that `and` conditions look up, and the
+            # samples some rule watches; evaluate once the whole report is known.
+            matched: list[tuple[_Compiled, Any]] = []
+            by_metric, and_metrics = self._by_metric, self._and_metrics
+            for sample in report.samples:
+                name = sample.name
+                if name in and_metrics:
+                    per_keys = self._latest.setdefault((run, rank, name), {})
+                    items = tuple(sorted(sample.labels.items()))
+                    per_keys.setdefault(tuple(k for k, _ in items), {})[items] = sample.value
+                compiled = by_metric.get(name)
+                if compiled:
+                    for c in compiled:
+                        if c.match(sample.labels):
+                            matched.append((c, sample))
+            for c, sample in matched:
+                t = self._evaluate(c, run, rank, step, sample.labels, sample.value, now)
+                if t is not None:
+                    out.append(t)
+
+            if self._event_rules:
+                out.extend(self._observe_events(report, now))
+        return out
+
+    def _series_labels(self, run: str, rank: int, labels: Mapping[str, str]) -> dict[str, str]:
+        out = {"run": run}
+        if rank:
+            out["rank"] = str(rank)
+        out.update(labels)
+        return out
+
+    def _transformed(self, c: _Compiled, key: tuple, raw: float) -> float | None:
+        rule = c.rule
+        if rule.transform == "value":
+            return raw
+        if rule.transform == "increase":
+            prev = self._history.get(key)
+            if raw == raw:
+                self._history[key] = raw
+            if prev is None or raw != raw:
+                return None
+            return raw if raw < prev else raw - prev  # a decrease is a counter reset
+        hist = self._history.get(key)
+        if hist is None:
+            hist = self._history[key] = deque(maxlen=rule.window)
+        result: float | None = None
+        if len(hist) == rule.window:
+            med = statistics.median(hist)
+            if med > 0:
+                result = raw / med
+            elif raw == raw:
+                result = math.inf if raw > 0 else None
+        if math.isfinite(raw):
+            hist.append(raw)
+        return result
+
+    def _conditions(self, c: _Compiled, run: str, rank: int, labels: Mapping[str, str]) -> str | None:
+        """None when every condition holds, else _CLEAR (one is false) or _UNKNOWN."""
+        unknown = False
+        for cond, match in c.conditions:
+            per_keys = self._latest.get((run, rank, cond.metric))
+            verdict: bool | None = None
+            if per_keys:
+                for keys, values in per_keys.items():
+                    if not all(k in labels for k in keys):
+                        continue
+                    items = tuple((k, labels[k]) for k in keys)
+                    value = values.get(items)
+                    if value is None or not match(dict(items)):
+                        continue
+                    holds = cond.holds(value)
+                    if holds:
+                        verdict = True
+                        break
+                    if holds is False and verdict is None:
+                        verdict = False
+            if verdict is False:
+                return _CLEAR
+            if verdict is None:
+                unknown = True
+        return _UNKNOWN if unknown else None
+
+    def _evaluate(self, c: _Compiled, run: str, rank: int, step: int,
+                  labels: Mapping[str, str], raw: float, now: float) -> Transition | None:
+        rule = c.rule
+        items = tuple(sorted(labels.items()))
+        key = (c.index, run, rank, items)
+        value = self._transformed(c, key, raw) if rule.transform != "value" else raw
+        if value is None or value != value:
+            verdict = _UNKNOWN
+        elif rule.above is not None:
+            verdict = _BAD if value > rule.above else (_CLEAR if value <= rule.clear_at else _BAND)
+        else:
+            verdict = _BAD if value < rule.below else (_CLEAR if value >= rule.clear_at else _BAND)  # type: ignore[operator]
+        if c.conditions and verdict != _UNKNOWN:
+            cond = self._conditions(c, run, rank, labels)
+            if cond == _CLEAR:
+                verdict = _CLEAR
+            elif cond == _UNKNOWN and verdict == _BAD:
+                verdict = _UNKNOWN
+        inst = self._instances.get(key)
+        if verdict == _UNKNOWN or (inst is None and verdict != _BAD):
+            if inst is not None and value is not None and value == value:
+                inst.value = value
+            return None
+        if inst is None:
+            inst = self._instances[key] = _Instance(rule, c.index, self._series_labels(run, rank, labels), run, key)
+        return self._advance(inst, verdict, value, step, now)  # type: ignore[arg-type]
+
+    def _advance(self, inst: _Instance, verdict: str, value: float, step: int, now: float) -> Transition | None:
+        rule = inst.rule
+        old = inst.state
+        inst.value, inst.step = value, step
+        if old in (AlertState.INACTIVE, AlertState.RESOLVED):
+            if verdict != _BAD:
+                return None
+            inst.state, inst.pending_step, inst.pending_time = AlertState.PENDING, step, now
+            inst.fired_at = inst.resolved_at = None
+            self._maybe_fire(inst, step, now)
+        elif old is AlertState.PENDING:
+            if verdict == _BAD:
+                if step < inst.pending_step:  # the run restarted from an earlier checkpoint
+                    inst.pending_step = step
+                self._maybe_fire(inst, step, now)
+            else:
+                inst.state = AlertState.INACTIVE
+                del self._instances[inst.key]
+        else:  # firing
+            if verdict != _CLEAR:
+                inst.clear_step = inst.clear_time = None
+            else:
+                if inst.clear_step is None or step < inst.clear_step:
+                    inst.clear_step, inst.clear_time = step, now
+                if _hold_done(rule, inst, step, now):
+                    inst.state, inst.resolved_at = AlertState.RESOLVED, now
+        if inst.state is old:
+            return None
+        return inst.snapshot(Transition, old=old)
+
+    def _maybe_fire(self, inst: _Instance, step: int, now: float) -> None:
+        rule = inst.rule
+        assert isinstance(rule, ThresholdRule)
+        if step - inst.pending_step >= rule.for_steps and (
+                rule.for_ <= 0 or now - inst.pending_time >= rule.for_):
+            inst.state, inst.fired_at = AlertState.FIRING, now
+            inst.clear_step = inst.clear_time = None
+
+    def _observe_events(self, report: Report, now: float) -> list[Transition]:
+        out: list[Transition] = []
+        run, rank, step = report.run, report.rank, report.step
+        per_run = self._event_instances.setdefault((run, rank), {})
+        seen: set[tuple] = set()
+        for ev in report.events:
+            for i, rule, match in self._by_event.get(ev.kind, ()):
+                if not match(ev.labels):
+                    continue
+                items = tuple(sorted(ev.labels.items()))
+                key = (i, run, rank, items)
+                seen.add(key)
+                inst = self._instances.get(key)
+                if inst is None:
+                    inst = self._instances[key] = _Instance(rule, i, self._series_labels(run, rank, ev.labels), run, key)
+                    per_run[key] = inst
+                old = inst.state
+                inst.step, inst.detail = step, ev.detail
+                inst.clear_step, inst.clear_time = step, now
+                if old is AlertState.FIRING:
+                    inst.value += 1
+                    continue
+                inst.value = 1.0
+                inst.state, inst.pending_step, inst.pending_time = AlertState.FIRING, step, now
+                inst.fired_at, inst.resolved_at = now, None
+                per_run[key] = inst
+                out.append(inst.snapshot(Transition, old=old))
+        for key, inst in list(per_run.items()):
+            if key in seen or inst.state is not AlertState.FIRING:
+                continue
+            if step < (inst.clear_step or 0):
+                inst.clear_step = step
+            if _hold_done(inst.rule, inst, step, now):
+                inst.state, inst.resolved_at, inst.step = AlertState.RESOLVED, now, step
+                out.append(inst.snapshot(Transition, old=AlertState.FIRING))
+        return out
+
+    # --------------------------------------------------------------------- tick
+
+    def tick(self, now: float | None = None) -> list[Transition]:
+        """Run the timers: RunSilent, holds in seconds, forgetting old runs."""
+        now = time.time() if now is None else now
+        out: list[Transition] = []
+        with self._lock:
+            for run, info in list(self._runs.items()):
+                silent = now - info.last_seen
+                if silent >= self.run_ttl:
+                    out.extend(self._forget_run(run, now))
+                    continue
+                if info.closed:
+                    continue
+                for i, rule in self._silence:
+                    if silent < rule.silent_for:
+                        continue
+                    key = (i, run, 0, ())
+                    inst = self._instances.get(key)
+                    if inst is None:
+                        inst = self._instances[key] = _Instance(rule, i, {"run": run}, run, key)
+                    inst.value, inst.step = silent, info.last_step
+                    if inst.state is not AlertState.FIRING:
+                        old = inst.state
+                        inst.state, inst.pending_time = AlertState.FIRING, now
+                        inst.fired_at, inst.resolved_at = now, None
+                        out.append(inst.snapshot(Transition, old=old))
+            # Holds measured in seconds can end without a report.
+            for inst in self._instances.values():
+                rule = inst.rule
+                if (inst.state is AlertState.FIRING and getattr(rule, "hold", 0.0) > 0
+                        and inst.clear_time is not None and _hold_done(rule, inst, inst.step, now)):
+                    inst.state, inst.resolved_at = AlertState.RESOLVED, now
+                    out.append(inst.snapshot(Transition, old=AlertState.FIRING))
+            if now >= self._next_sweep:
+                self._next_sweep = now + min(10.0, self.resolved_retention)
+                for key, inst in list(self._instances.items()):
+                    if (inst.state is AlertState.RESOLVED and inst.resolved_at is not None
+                            and now - inst.resolved_at >= self.resolved_retention):
+                        self._drop(key, inst)
+        return out
+
+    def _drop(self, key: tuple, inst: _Instance) -> None:
+        del self._instances[key]
+        per_run = self._event_instances.get((key[1], key[2]))
+        if per_run is not None:
+            per_run.pop(key, None)
+
+    def _forget_run(self, run: str, now: float) -> list[Transition]:
+        out = []
+        for key, inst in list(self._instances.items()):
+            if inst.run != run:
+                continue
+            if inst.state is AlertState.FIRING:
+                inst.state, inst.resolved_at = AlertState.RESOLVED, now
+                out.append(inst.snapshot(Transition, old=AlertState.FIRING, reason="run expired"))
+            self._drop(key, inst)
+        for store in (self._history, self._latest):
+            for key in [k for k in store if k[1 if store is self._history else 0] == run]:
+                del store[key]
+        for key in [k for k in self._event_instances if k[0] == run]:
+            del self._event_instances[key]
+        del self._runs[run]
+        return out
+
+    # ---------------------------------------------------------------- snapshots
+
+    def alerts(self, states: Iterable[AlertState] | None = None) -> list[Alert]:
+        """Current non-inactive alerts (pending, firing, recently resolved)."""
+        wanted = set(states) if states is not None else None
+        with self._lock:
+            return [inst.snapshot() for inst in self._instances.values()
+                    if inst.state is not AlertState.INACTIVE and (wanted is None or inst.state in wanted)]
+
+    def firing(self) -> list[Alert]:
+        """Alerts firing now."""
+        return self.alerts([AlertState.FIRING])
+
+    def __iter__(self) -> Iterator[Alert]:
+        return iter(self.alerts())
+

@@ -1,0 +1,83 @@
+"""Rules evaluated inside the training process, without a collector.
+
+The hooks call a :class:`LocalEvaluator` with each report (``attach(...,
+rules="default")``): an alert that fires is logged as a warning on the
+``trainvitals`` logger, a resolution as info. Nothing is sent anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from trainvitals.alerts.engine import Alert, AlertState, Engine, Transition
+from trainvitals.alerts.rules import Rule, SilenceRule, load_rules
+from trainvitals.hooks.wire import Report
+
+__all__ = ["LocalEvaluator", "format_transition"]
+
+
+def format_transition(t: Transition) -> str:
+    """One log line: ``GradientDilution firing: <summary> {run=..., ...} runbook: ...``."""
+    labels = ", ".join(f"{k}={v}" for k, v in t.labels.items())
+    text = f"{t.alertname} {t.state.value}: {t.summary} {{{labels}}}"
+    if t.reason:
+        text += f" ({t.reason})"
+    if t.state is AlertState.FIRING and t.rule.runbook:
+        text += f" runbook: {t.rule.runbook}"
+    return text
+
+
+class LocalEvaluator:
+    """Evaluate rules on each report in-process and log what fires and resolves.
+
+    ``rules``: ``"default"``, rule file paths, or rule objects. RunSilent rules
+    are left out (a process that reports is not silent). Call it with each report
+    (``evaluator(report)``); it never raises into the caller.
+    """
+
+    def __init__(self, rules: str | Path | Iterable[str | Path | Rule] | None = "default", *,
+                 logger: logging.Logger | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        loaded = _resolve(rules)
+        self.engine = Engine([r for r in loaded if not isinstance(r, SilenceRule)])
+        self.log = logger or logging.getLogger("trainvitals")
+        self.clock = clock
+
+    def __call__(self, report: Report) -> list[Transition]:
+        return self.observe(report)
+
+    def observe(self, report: Report, now: float | None = None) -> list[Transition]:
+        """Evaluate one report; log and return the transitions."""
+        now = self.clock() if now is None else now
+        try:
+            transitions = self.engine.observe(report, now)
+            transitions.extend(self.engine.tick(now))
+        except Exception:  # never into the training loop
+            self.log.exception("trainvitals: rule evaluation failed")
+            return []
+        for t in transitions:
+            if t.state is AlertState.FIRING:
+                self.log.warning("trainvitals alert %s", format_transition(t))
+            elif t.state is AlertState.RESOLVED:
+                self.log.info("trainvitals alert %s", format_transition(t))
+        return transitions
+
+    def firing(self) -> list[Alert]:
+        """Alerts firing now."""
+        return self.engine.firing()
+
+
+def _resolve(rules: str | Path | Iterable[str | Path | Rule] | None) -> list[Rule]:
+    if rules is None or isinstance(rules, str | Path):
+        return load_rules(rules)
+    out: list[Rule] = []
+    paths: list[str | Path] = []
+    for item in rules:
+        if isinstance(item, str | Path):
+            paths.append(item)
+        else:
+            out.append(item)
+    return load_rules(paths) + out if paths else out

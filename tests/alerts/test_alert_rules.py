@@ -1,0 +1,172 @@
+"""Rule files: loading, validation errors that name file/rule/field, templates."""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainvitals.alerts.rules import (
+    EventRule,
+    RuleError,
+    SilenceRule,
+    ThresholdRule,
+    load_rule_file,
+    load_rules,
+    parse_duration,
+    parse_rules,
+    render_template,
+)
+
+REQUIRED = {
+    "GradientDilution", "LossNotAccumNormalized", "MeanOfMeansLoss", "ParamDrift",
+    "OptimizerStateReset", "AdamEpsilonDominated", "SoftmaxSaturation", "NonFiniteLoss",
+    "GradNormSpike", "RunSilent",
+}
+
+
+def _write(tmp_path: Path, text: str, name: str = "x.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_default_rules_cover_every_incident_name():
+    rules = load_rules("default")
+    names = {r.alert for r in rules}
+    assert REQUIRED <= names
+    by = {r.alert: r for r in rules}
+    assert by["GradientDilution"].metric == "modality_dilution_ratio"
+    assert by["LossNotAccumNormalized"].metric == "loss_weight_mass"
+    assert by["MeanOfMeansLoss"].metric == "token_weight_spread_ratio"
+    assert {c.metric for c in by["ParamDrift"].and_} == {
+        "param_drift_consistency_ratio", "param_weight_decay", "param_grad_relative_rms"}
+    assert isinstance(by["OptimizerStateReset"], EventRule)
+    assert isinstance(by["RunSilent"], SilenceRule)
+    assert by["NonFiniteLoss"].transform == "increase"
+    assert by["GradNormSpike"].transform == "ratio_to_median"
+
+
+def test_every_default_rule_has_summary_runbook_and_anchor():
+    text = resources.files("trainvitals.alerts").joinpath("RUNBOOKS.md").read_text()
+    anchors = {re.sub(r"[^a-z0-9-]", "", h.strip().lower().replace(" ", "-"))
+               for h in re.findall(r"^## (.+)$", text, flags=re.M)}
+    for rule in load_rules("default"):
+        assert rule.summary and rule.description, rule.alert
+        assert rule.runbook.startswith("RUNBOOKS.md#"), rule.alert
+        assert rule.runbook.split("#", 1)[1] in anchors, rule.alert
+
+
+def test_default_rule_thresholds_are_commented():
+    """Every default rule carries a YAML comment above it (the justification)."""
+    for path in resources.files("trainvitals.alerts").joinpath("rules").iterdir():
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("- alert:"):
+                assert lines[i - 1].startswith("#"), f"{path.name}: {line} has no comment above"
+
+
+def test_error_names_file_rule_and_field(tmp_path):
+    p = _write(tmp_path, "- alert: GradientDilution\n  metric: modality_dilution_ratio\n"
+                         "  above: lots\n  summary: s\n")
+    with pytest.raises(RuleError) as info:
+        load_rule_file(p)
+    msg = str(info.value)
+    assert msg.startswith(f"{p}: rule 'GradientDilution' (#1): field 'above': Input should be a valid number")
+    assert info.value.rule == "GradientDilution" and info.value.field == "above" and info.value.index == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "fragment"),
+    [
+        ("metric: loss\n  above: 1\n  bogus: 1", "bogus", "unknown field"),
+        ("metric: loss\n  above: 1\n  below: 0", None, "exactly one of 'above' or 'below'"),
+        ("metric: loss\n  above: 5\n  clear: 6", "clear", "must not be above"),
+        ("metric: loss\n  below: 5\n  clear: 4", "clear", "must not be below"),
+        ("metric: trainvitals_loss\n  above: 1", "metric", "without the 'trainvitals_' prefix"),
+        ("metric: loss\n  above: 1\n  for: 5x", "for", "invalid duration"),
+        ("metric: loss\n  above: 1\n  for_steps: -1", "for_steps", "greater than or equal to 0"),
+        ("metric: loss\n  above: 1\n  severity: urgent", "severity", "Input should be"),
+        ("metric: loss\n  above: 1\n  labels: {modality: '=~('}", "labels", "invalid regular expression"),
+        ("metric: loss\n  above: 1\n  window: 5", "window", "only to 'transform: ratio_to_median'"),
+        ("metric: loss\n  above: 1\n  and: [{metric: param_weight_decay}]", "and[0]", "exactly one"),
+        ("metric: loss_weight_mass\n  above: 1\n  summary: '{modality}'", "summary", "unknown template field {modality}"),
+        ("metric: loss\n  above: 1\n  summary: '{run:.1f}'", "summary", "does not render"),
+        ("metric: loss\n  above: 1\n  summary: '{0}'", "summary", "named fields only"),
+        ("metric: loss\n  above: 1\n  summary: '{run.__class__}'", "summary", "attribute"),
+        ("event: optimizer_state_reset\n  hold: soon", "hold", "invalid duration"),
+        ("silent_for: 0", "silent_for", "greater than 0"),
+    ],
+)
+def test_invalid_rules_name_the_field(tmp_path, body, field, fragment):
+    text = f"- alert: Broken\n  {body}\n"
+    if "summary" not in body:
+        text += "  summary: s\n"
+    with pytest.raises(RuleError) as info:
+        load_rule_file(_write(tmp_path, text))
+    assert info.value.field == field
+    assert fragment in str(info.value)
+    assert "rule 'Broken' (#1)" in str(info.value)
+
+
+def test_kind_is_required_and_unique(tmp_path):
+    with pytest.raises(RuleError, match="exactly one of 'metric', 'event' or 'silent_for'"):
+        parse_rules([{"alert": "X", "summary": "s"}], "f.yaml")
+    with pytest.raises(RuleError, match=r"\(found metric, event\)"):
+        parse_rules([{"alert": "X", "metric": "loss", "event": "e", "summary": "s"}], "f.yaml")
+
+
+def test_duplicate_names_across_files(tmp_path):
+    a = _write(tmp_path, "- alert: A\n  silent_for: 5m\n  summary: s\n", "a.yaml")
+    b = _write(tmp_path, "- alert: A\n  silent_for: 6m\n  summary: s\n", "b.yaml")
+    with pytest.raises(RuleError, match=r"b.yaml: rule 'A' \(#1\): field 'alert': duplicate"):
+        load_rules([a, b])
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    p = _write(tmp_path, "- alert: A\n  metric: [unclosed\n")
+    with pytest.raises(RuleError, match=r"x.yaml: line \d+: invalid YAML"):
+        load_rule_file(p)
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    p = _write(tmp_path, "- !!python/object/apply:os.system ['true']\n")
+    with pytest.raises(RuleError):
+        load_rule_file(p)
+
+
+def test_mapping_with_rules_key_and_folder(tmp_path):
+    _write(tmp_path, "rules:\n- alert: A\n  silent_for: 5m\n  summary: s\n")
+    assert [r.alert for r in load_rules(tmp_path)] == ["A"]
+    assert load_rules(None) == [] and load_rules([]) == []
+
+
+def test_matchers_and_numbers_as_label_values():
+    (rule,) = parse_rules(yaml.safe_load("""
+- alert: S
+  metric: softmax_saturated_ratio
+  labels: {threshold: 0.99, role: "!=student", task: "=~ie|ner"}
+  above: 0.9
+  summary: "{task} {role} {threshold}"
+"""))
+    assert isinstance(rule, ThresholdRule)
+    ops = {m.name: (m.op, m.value) for m in rule.labels}
+    assert ops == {"threshold": ("=", "0.99"), "role": ("!=", "student"), "task": ("=~", "ie|ner")}
+    preds = {m.name: m.compile() for m in rule.labels}
+    assert preds["task"]("ie") and not preds["task"]("ie2")  # anchored like PromQL
+    assert preds["role"](None) and not preds["role"]("student")
+
+
+@pytest.mark.parametrize(("text", "seconds"), [
+    (90, 90.0), ("30s", 30.0), ("5m", 300.0), ("1h30m", 5400.0), ("500ms", 0.5), ("2.5", 2.5)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+def test_render_never_raises():
+    assert render_template("{modality} {value:.1f}", {"value": 2.0}) == "? 2.0"
+    assert render_template("{modality:.1f} x", {}) == "? x"
+    assert render_template("{value:.1f}", {"value": float("nan")}) == "nan"
