@@ -35,6 +35,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
 from trainvitals.hooks.wire import PREFIX
 
 __all__ = [

@@ -15,7 +15,7 @@ from trainvitals.alerts.engine import AlertState, Engine
 from trainvitals.alerts.local import LocalEvaluator
 from trainvitals.alerts.rules import load_rules, parse_rules
 
-F, P, R, I = AlertState.FIRING, AlertState.PENDING, AlertState.RESOLVED, AlertState.INACTIVE
+F, P, R, IN = AlertState.FIRING, AlertState.PENDING, AlertState.RESOLVED, AlertState.INACTIVE
 
 DILUTION = """
 - alert: GradientDilution
@@ -49,7 +49,7 @@ def feed(eng: Engine, values, *, every: int = 10, modality: str = "image", start
 
 def test_pending_then_firing_after_for_steps():
     eng = engine(DILUTION)
-    assert feed(eng, [17, 17, 17]) == [(0, I, P), (20, P, F)]
+    assert feed(eng, [17, 17, 17]) == [(0, IN, P), (20, P, F)]
     (alert,) = eng.firing()
     assert alert.labels == {"run": "r1", "modality": "image"}
     assert alert.alert_labels == {"alertname": "GradientDilution", "severity": "page",
@@ -60,14 +60,14 @@ def test_pending_then_firing_after_for_steps():
 
 def test_pending_resets_when_value_drops_back():
     eng = engine(DILUTION)
-    assert feed(eng, [17, 17, 4, 17, 17]) == [(0, I, P), (20, P, I), (30, I, P)]
+    assert feed(eng, [17, 17, 4, 17, 17]) == [(0, IN, P), (20, P, IN), (30, IN, P)]
     assert eng.alerts() and eng.alerts()[0].state is P
 
 
 def test_no_flapping_inside_the_band_then_resolve_and_refire():
     eng = engine(DILUTION)
     trans = feed(eng, [17, 17, 17, 4.9, 3.1, 4.5, 5.0, 3.01, 3.0, 2, 17, 17, 17])
-    assert trans == [(0, I, P), (20, P, F), (80, F, R), (100, R, P), (120, P, F)]
+    assert trans == [(0, IN, P), (20, P, F), (80, F, R), (100, R, P), (120, P, F)]
 
 
 def test_matchers_exclude_series():
@@ -107,7 +107,7 @@ def test_for_duration_in_seconds():
 
 def test_for_steps_zero_fires_at_once_and_steps_going_back_restart_pending():
     eng = engine(DILUTION.replace("for_steps: 20", "for_steps: 0"))
-    assert [(t.old, t.state) for t in eng.observe(dil(5, 9), now=0)] == [(I, F)]
+    assert [(t.old, t.state) for t in eng.observe(dil(5, 9), now=0)] == [(IN, F)]
     eng = engine(DILUTION)
     feed(eng, [17, 17], start=100)  # pending since step 100
     assert eng.observe(dil(50, 17), now=2000) == []  # restarted from a checkpoint: counts from 50
@@ -119,7 +119,7 @@ def test_nan_is_no_evidence():
     eng = engine(DILUTION)
     nan = math.nan
     # NaN neither starts, advances to firing on its own, nor resets a pending alert.
-    assert feed(eng, [nan, 17, nan, 17]) == [(10, I, P), (30, P, F)]
+    assert feed(eng, [nan, 17, nan, 17]) == [(10, IN, P), (30, P, F)]
     # ... nor resolves a firing one.
     assert feed(eng, [nan, nan], start=40) == []
     assert eng.firing()
@@ -232,7 +232,7 @@ EVENT = """
 def test_event_rule_fires_on_the_report_and_resolves_after_hold():
     eng = engine(EVENT)
     (t,) = eng.observe(report(60, events=[("optimizer_state_reset", "rebuilt")]), now=0)
-    assert (t.old, t.state, t.summary) == (I, F, "reset at 60: rebuilt")
+    assert (t.old, t.state, t.summary) == (IN, F, "reset at 60: rebuilt")
     for step in range(70, 160, 10):
         assert eng.observe(report(step), now=step) == []
     # A second reset while firing extends the hold without a new notification.
@@ -440,8 +440,8 @@ def test_never_fires_without_crossing_above(values):
 def test_transitions_follow_the_state_machine(values):
     """Valid edges only; a firing alert resolves only at a value <= clear."""
     eng = engine(DILUTION)
-    allowed = {(I, P), (P, I), (P, F), (F, R), (R, P), (I, F), (R, F)}
-    state = I
+    allowed = {(IN, P), (P, IN), (P, F), (F, R), (R, P), (IN, F), (R, F)}
+    state = IN
     for i, v in enumerate(values):
         for t in eng.observe(dil(i * 10, v), now=i):
             assert (t.old, t.state) in allowed
@@ -450,7 +450,7 @@ def test_transitions_follow_the_state_machine(values):
                 assert v <= 3
             if t.state is F:
                 assert v > 5
-            state = t.state if t.state is not I else I
+            state = t.state if t.state is not IN else IN
 
 
 @settings(max_examples=100, deadline=None)
@@ -458,7 +458,7 @@ def test_transitions_follow_the_state_machine(values):
 def test_firing_never_resolves_inside_the_band(values):
     eng = engine(DILUTION.replace("for_steps: 20", "for_steps: 0"))
     assert feed(eng, [17.0])[-1][2] is F
-    assert feed(eng, values, start=10) in ([], [(10, I, P)])  # never R
+    assert feed(eng, values, start=10) in ([], [(10, IN, P)])  # never R
     assert all(new is not R for _, _, new in feed(eng, values, start=10 + 10 * len(values)))
 
 
