@@ -1,0 +1,232 @@
+"""The collector's alerting: engine + notifiers + timers, behind one object.
+
+::
+
+    service = AlertService.from_config(rules="default", notifiers=cfg.notifiers)
+    service.start()                      # notifier workers and the ticker thread
+    store.on_ingest(lambda batch, now: [service.observe(r, now) for r in batch.reports])
+    registry.register(service)           # trainvitals_alerts_firing, notifier counters
+    service.alerts()                     # GET /v1/alerts
+    service.stop()
+
+``observe`` is cheap and never does I/O: it evaluates the rules and queues
+notifications. Firing alerts are re-sent to Alertmanager every
+``resend_interval`` with ``endsAt = now + 4 * resend_interval`` (as Prometheus
+does), so Alertmanager keeps them while the collector lives and expires them if
+it dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from trainvitals.alerts.dispatch import Dispatcher, RetryPolicy
+from trainvitals.alerts.engine import Alert, AlertState, Engine, Transition
+from trainvitals.alerts.local import format_transition
+from trainvitals.alerts.notifiers.base import Notification, Notifier
+from trainvitals.alerts.notifiers.config import build_notifiers
+from trainvitals.alerts.rules import Rule, load_rules
+from trainvitals.hooks.wire import Report
+
+__all__ = ["AlertService"]
+
+log = logging.getLogger("trainvitals.alerts")
+
+
+class AlertService:
+    """Evaluates rules on reports and sends firing/resolved alerts to notifiers."""
+
+    def __init__(self, engine: Engine, notifiers: Sequence[Notifier] = (), *,
+                 resend_interval: float = 60.0, tick_interval: float = 1.0,
+                 queue_size: int = 1000, retry: RetryPolicy | None = None,
+                 external_url: str | None = None, runbook_base_url: str | None = None) -> None:
+        if resend_interval <= 0 or tick_interval <= 0:
+            raise ValueError("resend_interval and tick_interval must be positive seconds")
+        self.engine = engine
+        self.dispatcher = Dispatcher(notifiers, queue_size=queue_size, retry=retry)
+        self.resend_interval = resend_interval
+        self.tick_interval = tick_interval
+        self.external_url = external_url.rstrip("/") if external_url else ""
+        self.runbook_base_url = runbook_base_url
+        self._resends = any(n.wants_repeats for n in notifiers)
+        self._last_sent: dict[tuple, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    @classmethod
+    def from_config(cls, rules: str | Path | Iterable[str | Path | Rule] | None = "default",
+                    notifiers: Sequence[Mapping[str, Any]] | None = None, *,
+                    run_ttl: float = 86400.0, resolved_retention: float = 900.0,
+                    **kwargs: Any) -> AlertService:
+        """Build from rule sources (``"default"``, files, folders) and ``notifiers:`` dicts.
+
+        Raises :class:`~trainvitals.alerts.rules.RuleError` or
+        :class:`~trainvitals.alerts.notifiers.config.NotifierConfigError`.
+        Other keyword arguments go to the constructor.
+        """
+        loaded: list[Rule] = []
+        if rules is None or isinstance(rules, str | Path):
+            loaded = load_rules(rules)
+        else:
+            items = list(rules)
+            paths = [r for r in items if isinstance(r, str | Path)]
+            loaded = (load_rules(paths) if paths else []) + [r for r in items if not isinstance(r, str | Path)]
+        engine = Engine(loaded, run_ttl=run_ttl, resolved_retention=resolved_retention)
+        return cls(engine, build_notifiers(notifiers), **kwargs)
+
+    # ------------------------------------------------------------ evaluation
+
+    def observe(self, report: Report, now: float | None = None) -> list[Transition]:
+        """Evaluate one report and queue its notifications; never blocks on I/O."""
+        now = time.time() if now is None else now
+        transitions = self.engine.observe(report, now)
+        if transitions:
+            self._notify(transitions, now)
+        return transitions
+
+    def tick(self, now: float | None = None) -> list[Transition]:
+        """Timers (RunSilent, holds, expiry) and Alertmanager re-sends."""
+        now = time.time() if now is None else now
+        transitions = self.engine.tick(now)
+        if transitions:
+            self._notify(transitions, now)
+        if self._resends:
+            with self._lock:
+                due = [a for a in self.engine.firing()
+                       if now - self._last_sent.get(a.key, -math.inf) >= self.resend_interval]
+                for a in due:
+                    self._last_sent[a.key] = now
+            for a in due:
+                self.dispatcher.enqueue(self._notification(a, now, repeat=True))
+        return transitions
+
+    def _notify(self, transitions: list[Transition], now: float) -> None:
+        for t in transitions:
+            if t.state is AlertState.FIRING:
+                log.info("alert %s", format_transition(t))
+                with self._lock:
+                    self._last_sent[t.key] = now
+                self.dispatcher.enqueue(self._notification(t, now))
+            elif t.state is AlertState.RESOLVED and t.old is AlertState.FIRING:
+                log.info("alert %s", format_transition(t))
+                with self._lock:
+                    self._last_sent.pop(t.key, None)
+                self.dispatcher.enqueue(self._notification(t, now))
+
+    def _notification(self, a: Alert, now: float, *, repeat: bool = False) -> Notification:
+        firing = a.state is AlertState.FIRING
+        runbook = a.rule.runbook
+        if runbook and self.runbook_base_url and not runbook.startswith(("http://", "https://")):
+            runbook = self.runbook_base_url.rstrip("/") + "/" + runbook.lstrip("/")
+        return Notification(
+            status="firing" if firing else "resolved",
+            labels=a.alert_labels,
+            annotations={"summary": a.summary, "description": a.description, "runbook_url": runbook},
+            starts_at=a.fired_at if a.fired_at is not None else now,
+            ends_at=now + 4 * self.resend_interval if firing else (a.resolved_at or now),
+            value=a.value,
+            generator_url=f"{self.external_url}/v1/alerts" if self.external_url else "",
+            repeat=repeat,
+        )
+
+    # --------------------------------------------------------------- threads
+
+    def start(self) -> None:
+        """Start the notifier workers and the ticker (every ``tick_interval`` s)."""
+        self.dispatcher.start()
+        if self._ticker is None:
+            self._stop.clear()
+            self._ticker = threading.Thread(target=self._tick_loop, name="trainvitals-alert-ticker", daemon=True)
+            self._ticker.start()
+
+    def _tick_loop(self) -> None:
+        while not self._stop.wait(self.tick_interval):
+            try:
+                self.tick()
+            except Exception:
+                log.exception("alert tick failed")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the ticker; deliver what can be delivered within ``timeout``; close."""
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout)
+            self._ticker = None
+        self.dispatcher.stop(timeout)
+
+    def __enter__(self) -> AlertService:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ----------------------------------------------------------------- views
+
+    def alerts(self, include_pending: bool = True) -> list[dict[str, Any]]:
+        """``GET /v1/alerts``: firing, pending and recently resolved alerts, as JSON-ready dicts."""
+        out = []
+        for a in self.engine.alerts():
+            if a.state is AlertState.PENDING and not include_pending:
+                continue
+            out.append({
+                "alertname": a.alertname,
+                "labels": dict(a.labels),
+                "state": a.state.value,
+                "value": a.value if math.isfinite(a.value) else None,
+                "since": a.since,
+                "severity": a.severity,
+                "summary": a.summary,
+                "description": a.description,
+                "runbook": a.rule.runbook,
+                "step": a.step,
+                "fired_at": a.fired_at,
+                "resolved_at": a.resolved_at,
+            })
+        order = {"firing": 0, "pending": 1, "resolved": 2}
+        out.sort(key=lambda d: (order[d["state"]], d["alertname"], sorted(d["labels"].items())))
+        return out
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per-notifier counters: sent, failed, dropped, retries, queued."""
+        return self.dispatcher.stats()
+
+    def metric_families(self) -> Iterator[Metric]:
+        """Fresh metric families for the collector's exposition (a prometheus Collector)."""
+        firing = GaugeMetricFamily("trainvitals_alerts_firing", "Alerts firing now.",
+                                   labels=["alertname", "severity"])
+        counts: dict[tuple[str, str], int] = {(r.alert, r.severity): 0 for r in self.engine.rules}
+        for a in self.engine.firing():
+            counts[(a.alertname, a.severity)] = counts.get((a.alertname, a.severity), 0) + 1
+        for (name, severity), n in sorted(counts.items()):
+            firing.add_metric([name, severity], n)
+        yield firing
+        stats = self.stats()
+        if not stats:
+            return
+        sent = CounterMetricFamily("trainvitals_notifications", "Alert notifications by notifier and outcome.",
+                                   labels=["notifier", "outcome"])
+        retries = CounterMetricFamily("trainvitals_notification_retries",
+                                      "Retried notification sends (429, 5xx, timeouts, connection errors).",
+                                      labels=["notifier"])
+        queued = GaugeMetricFamily("trainvitals_notifications_queued",
+                                   "Notifications waiting in a notifier's queue.", labels=["notifier"])
+        for name, c in sorted(stats.items()):
+            for outcome in ("sent", "failed", "dropped"):
+                sent.add_metric([name, outcome], c[outcome])
+            retries.add_metric([name], c["retries"])
+            queued.add_metric([name], c["queued"])
+        yield from (sent, retries, queued)
+
+    def collect(self) -> Iterator[Metric]:
+        """prometheus_client Collector protocol: ``registry.register(service)``."""
+        return self.metric_families()
