@@ -1,9 +1,383 @@
-"""Adam state statistics (I4). Placeholder until issue 4 lands."""
+"""Adam's state (I4): how much of each parameter Adam's epsilon dominates, how big its
+normalized steps are, the moment norms; and optimizer state resets.
+
+Adam-family optimizers are recognized by their keys, not their class (so subclasses,
+foreach and fused variants work): a param group with ``betas`` and ``eps`` and a
+per-parameter state with ``exp_avg``, ``exp_avg_sq`` and ``step``. With the
+group's ``betas = (b1, b2)``, ``eps`` and the parameter's own step count t:
+
+    m_hat = exp_avg / (1 - b1**t)        v_hat = v / (1 - b2**t)
+
+where v is ``exp_avg_sq``, or ``max_exp_avg_sq`` with ``amsgrad`` (what torch's
+Adam divides by). The bias corrections are tensor ops on the stacked step tensors
+(CPU for plain/foreach, on the device for fused/capturable): no host sync.
+
+- ``adam_eps_dominated_ratio``: share of elements with sqrt(v_hat) < eps, where
+  Adam's step is about lr * m / eps instead of lr * sign-like.
+- ``adam_normalized_update_rms``: RMS of m_hat / (sqrt(v_hat) + eps), the update
+  over the learning rate; near 1 when steps are sign-like (INCIDENTS.md I4).
+- ``adam_exp_avg_norm`` / ``adam_exp_avg_sq_norm``: L2 norms of exp_avg and
+  exp_avg_sq.
+
+Per parameter that has a ``param`` series (1D ones; with ``per_param=True`` also
+ndim >= 2; see :mod:`param_series`), and per param group (label ``group``) over
+the group's other parameters. The moment norms are exact. The two ratios are exact
+for 1D parameters and for tensors of at most ``update_sample`` elements; larger
+tensors use a deterministic strided sample of that many elements (as
+``update_ratio`` does), processed in bounded batches, so a report costs a pass
+over the moments for the norms and little else.
+
+``optimizer_state_resets_total`` counts reports at which a reset was seen since
+the previous report (several resets between two reports count once), each with an
+``optimizer_state_reset`` event saying what was seen:
+
+- the param groups changed (a group added, removed or replaced, or its parameters
+  changed: the optimizer was rebuilt in place, or a new stage added parameters);
+- a parameter's state vanished (``optimizer.state.clear()`` not refilled yet);
+- a parameter's state tensors were recreated and its step count is at most the
+  optimizer steps elapsed since the previous report (cleared, then refilled by
+  the steps since), checked on the device;
+- its step count went back in place below the previous report's, on the device.
+
+The last two are decided on the sender thread (``ctx.event(when=...)``). A state
+reloaded from a checkpoint (recreated, but with its old step count) is not a
+reset. Host checks compare object identities only (weak references), so they see
+a reset that happened between reports, and nothing here needs every step.
+"""
 
 from __future__ import annotations
 
-from trainvitals.hooks.signals.base import Signal
+import weakref
+from typing import Any
+
+import torch
+
+from trainvitals.hooks.signals.base import Signal, StepContext
+from trainvitals.hooks.signals.param_series import choose, flat, groups_key, stride_for
+from trainvitals.hooks.tensors import local
+
+_BUCKET = 1 << 18  # sampled elements per batch: bounds the temporaries to a few MB
+_TINY = 1e-30
+
+
+def _is_adam_group(group: dict[str, Any]) -> bool:
+    return "betas" in group and "eps" in group
+
+
+def _step_tensor(st: dict[str, Any]) -> torch.Tensor | None:
+    step = st.get("step")
+    if isinstance(step, torch.Tensor):
+        return step
+    if isinstance(step, (int, float)):
+        return torch.tensor(float(step))
+    return None
+
+
+def _anchor(st: dict[str, Any]) -> torch.Tensor | None:
+    """A tensor of the state whose identity changes when the state is recreated."""
+    step = st.get("step")
+    if isinstance(step, torch.Tensor):
+        return step
+    for v in st.values():
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+class _Entry:
+    __slots__ = ("param", "group", "state", "v")
+
+    def __init__(self, param: torch.Tensor, group: int, state: dict[str, Any], v: torch.Tensor):
+        self.param, self.group, self.state, self.v = param, group, state, v
+
+
+class _Layout:
+    """Index tensors of one arrangement of Adam entries, series and groups."""
+
+    def __init__(self, monitor: Any, entries: list[_Entry], series_of: dict[int, tuple[int, bool]],
+                 series_labels: list[dict[str, str]]):
+        dev = monitor.device
+        cap = monitor.config.update_sample
+        groups = monitor.groups()
+        self.strides: list[int] = []
+        sampled: list[int] = []
+        series_entries, series_bins, group_entries, group_bins = [], [], [], []
+        group_slot: dict[int, int] = {}
+        for i, e in enumerate(entries):
+            n = local(e.param).numel() * (2 if e.param.is_complex() else 1)
+            pos, one_d = series_of.get(id(e.param), (-1, False))
+            stride = 1 if one_d else stride_for(n, cap)
+            self.strides.append(stride)
+            sampled.append(-(-n // stride))
+            if pos >= 0:
+                series_entries.append(i)
+                series_bins.append(pos)
+            if not one_d:
+                group_entries.append(i)
+                group_bins.append(group_slot.setdefault(e.group, len(group_slot)))
+        self.sampled = torch.tensor(sampled, dtype=torch.float32).to(dev)
+        # Batches of at most _BUCKET sampled elements: (entry, first, last) sample ranges.
+        self.buckets: list[tuple[list[tuple[int, int, int]], torch.Tensor]] = []
+        chunk: list[tuple[int, int, int]] = []
+        owners: list[int] = []
+        room = _BUCKET
+        for i, k in enumerate(sampled):
+            start = 0
+            while start < k:
+                take = min(k - start, room)
+                chunk.append((i, start, start + take))
+                owners.append(i)
+                room -= take
+                start += take
+                if room == 0:
+                    self._close(chunk, owners, dev)
+                    chunk, owners, room = [], [], _BUCKET
+        if chunk:
+            self._close(chunk, owners, dev)
+        self.n_series = len(series_labels)
+        self.series_entries = torch.tensor(series_entries, dtype=torch.long).to(dev)
+        self.series_bins = torch.tensor(series_bins, dtype=torch.long).to(dev)
+        self.group_entries = torch.tensor(group_entries, dtype=torch.long).to(dev)
+        self.group_bins = torch.tensor(group_bins, dtype=torch.long).to(dev)
+        self.n_groups = len(group_slot)
+        present = sorted(set(series_bins))
+        self.series_keep = torch.tensor(present, dtype=torch.long).to(dev)
+        self.labels = [series_labels[b] for b in present] + [
+            {"group": groups[g][0]} for g, _ in sorted(group_slot.items(), key=lambda kv: kv[1])]
+        self.all_series_present = len(present) == self.n_series
+
+    def _close(self, chunk: list[tuple[int, int, int]], owners: list[int], dev: torch.device) -> None:
+        counts = [b - a for _, a, b in chunk]
+        index = torch.repeat_interleave(torch.tensor(owners, dtype=torch.long),
+                                        torch.tensor(counts, dtype=torch.long)).to(dev)
+        self.buckets.append((list(chunk), index))
 
 
 class AdamState(Signal):
-    pass
+    def __init__(self) -> None:
+        self._layout_key: tuple | None = None
+        self._layout: _Layout | None = None
+        self._series_key: tuple | None = None
+        self._series: tuple[dict[int, tuple[int, bool]], list[dict[str, str]]] = ({}, [])
+        self._hyper_key: tuple | None = None
+        self._hyper: torch.Tensor | None = None
+        self._resets: torch.Tensor | None = None
+        self._groups_key: tuple | None = None
+        self._groups_params: set[int] = set()
+        # id(param) -> (weakref to the param, weakref to its state's anchor tensor)
+        self._anchors: dict[int, tuple[Any, Any]] = {}
+        self._step_order: tuple[int, ...] = ()
+        self._steps: torch.Tensor | None = None
+        self._report_step = 0
+
+    # -- attach ----------------------------------------------------------------
+    def bind(self, monitor: Any) -> list:
+        self._resets = torch.zeros((), device=monitor.device)
+        self._groups_key = groups_key(monitor)
+        self._groups_params = {id(p) for g in monitor.optimizer.param_groups for p in g["params"]}
+        # A state that exists at attach (a resumed run) is the baseline.
+        _, ids, steps, _ = self._observe_state(monitor)
+        if steps:
+            self._steps, self._step_order = _stack(steps, monitor.device), tuple(ids)
+        self._report_step = monitor.step
+        return []
+
+    # -- report ----------------------------------------------------------------
+    def collect(self, monitor: Any, ctx: StepContext) -> None:
+        self._collect_resets(monitor, ctx)
+        self._collect_moments(monitor, ctx)
+
+    def _observe_state(self, monitor: Any) -> tuple[list[str], list[int], list[torch.Tensor], list[bool]]:
+        """Walk the optimizer's state (host only). Returns the names of parameters whose
+        state vanished, the ids and step tensors of the parameters with a step count, and
+        for each whether its state was recreated since the previous look."""
+        state = monitor.optimizer.state
+        vanished: list[str] = []
+        ids: list[int] = []
+        steps: list[torch.Tensor] = []
+        recreated: list[bool] = []
+        anchors: dict[int, tuple[Any, Any]] = {}
+        for label, group in monitor.groups():
+            for i, p in enumerate(group["params"]):
+                st = state.get(p)  # .get: optimizer.state is a defaultdict
+                old = self._anchors.get(id(p))
+                if old is not None and old[0]() is not p:
+                    old = None  # the id now belongs to another parameter
+                anchor = _anchor(st) if st else None
+                if anchor is None:
+                    if old is not None:
+                        vanished.append(monitor.name_of(p, f"{label}.{i}"))
+                    continue
+                anchors[id(p)] = (weakref.ref(p), weakref.ref(anchor))
+                step = _step_tensor(st)
+                if step is None:
+                    continue
+                ids.append(id(p))
+                steps.append(step)
+                recreated.append(old is not None and old[1]() is not anchor)
+        self._anchors = anchors
+        return vanished, ids, steps, recreated
+
+    def _collect_resets(self, monitor: Any, ctx: StepContext) -> None:
+        dev = monitor.device
+        reasons: list[str] = []
+        key = groups_key(monitor)
+        if key != self._groups_key:
+            params = {id(p) for g in monitor.optimizer.param_groups for p in g["params"]}
+            added, removed = len(params - self._groups_params), len(self._groups_params - params)
+            reasons.append(f"param groups changed ({len(self._groups_key or ())} -> {len(key)} groups, "
+                           f"{added} parameters added, {removed} removed)")
+            self._groups_key, self._groups_params = key, params
+        vanished, ids, steps, recreated = self._observe_state(monitor)
+        if vanished:
+            more = f" and {len(vanished) - 3} more" if len(vanished) > 3 else ""
+            reasons.append(f"optimizer state emptied for {len(vanished)} parameters "
+                           f"({', '.join(vanished[:3])}{more})")
+        flag = None
+        now = _stack(steps, dev) if steps else None
+        if now is not None and self._steps is not None:
+            elapsed = monitor.step - self._report_step
+            if tuple(ids) == self._step_order and not any(recreated):
+                flag = (now < self._steps).any()
+            else:
+                prev_pos = {pid: j for j, pid in enumerate(self._step_order)}
+                same = [(j, prev_pos[pid]) for j, (pid, rec) in enumerate(zip(ids, recreated))
+                        if pid in prev_pos and not rec]
+                rec_idx = [j for j, rec in enumerate(recreated) if rec]
+                flag = torch.zeros((), dtype=torch.bool, device=dev)
+                if same:
+                    a = torch.tensor([j for j, _ in same], dtype=torch.long).to(dev)
+                    b = torch.tensor([k for _, k in same], dtype=torch.long).to(dev)
+                    flag = flag | (now[a] < self._steps[b]).any()
+                if rec_idx:
+                    r = torch.tensor(rec_idx, dtype=torch.long).to(dev)
+                    flag = flag | (now[r] <= elapsed).any()
+        self._steps, self._step_order, self._report_step = now, tuple(ids), monitor.step
+        assert self._resets is not None
+        if reasons:
+            self._resets = self._resets + 1
+            ctx.event("optimizer_state_reset", "; ".join(reasons))
+        elif flag is not None:
+            self._resets = self._resets + flag.to(self._resets.dtype)
+            ctx.event("optimizer_state_reset",
+                      f"a step count went back or restarted since step {monitor.step - elapsed} "
+                      "(optimizer state cleared, zeroed or rebuilt)", when=flag)
+        ctx.emit("optimizer_state_resets_total", self._resets, {})
+
+    def _series_map(self, monitor: Any) -> tuple[dict[int, tuple[int, bool]], list[dict[str, str]]]:
+        key = groups_key(monitor)
+        if key != self._series_key:
+            self._series_key = key
+            series = choose(monitor)
+            self._series = ({id(s.param): (i, s.param.ndim <= 1) for i, s in enumerate(series)},
+                            [{"param": s.name} for s in series])
+        return self._series
+
+    def _hyperparameters(self, monitor: Any, entries: list[_Entry]) -> torch.Tensor:
+        """[3, E] float64: beta1, beta2, eps of each entry's group."""
+        groups = monitor.optimizer.param_groups
+        values = [(groups[e.group]["betas"][0], groups[e.group]["betas"][1], groups[e.group]["eps"])
+                  for e in entries]
+        dev = monitor.device
+        if any(isinstance(x, torch.Tensor) for row in values for x in row):
+            return torch.stack([torch.stack([torch.as_tensor(x, dtype=torch.float64).to(dev).reshape(())
+                                             for x in row]) for row in values], 1)
+        key = tuple(values)
+        if key != self._hyper_key:
+            self._hyper_key = key
+            self._hyper = torch.tensor(values, dtype=torch.float64).t().contiguous().to(dev)
+        assert self._hyper is not None
+        return self._hyper
+
+    def _collect_moments(self, monitor: Any, ctx: StepContext) -> None:
+        dev = monitor.device
+        state = monitor.optimizer.state
+        entries: list[_Entry] = []
+        for gi, (_, group) in enumerate(monitor.groups()):
+            if not _is_adam_group(group):
+                continue
+            amsgrad = bool(group.get("amsgrad", False))
+            for p in group["params"]:
+                st = state.get(p)
+                if not st or "exp_avg" not in st or "exp_avg_sq" not in st or _step_tensor(st) is None:
+                    continue
+                v = st["max_exp_avg_sq"] if amsgrad and "max_exp_avg_sq" in st else st["exp_avg_sq"]
+                entries.append(_Entry(p, gi, st, v))
+        if not entries:
+            return
+        series_of, series_labels = self._series_map(monitor)
+        key = (self._series_key, tuple((id(e.param), e.group, local(e.param).numel()) for e in entries),
+               monitor.config.update_sample)
+        if key != self._layout_key:
+            self._layout_key = key
+            self._layout = _Layout(monitor, entries, series_of, series_labels)
+        lay = self._layout
+        assert lay is not None
+
+        steps = _stack([_step_tensor(e.state) for e in entries], dev).to(torch.float64)  # type: ignore[misc]
+        b1, b2, eps = self._hyperparameters(monitor, entries)
+        bc1 = (1 - b1 ** steps).clamp_min(_TINY).to(torch.float32)
+        bc2 = (1 - b2 ** steps).clamp_min(_TINY).to(torch.float32)
+        eps32 = eps.to(torch.float32)
+
+        ms = [flat(local(e.state["exp_avg"])) for e in entries]
+        vs = [flat(local(e.v)) for e in entries]
+        raw = vs if all(e.v is e.state["exp_avg_sq"] for e in entries) else [
+            flat(local(e.state["exp_avg_sq"])) for e in entries]
+        m_sq = _stack(torch._foreach_norm(ms, 2, dtype=torch.float32), dev).square()
+        v_sq = _stack(torch._foreach_norm(raw, 2, dtype=torch.float32), dev).square()
+
+        dominated = torch.zeros(len(entries), device=dev)
+        update_sq = torch.zeros(len(entries), device=dev)
+        for chunk, index in lay.buckets:
+            m = torch.cat([_sample(ms[i], lay.strides[i], a, b) for i, a, b in chunk]).to(dev, torch.float32)
+            v = torch.cat([_sample(vs[i], lay.strides[i], a, b) for i, a, b in chunk]).to(dev, torch.float32)
+            e = eps32[index]
+            v.div_(bc2[index]).sqrt_()  # sqrt(v_hat)
+            dominated.index_add_(0, index, (v < e).to(torch.float32))
+            m.div_(bc1[index]).div_(v.add_(e)).square_()  # (m_hat / (sqrt(v_hat) + eps))^2
+            update_sq.index_add_(0, index, m)
+
+        per_entry = torch.stack([m_sq, v_sq, dominated, update_sq, lay.sampled])  # [5, E]
+        parts = []
+        if lay.n_series:
+            s = torch.zeros(5, lay.n_series, device=dev).index_add_(
+                1, lay.series_bins, per_entry.index_select(1, lay.series_entries))
+            parts.append(s if lay.all_series_present else s.index_select(1, lay.series_keep))
+        if lay.n_groups:
+            parts.append(torch.zeros(5, lay.n_groups, device=dev).index_add_(
+                1, lay.group_bins, per_entry.index_select(1, lay.group_entries)))
+        if not parts:
+            return
+        totals = torch.cat(parts, 1)
+        labels = lay.labels
+
+        def finish(t: torch.Tensor) -> None:
+            t = t.view(5, -1)
+            ctx.emit("adam_eps_dominated_ratio", t[2] / t[4].clamp_min(1), labels)
+            ctx.emit("adam_normalized_update_rms", (t[3] / t[4].clamp_min(1)).sqrt(), labels)
+            ctx.emit("adam_exp_avg_norm", t[0].sqrt(), labels)
+            ctx.emit("adam_exp_avg_sq_norm", t[1].sqrt(), labels)
+
+        if monitor.sharded:
+            ctx.reduce(totals.reshape(-1), "sum", finish)
+        else:
+            finish(totals)
+
+    def close(self) -> None:
+        self._layout = None
+        self._anchors.clear()
+        self._steps = None
+
+
+def _stack(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """Stack 0-d tensors onto ``dev``: one stack where they live, one copy."""
+    first = tensors[0].device
+    if all(t.device == first for t in tensors):
+        return torch.stack(tensors).to(dev, non_blocking=True)
+    return torch.stack([t.to(dev, non_blocking=True) for t in tensors])
+
+
+def _sample(x: torch.Tensor, stride: int, first: int, last: int) -> torch.Tensor:
+    """Samples ``first`` to ``last`` (exclusive) of ``x[::stride]``."""
+    return x[first * stride : last * stride : stride]
