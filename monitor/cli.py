@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+
 from trainvitals.hooks.wire import SCHEMA_VERSION, Report, ReportBatch
 from trainvitals.monitor.settings import DEFAULT_PORT, Settings, SettingsError
 
@@ -50,7 +51,8 @@ def serve(
 ) -> None:
     """Run the collector: ingest reports, serve /metrics."""
     import uvicorn
-    from trainvitals.monitor.app import create_app
+
+    from trainvitals.monitor.app import create_app, tune_gc
 
     try:
         settings = Settings.from_file(config_file, host=host, port=port, token_file=token_file)
@@ -60,6 +62,7 @@ def serve(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = create_app(settings)
+    tune_gc()
     shown = f"[{settings.host}]" if ":" in settings.host else settings.host
     auth = "bearer token required" if settings.auth_required else "no authentication"
     click.echo(

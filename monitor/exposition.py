@@ -16,8 +16,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
-from trainvitals.hooks.wire import METRICS, PREFIX
-from trainvitals.monitor.store import RemovableHandle, SeriesStore
+from prometheus_client.utils import floatToGoString as _fmt
+
+from trainvitals.hooks.wire import METRICS, PREFIX, metric_type
+from trainvitals.monitor.store import LabelKey, RemovableHandle, RunCopy, SeriesStore
 
 __all__ = [
     "REPORT_OUTCOMES",
@@ -78,6 +80,9 @@ class StoreCollector(Collector):
         self.reports = reports if reports is not None else ReportCounter()
         self._sources: list[FamilySource] = []
         self._lock = threading.Lock()
+        self._render_lock = threading.Lock()
+        # (run, rank, wire name) -> {label items: rendered "name{labels} "}
+        self._prefixes: dict[tuple[str, int, str], dict[LabelKey, str]] = {}
 
     def register_family_source(self, source: FamilySource) -> RemovableHandle:
         """Add ``source() -> iterable of MetricFamily`` to every scrape.
@@ -127,6 +132,10 @@ class StoreCollector(Collector):
             family.samples = [Sample(sample_name, labels, value) for labels, value in series]
             yield family
 
+        yield from self._extra_families(snap.series_count)
+
+    def _extra_families(self, series_count: int) -> Iterator[Metric]:
+        """The collector's own metrics, then the registered sources' families."""
         outcomes = CounterMetricFamily(
             PREFIX + "collector_reports_total",
             "Reports the collector accepted, and bodies it rejected, by outcome.",
@@ -138,9 +147,8 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily(
             PREFIX + "collector_series",
             "Series the collector holds (its cap: max_series).",
-            value=snap.series_count,
+            value=series_count,
         )
-
         with self._lock:
             sources = list(self._sources)
         for source in sources:
@@ -148,6 +156,98 @@ class StoreCollector(Collector):
                 yield from list(source())
             except Exception:
                 log.exception("metric family source %r failed; skipped in this scrape", source)
+
+    def render(self) -> bytes:
+        """The text exposition, as ``generate_latest`` would write it, faster.
+
+        The store's series are written from cached line prefixes (name and
+        label set, escaped once per series), not through ``Sample`` objects;
+        the collector's own families and the registered sources go through
+        ``generate_latest``. At 100,000 series this is what keeps a scrape
+        under DESIGN's 1 s budget.
+        """
+        with self._render_lock:
+            runs = self.store.copy_runs()
+            series_count = len(self.store)
+            old, cache = self._prefixes, {}
+            step_lines: list[str] = []
+            last_lines: list[str] = []
+            by_name: dict[str, list[str]] = {}
+            for run, step, last, _ in sorted(runs, key=_run_name):
+                run_labels = f'{{run="{_escape(run)}"}} '
+                step_lines.append(f"{PREFIX}step{run_labels}{_fmt(step)}\n")
+                last_lines.append(
+                    f"{PREFIX}last_report_timestamp_seconds{run_labels}{_fmt(last)}\n"
+                )
+            for run, _, _, per_rank in runs:
+                for rank, fams in per_rank:
+                    for name, series in fams:
+                        key = (run, rank, name)
+                        prefixes = old.get(key)
+                        if prefixes is None:
+                            prefixes = {}
+                        cache[key] = prefixes
+                        lines = by_name.get(name)
+                        if lines is None:
+                            lines = by_name[name] = []
+                        append = lines.append
+                        for label_items, value in series:
+                            prefix = prefixes.get(label_items)
+                            if prefix is None:
+                                prefix = prefixes[label_items] = _line_prefix(
+                                    name, run, rank, label_items
+                                )
+                            append(prefix + _fmt(value))
+            self._prefixes = cache  # drops the prefixes of expired runs
+
+        out = [_header("step"), *step_lines, _header("last_report_timestamp_seconds"), *last_lines]
+        for name in sorted(by_name):
+            out.append(_header(name))
+            lines = by_name[name]
+            out.append("\n".join(lines))
+            out.append("\n")
+        text = "".join(out).encode()
+        return text + generate_latest(_Families(self._extra_families(series_count)))
+
+
+class _Families:
+    """Adapts an iterable of families to what ``generate_latest`` reads."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+def _run_name(run: RunCopy) -> str:
+    return run[0]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _exposed_name(name: str) -> str:
+    """The sample name ``generate_latest`` writes for a wire name."""
+    if metric_type(name) == "counter":
+        return PREFIX + name.removesuffix("_total") + "_total"
+    return PREFIX + name
+
+
+def _header(name: str) -> str:
+    exposed = _exposed_name(name)
+    help_text = _help(name).replace("\\", r"\\").replace("\n", r"\n")
+    return f"# HELP {exposed} {help_text}\n# TYPE {exposed} {metric_type(name)}\n"
+
+
+def _line_prefix(name: str, run: str, rank: int, label_items: LabelKey) -> str:
+    labels = [*label_items, ("run", run)]
+    if rank:
+        labels.append(("rank", str(rank)))
+    labels.sort()
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+    return f"{_exposed_name(name)}{{{inner}}} "
 
 
 def make_registry(
@@ -161,5 +261,5 @@ def make_registry(
 
 
 def render(registry: CollectorRegistry) -> bytes:
-    """Prometheus text exposition of ``registry``."""
+    """Prometheus text exposition of ``registry`` (``generate_latest``)."""
     return generate_latest(registry)

@@ -1,7 +1,8 @@
 """The series store: the latest value of every series, per run, in plain Python.
 
 No HTTP here. The ingest API validates a body into a ``ReportBatch`` and hands it
-to :meth:`SeriesStore.ingest`; the exposition reads :meth:`SeriesStore.snapshot`.
+to :meth:`SeriesStore.ingest`; the exposition reads :meth:`SeriesStore.snapshot`
+(full label sets) or :meth:`SeriesStore.copy_runs` (raw, for the fast renderer).
 
 Series identity and labels (what ``/metrics`` shows):
 
@@ -12,8 +13,8 @@ Series identity and labels (what ``/metrics`` shows):
   rank label. Other ranks send per-rank series only, and those carry
   ``rank="N"``. A value from rank 0 and one from rank 1 are distinct series.
 - ``trainvitals_step{run}`` and ``trainvitals_last_report_timestamp_seconds{run}``
-  come from the reports themselves (the last report's step, and the collector's
-  receive time), never from samples.
+  come from the reports themselves, never from samples: the step of the run's
+  latest report (from whichever rank sent it) and the collector's receive time.
 
 Counters (``*_total``) are cumulative on the client; the store keeps the latest
 value like any gauge.
@@ -37,6 +38,7 @@ __all__ = [
     "IngestCallback",
     "IngestRefused",
     "RemovableHandle",
+    "RunCopy",
     "RunInfo",
     "SeriesLimitExceeded",
     "SeriesStore",
@@ -51,11 +53,21 @@ DEFAULT_MAX_EVENTS = 10_000
 
 # Wire names the collector produces itself; a sample may not claim them.
 RESERVED_NAMES = frozenset(
-    {"step", "last_report_timestamp_seconds", "collector_reports_total", "alerts_firing"}
+    {
+        "step",
+        "last_report_timestamp_seconds",
+        "collector_reports_total",
+        "collector_series",
+        "alerts_firing",
+    }
 )
 
-# A series inside one run: (rank, sorted label items). The name is the outer key.
-LabelKey = tuple[int, tuple[tuple[str, str], ...]]
+# A series inside one run and rank: its label items, sorted. The name is the outer key.
+LabelKey = tuple[tuple[str, str], ...]
+# wire name -> {label key: value}
+Families = dict[str, dict[LabelKey, float]]
+# What copy_runs() returns per run: (run, step, last report time, per-rank series).
+RunCopy = tuple[str, int, float, list[tuple[int, list[tuple[str, list[tuple[LabelKey, float]]]]]]]
 IngestCallback = Callable[[ReportBatch, float], None]
 
 
@@ -93,12 +105,13 @@ class RunInfo:
 class _Run:
     step: int
     last_report_time: float
-    ranks: set[int] = field(default_factory=set)
-    # wire name -> {(rank, label items): value}
-    series: dict[str, dict[LabelKey, float]] = field(default_factory=dict)
+    # rank -> that rank's series
+    by_rank: dict[int, Families] = field(default_factory=dict)
+    # series held, the step and last-report-timestamp series included
+    n_series: int = 2
 
     def count(self) -> int:
-        return sum(len(fam) for fam in self.series.values())
+        return 2 + sum(len(fam) for fams in self.by_rank.values() for fam in fams.values())
 
 
 @dataclass(frozen=True)
@@ -129,12 +142,9 @@ class RemovableHandle:
             fn()
 
 
-def _label_key(labels: dict[str, str]) -> tuple[tuple[str, str], ...]:
+def _label_key(labels: dict[str, str]) -> LabelKey:
     # Inlined in SeriesStore.ingest (hot path); keep the two in step.
-    if not labels:
-        return ()
-    items = tuple(labels.items())
-    return items if len(items) == 1 else tuple(sorted(items))
+    return tuple(labels.items()) if len(labels) < 2 else tuple(sorted(labels.items()))
 
 
 class SeriesStore:
@@ -171,8 +181,10 @@ class SeriesStore:
     def on_ingest(self, callback: IngestCallback) -> RemovableHandle:
         """Call ``callback(batch, now)`` after each successful ingest.
 
-        Runs on the ingesting thread, outside the store lock (it may read the
-        store). An exception in a callback is logged and never fails the ingest.
+        Runs on the ingesting thread (in the app: the event loop), after the
+        store lock is released, so it may read the store; keep it quick and hand
+        slow work (notifications) to another thread. An exception in a callback
+        is logged and never fails the ingest.
         """
         with self._lock:
             self._callbacks.append(callback)
@@ -199,65 +211,46 @@ class SeriesStore:
         with self._lock:
             self._expire_locked(now)
             fresh_names = self._check_names_locked(batch)
+            # At most one new series per sample, plus two per new run: when even
+            # that fits, skip counting (the hot path); otherwise count first.
+            bound = sum(len(r.samples) + 2 for r in batch.reports)
+            if self._series_count + bound > self.max_series:
+                added = self._count_new_locked(batch)
+                if self._series_count + added > self.max_series:
+                    raise SeriesLimitExceeded(
+                        f"series limit: this batch would add {added} series to the "
+                        f"{self._series_count} stored, over the collector's cap of "
+                        f"{self.max_series}"
+                    )
             runs = self._runs
-            # Pass 1: build keys and count new series, mutating nothing.
-            new = 0
-            staged: list[list[tuple[str, LabelKey, float]]] = []
-            seen: set[tuple[str, str, LabelKey]] = set()
-            new_runs: set[str] = set()
             for report in batch.reports:
-                rank = report.rank
-                run = runs.get(report.run)
-                if run is None:
-                    new_runs.add(report.run)
-                    current: dict[str, dict[LabelKey, float]] = {}
-                else:
-                    current = run.series
-                rows: list[tuple[str, LabelKey, float]] = []
-                append = rows.append
-                for s in report.samples:
-                    labels = s.labels
-                    if not labels:
-                        key: LabelKey = (rank, ())
-                    elif len(labels) == 1:
-                        key = (rank, tuple(labels.items()))
-                    else:
-                        key = (rank, tuple(sorted(labels.items())))
-                    name = s.name
-                    append((name, key, s.value))
-                    fam = current.get(name)
-                    if fam is None or key not in fam:
-                        full = (report.run, name, key)
-                        if full not in seen:
-                            seen.add(full)
-                            new += 1
-                staged.append(rows)
-            # Each run also has its step and last-report-timestamp series.
-            added = new + 2 * len(new_runs)
-            if self._series_count + added > self.max_series:
-                raise SeriesLimitExceeded(
-                    f"series limit: this batch would add {added} series to the "
-                    f"{self._series_count} stored, over the collector's cap of {self.max_series}"
-                )
-            # Pass 2: apply.
-            for report, rows in zip(batch.reports, staged, strict=True):
                 run = runs.get(report.run)
                 if run is None:
                     run = runs[report.run] = _Run(step=report.step, last_report_time=now)
+                    self._series_count += 2
                 run.step = report.step
                 run.last_report_time = now
-                run.ranks.add(report.rank)
-                series = run.series
-                for name, key, value in rows:
-                    fam = series.get(name)
+                fams = run.by_rank.get(report.rank)
+                if fams is None:
+                    fams = run.by_rank[report.rank] = {}
+                # Hot loop: no function calls beyond the builtins.
+                for s in report.samples:
+                    labels = s.labels
+                    fam = fams.get(s.name)
                     if fam is None:
-                        fam = series[name] = {}
-                    fam[key] = value
-                for ev in report.events:
-                    self._events.append(
-                        StoredEvent(report.run, report.rank, report.step, report.time, now, ev)
-                    )
-            self._series_count += added
+                        fam = fams[s.name] = {}
+                    if len(labels) < 2:
+                        fam[tuple(labels.items())] = s.value
+                    else:
+                        fam[tuple(sorted(labels.items()))] = s.value
+                if report.events:
+                    for ev in report.events:
+                        self._events.append(
+                            StoredEvent(report.run, report.rank, report.step, report.time, now, ev)
+                        )
+                count = run.count()
+                self._series_count += count - run.n_series
+                run.n_series = count
             self._known_names.update(fresh_names)
             callbacks = list(self._callbacks)
         for cb in callbacks:
@@ -266,6 +259,22 @@ class SeriesStore:
             except Exception:
                 log.exception("on_ingest callback %r failed; the batch was still ingested", cb)
         return len(batch.reports)
+
+    def _count_new_locked(self, batch: ReportBatch) -> int:
+        """Series the batch would add (duplicates within it counted once)."""
+        seen: set[tuple[str, int, str, LabelKey]] = set()
+        new_runs: set[str] = set()
+        for report in batch.reports:
+            run = self._runs.get(report.run)
+            if run is None:
+                new_runs.add(report.run)
+            fams = run.by_rank.get(report.rank, {}) if run is not None else {}
+            for s in report.samples:
+                key = _label_key(s.labels)
+                fam = fams.get(s.name)
+                if fam is None or key not in fam:
+                    seen.add((report.run, report.rank, s.name, key))
+        return len(seen) + 2 * len(new_runs)
 
     def _check_names_locked(self, batch: ReportBatch) -> set[str]:
         """Refuse collector-owned names and gauge/counter clashes; return new names.
@@ -304,7 +313,7 @@ class SeriesStore:
         gone = [name for name, run in self._runs.items() if run.last_report_time <= cutoff]
         for name in gone:
             run = self._runs.pop(name)
-            self._series_count -= run.count() + 2
+            self._series_count -= run.n_series
         if gone:
             log.info("expired %d run(s) silent for %.0f s: %s", len(gone), self.ttl_seconds, gone)
         return gone
@@ -323,7 +332,7 @@ class SeriesStore:
         with self._lock:
             self._expire_locked(now)
             return [
-                RunInfo(name, r.step, r.last_report_time, tuple(sorted(r.ranks)))
+                RunInfo(name, r.step, r.last_report_time, tuple(sorted(r.by_rank)))
                 for name, r in sorted(self._runs.items())
             ]
 
@@ -335,10 +344,10 @@ class SeriesStore:
             r = self._runs.get(run)
             if r is None:
                 return None
-            fam = r.series.get(name)
+            fam = r.by_rank.get(rank, {}).get(name)
             if fam is None:
                 return None
-            return fam.get((rank, _label_key(labels or {})))
+            return fam.get(_label_key(labels or {}))
 
     def events(self, run: str | None = None, since: float | None = None) -> list[StoredEvent]:
         """Recent events, oldest first; optionally one run's, received after ``since``."""
@@ -350,36 +359,58 @@ class SeriesStore:
             if (run is None or e.run == run) and (since is None or e.received > since)
         ]
 
-    def snapshot(self, now: float | None = None) -> Snapshot:
-        """Expire silent runs, then copy everything out for exposition."""
+    def copy_runs(self, now: float | None = None) -> list[RunCopy]:
+        """Expire silent runs, then copy the raw series out, in store order.
+
+        Each run as ``(run, step, last_report_time, [(rank, [(wire name,
+        [(label items, value)])])])``; label items are sorted and exclude run
+        and rank. The fast path of the exposition reads this.
+        """
         if now is None:
             now = time.time()
         with self._lock:
             self._expire_locked(now)
-            items = [
-                (
-                    name,
-                    r.step,
-                    r.last_report_time,
-                    tuple(sorted(r.ranks)),
-                    [(m, list(fam.items())) for m, fam in r.series.items()],
-                )
-                for name, r in self._runs.items()
-            ]
+            return self._copy_locked()
+
+    def _copy_locked(self) -> list[RunCopy]:
+        # Copy each family's items under the lock; ingest mutates them in place.
+        return [
+            (
+                name,
+                r.step,
+                r.last_report_time,
+                [
+                    (rank, [(m, list(f.items())) for m, f in fams.items()])
+                    for rank, fams in r.by_rank.items()
+                ],
+            )
+            for name, r in self._runs.items()
+        ]
+
+    def snapshot(self, now: float | None = None) -> Snapshot:
+        """Expire silent runs, then copy everything out with full label sets."""
+        if now is None:
+            now = time.time()
+        with self._lock:
+            self._expire_locked(now)
+            items = self._copy_locked()
             count = self._series_count
         by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
         runs: list[RunInfo] = []
-        for run_name, step, last, ranks, fams in items:
-            runs.append(RunInfo(run_name, step, last, ranks))
-            for name, series in fams:
-                out = by_name.get(name)
-                if out is None:
-                    out = by_name[name] = []
-                for (rank, label_items), value in series:
-                    labels = {"run": run_name, **dict(label_items)}
-                    if rank:
-                        labels["rank"] = str(rank)
-                    out.append((labels, value))
+        for run_name, step, last, per_rank in items:
+            runs.append(RunInfo(run_name, step, last, tuple(sorted(r for r, _ in per_rank))))
+            for rank, fams in per_rank:
+                rank_label = str(rank) if rank else None
+                for name, series in fams:
+                    out = by_name.get(name)
+                    if out is None:
+                        out = by_name[name] = []
+                    for label_items, value in series:
+                        labels = dict(label_items)
+                        labels["run"] = run_name
+                        if rank_label is not None:
+                            labels["rank"] = rank_label
+                        out.append((labels, value))
         families = [(PREFIX + name, metric_type(name), by_name[name]) for name in sorted(by_name)]
         runs.sort(key=lambda r: r.run)
         return Snapshot(families=families, runs=runs, series_count=count)

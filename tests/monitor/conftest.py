@@ -9,6 +9,7 @@ from contextlib import AbstractContextManager, contextmanager
 import httpx
 import pytest
 from fastapi import FastAPI
+
 from trainvitals.monitor.app import create_app
 from trainvitals.monitor.settings import Settings
 from trainvitals.monitor.store import SeriesStore

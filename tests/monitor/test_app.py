@@ -10,6 +10,7 @@ import sys
 
 import httpx
 import pytest
+
 from trainvitals.monitor.app import create_app
 from trainvitals.monitor.settings import Settings
 from trainvitals.monitor.testing import make_body, make_report, serve_in_thread

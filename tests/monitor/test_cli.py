@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 from click.testing import CliRunner
+
 from trainvitals.monitor.cli import main
 from trainvitals.monitor.settings import Settings
 from trainvitals.monitor.testing import make_body, make_report

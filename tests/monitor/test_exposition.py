@@ -10,6 +10,7 @@ import time
 
 import pytest
 from prometheus_client.metrics_core import GaugeMetricFamily
+
 from trainvitals.hooks.wire import ReportBatch
 from trainvitals.monitor.exposition import (
     REPORT_OUTCOMES,
@@ -166,3 +167,55 @@ def test_promtool_check_metrics_passes(store, populated):
         ["promtool", "check", "metrics"], input=render(registry), capture_output=True, timeout=30
     )
     assert (proc.returncode, proc.stdout + proc.stderr) == (0, b"")
+
+
+def test_fast_render_matches_generate_latest(store):
+    """StoreCollector.render() (what /metrics serves) writes what generate_latest would."""
+    registry, exporter = make_registry(store)
+    exporter.register_family_source(
+        lambda: [GaugeMetricFamily("trainvitals_alerts_firing", "Alerts firing now.", value=0)]
+    )
+    tricky = 'a "quoted" \\ back\nslash'
+    ingest(
+        store,
+        make_report(
+            "b-run",
+            3,
+            [sample("loss", 1.25, modality="text"), sample("grad_norm", 1e300, group="all")],
+        ),
+        make_report(
+            "a.run/x",
+            1_000_000,
+            [
+                sample("nonfinite_total", 4.0, what="grad"),
+                sample("loss", math.nan, modality=tricky),
+            ],
+        ),
+        make_report(
+            "a.run/x",
+            7,
+            [
+                sample("softmax_saturated_ratio", -math.inf, task="ie", role="s", threshold="0.99"),
+                sample("brand_new", 0.1),
+            ],
+            rank=3,
+        ),
+        make_report(
+            "a.run/x",
+            7,
+            [sample("param_min", -1e-9, param="w"), sample("param_min", 12345678.0, param="v")],
+            rank=1,
+        ),
+    )
+    for _ in range(2):  # the second render reads the prefix cache
+        assert exporter.render().decode() == render(registry).decode()
+
+
+def test_fast_render_forgets_expired_runs():
+    store = SeriesStore(ttl_seconds=60)
+    registry, exporter = make_registry(store)
+    ingest(store, make_report("old", 1), now=time.time() - 61)
+    ingest(store, make_report("new", 1))
+    text = exporter.render().decode()
+    assert 'run="old"' not in text and 'run="new"' in text
+    assert {key[0] for key in exporter._prefixes} == {"new"}

@@ -7,6 +7,7 @@ import math
 import threading
 
 import pytest
+
 from trainvitals.hooks.wire import ReportBatch
 from trainvitals.monitor.store import IngestRefused, SeriesLimitExceeded, SeriesStore
 from trainvitals.monitor.testing import make_body, make_report

@@ -1,0 +1,216 @@
+"""Collector budgets (DESIGN "Budgets"): ingest samples/s over HTTP, scrape time at 100k series.
+
+Run: ``python tests/benchmarks/bench_collector_ingest.py [--seconds 10]``.
+
+The collector runs as uvicorn in a subprocess (one worker), pinned to one core
+when the machine has two or more; the client is pinned to another. Throughput
+is reported both per wall second and per second of the server's own CPU time
+(utime + stime from /proc), the latter being the "on one core" figure and the
+one that holds up when other work shares the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+SAMPLES_PER_REPORT = 2000
+# As `trainvitals serve` runs it (default settings, tune_gc, one worker).
+SERVER = """
+import sys, uvicorn
+from trainvitals.monitor.app import create_app, tune_gc
+from trainvitals.monitor.settings import Settings
+app = create_app(Settings())
+tune_gc()
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", workers=1)
+"""
+_PARAM_METRICS = (
+    "param_min",
+    "param_max",
+    "param_absmax",
+    "param_drift_log2",
+    "param_grad_relative_rms",
+    "adam_eps_dominated_ratio",
+    "adam_normalized_update_rms",
+    "adam_exp_avg_norm",
+)
+
+
+def report(run: str, step: int) -> dict:
+    """2,000 samples: 8 per-parameter signals over 250 1D parameters."""
+    n_params = SAMPLES_PER_REPORT // len(_PARAM_METRICS)
+    samples = [
+        {
+            "name": m,
+            "labels": {"param": f"layers.{i // 2}.norm{i % 2}.weight"},
+            "value": step * 1e-3 + i,
+        }
+        for i in range(n_params)
+        for m in _PARAM_METRICS
+    ]
+    return {"run": run, "step": step, "time": time.time(), "rank": 0, "samples": samples}
+
+
+def body(reports: list[dict]) -> bytes:
+    return json.dumps({"schema": 1, "reports": reports}).encode()
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(cpu: int | None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)])
+    if cpu is not None:
+        os.sched_setaffinity(proc.pid, {cpu})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/readyz").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("collector did not start")
+        time.sleep(0.1)
+
+
+def ingest_rate(url: str, pid: int, reports_per_body: int, seconds: float, threads: int) -> None:
+    bodies = [
+        body([report(f"bench-{t}-{k}", step) for k in range(reports_per_body)])
+        for t in range(threads)
+        for step in range(4)
+    ]
+    headers = {"Content-Type": "application/json"}
+    counts = [0] * threads
+    stop = threading.Event()
+
+    def client(t: int) -> None:
+        with httpx.Client(base_url=url, headers=headers, timeout=60) as c:
+            mine = bodies[t * 4 : (t + 1) * 4]
+            i = 0
+            while not stop.is_set():
+                r = c.post("/v1/reports", content=mine[i % 4])
+                if r.status_code != 202:
+                    raise SystemExit(f"refused: {r.status_code} {r.text}")
+                counts[t] += 1
+                i += 1
+
+    # Warm up (first requests create the series), then measure.
+    with httpx.Client(base_url=url, headers=headers) as c:
+        for b in bodies:
+            c.post("/v1/reports", content=b)
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    workers = [threading.Thread(target=client, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    time.sleep(seconds)
+    stop.set()
+    for w in workers:
+        w.join()
+    wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+    samples = sum(counts) * reports_per_body * SAMPLES_PER_REPORT
+    print(
+        f"ingest, {reports_per_body} report(s) of {SAMPLES_PER_REPORT} samples per body "
+        f"({len(bodies[0]) / 1e3:.0f} kB): {sum(counts) / wall:.1f} requests/s, "
+        f"{samples / wall:,.0f} samples/s wall, {samples / cpu:,.0f} samples per server CPU-second "
+        f"(server CPU {100 * cpu / wall:.0f}% of one core)"
+    )
+
+
+def scrape_time(url: str, n_series: int, repeats: int) -> None:
+    runs = n_series // SAMPLES_PER_REPORT
+    with httpx.Client(base_url=url, headers={"Content-Type": "application/json"}, timeout=120) as c:
+        for k in range(runs):
+            r = c.post("/v1/reports", content=body([report(f"scrape-{k}", 1)]))
+            assert r.status_code == 202, r.text
+        times, size = [], 0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            resp = c.get("/metrics", headers={"Accept-Encoding": "identity"})
+            times.append(time.perf_counter() - t0)
+            size = len(resp.content)
+        gz = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            c.get("/metrics", headers={"Accept-Encoding": "gzip"})
+            gz.append(time.perf_counter() - t0)
+    print(
+        f"scrape of {n_series:,} store series ({size / 1e6:.1f} MB): "
+        f"median {statistics.median(times):.3f} s, min {min(times):.3f} s; "
+        f"gzipped median {statistics.median(gz):.3f} s"
+    )
+
+
+def in_process_breakdown() -> None:
+    from trainvitals.hooks.wire import ReportBatch
+    from trainvitals.monitor.store import SeriesStore
+
+    raw = body([report("breakdown", 1)])
+    store = SeriesStore()
+    batch = ReportBatch.model_validate_json(raw)
+    store.ingest(batch)
+    n = 30
+    t0 = time.perf_counter()
+    for _ in range(n):
+        ReportBatch.model_validate_json(raw)
+    t1 = time.perf_counter()
+    for _ in range(n):
+        store.ingest(batch)
+    t2 = time.perf_counter()
+    per = n * SAMPLES_PER_REPORT
+    print(
+        f"in process, per sample: wire validation {1e6 * (t1 - t0) / per:.2f} us, "
+        f"store ingest {1e6 * (t2 - t1) / per:.2f} us"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=10.0, help="measuring time per ingest case")
+    ap.add_argument("--series", type=int, default=100_000)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+
+    cpus = sorted(os.sched_getaffinity(0))
+    server_cpu = cpus[0] if len(cpus) >= 2 else None
+    if server_cpu is not None:
+        os.sched_setaffinity(0, set(cpus[1:]))
+    print(f"{len(cpus)} CPUs; server pinned to {server_cpu}; load average {os.getloadavg()}")
+    in_process_breakdown()
+    proc, url = start_server(server_cpu)
+    try:
+        ingest_rate(url, proc.pid, 1, args.seconds, threads=2)
+        ingest_rate(url, proc.pid, 4, args.seconds, threads=2)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    proc, url = start_server(server_cpu)
+    try:
+        scrape_time(url, args.series, args.repeats)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()
