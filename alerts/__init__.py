@@ -1,0 +1,98 @@
+"""Alert rules, their evaluation engine, notifiers, and the collector's alert service.
+
+In the collector::
+
+    from trainvitals.alerts import AlertService
+    service = AlertService.from_config(rules="default", notifiers=[...])
+
+In the training process (no collector, no HTTP)::
+
+    from trainvitals.alerts import LocalEvaluator
+    evaluate = LocalEvaluator(rules="default")
+    evaluate(report)   # logs a warning on "trainvitals" when an alert fires
+
+Attributes load lazily: the rule model and engine need only pydantic and
+PyYAML; the service and notifiers bring httpx and prometheus_client. No torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "Alert",
+    "AlertService",
+    "AlertState",
+    "Condition",
+    "Dispatcher",
+    "Engine",
+    "EventRule",
+    "LocalEvaluator",
+    "Notification",
+    "Notifier",
+    "NotifierConfigError",
+    "NotifyError",
+    "RetryPolicy",
+    "Rule",
+    "RuleError",
+    "SilenceRule",
+    "ThresholdRule",
+    "Transition",
+    "build_notifiers",
+    "export_prometheus",
+    "load_rules",
+]
+
+_WHERE = {
+    "Alert": "engine",
+    "AlertState": "engine",
+    "Engine": "engine",
+    "Transition": "engine",
+    "Condition": "rules",
+    "EventRule": "rules",
+    "Rule": "rules",
+    "RuleError": "rules",
+    "SilenceRule": "rules",
+    "ThresholdRule": "rules",
+    "load_rules": "rules",
+    "LocalEvaluator": "local",
+    "AlertService": "service",
+    "Dispatcher": "dispatch",
+    "RetryPolicy": "dispatch",
+    "Notification": "notifiers.base",
+    "Notifier": "notifiers.base",
+    "NotifyError": "notifiers.base",
+    "NotifierConfigError": "notifiers.config",
+    "build_notifiers": "notifiers.config",
+    "export_prometheus": "export",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainvitals.alerts.dispatch import Dispatcher, RetryPolicy
+    from trainvitals.alerts.engine import Alert, AlertState, Engine, Transition
+    from trainvitals.alerts.export import export_prometheus
+    from trainvitals.alerts.local import LocalEvaluator
+    from trainvitals.alerts.notifiers.base import Notification, Notifier, NotifyError
+    from trainvitals.alerts.notifiers.config import NotifierConfigError, build_notifiers
+    from trainvitals.alerts.rules import (
+        Condition,
+        EventRule,
+        Rule,
+        RuleError,
+        SilenceRule,
+        ThresholdRule,
+        load_rules,
+    )
+    from trainvitals.alerts.service import AlertService
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainvitals.alerts' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"trainvitals.alerts.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,109 @@
+"""A real Alertmanager receives firing and resolved alerts from AlertService.
+
+Chain: wire Reports -> AlertService (default rules) -> AlertmanagerNotifier ->
+prometheus-alertmanager (Debian package) -> webhook receiver (a local recording
+server) with send_resolved.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import httpx
+import pytest
+from alerting_support import RecordingServer, free_port, report, wait_until
+
+from trainvitals.alerts.service import AlertService
+
+ALERTMANAGER = shutil.which("prometheus-alertmanager")
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(ALERTMANAGER is None, reason="prometheus-alertmanager not installed"),
+]
+
+CONFIG = """\
+route:
+  receiver: recorder
+  group_by: [alertname, run, modality]
+  group_wait: 1s
+  group_interval: 2s
+  repeat_interval: 1h
+receivers:
+  - name: recorder
+    webhook_configs:
+      - url: "{url}/webhook"
+        send_resolved: true
+"""
+
+
+@pytest.fixture
+def alertmanager(tmp_path):
+    """(Alertmanager URL, recording webhook receiver)."""
+    with RecordingServer() as receiver:
+        config = tmp_path / "alertmanager.yml"
+        config.write_text(CONFIG.format(url=receiver.url))
+        port = free_port()
+        log = open(tmp_path / "alertmanager.log", "wb")  # closed in finally
+        proc = subprocess.Popen(
+            [ALERTMANAGER, f"--config.file={config}", f"--storage.path={tmp_path / 'am'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+            stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            with httpx.Client(timeout=1.0) as client:
+                def ready() -> bool:
+                    if proc.poll() is not None:
+                        raise AssertionError((tmp_path / "alertmanager.log").read_text())
+                    try:
+                        return client.get(f"{url}/-/ready").status_code == 200
+                    except httpx.TransportError:
+                        return False
+
+                wait_until(ready, timeout=30)
+            yield url, receiver
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+            log.close()
+
+
+def _dilution(step: int, value: float):
+    return report(step, [("modality_dilution_ratio", {"modality": "image"}, value),
+                         ("modality_dilution_ratio", {"modality": "text"}, 0.85)],
+                  run="mm-pt1", time_=time.time())
+
+
+def _webhooks(receiver: RecordingServer, status: str) -> list[dict]:
+    return [b for b in receiver.bodies() if b.get("status") == status]
+
+
+def test_alertmanager_delivers_firing_then_resolved(alertmanager):
+    url, receiver = alertmanager
+    service = AlertService.from_config("default", [{"type": "alertmanager", "url": url}],
+                                       resend_interval=5)
+    with service:
+        # I1 values: dilution 17x for three reports (for_steps 20), then the fix.
+        for step in (0, 10, 20):
+            service.observe(_dilution(step, 17.0))
+        assert [a["state"] for a in service.alerts()] == ["firing"]
+
+        (firing,) = wait_until(lambda: _webhooks(receiver, "firing"), timeout=30)
+        (alert,) = firing["alerts"]
+        assert alert["labels"] == {"alertname": "GradientDilution", "severity": "page",
+                                   "run": "mm-pt1", "modality": "image"}
+        assert alert["annotations"]["summary"] == (
+            "image gets 17.0x less gradient than its sample share in run mm-pt1")
+        assert alert["annotations"]["runbook_url"] == "RUNBOOKS.md#gradientdilution"
+
+        service.observe(_dilution(30, 1.0))
+        (resolved,) = wait_until(lambda: _webhooks(receiver, "resolved"), timeout=30)
+        assert [a["labels"]["alertname"] for a in resolved["alerts"]] == ["GradientDilution"]
+        assert resolved["alerts"][0]["status"] == "resolved"
+    stats = service.stats()["alertmanager"]
+    assert stats["sent"] >= 2 and stats["failed"] == 0 and stats["dropped"] == 0
