@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.signals.base import StepContext
-from trainvitals.hooks.transport.sinks import encode_report
+from trainvitals.hooks.wire import Report
 
 log = logging.getLogger("trainvitals")
 
@@ -111,7 +111,7 @@ class Pipeline:
     """
 
     def __init__(self, sink: Any, *, max_pending: int = 256,
-                 on_report: Callable[[dict[str, Any]], None] | None = None):
+                 on_report: Callable[[Report], Any] | None = None):
         self.sink = sink
         self.on_report = on_report
         self.dropped = 0
@@ -144,9 +144,10 @@ class Pipeline:
                 report = item.materialize()
                 dropped = {"name": "client_dropped_reports_total", "labels": {}, "value": float(self.total_dropped())}
                 report = {**report, "samples": [*report["samples"], dropped]}
+                validated = Report.model_validate(report)
+                self.sink.submit(validated.model_dump_json().encode())
                 if self.on_report is not None:
-                    self.on_report(report)
-                self.sink.submit(encode_report(report))
+                    self.on_report(validated)
             except Exception as exc:  # never let a bad report kill the thread
                 self.dropped += 1
                 if not self._warned:

@@ -277,11 +277,4 @@ def parse_sink(spec: str) -> Any:
     )
 
 
-def encode_report(report: dict) -> bytes:
-    """Validate a report against the wire schema and encode it as compact JSON."""
-    from trainvitals.hooks.wire import Report
-
-    return Report.model_validate(report).model_dump_json().encode()
-
-
-__all__ = ["Sink", "NullSink", "FileSink", "HttpSink", "make_sink", "parse_sink", "encode_report"]
+__all__ = ["Sink", "NullSink", "FileSink", "HttpSink", "make_sink", "parse_sink"]
