@@ -182,8 +182,37 @@ class _Compiled:
 
     index: int
     rule: ThresholdRule
-    match: Callable[[Mapping[str, str]], bool]
-    conditions: list[tuple[Condition, Callable[[Mapping[str, str]], bool]]] = field(default_factory=list)
+    match: Callable[[Mapping[str, str]], bool] | None
+    conditions: list[tuple[Condition, Callable[[Mapping[str, str]], bool] | None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # For the ingest loop: a plain-value rule can skip a sample on its value alone.
+        self.plain = self.rule.transform == "value"
+        self.above = self.rule.above
+        self.below = self.rule.below
+
+
+class _Latest:
+    """The samples of one metric from the latest report that carried it (one run/rank).
+
+    Indexed by label names on first lookup, so reports whose conditions are never
+    consulted (the healthy case) cost one list append per sample.
+    """
+
+    __slots__ = ("_index", "samples")
+
+    def __init__(self, samples: list[Any]) -> None:
+        self.samples = samples
+        self._index: dict[tuple[str, ...], dict[LabelItems, float]] | None = None
+
+    def index(self) -> dict[tuple[str, ...], dict[LabelItems, float]]:
+        if self._index is None:
+            index: dict[tuple[str, ...], dict[LabelItems, float]] = {}
+            for sample in self.samples:
+                items = tuple(sorted(sample.labels.items()))
+                index.setdefault(tuple(k for k, _ in items), {})[items] = sample.value
+            self._index = index
+        return self._index
 
 
 def _compile_matchers(matchers) -> Callable[[Mapping[str, str]], bool]:
@@ -219,25 +248,34 @@ class Engine:
         self._by_metric: dict[str, list[_Compiled]] = {}
         self._by_event: dict[str, list[tuple[int, EventRule, Callable]]] = {}
         self._silence: list[tuple[int, SilenceRule]] = []
-        self._and_metrics: set[str] = set()
+        and_metrics: set[str] = set()
         for i, rule in enumerate(self.rules):
             if isinstance(rule, ThresholdRule):
-                c = _Compiled(i, rule, _compile_matchers(rule.labels),
-                              [(cond, _compile_matchers(cond.labels)) for cond in rule.and_])
+                c = _Compiled(i, rule, _compile_matchers(rule.labels) if rule.labels else None,
+                              [(cond, _compile_matchers(cond.labels) if cond.labels else None)
+                               for cond in rule.and_])
                 self._by_metric.setdefault(rule.metric, []).append(c)
-                self._and_metrics.update(cond.metric for cond in rule.and_)
+                and_metrics.update(cond.metric for cond in rule.and_)
             elif isinstance(rule, EventRule):
                 self._by_event.setdefault(rule.event, []).append((i, rule, _compile_matchers(rule.labels)))
             else:
                 self._silence.append((i, rule))
+        # metric -> (threshold rules on it, whether `and` conditions read it): one
+        # dict lookup per sample on the ingest path.
+        self._interest: dict[str, tuple[list[_Compiled], bool]] = {
+            name: (self._by_metric.get(name, []), name in and_metrics)
+            for name in set(self._by_metric) | and_metrics
+        }
         self._event_rules = [(i, r) for i, r in enumerate(self.rules) if isinstance(r, EventRule)]
         # (rule index, run, rank, label items) -> instance
         self._instances: dict[tuple[int, str, int, LabelItems], _Instance] = {}
         # (run, rank) -> event-rule instances of that run, for holds.
         self._event_instances: dict[tuple[str, int], dict[tuple, _Instance]] = {}
-        # Latest values of metrics used in `and` conditions:
-        # (run, rank, metric) -> {label names: {label items: value}}
-        self._latest: dict[tuple[str, int, str], dict[tuple[str, ...], dict[LabelItems, float]]] = {}
+        # Metrics used in `and` conditions: (run, rank, metric) -> latest report's samples.
+        self._latest: dict[tuple[str, int, str], _Latest] = {}
+        # Instances per threshold rule: with none, a value short of the threshold
+        # needs no state lookup at all.
+        self._live = [0] * len(self.rules)
         # Transform history: (rule index, run, rank, label items) -> last value | deque
         self._history: dict[tuple[int, str, int, LabelItems], Any] = {}
         self._runs: dict[str, _Run] = {}
@@ -269,18 +307,30 @@ class Engine:
             # First pass: remember values that `and` conditions look up, and the
             # samples some rule watches; evaluate once the whole report is known.
             matched: list[tuple[_Compiled, Any]] = []
-            by_metric, and_metrics = self._by_metric, self._and_metrics
+            fresh: dict[str, list[Any]] = {}
+            interest_get = self._interest.get
+            live = self._live
             for sample in report.samples:
-                name = sample.name
-                if name in and_metrics:
-                    per_keys = self._latest.setdefault((run, rank, name), {})
-                    items = tuple(sorted(sample.labels.items()))
-                    per_keys.setdefault(tuple(k for k, _ in items), {})[items] = sample.value
-                compiled = by_metric.get(name)
-                if compiled:
-                    for c in compiled:
-                        if c.match(sample.labels):
-                            matched.append((c, sample))
+                hit = interest_get(sample.name)
+                if hit is None:
+                    continue
+                compiled, read_by_conditions = hit
+                if read_by_conditions:
+                    bucket = fresh.get(sample.name)
+                    if bucket is None:
+                        bucket = fresh[sample.name] = []
+                    bucket.append(sample)
+                for c in compiled:
+                    if c.plain and not live[c.index]:
+                        # Healthy fast path: no state for this rule anywhere, and a
+                        # value that starts none (NaN compares false: skipped too).
+                        value = sample.value
+                        if not (value > c.above if c.above is not None else value < c.below):
+                            continue
+                    if c.match is None or c.match(sample.labels):
+                        matched.append((c, sample))
+            for name, samples in fresh.items():
+                self._latest[(run, rank, name)] = _Latest(samples)
             for c, sample in matched:
                 t = self._evaluate(c, run, rank, step, sample.labels, sample.value, now)
                 if t is not None:
@@ -326,15 +376,15 @@ class Engine:
         """None when every condition holds, else _CLEAR (one is false) or _UNKNOWN."""
         unknown = False
         for cond, match in c.conditions:
-            per_keys = self._latest.get((run, rank, cond.metric))
+            latest = self._latest.get((run, rank, cond.metric))
             verdict: bool | None = None
-            if per_keys:
-                for keys, values in per_keys.items():
+            if latest is not None:
+                for keys, values in latest.index().items():
                     if not all(k in labels for k in keys):
                         continue
-                    items = tuple((k, labels[k]) for k in keys)
+                    items = tuple([(k, labels[k]) for k in keys])
                     value = values.get(items)
-                    if value is None or not match(dict(items)):
+                    if value is None or (match is not None and not match(dict(items))):
                         continue
                     holds = cond.holds(value)
                     if holds:
@@ -372,7 +422,7 @@ class Engine:
                 inst.value = value
             return None
         if inst is None:
-            inst = self._instances[key] = _Instance(rule, c.index, self._series_labels(run, rank, labels), run, key)
+            inst = self._new_instance(key, rule, self._series_labels(run, rank, labels), run)
         return self._advance(inst, verdict, value, step, now)  # type: ignore[arg-type]
 
     def _advance(self, inst: _Instance, verdict: str, value: float, step: int, now: float) -> Transition | None:
@@ -392,7 +442,7 @@ class Engine:
                 self._maybe_fire(inst, step, now)
             else:
                 inst.state = AlertState.INACTIVE
-                del self._instances[inst.key]
+                self._drop(inst.key, inst)
         else:  # firing
             if verdict != _CLEAR:
                 inst.clear_step = inst.clear_time = None
@@ -427,7 +477,7 @@ class Engine:
                 seen.add(key)
                 inst = self._instances.get(key)
                 if inst is None:
-                    inst = self._instances[key] = _Instance(rule, i, self._series_labels(run, rank, ev.labels), run, key)
+                    inst = self._new_instance(key, rule, self._series_labels(run, rank, ev.labels), run)
                     per_run[key] = inst
                 old = inst.state
                 inst.step, inst.detail = step, ev.detail
@@ -470,7 +520,7 @@ class Engine:
                     key = (i, run, 0, ())
                     inst = self._instances.get(key)
                     if inst is None:
-                        inst = self._instances[key] = _Instance(rule, i, {"run": run}, run, key)
+                        inst = self._new_instance(key, rule, {"run": run}, run)
                     inst.value, inst.step = silent, info.last_step
                     if inst.state is not AlertState.FIRING:
                         old = inst.state
@@ -492,8 +542,14 @@ class Engine:
                         self._drop(key, inst)
         return out
 
+    def _new_instance(self, key: tuple, rule: Rule, labels: dict[str, str], run: str) -> _Instance:
+        inst = self._instances[key] = _Instance(rule, key[0], labels, run, key)
+        self._live[key[0]] += 1
+        return inst
+
     def _drop(self, key: tuple, inst: _Instance) -> None:
         del self._instances[key]
+        self._live[key[0]] -= 1
         per_run = self._event_instances.get((key[1], key[2]))
         if per_run is not None:
             per_run.pop(key, None)
@@ -507,9 +563,10 @@ class Engine:
                 inst.state, inst.resolved_at = AlertState.RESOLVED, now
                 out.append(inst.snapshot(Transition, old=AlertState.FIRING, reason="run expired"))
             self._drop(key, inst)
-        for store in (self._history, self._latest):
-            for key in [k for k in store if k[1 if store is self._history else 0] == run]:
-                del store[key]
+        for key in [k for k in self._history if k[1] == run]:
+            del self._history[key]
+        for key in [k for k in self._latest if k[0] == run]:
+            del self._latest[key]
         for key in [k for k in self._event_instances if k[0] == run]:
             del self._event_instances[key]
         del self._runs[run]
