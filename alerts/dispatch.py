@@ -3,7 +3,8 @@
 ``enqueue`` never blocks: a full queue drops the notification and counts it.
 Each worker sends in order (a resolve never overtakes its trigger), batching
 for receivers that take lists, and retries what can be retried with
-exponential backoff and full jitter. A slow or dead receiver only delays its
+exponential backoff and jitter (each wait drawn between half and all of the
+exponential step, so workers that failed together do not retry together). A slow or dead receiver only delays its
 own queue. Counters per notifier: ``sent``, ``failed`` (gave up or refused),
 ``dropped`` (queue full, or still queued at shutdown), ``retries``.
 """
@@ -44,7 +45,7 @@ class RetryPolicy:
             raise ValueError("RetryPolicy: initial and maximum must be >= 0, multiplier >= 1")
 
     def delay(self, retry: int, rng: random.Random, retry_after: float | None = None) -> float:
-        """Seconds to wait before retry number ``retry`` (0-based): full jitter."""
+        """Seconds to wait before retry number ``retry`` (0-based), jittered."""
         ceiling = min(self.maximum, self.initial * self.multiplier**retry)
         wait = rng.uniform(ceiling / 2, ceiling)
         if retry_after is not None:

@@ -12,8 +12,11 @@ States: inactive -> pending -> firing -> resolved (-> pending/firing again).
   ``clear`` and the threshold keeps it firing; a pending alert needs every value
   past the threshold, so the band resets it.
 - ``and`` conditions: the alert is past the threshold only when every condition
-  holds too. A condition that is clearly false counts as "clear" (fixing the
-  weight decay resolves ParamDrift even while the drift is still large).
+  holds too. A condition reads the other metric's series whose labels equal the
+  primary series' labels restricted to that metric's labels (same run and rank),
+  from the latest report that carried that metric. A condition that is clearly
+  false counts as "clear" (fixing the weight decay resolves ParamDrift even
+  while the drift is still large).
 - No evidence: NaN, a series missing from a report, an ``and`` series not yet
   seen, the first report of a counter (``increase`` needs two) or a spike
   history shorter than ``window``: the state stays as it is. A NaN never

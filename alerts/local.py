@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from trainvitals.alerts.engine import Alert, AlertState, Engine, Transition
 from trainvitals.alerts.rules import Rule, SilenceRule, load_rules
@@ -46,13 +47,15 @@ class LocalEvaluator:
         self.log = logger or logging.getLogger("trainvitals")
         self.clock = clock
 
-    def __call__(self, report: Report) -> list[Transition]:
+    def __call__(self, report: Report | Mapping[str, Any]) -> list[Transition]:
         return self.observe(report)
 
-    def observe(self, report: Report, now: float | None = None) -> list[Transition]:
-        """Evaluate one report; log and return the transitions."""
+    def observe(self, report: Report | Mapping[str, Any], now: float | None = None) -> list[Transition]:
+        """Evaluate one report (a wire Report or its dict form); log and return the transitions."""
         now = self.clock() if now is None else now
         try:
+            if not isinstance(report, Report):
+                report = Report.model_validate(report)
             transitions = self.engine.observe(report, now)
             transitions.extend(self.engine.tick(now))
         except Exception:  # never into the training loop

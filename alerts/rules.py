@@ -1,16 +1,42 @@
 """The rule model: YAML rule files, validated with pydantic.
 
-A rule file is a YAML list of rules (or a mapping with a ``rules:`` list). Three
-kinds, told apart by the key that names what they watch:
+A rule file is a YAML list of rules (or a mapping with a ``rules:`` list),
+loaded with ``yaml.safe_load``. Three kinds, told apart by the key that names
+what they watch::
 
-- ``metric:`` a :class:`ThresholdRule` on a reported series (``above``/``below``,
-  ``clear`` for hysteresis, ``and`` conditions, ``for_steps``/``for``,
-  ``hold_steps``/``hold``, and an optional ``transform``: ``increase`` for
-  counters, ``ratio_to_median`` for spikes against the series' own history);
-- ``event:`` an :class:`EventRule` that fires on the report carrying the event;
-- ``silent_for:`` a :class:`SilenceRule` that fires when a run stops reporting.
+    - alert: GradientDilution              # unique name (the `alertname` label)
+      metric: modality_dilution_ratio      # wire name, without the trainvitals_ prefix
+      labels: {modality: "!=text"}         # matchers: value (equal), "!=v", "=~regex", "!~regex"
+      above: 5                             # or `below:`; fires past it (strictly)
+      clear: 3                             # hysteresis: resolves only back at/below this
+      transform: value                     # or `increase` (counters: the increase since the
+                                           # series' previous report) or `ratio_to_median`
+                                           # (value / median of its previous `window` reports)
+      and:                                 # further conditions on the same series' labels
+        - {metric: param_weight_decay, below: 1.0e-12}
+      for_steps: 20                        # optimizer steps past the threshold before firing
+      for: 5m                              # and/or time (s, m, h, d; or seconds)
+      hold_steps: 0                        # keep firing this long after clearing
+      hold: 0s
+      severity: page                       # critical|page|error|warning|ticket|info
+      summary: "{modality} gets {value:.1f}x less gradient in run {run}"
+      description: "..."                   # str.format over labels, value, alertname,
+                                           # severity, step, above, below, clear
+      runbook: "RUNBOOKS.md#gradientdilution"
 
-Every error names the file, the rule and the field::
+    - alert: OptimizerStateReset
+      event: optimizer_state_reset         # fires on the report carrying the event
+      hold_steps: 100                      # resolves after this many steps without one
+      summary: "reset at step {step}: {detail}"
+
+    - alert: RunSilent
+      silent_for: 10m                      # fires when a run has not reported this long
+      summary: "run {run} silent for {value:.0f} s"
+
+Templates are checked when the file loads: an unknown field (``{modalty}``) or
+a format the field cannot take (``{run:.1f}``) is an error; a label missing
+from a series at render time shows as ``?``. Every error names the file, the
+rule and the field::
 
     rules/x.yaml: rule 'GradientDilution' (#1): field 'above': Input should be a valid number
 """
@@ -108,6 +134,7 @@ EVENT_COUNTERS: dict[str, str] = {"optimizer_state_reset": "optimizer_state_rese
 
 # Template fields every rule offers besides the series labels.
 TEMPLATE_FIELDS = frozenset({"alertname", "severity", "value", "step", "above", "below", "clear"})
+_NUMERIC_FIELDS = ("value", "step", "above", "below", "clear")
 
 _NAME = r"^[a-z_][a-z0-9_]*$"
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
@@ -393,7 +420,9 @@ def _check_template(text: str, allowed: frozenset[str], field_name: str) -> None
         parts = list(string.Formatter().parse(text))
     except ValueError as exc:
         raise _FieldError(field_name, f"invalid template: {exc}") from None
-    sample = _Fields({name: "x" for name in allowed}, value=1.0)
+    # Labels render as strings, the rule's numbers as numbers: "{run:.1f}" fails here.
+    sample: dict[str, Any] = {name: "x" for name in allowed}
+    sample.update({k: 0.0 for k in _NUMERIC_FIELDS if k in allowed})
     for _, name, _spec, _conv in parts:
         if name is None:
             continue
@@ -411,18 +440,6 @@ def _check_template(text: str, allowed: frozenset[str], field_name: str) -> None
         string.Formatter().vformat(text, (), sample)
     except (ValueError, TypeError, KeyError) as exc:
         raise _FieldError(field_name, f"template does not render: {exc}") from None
-
-
-class _Fields(dict):
-    """Template namespace: labels are strings, numbers stay numbers."""
-
-    def __init__(self, labels: Mapping[str, str], **numbers: Any) -> None:
-        super().__init__(labels)
-        for key in ("step", "above", "below", "clear"):
-            if key in self:
-                self[key] = 0
-        self["value"] = 1.0
-        self.update(numbers)
 
 
 def render_template(text: str, fields: Mapping[str, Any]) -> str:

@@ -174,7 +174,7 @@ class HttpNotifier(Notifier):
         if 200 <= code < 300:
             return response
         retry_after = _retry_after(response.headers.get("Retry-After"))
-        retryable = code == 429 or code == 408 or code >= 500
+        retryable = code == 429 or code >= 500  # other 4xx: the request itself is wrong
         raise NotifyError(f"HTTP {code}", retryable=retryable, retry_after=retry_after)
 
     def close(self) -> None:

@@ -411,6 +411,16 @@ def test_local_evaluator_logs_fire_and_resolve(caplog):
     assert LocalEvaluator("default").engine.rules
 
 
+def test_local_evaluator_takes_the_report_as_data(caplog):
+    """The hooks can pass Monitor.latest()-style dicts as well as wire Reports."""
+    ev = LocalEvaluator(parse_rules(yaml.safe_load(DILUTION.replace("for_steps: 20", "for_steps: 0"))))
+    data = dil(0, 17).model_dump()
+    with caplog.at_level(logging.WARNING, logger="trainvitals"):
+        (t,) = ev(data)
+    assert t.state is F and "GradientDilution firing" in caplog.text
+    assert [a.alertname for a in ev.firing()] == ["GradientDilution"]
+
+
 def test_local_evaluator_never_raises(caplog):
     ev = LocalEvaluator([])
 
