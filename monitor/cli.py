@@ -110,7 +110,7 @@ def replay(
     batch_size: int,
     timeout: float,
 ) -> None:
-    """Send a JSONL file of reports (a file sink's output) to a collector.
+    """Send a file sink's JSONL reports to a collector.
 
     Each line is a wire body {"schema": 1, "reports": [...]} or a single report.
     """
