@@ -4,8 +4,8 @@
 
     service = AlertService.from_config(rules="default", notifiers=cfg.notifiers)
     service.start()                      # notifier workers and the ticker thread
-    store.on_ingest(lambda batch, now: [service.observe(r, now) for r in batch.reports])
-    registry.register(service)           # trainvitals_alerts_firing, notifier counters
+    store.on_ingest(service.observe_batch)                          # SeriesStore callback
+    collector.register_family_source(service.metric_families)      # or registry.register(service)
     service.alerts()                     # GET /v1/alerts
     service.stop()
 
@@ -34,7 +34,7 @@ from trainvitals.alerts.local import format_transition
 from trainvitals.alerts.notifiers.base import Notification, Notifier
 from trainvitals.alerts.notifiers.config import build_notifiers
 from trainvitals.alerts.rules import Rule, load_rules
-from trainvitals.hooks.wire import Report
+from trainvitals.hooks.wire import Report, ReportBatch
 
 __all__ = ["AlertService"]
 
@@ -92,6 +92,14 @@ class AlertService:
         if transitions:
             self._notify(transitions, now)
         return transitions
+
+    def observe_batch(self, batch: ReportBatch, now: float | None = None) -> list[Transition]:
+        """Every report of a ``POST /v1/reports`` body (the store's ``on_ingest`` signature)."""
+        now = time.time() if now is None else now
+        out: list[Transition] = []
+        for report in batch.reports:
+            out.extend(self.observe(report, now))
+        return out
 
     def tick(self, now: float | None = None) -> list[Transition]:
         """Timers (RunSilent, holds, expiry) and Alertmanager re-sends."""

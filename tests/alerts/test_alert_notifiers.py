@@ -20,6 +20,7 @@ from trainvitals.alerts.notifiers.config import (
 )
 from trainvitals.alerts.rules import parse_rules
 from trainvitals.alerts.service import AlertService
+from trainvitals.hooks.wire import ReportBatch
 
 FAST = RetryPolicy(attempts=3, initial=0.01, maximum=0.05)
 
@@ -298,6 +299,15 @@ def test_dedup_key_is_stable_and_bounded():
     assert len(key) == 255 and key == dedup_key(dict(reversed(list(labels.items()))))
     assert key != dedup_key({**labels, "param": "p" * 399 + "q"})
     assert dedup_key({**labels, "severity": "warning"}) == key  # severity is not identity
+
+
+def test_observe_batch_takes_a_whole_ingest_body():
+    svc = service([])
+    batch = ReportBatch(schema=1, reports=[
+        report(0, [("modality_dilution_ratio", {"modality": "image"}, 17.0)], run="a"),
+        report(0, [("modality_dilution_ratio", {"modality": "image"}, 17.0)], run="b")])
+    assert sorted(t.labels["run"] for t in svc.observe_batch(batch, 10.0)) == ["a", "b"]
+    assert [f.name for f in svc.metric_families()] == ["trainvitals_alerts_firing"]  # no notifiers
 
 
 def test_service_views_and_metrics(monkeypatch):
