@@ -8,16 +8,13 @@ collector can use it without pulling in the training stack.
 from __future__ import annotations
 
 import math
-import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 SCHEMA_VERSION = 1
 PREFIX = "trainvitals_"
 
-_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]*$")
-_LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 # Labels a sample may not carry: Prometheus renames job/instance on scrape, and
 # run/rank come from the report itself.
 RESERVED_LABELS = frozenset({"job", "instance", "run", "rank"})
@@ -80,36 +77,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
 
 
+# Checked by pydantic-core itself (no per-sample Python): a Prometheus label name
+# that does not start with "__", and bounded sizes.
+LabelName = Annotated[str, StringConstraints(pattern=r"^(?:[a-zA-Z]|_[a-zA-Z0-9])[a-zA-Z0-9_]*$", max_length=64)]
+LabelValue = Annotated[str, StringConstraints(max_length=MAX_LABEL_VALUE)]
+MetricName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[a-z_][a-z0-9_]*$")]
+
+
 class Sample(_Strict):
     """One value of one series: the metric name without prefix, labels, value."""
 
-    name: Annotated[str, Field(min_length=1, max_length=128)]
-    labels: dict[str, str] = Field(default_factory=dict)
+    name: MetricName
+    labels: Annotated[dict[LabelName, LabelValue], Field(max_length=MAX_LABELS)] = Field(default_factory=dict)
     # NaN/Inf are legal values (a non-finite grad norm is a signal, not an error).
     value: float
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
-            raise ValueError(f"metric name {v!r} must match {_NAME_RE.pattern} (no prefix)")
-        if v.startswith(PREFIX):
-            raise ValueError(f"metric name {v!r} must not carry the {PREFIX!r} prefix")
-        return v
-
-    @field_validator("labels")
-    @classmethod
-    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
-        if len(v) > MAX_LABELS:
-            raise ValueError(f"at most {MAX_LABELS} labels per sample, got {len(v)}")
-        for key, val in v.items():
-            if not _LABEL_RE.match(key) or key.startswith("__"):
-                raise ValueError(f"label name {key!r} is not a valid Prometheus label name")
-            if key in RESERVED_LABELS:
-                raise ValueError(f"label {key!r} is reserved (run/rank come from the report)")
-            if len(val) > MAX_LABEL_VALUE:
-                raise ValueError(f"label {key!r} value longer than {MAX_LABEL_VALUE} characters")
-        return v
 
 
 class Event(_Strict):
@@ -136,6 +117,18 @@ class Report(_Strict):
         if not math.isfinite(v) or v < 0:
             raise ValueError("time must be a finite Unix timestamp in seconds")
         return v
+
+    @model_validator(mode="after")
+    def _sample_names(self) -> Report:
+        # One cheap pass per report (the per-field checks run in pydantic-core).
+        for i, s in enumerate(self.samples):
+            if s.name.startswith(PREFIX):
+                raise ValueError(f"samples.{i}.name: {s.name!r} must not carry the {PREFIX!r} prefix")
+            if s.labels and not RESERVED_LABELS.isdisjoint(s.labels):
+                bad = sorted(RESERVED_LABELS.intersection(s.labels))[0]
+                raise ValueError(f"samples.{i}.labels: label {bad!r} is reserved (run/rank come from "
+                                 "the report; Prometheus renames job/instance)")
+        return self
 
 
 class ReportBatch(_Strict):

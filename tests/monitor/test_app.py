@@ -202,7 +202,7 @@ BAD = {
         JSON,
         422,
         "invalid",
-        "reports.0.samples.0.labels: label 'job' is reserved",
+        "samples.0.labels: label 'job' is reserved",
     ),
     "no_reports": (
         encode({"schema": 1, "reports": []}),
