@@ -29,7 +29,8 @@ from starlette.concurrency import run_in_threadpool
 
 from trainvitals.hooks.wire import SCHEMA_VERSION, ReportBatch
 from trainvitals.monitor.exposition import ReportCounter, StoreCollector, make_registry
-from trainvitals.monitor.settings import Settings
+from trainvitals.alerts.service import AlertService
+from trainvitals.monitor.settings import Settings, SettingsError
 from trainvitals.monitor.store import IngestRefused, SeriesLimitExceeded, SeriesStore
 
 __all__ = ["create_app", "tune_gc"]
@@ -53,7 +54,8 @@ class _Refused(Exception):
         self.headers = headers
 
 
-def create_app(settings: Settings | None = None, *, store: SeriesStore | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, store: SeriesStore | None = None,
+               alerts: AlertService | None = None) -> FastAPI:
     """Build the collector app; ``settings`` default to the environment.
 
     ``app.state`` holds ``settings``, ``store``, ``registry`` (the private
@@ -70,14 +72,21 @@ def create_app(settings: Settings | None = None, *, store: SeriesStore | None = 
         )
     reports = ReportCounter()
     registry, exporter = make_registry(store, reports)
+    if alerts is None:
+        alerts = _alert_service(settings)
+    # Rules are evaluated as reports arrive (cheap, no I/O); notifiers send from their own threads.
+    store.on_ingest(alerts.observe_batch)
+    exporter.register_family_source(alerts.metric_families)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        alerts.start()
         app.state.ready = True
         try:
             yield
         finally:
             app.state.ready = False
+            await run_in_threadpool(alerts.stop)
 
     app = FastAPI(
         title="trainvitals collector",
@@ -89,6 +98,7 @@ def create_app(settings: Settings | None = None, *, store: SeriesStore | None = 
     app.state.registry = registry
     app.state.exporter = exporter
     app.state.reports = reports
+    app.state.alerts = alerts
     app.state.ready = False
 
     token = settings.token.get_secret_value().encode() if settings.token is not None else None
@@ -139,6 +149,11 @@ def create_app(settings: Settings | None = None, *, store: SeriesStore | None = 
             for r in store.runs()
         ]
 
+    @app.get("/v1/alerts")
+    async def list_alerts() -> list[dict[str, Any]]:
+        """Alerts firing now, pending, or resolved recently."""
+        return alerts.alerts()
+
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         """The process answers."""
@@ -152,6 +167,22 @@ def create_app(settings: Settings | None = None, *, store: SeriesStore | None = 
         return JSONResponse({"status": "ready", "series": len(store)})
 
     return app
+
+
+def _alert_service(settings: Settings) -> AlertService:
+    """The alert service the settings describe; a bad rule or notifier raises SettingsError."""
+    from trainvitals.alerts.notifiers.config import NotifierConfigError
+    from trainvitals.alerts.rules import RuleError
+
+    options = dict(settings.alerts or {})
+    options.setdefault("run_ttl", settings.run_ttl_seconds)
+    rules = "default" if settings.rules is None else settings.rules
+    try:
+        return AlertService.from_config(rules=rules, notifiers=settings.notifiers, **options)
+    except (RuleError, NotifierConfigError) as exc:
+        raise SettingsError(str(exc)) from None
+    except TypeError as exc:
+        raise SettingsError(f"alerts: unknown option ({exc}); see AlertService.from_config") from None
 
 
 def tune_gc() -> None:

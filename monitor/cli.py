@@ -56,12 +56,12 @@ def serve(
 
     try:
         settings = Settings.from_file(config_file, host=host, port=port, token_file=token_file)
+        app = create_app(settings)
     except SettingsError as exc:
         raise click.ClickException(str(exc)) from None
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = create_app(settings)
     tune_gc()
     shown = f"[{settings.host}]" if ":" in settings.host else settings.host
     auth = "bearer token required" if settings.auth_required else "no authentication"
@@ -201,3 +201,14 @@ def _batches(file: Path, size: int) -> Iterator[tuple[int, int, list[bytes]]]:
         last = lineno
     if batch:
         yield first, last, batch
+
+
+def _add_subcommands() -> None:
+    from trainvitals.alerts.cli import rules
+    from trainvitals.monitor.demo import demo
+
+    main.add_command(rules)
+    main.add_command(demo)
+
+
+_add_subcommands()

@@ -14,12 +14,12 @@ __all__ = ["make_body", "make_report", "serve_in_thread"]
 
 
 @contextmanager
-def serve_in_thread(app: Any, *, host: str = "127.0.0.1", timeout: float = 10.0) -> Iterator[str]:
-    """Serve ``app`` with uvicorn in a thread on a free port; yield its base URL.
+def serve_in_thread(app: Any, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 10.0) -> Iterator[str]:
+    """Serve ``app`` with uvicorn in a thread (``port`` 0: a free one); yield its base URL.
 
     The server stops (and the thread is joined) when the block exits.
     """
-    config = uvicorn.Config(app, host=host, port=0, log_level="warning", lifespan="on")
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="trainvitals-test-collector", daemon=True)
     thread.start()
