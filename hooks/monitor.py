@@ -165,6 +165,14 @@ class Monitor:
         self._handles.clear()
         for s in self.signals:
             self._guard(s, "close", s.close)
+        # A last, sample-free report tells the collector the run ended on purpose,
+        # so RunSilent does not page for a job that simply finished.
+        end = StepContext(step=self.step, device=torch.device("cpu"))
+        end.event("run_end", f"Monitor.close() after {self.step} optimizer steps")
+        try:
+            self._pipeline.put(pack(end, run=self.run, rank=self.rank))
+        except Exception as exc:  # noqa: BLE001
+            self.warn_once("run_end", "could not queue the run_end report: %s", exc)
         self._pipeline.close(self.config.flush_timeout)
 
     @property

@@ -187,9 +187,11 @@ def test_file_sink_writes_valid_wire_reports(tmp_path):
             step(model, opt, i)
     lines = path.read_text().splitlines()
     reports = [Report.model_validate(json.loads(line)) for line in lines]
-    assert [r.step for r in reports] == [1, 2, 4]
-    assert {s.name for s in reports[-1].samples} >= {"grad_norm", "param_norm", "update_ratio",
+    assert [r.step for r in reports] == [1, 2, 4, 4]
+    assert {s.name for s in reports[-2].samples} >= {"grad_norm", "param_norm", "update_ratio",
                                                     "client_dropped_reports_total"}
+    # close() sends a last report that marks the run as ended on purpose.
+    assert [e.kind for e in reports[-1].events] == ["run_end"]
 
 
 def test_default_sink_comes_from_the_environment(tmp_path, monkeypatch):

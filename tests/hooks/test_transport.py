@@ -155,6 +155,7 @@ def test_monitor_streams_to_http(statuses):
                 model(torch.randn(3, 4)).sum().backward()
                 opt.step()
                 opt.zero_grad()
-        assert [r["step"] for r in rec.reports] == [1, 2, 4]
-        names = {s["name"] for s in rec.reports[-1]["samples"]}
+        assert [r["step"] for r in rec.reports] == [1, 2, 4, 4]
+        assert rec.reports[-1]["events"][0]["kind"] == "run_end"
+        names = {s["name"] for s in rec.reports[-2]["samples"]}
         assert {"grad_norm", "client_dropped_reports_total"} <= names
