@@ -53,10 +53,11 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.signals.base import Signal, StepContext
-from trainvitals.hooks.signals.param_series import choose, flat, groups_key, stride_for
+from trainvitals.hooks.signals.param_series import choose, flat, groups_key
 from trainvitals.hooks.tensors import local
 
 _BUCKET = 1 << 18  # sampled elements per batch: bounds the temporaries to a few MB
+_BLOCK = 16  # sampled run length: one 64-byte cache line of float32
 _TINY = 1e-30
 
 
@@ -92,48 +93,66 @@ class _Entry:
 
 
 class _Layout:
-    """Index tensors of one arrangement of Adam entries, series and groups."""
+    """One arrangement of Adam entries: how each is sampled, the batches of samples,
+    which series and group each entry feeds."""
 
     def __init__(self, monitor: Any, entries: list[_Entry], series_of: dict[int, tuple[int, bool]],
                  series_labels: list[dict[str, str]]):
         dev = monitor.device
         cap = monitor.config.update_sample
         groups = monitor.groups()
-        self.strides: list[int] = []
-        sampled: list[int] = []
+        # Per entry: None (every element) or (blocks, spacing): `blocks` runs of _BLOCK
+        # contiguous elements, evenly spaced. Runs of a cache line, not single strided
+        # elements, keep the sample cheap to read.
+        self.plans: list[tuple[int, int, int] | None] = []
+        sizes: list[int] = []
         series_entries, series_bins, group_entries, group_bins = [], [], [], []
         group_slot: dict[int, int] = {}
         for i, e in enumerate(entries):
             n = local(e.param).numel() * (2 if e.param.is_complex() else 1)
             pos, one_d = series_of.get(id(e.param), (-1, False))
-            stride = 1 if one_d else stride_for(n, cap)
-            self.strides.append(stride)
-            sampled.append(-(-n // stride))
+            if one_d or n <= cap:
+                self.plans.append(None)
+                sizes.append(n)
+            else:
+                width = min(_BLOCK, cap)
+                blocks = cap // width
+                self.plans.append((blocks, n // blocks, width))
+                sizes.append(blocks * width)
             if pos >= 0:
                 series_entries.append(i)
                 series_bins.append(pos)
             if not one_d:
                 group_entries.append(i)
                 group_bins.append(group_slot.setdefault(e.group, len(group_slot)))
-        self.sampled = torch.tensor(sampled, dtype=torch.float32).to(dev)
-        # Batches of at most _BUCKET sampled elements: (entry, first, last) sample ranges.
-        self.buckets: list[tuple[list[tuple[int, int, int]], torch.Tensor]] = []
-        chunk: list[tuple[int, int, int]] = []
-        owners: list[int] = []
+        self.sampled = torch.tensor(sizes, dtype=torch.float64).to(dev)
+        # Batches of at most _BUCKET sampled elements; a segment is (entry, first, last)
+        # in the entry's sample. A sample larger than a batch (a huge 1D parameter) is split.
+        self.buckets: list[_Bucket] = []
+        segments: list[tuple[int, int, int]] = []
         room = _BUCKET
-        for i, k in enumerate(sampled):
+        for i, k in enumerate(sizes):
             start = 0
+            plan = self.plans[i]
             while start < k:
                 take = min(k - start, room)
-                chunk.append((i, start, start + take))
-                owners.append(i)
+                if plan is not None:
+                    take -= take % plan[2]  # whole runs only
+                if take == 0:
+                    self.buckets.append(_Bucket(segments, dev))
+                    segments, room = [], _BUCKET
+                    continue
+                segments.append((i, start, start + take))
                 room -= take
                 start += take
                 if room == 0:
-                    self._close(chunk, owners, dev)
-                    chunk, owners, room = [], [], _BUCKET
-        if chunk:
-            self._close(chunk, owners, dev)
+                    self.buckets.append(_Bucket(segments, dev))
+                    segments, room = [], _BUCKET
+        if segments:
+            self.buckets.append(_Bucket(segments, dev))
+        width = max((b.size for b in self.buckets), default=0)
+        self.m_buf = torch.empty(width, dtype=torch.float32, device=dev)
+        self.v_buf = torch.empty(width, dtype=torch.float32, device=dev)
         self.n_series = len(series_labels)
         self.series_entries = torch.tensor(series_entries, dtype=torch.long).to(dev)
         self.series_bins = torch.tensor(series_bins, dtype=torch.long).to(dev)
@@ -146,11 +165,27 @@ class _Layout:
             {"group": groups[g][0]} for g, _ in sorted(group_slot.items(), key=lambda kv: kv[1])]
         self.all_series_present = len(present) == self.n_series
 
-    def _close(self, chunk: list[tuple[int, int, int]], owners: list[int], dev: torch.device) -> None:
-        counts = [b - a for _, a, b in chunk]
-        index = torch.repeat_interleave(torch.tensor(owners, dtype=torch.long),
-                                        torch.tensor(counts, dtype=torch.long)).to(dev)
-        self.buckets.append((list(chunk), index))
+    def sample(self, x: torch.Tensor, entry: int, first: int, last: int, out: torch.Tensor) -> None:
+        """Copy elements ``first:last`` of entry ``entry``'s sample of ``x`` into ``out``."""
+        plan = self.plans[entry]
+        if plan is None:
+            out.copy_(x[first:last])
+            return
+        blocks, spacing, width = plan
+        view = x.as_strided((blocks, width), (spacing, 1), x.storage_offset())
+        out.view(-1, width).copy_(view[first // width : last // width])
+
+
+class _Bucket:
+    """One batch of samples: its segments, and each element's entry (for the scalar)."""
+
+    def __init__(self, segments: list[tuple[int, int, int]], dev: torch.device):
+        self.segments = segments
+        self.lengths = [b - a for _, a, b in segments]
+        self.size = sum(self.lengths)
+        owner = torch.tensor([i for i, _, _ in segments], dtype=torch.long)
+        self.index = torch.repeat_interleave(owner, torch.tensor(self.lengths)).to(dev)
+        self.owner = owner.to(dev)
 
 
 class AdamState(Signal):
@@ -316,36 +351,48 @@ class AdamState(Signal):
 
         steps = _stack([_step_tensor(e.state) for e in entries], dev).to(torch.float64)  # type: ignore[misc]
         b1, b2, eps = self._hyperparameters(monitor, entries)
-        bc1 = (1 - b1 ** steps).clamp_min(_TINY).to(torch.float32)
-        bc2 = (1 - b2 ** steps).clamp_min(_TINY).to(torch.float32)
-        eps32 = eps.to(torch.float32)
+        bc1 = (1 - b1 ** steps).clamp_min(_TINY)
+        bc2 = (1 - b2 ** steps).clamp_min(_TINY)
 
         ms = [flat(local(e.state["exp_avg"])) for e in entries]
         vs = [flat(local(e.v)) for e in entries]
         raw = vs if all(e.v is e.state["exp_avg_sq"] for e in entries) else [
             flat(local(e.state["exp_avg_sq"])) for e in entries]
-        m_sq = _stack(torch._foreach_norm(ms, 2, dtype=torch.float32), dev).square()
-        v_sq = _stack(torch._foreach_norm(raw, 2, dtype=torch.float32), dev).square()
+        m_sq = _stack(torch._foreach_norm(ms, 2, dtype=torch.float32), dev).to(torch.float64).square()
+        v_sq = _stack(torch._foreach_norm(raw, 2, dtype=torch.float32), dev).to(torch.float64).square()
 
-        dominated = torch.zeros(len(entries), device=dev)
-        update_sq = torch.zeros(len(entries), device=dev)
-        for chunk, index in lay.buckets:
-            m = torch.cat([_sample(ms[i], lay.strides[i], a, b) for i, a, b in chunk]).to(dev, torch.float32)
-            v = torch.cat([_sample(vs[i], lay.strides[i], a, b) for i, a, b in chunk]).to(dev, torch.float32)
-            e = eps32[index]
-            v.div_(bc2[index]).sqrt_()  # sqrt(v_hat)
-            dominated.index_add_(0, index, (v < e).to(torch.float32))
-            m.div_(bc1[index]).div_(v.add_(e)).square_()  # (m_hat / (sqrt(v_hat) + eps))^2
-            update_sq.index_add_(0, index, m)
+        # Per element only c = eps * sqrt(1 - b2^t) is needed:
+        #   sqrt(v_hat) < eps  <=>  sqrt(v) < c
+        #   (m_hat / (sqrt(v_hat) + eps))^2 = m^2 / (sqrt(v) + c)^2 * (1 - b2^t) / (1 - b1^t)^2
+        # the last factor is applied per entry, after the sums.
+        c = (eps * bc2.sqrt()).to(torch.float32)
+        dominated = torch.zeros(len(entries), dtype=torch.float64, device=dev)
+        update_sq = torch.zeros(len(entries), dtype=torch.float64, device=dev)
+        for bucket in lay.buckets:
+            m, v = lay.m_buf[: bucket.size], lay.v_buf[: bucket.size]
+            for (i, a, b), mo, vo in zip(bucket.segments, m.split(bucket.lengths), v.split(bucket.lengths)):
+                lay.sample(ms[i], i, a, b, mo)
+                lay.sample(vs[i], i, a, b, vo)
+            ce = c.index_select(0, bucket.index)
+            v.sqrt_()
+            below = (v < ce).to(torch.float32)
+            m.div_(v.add_(ce))
+            # Per-segment sums of squares (of 0/1 for the count) in one foreach call.
+            sums = _stack(torch._foreach_norm([*m.split(bucket.lengths), *below.split(bucket.lengths)]),
+                          dev).to(torch.float64).square()
+            k = len(bucket.lengths)
+            update_sq.index_add_(0, bucket.owner, sums[:k])
+            dominated.index_add_(0, bucket.owner, sums[k:].round())
+        update_sq = update_sq * bc2 / bc1.square()
 
         per_entry = torch.stack([m_sq, v_sq, dominated, update_sq, lay.sampled])  # [5, E]
         parts = []
         if lay.n_series:
-            s = torch.zeros(5, lay.n_series, device=dev).index_add_(
+            s = torch.zeros(5, lay.n_series, dtype=torch.float64, device=dev).index_add_(
                 1, lay.series_bins, per_entry.index_select(1, lay.series_entries))
             parts.append(s if lay.all_series_present else s.index_select(1, lay.series_keep))
         if lay.n_groups:
-            parts.append(torch.zeros(5, lay.n_groups, device=dev).index_add_(
+            parts.append(torch.zeros(5, lay.n_groups, dtype=torch.float64, device=dev).index_add_(
                 1, lay.group_bins, per_entry.index_select(1, lay.group_entries)))
         if not parts:
             return
@@ -376,8 +423,3 @@ def _stack(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
     if all(t.device == first for t in tensors):
         return torch.stack(tensors).to(dev, non_blocking=True)
     return torch.stack([t.to(dev, non_blocking=True) for t in tensors])
-
-
-def _sample(x: torch.Tensor, stride: int, first: int, last: int) -> torch.Tensor:
-    """Samples ``first`` to ``last`` (exclusive) of ``x[::stride]``."""
-    return x[first * stride : last * stride : stride]

@@ -25,10 +25,11 @@ class Series:
 
 
 def groups_key(monitor: Any) -> tuple:
-    """Identity of the optimizer's param groups and their parameters (host only).
+    """Which parameters each param group holds, by identity (host only).
 
-    Changes when a group is added, removed or replaced, or its parameters change."""
-    return tuple((id(g), tuple(map(id, g["params"]))) for g in monitor.optimizer.param_groups)
+    Changes when a group is added or removed or its parameters change; not when
+    ``load_state_dict`` replaces the group dicts with the same parameters."""
+    return tuple(tuple(map(id, g["params"])) for g in monitor.optimizer.param_groups)
 
 
 def choose(monitor: Any) -> list[Series]:
