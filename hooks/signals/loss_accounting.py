@@ -220,7 +220,18 @@ class LossAccounting(Signal):
     def track(self, monitor: Any, per_token: torch.Tensor, *, modality: Any,
               mask: torch.Tensor | None = None, segments: torch.Tensor | None = None,
               output: torch.Tensor | None = None) -> None:
-        """Account one micro-batch's per-token losses; see ``Monitor.track_loss``."""
+        """Account one micro-batch's per-token losses; call once per micro-batch, before
+        its backward.
+
+        ``per_token``: [B, T] (or [N]) per-token losses the loss is reduced from; it must
+        require grad. ``modality``: per sample [B] or per token [B, T] integer codes,
+        names from ``attach(modalities=...)`` (one per row, or one for all). ``mask``:
+        [B, T] bool, the label tokens (default: all). ``segments``: [B, T] sample ids
+        of packed rows. ``output``: logits or last hidden states [B, T, ...] (or
+        [B*T, ...]), for ``modality_grad_norm{scope="output"}``. Wrong types, shapes
+        and unknown names raise here; problems in the values become events. Every
+        backward that reaches ``per_token`` within the step is counted.
+        """
         if self._layout is None:  # created outside Monitor._signal: bind ourselves
             self.bind(monitor)
         rows, cols, codes = self._check(monitor, per_token, modality, mask, segments, output)

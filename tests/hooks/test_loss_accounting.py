@@ -276,10 +276,11 @@ def test_flat_per_token_is_one_sample_per_element_without_segments():
 
 
 # -- GradScaler ----------------------------------------------------------------------
-def test_grad_scaler_weights_are_unscaled_without_a_host_sync():
+@pytest.mark.parametrize("enabled", [True, False], ids=["scaling", "scaler-disabled"])
+def test_grad_scaler_weights_are_unscaled_without_a_host_sync(enabled):
     batches = [padded(samples([80, 20, 60], [0, 1, 0], seed=40), 0), padded(samples([30, 10], [1, 1], seed=41), 3)]
     results = []
-    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**12)):
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=2.0**12, enabled=enabled)):
         model, opt, mon = monitored(scaler=scaler)
         train_step(model, opt, mon, batches, lambda pt, r, k: reduce_loss(pt, r, "sqrt") / 2, scaler=scaler)
         results.append(loss_samples(mon))
