@@ -1,0 +1,265 @@
+"""Softmax saturation and distillation signals (INCIDENTS.md, I5).
+
+``observe_logits`` reports, per (task, role), over every position observed in a
+reported step (all calls of the step add up; the sums reset after each report):
+the mean top-1 probability, the share of positions above 0.99 and 0.999, the mean
+softmax Jacobian ``q (1 - q)`` of the top-1, the mean entropy in nats, and the
+temperature that brings the mean top-1 down to ``softmax_target``.
+
+Statistics are taken at the observed ``temperature`` (the logits divided by it);
+the recommended temperature is absolute, a property of the raw logits: the
+``tau`` to distill at, 1.0 when the mean top-1 at ``T = 1`` is already at or below
+the target (the search and its accuracy: ``softmax_math``).
+
+``observe_distillation`` adds both roles at ``tau`` and, per task:
+
+- ``distill_top1_grad_share_ratio``: the gradient of KL(p_T || p_S) with respect
+  to the student's logits is ``g = (p_S - p_T) / tau`` (times tau^2 with Hinton's
+  scaling; a share is scale-free). Because ``sum_j g_j = 0``, a descent step
+  raises some logits and lowers others by the same L1 amount, ``||g||_1 / 2``.
+  The share is the part of the raising that goes to the teacher's top-1 ``t``:
+  ``sum_i max(p_T,it - p_S,it, 0) / sum_i ||p_S,i - p_T,i||_1 / 2`` over the
+  (weighted) positions. 1 when everything the student is taught is "more of the
+  top-1" (a near one-hot teacher: no dark knowledge); small when a soft teacher
+  spreads it, or when the student is already more confident than the teacher
+  (the gradient then lowers the top-1 and raises the rest). Pooled, so a position
+  counts by its gradient magnitude (matched positions add nothing). (The plain
+  L1 share ``|g_t| / ||g||_1`` cannot exceed 1/2, and is 1/2 for an overconfident
+  student of a soft teacher too; hence this definition.)
+- ``distill_dark_knowledge_mass``: mean teacher probability outside its top-1.
+
+Cost, bounded for 150k-class vocabularies and paid only on reported steps:
+
+- Positions: at most ``softmax_max_positions`` per call, taken with a fixed
+  stride over all positions (``ceil(N / cap)``, made coprime with T for [B, T]
+  logits so the sample cycles through sequence positions); the mask then weights
+  them. Selecting masked positions first would need their count on the host, so
+  a sparse mask leaves about ``cap * density`` effective positions. Masked-out
+  positions never reach a sum, even when their logits are NaN.
+- Vocabulary: rows are processed in chunks whose float32/int64 buffers stay
+  within ``softmax_chunk_bytes`` (16 bytes per logit, plus a row copy when the
+  positions are not a view; at least one row); the other buffers are O(positions).
+- No host sync: everything is summed on the logits' device and emitted at the
+  report, where it joins the step's single host transfer. Results are this rank's
+  positions (not combined across ranks: ranks may observe different tasks).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+
+from trainvitals.hooks.signals import softmax_math as sm
+from trainvitals.hooks.signals.base import Signal, StepContext
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+# Accumulator layout per (task, role): weight, then STATS, then the grid.
+_SAT_LEN = 1 + len(sm.STATS) + sm.TEMPERATURE_POINTS
+# Per task: weight, raising of the teacher's top-1, ||g||_1 / 2, teacher mass outside top-1.
+_DISTILL_LEN = 4
+
+
+def _check_name(what: str, value: Any, example: str) -> str:
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ValueError(f"{what}={value!r} is not a usable name; pass a short identifier like {example!r}")
+    return value
+
+
+def _check_temperature(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}: temperature must be a Python number like 2.0, got {type(value).__name__}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{where}: temperature must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _check_logits(where: str, name: str, logits: Any) -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor of shape [B, T, V] or [N, V], "
+                        f"got {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"{where}: {name} must be floating point (float32, bfloat16 or float16), got "
+                        f"{logits.dtype}; pass the model's output logits, not token ids or labels")
+    if logits.ndim not in (2, 3):
+        raise ValueError(f"{where}: {name} must be [B, T, V] or [N, V], got shape {tuple(logits.shape)}")
+    if logits.shape[-1] < 2:
+        raise ValueError(f"{where}: {name} needs at least 2 classes in its last dimension, "
+                         f"got shape {tuple(logits.shape)}")
+
+
+def _check_mask(where: str, mask: Any, logits: torch.Tensor) -> None:
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{where}: mask must be a bool torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{where}: mask must be a bool tensor (e.g. labels != -100), got {mask.dtype}")
+    if tuple(mask.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"{where}: mask shape {tuple(mask.shape)} must equal the logits' positions "
+                         f"{tuple(logits.shape[:-1])} (logits.shape[:-1])")
+
+
+class _Positions:
+    """The subsampled positions of [B, T, V] or [N, V] logits, handed out by row chunks."""
+
+    def __init__(self, logits: torch.Tensor, mask: torch.Tensor | None, cap: int):
+        self.vocab = logits.shape[-1]
+        self.logits = logits.detach()
+        positions = math.prod(logits.shape[:-1])
+        period = logits.shape[1] if logits.ndim == 3 else 1
+        self.stride = sm.subsample_stride(positions, cap, period)
+        self.count = -(-positions // self.stride)
+        self.period = period
+        flat = None
+        try:  # a strided view of the rows when [B, T] merge without a copy (the usual case)
+            flat = self.logits.view(-1, self.vocab)[:: self.stride]
+        except RuntimeError:
+            pass
+        self.flat = flat
+        self.copies = 0 if flat is not None else 1
+        self.weights = None if mask is None else (
+            mask.detach().reshape(-1)[:: self.stride].to(logits.device, torch.float32, non_blocking=True))
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        if self.flat is not None:
+            return self.flat[start:stop]
+        index = torch.arange(start, stop, device=self.logits.device) * self.stride
+        return self.logits[index // self.period, index % self.period]
+
+    def weight(self, start: int, stop: int, device: torch.device) -> torch.Tensor:
+        if self.weights is None:
+            return torch.ones(stop - start, device=device)
+        return self.weights[start:stop]
+
+
+def _weighted_sum(weight: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[1 + C]``: sum of weights, then the weighted column sums of ``values``
+    ``[r, C]``; rows with weight 0 never contribute (their values may be NaN)."""
+    keep = (weight > 0).unsqueeze(1)
+    summed = torch.where(keep, values * weight.unsqueeze(1), values.new_zeros(())).sum(0)
+    return torch.cat([weight.sum().reshape(1), summed])
+
+
+class Softmax(Signal):
+    """Saturation per (task, role) and distillation per task, summed over a reported step."""
+
+    def __init__(self) -> None:
+        self._saturation: dict[tuple[str, str], torch.Tensor] = {}
+        self._distillation: dict[str, torch.Tensor] = {}
+        self._temperatures: dict[torch.device, torch.Tensor] = {}
+
+    # -- user calls (through Monitor) ----------------------------------------
+    def observe_logits(self, monitor: Any, logits: torch.Tensor, *, mask: torch.Tensor | None = None,
+                       task: str = "all", role: str = "student", temperature: float = 1.0) -> None:
+        where = "observe_logits"
+        _check_logits(where, "logits", logits)
+        _check_mask(where, mask, logits)
+        _check_name("task", task, "ie")
+        _check_name("role", role, "teacher")
+        tau = _check_temperature(where, temperature)
+        if not monitor.reporting_next:
+            return
+        with torch.no_grad():
+            positions = _Positions(logits, mask, monitor.config.softmax_max_positions)
+            self._add_saturation((task, role), positions, tau, monitor.config.softmax_chunk_bytes)
+
+    def observe_distillation(self, monitor: Any, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                             *, temperature: float, mask: torch.Tensor | None = None, task: str = "all") -> None:
+        where = "observe_distillation"
+        _check_logits(where, "student_logits", student_logits)
+        _check_logits(where, "teacher_logits", teacher_logits)
+        if tuple(teacher_logits.shape) != tuple(student_logits.shape):
+            raise ValueError(f"{where}: teacher_logits shape {tuple(teacher_logits.shape)} must equal "
+                             f"student_logits shape {tuple(student_logits.shape)}")
+        _check_mask(where, mask, student_logits)
+        _check_name("task", task, "ie")
+        tau = _check_temperature(where, temperature)
+        if not monitor.reporting_next:
+            return
+        cap, chunk_bytes = monitor.config.softmax_max_positions, monitor.config.softmax_chunk_bytes
+        with torch.no_grad():
+            student = _Positions(student_logits, mask, cap)
+            teacher = _Positions(teacher_logits, mask, cap)
+            self._add_saturation((task, "student"), student, tau, chunk_bytes)
+            self._add_saturation((task, "teacher"), teacher, tau, chunk_bytes)
+            self._add_distillation(task, student, teacher, tau, chunk_bytes)
+
+    # -- accumulation ----------------------------------------------------------
+    def _grid(self, device: torch.device) -> torch.Tensor:
+        if device not in self._temperatures:
+            self._temperatures[device] = sm.temperature_grid(device)
+        return self._temperatures[device]
+
+    def _add_saturation(self, key: tuple[str, str], positions: _Positions, tau: float, chunk_bytes: int) -> None:
+        device = positions.logits.device
+        betas = tau / self._grid(device)
+        step = sm.rows_per_chunk(positions.vocab, chunk_bytes, copies=positions.copies,
+                                 itemsize=positions.logits.element_size())
+        workspace = sm.saturation_workspace(min(step, positions.count), positions.vocab, device)
+        total = torch.zeros(_SAT_LEN, device=device)
+        for start in range(0, positions.count, step):
+            stop = min(start + step, positions.count)
+            stats, grid = sm.saturation_chunk(positions.rows(start, stop), 1.0 / tau, betas, workspace)
+            total += _weighted_sum(positions.weight(start, stop, device), torch.cat([stats, grid], dim=1))
+        self._saturation[key] = self._add(self._saturation.get(key), total)
+
+    def _add_distillation(self, task: str, student: _Positions, teacher: _Positions, tau: float,
+                          chunk_bytes: int) -> None:
+        device = student.logits.device
+        step = sm.rows_per_chunk(student.vocab, chunk_bytes, copies=student.copies + teacher.copies,
+                                 itemsize=max(student.logits.element_size(), teacher.logits.element_size()))
+        workspace = sm.Workspace(min(step, student.count), student.vocab, device, index=False)
+        total = torch.zeros(_DISTILL_LEN, device=device)
+        for start in range(0, student.count, step):
+            stop = min(start + step, student.count)
+            per_position = sm.distillation_chunk(student.rows(start, stop), teacher.rows(start, stop),
+                                                 1.0 / tau, workspace)
+            total += _weighted_sum(student.weight(start, stop, device), per_position)
+        self._distillation[task] = self._add(self._distillation.get(task), total)
+
+    @staticmethod
+    def _add(acc: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+        return part if acc is None else acc + part.to(acc.device, non_blocking=True)
+
+    # -- report ------------------------------------------------------------------
+    def collect(self, monitor: Any, ctx: StepContext) -> None:
+        saturation, self._saturation = self._saturation, {}
+        distillation, self._distillation = self._distillation, {}
+        if saturation:
+            self._emit_saturation(monitor, ctx, saturation)
+        if distillation:
+            tasks = list(distillation)
+            acc = torch.stack([distillation[t].to(ctx.device) for t in tasks])
+            weight, raise_top, raise_all, dark = acc.unbind(1)
+            labels = [{"task": t} for t in tasks]
+            ctx.emit("distill_top1_grad_share_ratio", raise_top / raise_all, labels, present=raise_all > 0)
+            ctx.emit("distill_dark_knowledge_mass", dark / weight, labels, present=weight > 0)
+
+    def _emit_saturation(self, monitor: Any, ctx: StepContext,
+                         saturation: dict[tuple[str, str], torch.Tensor]) -> None:
+        keys = list(saturation)
+        acc = torch.stack([saturation[k].to(ctx.device) for k in keys])
+        weight = acc[:, 0]
+        present = weight > 0
+        mean = acc[:, 1:] / weight.unsqueeze(1)
+        n_stats = len(sm.STATS)
+        top1, sat99, sat999, jac, entropy = mean[:, :n_stats].unbind(1)
+        recommended = sm.temperature_for_target(self._grid(ctx.device), mean[:, n_stats:],
+                                                monitor.config.softmax_target)
+        labels = [{"task": task, "role": role} for task, role in keys]
+        ctx.emit("softmax_top1_prob_mean", top1, labels, present=present)
+        thresholds = [str(t) for t in sm.SATURATION_THRESHOLDS]
+        ctx.emit("softmax_saturated_ratio", torch.cat([sat99, sat999]),
+                 [{**lab, "threshold": t} for t in thresholds for lab in labels],
+                 present=torch.cat([present, present]))
+        ctx.emit("softmax_jacobian_mean", jac, labels, present=present)
+        ctx.emit("softmax_entropy_nats", entropy, labels, present=present)
+        ctx.emit("softmax_recommended_temperature", recommended, labels, present=present)
+
+    def close(self) -> None:
+        self._saturation.clear()
+        self._distillation.clear()
+        self._temperatures.clear()
