@@ -245,9 +245,19 @@ def _rank_main(rank: int, world: int, port: int, out: str, mode: str) -> None:
 
 
 def dp_single_process(mode: str) -> list[list[dict]]:
-    """The same run in one process, for comparison with rank 0."""
+    """The same run in one process, for comparison with rank 0 (one thread, as the
+    ranks use: another thread count sums the matmuls in another order)."""
     from trainvitals.hooks import attach
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _dp_single_process(mode, attach)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _dp_single_process(mode: str, attach) -> list[list[dict]]:
     model = dp_model(mode)
     opt = dp_optimizer(model)
     mon = attach(model, opt, run="dp", sink="null", every=2, drift_window=3, signals=("params", "adam"))
