@@ -58,6 +58,10 @@ scaler skips (inf/NaN gradients, ``optimizer.step`` not called) is detected when
 ``scaler.update()`` has run and its accounting is discarded. Without a scaler, a
 step whose ``optimizer.step`` the job skips is merged into the next one.
 
+"Absent" costs no host sync: such values are emitted with ``ctx.emit(present=...)``
+and dropped on the sender thread where the condition is false (a modality without
+samples has no dilution or loss either).
+
 The opt-in parameter-space probe (``attach(probe_every=N)``) lives in
 ``loss_probe.py``.
 """
@@ -597,11 +601,12 @@ class LossAccounting(Signal):
             return  # no weights arrived on this step: nothing honest to say about them
 
         # How the job's loss combines across ranks sets the unit of weight (see module doc).
+        # (Python numbers, not new device tensors: creating one would wait for the device.)
+        scale: float | torch.Tensor
         if monitor.config.loss_reduction == "sum":
-            scale = (torch.tensor(float(monitor.config.loss_scale), dtype=sums.dtype, device=sums.device)
-                     if monitor.config.loss_scale is not None else total_tokens)
+            scale = float(monitor.config.loss_scale) if monitor.config.loss_scale is not None else total_tokens
         else:
-            scale = torch.tensor(float(monitor.world_size), dtype=sums.dtype, device=sums.device)
+            scale = float(monitor.world_size)
         has_weight = (total_weight != 0).float()
         grad_share = weight[:m] / total_weight
         ctx.emit("modality_grad_share_ratio", grad_share, mod_labels, present=has_weight.expand(m))

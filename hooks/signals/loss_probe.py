@@ -111,15 +111,16 @@ class ModalityProbe:
             return (buf @ buf.T).double() if ran else None
         return None if buf is None else (buf @ buf.T).double()
 
-    def emit(self, ctx: StepContext, gram: torch.Tensor, names: list[str], scale: torch.Tensor) -> None:
+    def emit(self, ctx: StepContext, gram: torch.Tensor, names: list[str], scale: float | torch.Tensor) -> None:
         norms = gram.diagonal().clamp_min(0).sqrt()
-        ctx.emit("modality_grad_norm", norms / scale.to(norms.dtype),
+        ctx.emit("modality_grad_norm", norms / (scale.to(norms.dtype) if isinstance(scale, torch.Tensor) else scale),
                  [{"modality": n, "scope": "params"} for n in names])
         pairs = [(i, j) for i in range(len(names)) for j in range(len(names)) if i != j]
         if not pairs:
             return
-        rows = torch.tensor([i for i, _ in pairs], device=gram.device)
-        cols = torch.tensor([j for _, j in pairs], device=gram.device)
+        # Built on the host and copied without waiting (a tensor made on the device would).
+        rows = torch.tensor([i for i, _ in pairs]).to(gram.device, non_blocking=True)
+        cols = torch.tensor([j for _, j in pairs]).to(gram.device, non_blocking=True)
         cos = gram[rows, cols] / (norms[rows] * norms[cols])
         ctx.emit("modality_grad_cosine", cos,
                  [{"modality": names[i], "other": names[j]} for i, j in pairs],
