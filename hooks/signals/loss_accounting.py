@@ -216,9 +216,7 @@ class LossAccounting(Signal):
 
     def close(self) -> None:
         self._closed = True
-        self._step = self._final = None
-        if self._probe is not None:
-            self._probe.close()
+        self._step = self._final = None  # drops the probe's gradient buffers too
 
     # -- the user call -----------------------------------------------------------
     def track(self, monitor: Any, per_token: torch.Tensor, *, modality: Any,

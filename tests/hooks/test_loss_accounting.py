@@ -181,7 +181,8 @@ def test_output_grad_norm_per_modality_equals_reference(how):
 
 # -- I2: loss not divided by the accumulation steps -------------------------------
 @pytest.mark.parametrize(("divide", "mass"), [(False, 4.0), (True, 1.0)], ids=["missing-division", "healthy"])
-def test_weight_mass_shows_a_missing_accumulation_division(divide, mass):
+def test_weight_mass_shows_a_missing_accumulation_division(divide, mass, caplog):
+    caplog.set_level(logging.WARNING, logger="trainvitals")
     model, opt, mon = monitored()
     batches = [padded(samples([30, 30], [0, 1], seed=10 + k), 2 * k) for k in range(4)]
 
@@ -194,6 +195,7 @@ def test_weight_mass_shows_a_missing_accumulation_division(divide, mass):
     assert mon.value("microbatches") == 4
     assert mon.value("token_weight_spread_ratio") == pytest.approx(1.0)  # equal token counts
     mon.close()
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
 # -- I3: mean of per-micro-batch means --------------------------------------------

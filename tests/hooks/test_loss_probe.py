@@ -3,6 +3,8 @@ separate backward passes, and the user's own gradients are untouched."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from _loss_models import MODALITIES, TokenModel, padded, per_token_loss, reduce_loss, samples
@@ -41,7 +43,8 @@ def flat(grads: list[torch.Tensor]) -> torch.Tensor:
 
 @pytest.mark.parametrize("how", ["token", "sample"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["fp32", "grad-scaler"])
-def test_probe_norms_and_cosine_equal_separate_backward_passes(how, scaled):
+def test_probe_norms_and_cosine_equal_separate_backward_passes(how, scaled, caplog):
+    caplog.set_level(logging.WARNING, logger="trainvitals")
     ref = [flat(g) for g in modality_grads(how)]
     model = TokenModel(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -71,6 +74,7 @@ def test_probe_norms_and_cosine_equal_separate_backward_passes(how, scaled):
     # The output-gradient norms were not disturbed by the probe's backward passes either.
     assert mon.value("loss_weight_mass") == pytest.approx(1.0, rel=1e-6)
     mon.close()
+    assert not caplog.records, [r.getMessage() for r in caplog.records]  # nothing failed, nothing to warn
 
 
 def test_probe_runs_only_on_probe_steps():
