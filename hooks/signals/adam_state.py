@@ -165,12 +165,13 @@ class _Layout:
             {"group": groups[g][0]} for g, _ in sorted(group_slot.items(), key=lambda kv: kv[1])]
         self.all_series_present = len(present) == self.n_series
 
-    def sample(self, x: torch.Tensor, entry: int, first: int, last: int, out: torch.Tensor) -> None:
-        """Copy elements ``first:last`` of entry ``entry``'s sample of ``x`` into ``out``."""
+    def sample(self, t: torch.Tensor, entry: int, first: int, last: int, out: torch.Tensor) -> None:
+        """Copy elements ``first:last`` of entry ``entry``'s sample of ``t`` into ``out``."""
         plan = self.plans[entry]
         if plan is None:
-            out.copy_(x[first:last])
+            out.copy_(flat(t)[first:last])
             return
+        x = t if t.is_contiguous() and not t.is_complex() else flat(t)
         blocks, spacing, width = plan
         view = x.as_strided((blocks, width), (spacing, 1), x.storage_offset())
         out.view(-1, width).copy_(view[first // width : last // width])
@@ -188,6 +189,18 @@ class _Bucket:
         self.owner = owner.to(dev)
 
 
+class _Walk:
+    """One look at the optimizer's state (host only)."""
+
+    def __init__(self) -> None:
+        self.vanished: list[str] = []  # parameters whose state is gone since the last look
+        self.ids: list[int] = []  # parameters with a step count, and their step tensors
+        self.steps: list[torch.Tensor] = []
+        self.recreated: list[bool] = []  # state tensors replaced since the last look
+        self.entries: list[_Entry] = []  # Adam-family parameters
+        self.entry_steps: list[int] = []  # their positions in ``steps``
+
+
 class AdamState(Signal):
     def __init__(self) -> None:
         self._layout_key: tuple | None = None
@@ -196,6 +209,8 @@ class AdamState(Signal):
         self._series: tuple[dict[int, tuple[int, bool]], list[dict[str, str]]] = ({}, [])
         self._hyper_key: tuple | None = None
         self._hyper: torch.Tensor | None = None
+        self._pick_key: tuple | None = None
+        self._pick: torch.Tensor | None = None
         self._resets: torch.Tensor | None = None
         self._groups_key: tuple | None = None
         self._groups_params: set[int] = set()
@@ -211,28 +226,28 @@ class AdamState(Signal):
         self._groups_key = groups_key(monitor)
         self._groups_params = {id(p) for g in monitor.optimizer.param_groups for p in g["params"]}
         # A state that exists at attach (a resumed run) is the baseline.
-        _, ids, steps, _ = self._observe_state(monitor)
-        if steps:
-            self._steps, self._step_order = _stack(steps, monitor.device), tuple(ids)
+        walk = self._walk(monitor)
+        if walk.steps:
+            self._steps, self._step_order = _stack(walk.steps, monitor.device), tuple(walk.ids)
         self._report_step = monitor.step
         return []
 
     # -- report ----------------------------------------------------------------
     def collect(self, monitor: Any, ctx: StepContext) -> None:
-        self._collect_resets(monitor, ctx)
-        self._collect_moments(monitor, ctx)
+        key = groups_key(monitor)
+        walk = self._walk(monitor)
+        now = _stack(walk.steps, monitor.device) if walk.steps else None
+        self._collect_resets(monitor, ctx, key, walk, now)
+        if walk.entries and now is not None:
+            self._collect_moments(monitor, ctx, key, walk, now)
 
-    def _observe_state(self, monitor: Any) -> tuple[list[str], list[int], list[torch.Tensor], list[bool]]:
-        """Walk the optimizer's state (host only). Returns the names of parameters whose
-        state vanished, the ids and step tensors of the parameters with a step count, and
-        for each whether its state was recreated since the previous look."""
+    def _walk(self, monitor: Any) -> _Walk:
         state = monitor.optimizer.state
-        vanished: list[str] = []
-        ids: list[int] = []
-        steps: list[torch.Tensor] = []
-        recreated: list[bool] = []
+        walk = _Walk()
         anchors: dict[int, tuple[Any, Any]] = {}
-        for label, group in monitor.groups():
+        for gi, (label, group) in enumerate(monitor.groups()):
+            adam = _is_adam_group(group)
+            amsgrad = adam and bool(group.get("amsgrad", False))
             for i, p in enumerate(group["params"]):
                 st = state.get(p)  # .get: optimizer.state is a defaultdict
                 old = self._anchors.get(id(p))
@@ -241,53 +256,57 @@ class AdamState(Signal):
                 anchor = _anchor(st) if st else None
                 if anchor is None:
                     if old is not None:
-                        vanished.append(monitor.name_of(p, f"{label}.{i}"))
+                        walk.vanished.append(monitor.name_of(p, f"{label}.{i}"))
                     continue
-                anchors[id(p)] = (weakref.ref(p), weakref.ref(anchor))
+                same = old is not None and old[1]() is anchor
+                anchors[id(p)] = old if same else (weakref.ref(p), weakref.ref(anchor))  # type: ignore[assignment]
                 step = _step_tensor(st)
                 if step is None:
                     continue
-                ids.append(id(p))
-                steps.append(step)
-                recreated.append(old is not None and old[1]() is not anchor)
+                if adam and "exp_avg" in st and "exp_avg_sq" in st:
+                    v = st["max_exp_avg_sq"] if amsgrad and "max_exp_avg_sq" in st else st["exp_avg_sq"]
+                    walk.entries.append(_Entry(p, gi, st, v))
+                    walk.entry_steps.append(len(walk.steps))
+                walk.ids.append(id(p))
+                walk.steps.append(step)
+                walk.recreated.append(old is not None and not same)
         self._anchors = anchors
-        return vanished, ids, steps, recreated
+        return walk
 
-    def _collect_resets(self, monitor: Any, ctx: StepContext) -> None:
+    def _collect_resets(self, monitor: Any, ctx: StepContext, key: tuple, walk: _Walk,
+                        now: torch.Tensor | None) -> None:
         dev = monitor.device
         reasons: list[str] = []
-        key = groups_key(monitor)
         if key != self._groups_key:
             params = {id(p) for g in monitor.optimizer.param_groups for p in g["params"]}
             added, removed = len(params - self._groups_params), len(self._groups_params - params)
             reasons.append(f"param groups changed ({len(self._groups_key or ())} -> {len(key)} groups, "
                            f"{added} parameters added, {removed} removed)")
             self._groups_key, self._groups_params = key, params
-        vanished, ids, steps, recreated = self._observe_state(monitor)
-        if vanished:
-            more = f" and {len(vanished) - 3} more" if len(vanished) > 3 else ""
-            reasons.append(f"optimizer state emptied for {len(vanished)} parameters "
-                           f"({', '.join(vanished[:3])}{more})")
+        if walk.vanished:
+            more = f" and {len(walk.vanished) - 3} more" if len(walk.vanished) > 3 else ""
+            reasons.append(f"optimizer state emptied for {len(walk.vanished)} parameters "
+                           f"({', '.join(walk.vanished[:3])}{more})")
         flag = None
-        now = _stack(steps, dev) if steps else None
+        elapsed = monitor.step - self._report_step
+        ids = tuple(walk.ids)
         if now is not None and self._steps is not None:
-            elapsed = monitor.step - self._report_step
-            if tuple(ids) == self._step_order and not any(recreated):
-                flag = (now < self._steps).any()
+            if ids == self._step_order and not any(walk.recreated):
+                flag = (now < self._steps).any()  # the usual case: one compare, no index
             else:
                 prev_pos = {pid: j for j, pid in enumerate(self._step_order)}
-                same = [(j, prev_pos[pid]) for j, (pid, rec) in enumerate(zip(ids, recreated))
+                kept = [(j, prev_pos[pid]) for j, (pid, rec) in enumerate(zip(ids, walk.recreated))
                         if pid in prev_pos and not rec]
-                rec_idx = [j for j, rec in enumerate(recreated) if rec]
+                fresh = [j for j, rec in enumerate(walk.recreated) if rec]
                 flag = torch.zeros((), dtype=torch.bool, device=dev)
-                if same:
-                    a = torch.tensor([j for j, _ in same], dtype=torch.long).to(dev)
-                    b = torch.tensor([k for _, k in same], dtype=torch.long).to(dev)
+                if kept:
+                    a = torch.tensor([j for j, _ in kept], dtype=torch.long).to(dev)
+                    b = torch.tensor([k for _, k in kept], dtype=torch.long).to(dev)
                     flag = flag | (now[a] < self._steps[b]).any()
-                if rec_idx:
-                    r = torch.tensor(rec_idx, dtype=torch.long).to(dev)
+                if fresh:
+                    r = torch.tensor(fresh, dtype=torch.long).to(dev)
                     flag = flag | (now[r] <= elapsed).any()
-        self._steps, self._step_order, self._report_step = now, tuple(ids), monitor.step
+        self._steps, self._step_order, self._report_step = now, ids, monitor.step
         assert self._resets is not None
         if reasons:
             self._resets = self._resets + 1
@@ -299,8 +318,7 @@ class AdamState(Signal):
                       "(optimizer state cleared, zeroed or rebuilt)", when=flag)
         ctx.emit("optimizer_state_resets_total", self._resets, {})
 
-    def _series_map(self, monitor: Any) -> tuple[dict[int, tuple[int, bool]], list[dict[str, str]]]:
-        key = groups_key(monitor)
+    def _series_map(self, monitor: Any, key: tuple) -> tuple[dict[int, tuple[int, bool]], list[dict[str, str]]]:
         if key != self._series_key:
             self._series_key = key
             series = choose(monitor)
@@ -311,53 +329,50 @@ class AdamState(Signal):
     def _hyperparameters(self, monitor: Any, entries: list[_Entry]) -> torch.Tensor:
         """[3, E] float64: beta1, beta2, eps of each entry's group."""
         groups = monitor.optimizer.param_groups
-        values = [(groups[e.group]["betas"][0], groups[e.group]["betas"][1], groups[e.group]["eps"])
-                  for e in entries]
+        per_group = [(g["betas"][0], g["betas"][1], g["eps"]) if _is_adam_group(g) else (0.0, 0.0, 0.0)
+                     for g in groups]
         dev = monitor.device
-        if any(isinstance(x, torch.Tensor) for row in values for x in row):
+        if any(isinstance(x, torch.Tensor) for row in per_group for x in row):
             return torch.stack([torch.stack([torch.as_tensor(x, dtype=torch.float64).to(dev).reshape(())
-                                             for x in row]) for row in values], 1)
-        key = tuple(values)
+                                             for x in per_group[e.group]]) for e in entries], 1)
+        key = (tuple(per_group), id(self._layout))
         if key != self._hyper_key:
             self._hyper_key = key
-            self._hyper = torch.tensor(values, dtype=torch.float64).t().contiguous().to(dev)
+            self._hyper = torch.tensor([per_group[e.group] for e in entries],
+                                       dtype=torch.float64).t().contiguous().to(dev)
         assert self._hyper is not None
         return self._hyper
 
-    def _collect_moments(self, monitor: Any, ctx: StepContext) -> None:
+    def _collect_moments(self, monitor: Any, ctx: StepContext, key: tuple, walk: _Walk,
+                         now: torch.Tensor) -> None:
         dev = monitor.device
-        state = monitor.optimizer.state
-        entries: list[_Entry] = []
-        for gi, (_, group) in enumerate(monitor.groups()):
-            if not _is_adam_group(group):
-                continue
-            amsgrad = bool(group.get("amsgrad", False))
-            for p in group["params"]:
-                st = state.get(p)
-                if not st or "exp_avg" not in st or "exp_avg_sq" not in st or _step_tensor(st) is None:
-                    continue
-                v = st["max_exp_avg_sq"] if amsgrad and "max_exp_avg_sq" in st else st["exp_avg_sq"]
-                entries.append(_Entry(p, gi, st, v))
-        if not entries:
-            return
-        series_of, series_labels = self._series_map(monitor)
-        key = (self._series_key, tuple((id(e.param), e.group, local(e.param).numel()) for e in entries),
-               monitor.config.update_sample)
-        if key != self._layout_key:
-            self._layout_key = key
+        entries = walk.entries
+        series_of, series_labels = self._series_map(monitor, key)
+        lkey = (key, tuple(id(e.param) for e in entries), monitor.config.update_sample)
+        if lkey != self._layout_key:
+            self._layout_key = lkey
             self._layout = _Layout(monitor, entries, series_of, series_labels)
         lay = self._layout
         assert lay is not None
 
-        steps = _stack([_step_tensor(e.state) for e in entries], dev).to(torch.float64)  # type: ignore[misc]
+        if len(walk.entry_steps) == len(walk.steps):
+            steps = now.to(torch.float64)
+        else:
+            pick_key = tuple(walk.entry_steps)
+            if pick_key != self._pick_key:
+                self._pick_key = pick_key
+                self._pick = torch.tensor(pick_key, dtype=torch.long).to(dev)
+            steps = now.to(torch.float64).index_select(0, self._pick)  # type: ignore[arg-type]
         b1, b2, eps = self._hyperparameters(monitor, entries)
-        bc1 = (1 - b1 ** steps).clamp_min(_TINY)
-        bc2 = (1 - b2 ** steps).clamp_min(_TINY)
+        bc1 = (1 - b1**steps).clamp_min(_TINY)
+        bc2 = (1 - b2**steps).clamp_min(_TINY)
 
-        ms = [flat(local(e.state["exp_avg"])) for e in entries]
-        vs = [flat(local(e.v)) for e in entries]
-        raw = vs if all(e.v is e.state["exp_avg_sq"] for e in entries) else [
-            flat(local(e.state["exp_avg_sq"])) for e in entries]
+        sharded = monitor.sharded
+        ms = [e.state["exp_avg"] for e in entries]
+        vs = [e.v for e in entries]
+        raw = vs if all(e.v is e.state["exp_avg_sq"] for e in entries) else [e.state["exp_avg_sq"] for e in entries]
+        if sharded:
+            ms, vs, raw = [local(t) for t in ms], [local(t) for t in vs], [local(t) for t in raw]
         m_sq = _stack(torch._foreach_norm(ms, 2, dtype=torch.float32), dev).to(torch.float64).square()
         v_sq = _stack(torch._foreach_norm(raw, 2, dtype=torch.float32), dev).to(torch.float64).square()
 
@@ -406,7 +421,7 @@ class AdamState(Signal):
             ctx.emit("adam_exp_avg_norm", t[0].sqrt(), labels)
             ctx.emit("adam_exp_avg_sq_norm", t[1].sqrt(), labels)
 
-        if monitor.sharded:
+        if sharded:
             ctx.reduce(totals.reshape(-1), "sum", finish)
         else:
             finish(totals)

@@ -8,9 +8,11 @@ capped by :mod:`param_series`), label ``param``:
 - ``param_min`` / ``param_max`` / ``param_absmax``: its range after the step.
 - ``param_drift_log2`` = log2(absmax / absmax at attach), the bits of dynamic range
   gained (INCIDENTS.md I4: 1.0 -> 56 is 5.8 bits). The reference is taken in
-  ``bind``. A parameter that is all zeros at attach (a zero-initialized bias) takes
-  as reference its absmax at the first report where it is non-zero, so it counts
-  the bits gained since it started to move; while it stays 0 it reads 0.
+  ``bind`` (for a parameter the optimizer gains later: when the monitor first sees
+  it, before its first step). A parameter that is all zeros at attach (a
+  zero-initialized bias) takes as reference its absmax at the first report where
+  it is non-zero, so it counts the bits gained since it started to move; while it
+  stays 0 it reads 0.
 - ``param_drift_consistency_ratio``: per element, the signs of its changes between
   consecutive reports (+1, -1, 0 when unchanged) over the last ``drift_window``
   reports; |mean sign| per element, averaged over the elements (at most 1024 per
@@ -18,6 +20,8 @@ capped by :mod:`param_series`), label ``param``:
   one way (Adam amplifying biased noise); near 0: noise or no movement. Per
   element rather than the sign of the mean change, so a vector whose elements
   walk in different directions still reads 1. Absent until one change is seen.
+  Alone it does not tell the incident from a bias the loss moves steadily at a
+  high learning rate (that reads 1 too); ``param_grad_relative_rms`` does.
 - ``param_weight_decay``: the ``weight_decay`` of its param group (0: none).
 - ``param_grad_relative_rms``: its gradient RMS over the median (torch.median:
   the lower middle value for an even count) of the per-parameter gradient RMS of
