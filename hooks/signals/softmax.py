@@ -103,31 +103,45 @@ def _check_mask(where: str, mask: Any, logits: torch.Tensor) -> None:
 
 
 class _Positions:
-    """The subsampled positions of [B, T, V] or [N, V] logits, handed out by row chunks."""
+    """The subsampled positions of [B, T, V] or [N, V] logits, handed out by row chunks.
+
+    Usually the kept rows are a strided view (``view(-1, V)[::stride]``). When [B, T]
+    cannot merge (e.g. ``logits[:, :-1]``), the logits are addressed as a 2D
+    strided view whose row stride divides both position strides, and each chunk's
+    rows are gathered with ``index_select`` into one reused buffer.
+    """
 
     def __init__(self, logits: torch.Tensor, mask: torch.Tensor | None, cap: int):
         self.vocab = logits.shape[-1]
         self.logits = logits.detach()
         positions = math.prod(logits.shape[:-1])
-        period = logits.shape[1] if logits.ndim == 3 else 1
-        self.stride = sm.subsample_stride(positions, cap, period)
+        self.period = logits.shape[1] if logits.ndim == 3 else 1
+        self.stride = sm.subsample_stride(positions, cap, self.period)
         self.count = -(-positions // self.stride)
-        self.period = period
-        flat = None
-        try:  # a strided view of the rows when [B, T] merge without a copy (the usual case)
-            flat = self.logits.view(-1, self.vocab)[:: self.stride]
-        except RuntimeError:
-            pass
-        self.flat = flat
-        self.copies = 0 if flat is not None else 1
         self.weights = None if mask is None else (
             mask.detach().reshape(-1)[:: self.stride].to(logits.device, torch.float32, non_blocking=True))
+        self._buffer: torch.Tensor | None = None
+        try:
+            self.flat: torch.Tensor | None = self.logits.view(-1, self.vocab)[:: self.stride]
+            self.copies = 0
+        except RuntimeError:
+            self.flat = None
+            self.copies = 1
+            b, t, v = self.logits.shape
+            sb, st, sv = self.logits.stride()
+            row = math.gcd(sb, st) or 1
+            self._row_steps = (sb // row, st // row)
+            rows = ((b - 1) * sb + (t - 1) * st) // row + 1
+            self._rows2d = self.logits.as_strided((rows, v), (row, sv), self.logits.storage_offset())
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         if self.flat is not None:
             return self.flat[start:stop]
-        index = torch.arange(start, stop, device=self.logits.device) * self.stride
-        return self.logits[index // self.period, index % self.period]
+        if self._buffer is None:  # the first chunk is the largest
+            self._buffer = self.logits.new_empty((stop - start, self.vocab))
+        flat = torch.arange(start, stop, device=self.logits.device) * self.stride
+        index = (flat // self.period) * self._row_steps[0] + (flat % self.period) * self._row_steps[1]
+        return torch.index_select(self._rows2d, 0, index, out=self._buffer[: stop - start])
 
     def weight(self, start: int, stop: int, device: torch.device) -> torch.Tensor:
         if self.weights is None:
