@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.signals.base import Signal, StepContext
-from trainvitals.hooks.signals.param_series import choose, flat, groups_key
+from trainvitals.hooks.signals.param_series import choose, flat, groups_key, real
 from trainvitals.hooks.tensors import local
 
 _BUCKET = 1 << 18  # sampled elements per batch: bounds the temporaries to a few MB
@@ -373,8 +373,9 @@ class AdamState(Signal):
         raw = vs if all(e.v is e.state["exp_avg_sq"] for e in entries) else [e.state["exp_avg_sq"] for e in entries]
         if sharded:
             ms, vs, raw = [local(t) for t in ms], [local(t) for t in vs], [local(t) for t in raw]
-        m_sq = _stack(torch._foreach_norm(ms, 2, dtype=torch.float32), dev).to(torch.float64).square()
-        v_sq = _stack(torch._foreach_norm(raw, 2, dtype=torch.float32), dev).to(torch.float64).square()
+        m_sq = _stack(torch._foreach_norm([real(t) for t in ms], 2, dtype=torch.float32), dev)
+        v_sq = _stack(torch._foreach_norm([real(t) for t in raw], 2, dtype=torch.float32), dev)
+        m_sq, v_sq = m_sq.to(torch.float64).square(), v_sq.to(torch.float64).square()
 
         # Per element only c = eps * sqrt(1 - b2^t) is needed:
         #   sqrt(v_hat) < eps  <=>  sqrt(v) < c

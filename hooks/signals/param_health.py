@@ -46,7 +46,14 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.signals.base import Signal, StepContext
-from trainvitals.hooks.signals.param_series import Series, choose, flat, groups_key, stride_for
+from trainvitals.hooks.signals.param_series import (
+    Series,
+    choose,
+    flat,
+    groups_key,
+    real,
+    stride_for,
+)
 from trainvitals.hooks.tensors import group_amax, group_amin, group_sum, local
 
 log = logging.getLogger("trainvitals")
@@ -70,7 +77,9 @@ class _Layout:
         self.one_d = [s for s in series if s.param.ndim <= 1]
         self.labels = [{"param": s.name} for s in self.one_d]
         self.n = len(self.one_d)
-        counts = [local(s.param).numel() for s in self.one_d]
+        # Complex parameters count as (real, imaginary) pairs, as Adam treats them.
+        counts = [flat(local(s.param).detach()).numel() for s in self.one_d]
+        self.counts = counts
         self.idx = _counts_index(counts, dev)
         self.strides = [stride_for(c, _CONSISTENCY_SAMPLE) for c in counts]
         sampled = [-(-c // st) for c, st in zip(counts, self.strides)]
@@ -97,8 +106,7 @@ class _Layout:
         if self.dense:
             return values
         parts, start = [], 0
-        for s, st in zip(self.one_d, self.strides):
-            n = local(s.param).numel()
+        for n, st in zip(self.counts, self.strides):
             parts.append(values[start : start + n : st])
             start += n
         return torch.cat(parts)
@@ -207,7 +215,8 @@ class ParamHealth(Signal):
         if not params:
             self._grad_sq = None
             return
-        norms = torch._foreach_norm([flat(local(p.grad)) for p in params], 2, dtype=torch.float32)
+        grads = [real(local(p.grad)) for p in params] if monitor.sharded else [real(p.grad) for p in params]
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
         same = all(n.device == dev for n in norms)
         self._grad_sq = torch.stack(norms if same else [n.to(dev, non_blocking=True) for n in norms]).square()
         numel_key = tuple(p.numel() for p in params)  # global sizes (DTensor.numel is global)

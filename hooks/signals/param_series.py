@@ -65,6 +65,11 @@ def stride_for(numel: int, cap: int) -> int:
     return max(1, -(-numel // cap))
 
 
+def real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as (real, imaginary) pairs, as Adam treats it; others as they are."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def flat(t: torch.Tensor) -> torch.Tensor:
     """A 1-D view of ``t`` (a copy only when ``t`` is not contiguous); complex as real pairs."""
     if t.is_complex():

@@ -228,3 +228,30 @@ def test_reset_makes_the_1d_parameters_eps_dominated_again():
     assert series(mon.latest(), "adam_normalized_update_rms")["scale"] < 1.0
     handle.remove()
     mon.close()
+
+
+class ComplexModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.cfloat))
+        self.b = torch.nn.Parameter(torch.randn(3, dtype=torch.cfloat))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w + self.b).abs().sum()
+
+
+def test_complex_parameters_count_as_real_pairs():
+    """Adam steps a complex parameter as (real, imaginary) pairs; so do the statistics."""
+    model = ComplexModel()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    mon = attach(model, opt, run="complex", sink="null", every=1, signals=("params", "adam"))
+    for i in range(3):
+        model(torch.randn(5, 4, dtype=torch.cfloat, generator=torch.Generator().manual_seed(i))).backward()
+        opt.step()
+        opt.zero_grad()
+    st = opt.state[model.b]
+    m = torch.view_as_real(st["exp_avg"])
+    assert mon.value("adam_exp_avg_norm", param="b") == pytest.approx(float(m.norm()), rel=1e-6)
+    assert mon.value("param_absmax", param="b") == pytest.approx(float(torch.view_as_real(model.b.detach()).abs().max()))
+    mon.close()
