@@ -1,0 +1,244 @@
+"""Real servers for the end-to-end alert tests: the collector, a recording webhook
+receiver, Debian's Alertmanager; and bounded polling."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from trainvitals.alerts.rules import default_rule_paths
+from trainvitals.monitor.app import create_app
+from trainvitals.monitor.settings import Settings
+from trainvitals.monitor.testing import serve_in_thread
+
+ALERTMANAGER = shutil.which("prometheus-alertmanager")
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll until ``predicate()`` is truthy and return it; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not seen within {timeout} s")
+        time.sleep(interval)
+
+
+# -- the collector -------------------------------------------------------------------
+@dataclass
+class Collector:
+    url: str
+    client: httpx.Client
+
+    def alerts(self, run: str | None = None) -> list[dict[str, Any]]:
+        """GET /v1/alerts, optionally only the alerts of one run."""
+        response = self.client.get("/v1/alerts")
+        response.raise_for_status()
+        return [a for a in response.json() if run is None or a["labels"].get("run") == run]
+
+    def firing(self, run: str | None = None) -> list[dict[str, Any]]:
+        return [a for a in self.alerts(run) if a["state"] == "firing"]
+
+    def wait_for(self, alertname: str, run: str, state: str = "firing", timeout: float = 15.0) -> dict[str, Any]:
+        """The alert ``alertname`` of ``run`` once it is in ``state`` (bounded poll)."""
+
+        def found() -> dict[str, Any] | None:
+            for a in self.alerts(run):
+                if a["alertname"] == alertname and a["state"] == state:
+                    return a
+            return None
+
+        try:
+            return wait_until(found, timeout, f"{alertname} {state} for run {run}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; alerts of the run: {self.alerts(run)}") from None
+
+    def metrics(self) -> str:
+        response = self.client.get("/metrics")
+        response.raise_for_status()
+        return response.text
+
+
+@contextmanager
+def running_collector(**settings: Any) -> Iterator[Collector]:
+    """A real collector (uvicorn on 127.0.0.1, port 0) with ``Settings(**settings)``."""
+    settings.setdefault("log_level", "warning")
+    app = create_app(Settings(**settings))
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=10) as client:
+        yield Collector(url, client)
+
+
+def metric_values(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """Every sample of metric ``name`` in a Prometheus text exposition, by sorted labels."""
+    out = {}
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
+        if match:
+            labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', match.group(1) or "")))
+            out[labels] = float(match.group(2))
+    return out
+
+
+def short_silence_rules(folder: Path, silent_for: str = "2s") -> Path:
+    """Copies of the default rule files with RunSilent's ``silent_for`` shortened."""
+    folder.mkdir(parents=True, exist_ok=True)
+    replaced = 0
+    for path in default_rule_paths():
+        text, n = re.subn(r"(?m)^(\s*silent_for:\s*)\S+", rf"\g<1>{silent_for}", path.read_text())
+        replaced += n
+        (folder / path.name).write_text(text)
+    if replaced != 1:
+        raise AssertionError(f"expected one silent_for in the default rules, found {replaced}")
+    return folder
+
+
+# -- a webhook receiver --------------------------------------------------------------------
+@dataclass
+class Request:
+    path: str
+    body: bytes
+    answered: int | None  # the status sent back; None: never answered
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Receiver:
+    """A local HTTP server on port 0 that records what is POSTed to it.
+
+    ``statuses``: answers to the first requests, in order, then 200. ``hang``: read
+    the request and never answer (until the receiver is closed, at most 30 s).
+    """
+
+    def __init__(self, statuses: list[int] | tuple[int, ...] = (), *, hang: bool = False):
+        self.statuses = list(statuses)
+        self.hang = hang
+        self.requests: list[Request] = []
+        self._lock = threading.Lock()
+        self._release = threading.Event()
+        self._closed = False
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with outer._lock:
+                    status = None if outer.hang else (outer.statuses.pop(0) if outer.statuses else 200)
+                    outer.requests.append(Request(self.path, body, status))
+                if status is None:
+                    outer._release.wait(30)
+                    self.close_connection = True
+                    return
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="e2e-receiver", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def received(self) -> list[Request]:
+        with self._lock:
+            return list(self.requests)
+
+    def close(self) -> None:
+        """Release hanging requests and stop (idempotent)."""
+        self._release.set()
+        if self._closed:
+            return
+        self._closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- Alertmanager ------------------------------------------------------------------------
+ALERTMANAGER_CONFIG = """\
+route:
+  receiver: recorder
+  group_by: [alertname, run]
+  group_wait: 1s
+  group_interval: 2s
+  repeat_interval: 1h
+receivers:
+  - name: recorder
+    webhook_configs:
+      - url: "{url}/webhook"
+        send_resolved: true
+"""
+
+
+@contextmanager
+def running_alertmanager(folder: Path, receiver_url: str) -> Iterator[str]:
+    """Debian's prometheus-alertmanager on loopback, no cluster, storage in ``folder``;
+    its route sends every alert to ``receiver_url``/webhook. Yields its URL."""
+    if ALERTMANAGER is None:
+        raise RuntimeError("prometheus-alertmanager is not installed")
+    folder.mkdir(parents=True, exist_ok=True)
+    config = folder / "alertmanager.yml"
+    config.write_text(ALERTMANAGER_CONFIG.format(url=receiver_url))
+    port = free_port()
+    log_path = folder / "alertmanager.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [ALERTMANAGER, f"--config.file={config}", f"--storage.path={folder / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+            stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            with httpx.Client(timeout=1.0) as client:
+                def ready() -> bool:
+                    if proc.poll() is not None:
+                        raise AssertionError(f"alertmanager exited: {log_path.read_text()}")
+                    try:
+                        return client.get(f"{url}/-/ready").status_code == 200
+                    except httpx.TransportError:
+                        return False
+
+                wait_until(ready, 30, "alertmanager ready")
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
