@@ -27,7 +27,7 @@ def combine(ctx: StepContext) -> None:
     """Run the context's cross-rank reductions, then their callbacks.
 
     All partials of one report are packed into a single vector and exchanged with
-    one ``all_gather_into_tensor``; sum, max and min are then taken locally from
+    one all-gather; sum, max and min are then taken locally from
     the gathered ``[world, n]`` matrix, so the three ops cost one collective.
     """
     reduces, ctx.reduces = ctx.reduces, []
@@ -44,7 +44,9 @@ def combine(ctx: StepContext) -> None:
     packed = torch.cat([r.tensor.to(device, torch.float64) for r in reduces])
     world = dist.get_world_size()
     gathered = torch.empty(world * packed.numel(), dtype=packed.dtype, device=device)
-    dist.all_gather_into_tensor(gathered, packed)
+    # all_gather_single is the newer name (torch 2.13 warns on the old one).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, packed)
     gathered = gathered.view(world, -1)
     offset = 0
     for r in reduces:
