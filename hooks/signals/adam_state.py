@@ -373,9 +373,9 @@ class AdamState(Signal):
         raw = vs if all(e.v is e.state["exp_avg_sq"] for e in entries) else [e.state["exp_avg_sq"] for e in entries]
         if sharded:
             ms, vs, raw = [local(t) for t in ms], [local(t) for t in vs], [local(t) for t in raw]
-        m_sq = _stack(torch._foreach_norm([real(t) for t in ms], 2, dtype=torch.float32), dev)
-        v_sq = _stack(torch._foreach_norm([real(t) for t in raw], 2, dtype=torch.float32), dev)
-        m_sq, v_sq = m_sq.to(torch.float64).square(), v_sq.to(torch.float64).square()
+        both = torch._foreach_norm([real(t) for t in ms] + [real(t) for t in raw], 2, dtype=torch.float32)
+        sq = _stack(both, dev).to(torch.float64).square().view(2, -1)
+        m_sq, v_sq = sq[0], sq[1]
 
         # Per element only c = eps * sqrt(1 - b2^t) is needed:
         #   sqrt(v_hat) < eps  <=>  sqrt(v) < c
