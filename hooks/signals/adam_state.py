@@ -23,16 +23,18 @@ Per parameter that has a ``param`` series (1D ones; with ``per_param=True`` also
 ndim >= 2; see :mod:`param_series`), and per param group (label ``group``) over
 the group's other parameters. The moment norms are exact. The two ratios are exact
 for 1D parameters and for tensors of at most ``update_sample`` elements; larger
-tensors use a deterministic strided sample of that many elements (as
-``update_ratio`` does), processed in bounded batches, so a report costs a pass
-over the moments for the norms and little else.
+tensors use a deterministic sample of that many elements (like ``update_ratio``),
+taken in evenly spaced runs of 16 contiguous elements (a cache line: single
+strided elements cost a cache miss each) and processed in batches of bounded
+size, so a report costs one pass over the moments for the norms and little else.
 
 ``optimizer_state_resets_total`` counts reports at which a reset was seen since
 the previous report (several resets between two reports count once), each with an
 ``optimizer_state_reset`` event saying what was seen:
 
-- the param groups changed (a group added, removed or replaced, or its parameters
-  changed: the optimizer was rebuilt in place, or a new stage added parameters);
+- the param groups changed (a group added or removed, or the parameters of a
+  group changed: the optimizer was rebuilt in place, or a new stage added
+  parameters; ``load_state_dict`` replacing the group dicts is not a change);
 - a parameter's state vanished (``optimizer.state.clear()`` not refilled yet);
 - a parameter's state tensors were recreated and its step count is at most the
   optimizer steps elapsed since the previous report (cleared, then refilled by
@@ -101,9 +103,8 @@ class _Layout:
         dev = monitor.device
         cap = monitor.config.update_sample
         groups = monitor.groups()
-        # Per entry: None (every element) or (blocks, spacing): `blocks` runs of _BLOCK
-        # contiguous elements, evenly spaced. Runs of a cache line, not single strided
-        # elements, keep the sample cheap to read.
+        # Per entry: None (every element) or (blocks, spacing, width): `blocks` runs of
+        # `width` contiguous elements, `spacing` apart.
         self.plans: list[tuple[int, int, int] | None] = []
         sizes: list[int] = []
         series_entries, series_bins, group_entries, group_bins = [], [], [], []
@@ -285,7 +286,7 @@ class AdamState(Signal):
             self._groups_key, self._groups_params = key, params
         if walk.vanished:
             more = f" and {len(walk.vanished) - 3} more" if len(walk.vanished) > 3 else ""
-            reasons.append(f"optimizer state emptied for {len(walk.vanished)} parameters "
+            reasons.append(f"optimizer state emptied for {len(walk.vanished)} parameter(s) "
                            f"({', '.join(walk.vanished[:3])}{more})")
         flag = None
         elapsed = monitor.step - self._report_step

@@ -182,7 +182,7 @@ def test_state_emptied_without_refill_is_a_reset():
     train(model, opt, mon, 1, start=3)
     count, details = resets(mon)
     assert count == 1.0
-    assert len(details) == 1 and "emptied for 1 parameters (scale)" in details[0]
+    assert len(details) == 1 and "emptied for 1 parameter(s) (scale)" in details[0]
     mon.close()
 
 
