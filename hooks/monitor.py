@@ -114,10 +114,17 @@ class Monitor:
     # -- user API ------------------------------------------------------------
     def track_loss(self, per_token: torch.Tensor, *, modality: Any, mask: torch.Tensor | None = None,
                    segments: torch.Tensor | None = None, output: torch.Tensor | None = None) -> None:
-        """Account the loss weights of one micro-batch; call before its backward.
+        """Account the loss weights of one micro-batch; call once per micro-batch,
+        before its backward.
 
-        ``per_token``: [B, T] or [N] per-token losses the loss is reduced from.
-        ``modality``: per sample [B] or per token [B, T], integer codes or names.
+        ``per_token``: [B, T] (or [N]) per-token losses the loss is reduced from
+        (``reduction="none"``); it must require grad. ``modality``: per sample [B] or
+        per token [B, T], integer codes or names from ``attach(modalities=...)``.
+        ``mask``: [B, T] bool, the label tokens (default: all). ``segments``: [B, T]
+        sample ids of packed rows. ``output``: logits or last hidden states
+        [B, T, ...], for per-modality output-gradient norms. Wrong types, shapes and
+        unknown names raise here; problems in the values become events. Definitions:
+        :mod:`trainvitals.hooks.signals.loss_accounting`.
         """
         self._loss_signal().track(self, per_token, modality=modality, mask=mask, segments=segments, output=output)
 
