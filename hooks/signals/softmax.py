@@ -36,9 +36,11 @@ Cost, bounded for 150k-class vocabularies and paid only on reported steps:
   them. Selecting masked positions first would need their count on the host, so
   a sparse mask leaves about ``cap * density`` effective positions. Masked-out
   positions never reach a sum, even when their logits are NaN.
-- Vocabulary: rows are processed in chunks whose float32/int64 buffers stay
-  within ``softmax_chunk_bytes`` (16 bytes per logit, plus a row copy when the
-  positions are not a view; at least one row); the other buffers are O(positions).
+- Vocabulary: rows are processed in chunks whose buffers stay within
+  ``softmax_chunk_bytes`` (16 bytes per logit: float32 gaps and exponentials, int64
+  histogram bins; plus a row copy when the positions are not a view; at least one
+  row). On a CPU the chunk is also kept to ``CPU_CHUNK_BYTES`` (8 MiB), so the ~20
+  passes over it run from cache. Everything else is O(positions).
 - No host sync: everything is summed on the logits' device and emitted at the
   report, where it joins the step's single host transfer. Results are this rank's
   positions (not combined across ranks: ranks may observe different tasks).
@@ -211,12 +213,12 @@ class Softmax(Signal):
         device = positions.logits.device
         betas = tau / self._grid(device)
         step = sm.rows_per_chunk(positions.vocab, chunk_bytes, copies=positions.copies,
-                                 itemsize=positions.logits.element_size())
-        workspace = sm.saturation_workspace(min(step, positions.count), positions.vocab, device)
+                                 itemsize=positions.logits.element_size(), device=device)
+        workspace = sm.saturation_workspace(min(step, positions.count), positions.vocab, betas)
         total = torch.zeros(_SAT_LEN, device=device)
         for start in range(0, positions.count, step):
             stop = min(start + step, positions.count)
-            stats, grid = sm.saturation_chunk(positions.rows(start, stop), 1.0 / tau, betas, workspace)
+            stats, grid = sm.saturation_chunk(positions.rows(start, stop), 1.0 / tau, workspace)
             total += _weighted_sum(positions.weight(start, stop, device), torch.cat([stats, grid], dim=1))
         self._saturation[key] = self._add(self._saturation.get(key), total)
 
@@ -224,8 +226,9 @@ class Softmax(Signal):
                           chunk_bytes: int) -> None:
         device = student.logits.device
         step = sm.rows_per_chunk(student.vocab, chunk_bytes, copies=student.copies + teacher.copies,
-                                 itemsize=max(student.logits.element_size(), teacher.logits.element_size()))
-        workspace = sm.Workspace(min(step, student.count), student.vocab, device, index=False)
+                                 itemsize=max(student.logits.element_size(), teacher.logits.element_size()),
+                                 device=device)
+        workspace = sm.Workspace(min(step, student.count), student.vocab, device)
         total = torch.zeros(_DISTILL_LEN, device=device)
         for start in range(0, student.count, step):
             stop = min(start + step, student.count)

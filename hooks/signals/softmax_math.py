@@ -15,22 +15,30 @@ reading the full vocabulary for each candidate (30 bisection passes over 150k
 classes) is too slow, and keeping the top-k logits is wrong for a large
 vocabulary: near the target the mass outside the top-1 sits in the *bulk* of the
 vocabulary, not in its top 256. So each position's gaps are summarised once, in
-the same pass as the other statistics, by a histogram on geometric bins (bin 0 is
-``[0, GAP_FIRST_EDGE)``, bin ``b >= 1`` is ``[e * r^(b-1), e * r^b)``) holding
-the count, mean and variance of the gaps in each bin; a bin's share of the
-partition function at ``beta`` is then ``count * exp(-beta mean + beta^2 var / 2)``,
-which is exact up to the third cumulant of the gaps inside the bin. Geometric
-bins keep ``beta * width`` (the only thing the error depends on) the same at
-every scale: at the temperature where a bin matters, ``beta * gap`` is ~ ln V, so
-a bin's relative width ``r - 1`` = 10 % makes the third-cumulant error well under
-1 % of that bin's mass. The histogram is turned at once into the top-1
-probability at each temperature of a fixed grid (``temperature_grid``), so what a
-step keeps is one number per grid temperature, summed over positions: bounded
-memory whatever the number of calls, and additive. ``temperature_for_target``
+the same pass as the other statistics, by a histogram on geometric bins: 16 per
+octave (bin width <= 1/16 of the gap), from 2^-5 to 2^14, plus one bin for the
+gaps below 2^-5 (the top-1 and near-ties). The bin is read off the float's bits
+(exponent and 4 leading mantissa bits, as in a fast log2), and each bin keeps
+the count, sum and sum of squares of ``d = gap - c`` around its centre ``c``, so
+its share of the partition function at ``beta`` is the second-order expansion
+``exp(-beta c) (count - beta sum d + beta^2 sum d^2 / 2)``: always positive, off
+by at most ``(beta h)^3 / 48`` of the bin's mass for bin width ``h`` (the d^3
+term). With geometric bins ``beta * h`` is the same at every scale: where a bin
+matters, ``beta * gap`` is ~ ln V ~ 12, so ``beta h`` <~ 0.75 and the bound is
+~1 %, reached only when all of a bin's gaps sit on its two edges. The histogram
+becomes the top-1 probability at each temperature of a fixed grid
+(``temperature_grid``) with three small matrix products, so what a step keeps
+is one number per grid temperature summed over positions: bounded memory
+whatever the number of calls, and additive. ``temperature_for_target``
 interpolates the grid (logit of the mean top-1, linear in 1/T; exact when one
 logit gap dominates). Measured against exact bisection on full logits (tests):
-mean top-1 at the recommended temperature within 0.005 of the target. When the
-vocabulary has at most ``GAP_BINS`` classes the gaps themselves are used (exact).
+mean top-1 at the recommended temperature within 0.005 of the target, adversarial
+two-point bins included. With at most ``EXACT_MAX_CLASSES`` classes the gaps
+themselves are used (exact).
+
+Scatter-adds into one bin form a dependency chain on a CPU (each add waits for
+the previous), and a row's bulk falls into a handful of bins; so consecutive
+classes go to ``LANES`` interleaved copies of the histogram, summed afterwards.
 """
 
 from __future__ import annotations
@@ -39,32 +47,43 @@ import math
 
 import torch
 
-GAP_FIRST_EDGE = 0.05
-"""Width of histogram bin 0, in gap units (nats of logit difference at tau)."""
-GAP_RATIO = 1.1
-"""Ratio between consecutive geometric bin edges (relative bin width 10 %)."""
-GAP_BINS = 128
-"""Histogram bins; the last one starts at 0.05 * 1.1^126 ~ 8200 and holds everything beyond."""
+GAP_MIN_EXPONENT = -5
+"""Gaps below 2^-5 (the top-1 and its near-ties) share bin 0 with [2^-5, 2^-5 * 17/16)."""
+GAP_MAX_EXPONENT = 14
+"""Geometric bins reach 2^14 > ``GAP_CLAMP``."""
+_SUB_BITS = 4  # 16 bins per octave
+_SHIFT = 23 - _SUB_BITS  # float32: 23 mantissa bits
+_EDGE_MASK = -(1 << _SHIFT)  # int32 with the 19 low bits clear
+_BASE = (127 + GAP_MIN_EXPONENT) << _SUB_BITS  # exponent bias 127
+GAP_BINS = 1 + ((GAP_MAX_EXPONENT - GAP_MIN_EXPONENT) << _SUB_BITS)
+"""Histogram bins per position (16 per octave from 2^-5 to 2^14)."""
 GAP_CLAMP = 1.0e4
-"""Gaps are clamped here: exp(-1e4 / 128) * 2^31 classes is still ~1e-25 of the top-1."""
+"""Gaps are clamped here: exp(-1e4 / 64) * 2^31 classes is ~1e-59 of the top-1."""
+LANES = 4
+"""Interleaved histogram copies per row (see above)."""
+EXACT_MAX_CLASSES = 128
+"""Up to this many classes the grid is computed from every gap (no histogram)."""
 
-TEMPERATURE_MAX = 128.0
+TEMPERATURE_MAX = 64.0
 """Top of the temperature grid; a mean top-1 still above the target there reports this."""
-TEMPERATURE_POINTS = 113
-"""Grid points, log-spaced on [1, TEMPERATURE_MAX]: consecutive temperatures 4.4 % apart."""
+TEMPERATURE_POINTS = 64
+"""Grid points, log-spaced on [1, TEMPERATURE_MAX]: consecutive temperatures 6.8 % apart."""
 
 STATS = ("top1", "saturated_099", "saturated_0999", "jacobian", "entropy")
 """Per-position statistics returned by ``saturation_chunk``, in column order."""
 SATURATION_THRESHOLDS = (0.99, 0.999)
 
-# Extra bytes per logit a chunk holds at once: gaps and a scratch buffer (float32,
-# 4 + 4) and bin indices (int64, 8); or, with few classes, the per-gap count and
-# variance (4 + 4); or, for distillation, two float32 probability buffers. Add the
-# logits' own item size for a gathered copy of rows that are not a view.
+# Extra bytes per logit a chunk holds at once: gaps and exponentials (float32,
+# 4 + 4) and bin indices (int64, 8, first used as a float32 scratch buffer); or,
+# for distillation, two float32 probability buffers. Add the logits' own item size for a gathered copy of rows that are not
+# a view.
 BYTES_PER_LOGIT = 16
-# Bytes per (row, bin, grid temperature) while evaluating the grid: the log-terms
-# and logsumexp's exp buffer, float32.
-BYTES_PER_GRID_TERM = 8
+CPU_CHUNK_BYTES = 8 * 1024 * 1024
+"""Chunk bound on a CPU (cache-sized), when below ``softmax_chunk_bytes``."""
+# Bytes per row for the grid: three [LANES * GAP_BINS] accumulators, their sums,
+# and [K] results; or, with few classes, [V, K] terms and an exp buffer.
+GRID_BYTES_PER_ROW = 4 * max(3 * LANES * GAP_BINS + 4 * TEMPERATURE_POINTS,
+                             2 * EXACT_MAX_CLASSES * TEMPERATURE_POINTS)
 
 
 def jacobian(q: torch.Tensor | float) -> torch.Tensor | float:
@@ -94,11 +113,20 @@ def temperature_grid(device: torch.device | str = "cpu", *, t_max: float = TEMPE
     return torch.logspace(0.0, math.log10(t_max), points, dtype=torch.float64).to(device, torch.float32)
 
 
-def bin_lower_edges(device: torch.device | str = "cpu") -> torch.Tensor:
-    """Lower gap edge of each histogram bin (``[GAP_BINS]``, float32)."""
-    b = torch.arange(GAP_BINS - 1, dtype=torch.float64)
-    edges = torch.cat([torch.zeros(1, dtype=torch.float64), GAP_FIRST_EDGE * GAP_RATIO ** b])
-    return edges.to(device, torch.float32)
+def _bits_to_float(codes: torch.Tensor) -> torch.Tensor:
+    return (codes << _SHIFT).to(torch.int32).view(torch.float32)
+
+
+def bin_edges(device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per histogram bin (``[GAP_BINS]`` each, float32): the point its offsets are
+    accumulated from (its lower edge; 2^-5 for bin 0, which also holds every gap
+    below) and the point its partition-function share is expanded around (its
+    middle; for bin 0 the middle of ``[0, upper edge)``)."""
+    codes = torch.arange(GAP_BINS + 1, dtype=torch.int64) + _BASE
+    edges = _bits_to_float(codes)  # exact: the floats with exactly those bits
+    lower = edges[:-1]
+    centre = (torch.cat([edges.new_zeros(1), lower[1:]]) + edges[1:]) / 2
+    return lower.to(device), centre.to(device)
 
 
 def subsample_stride(positions: int, cap: int, period: int = 1) -> int:
@@ -113,115 +141,142 @@ def subsample_stride(positions: int, cap: int, period: int = 1) -> int:
 
 
 def rows_per_chunk(vocab: int, chunk_bytes: int, *, copies: int = 0, itemsize: int = 4,
-                   points: int = TEMPERATURE_POINTS) -> int:
+                   device: torch.device | str = "cpu") -> int:
     """Positions processed at once so that the extra buffers stay within
     ``chunk_bytes`` (at least one row). ``copies``: row copies of ``itemsize`` bytes
-    per logit made when the selected positions are not a view of the input."""
-    per_row = ((BYTES_PER_LOGIT + copies * itemsize) * vocab
-               + BYTES_PER_GRID_TERM * min(vocab, GAP_BINS) * points)
+    per logit made when the selected positions are not a view of the input. On a
+    CPU, chunks are kept to ``CPU_CHUNK_BYTES`` so that the ~20 passes over a chunk
+    run from cache; an accelerator gets the whole bound (fewer, larger kernels)."""
+    if torch.device(device).type == "cpu":
+        chunk_bytes = min(chunk_bytes, CPU_CHUNK_BYTES)
+    per_row = (BYTES_PER_LOGIT + copies * itemsize) * vocab + GRID_BYTES_PER_ROW
     return max(1, chunk_bytes // per_row)
 
 
 class Workspace:
-    """Float32 and int64 buffers for up to ``rows`` positions of ``vocab`` classes,
-    allocated once per observe call and reused by every chunk (the CPU allocator
-    would otherwise page-fault fresh buffers in on each chunk)."""
+    """Buffers for up to ``rows`` positions of ``vocab`` classes, allocated once per
+    observe call and reused by every chunk (the CPU allocator would otherwise
+    page-fault fresh buffers in on each chunk), with what every chunk of the call
+    shares: ``betas`` and, for the histogram, each bin's ``exp(-beta c_b)``."""
 
-    def __init__(self, rows: int, vocab: int, device: torch.device, *, index: bool = True):
+    def __init__(self, rows: int, vocab: int, device: torch.device, *,
+                 betas: torch.Tensor | None = None, histogram: bool = False):
         self.gaps = torch.empty((rows, vocab), dtype=torch.float32, device=device)
         self.scratch = torch.empty((rows, vocab), dtype=torch.float32, device=device)
-        self.index = torch.empty((rows, vocab), dtype=torch.long, device=device) if index else None
+        self.betas = betas
+        self.index = self._spare = None
+        if histogram and betas is not None:
+            self.index = torch.empty((rows, vocab), dtype=torch.long, device=device)
+            self.lanes = torch.arange(vocab, dtype=torch.int32, device=device) % LANES
+            lower, centre = bin_edges(device)
+            self.shift = centre - lower                                # [bins]
+            self.decay = torch.exp(centre.unsqueeze(1) * betas.neg())  # [bins, K]
 
     def take(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The buffers' first ``rows`` rows (contiguous views)."""
         return self.gaps[:rows], self.scratch[:rows], None if self.index is None else self.index[:rows]
 
+    def spare(self, rows: int) -> torch.Tensor:
+        """A third float32 ``[rows, vocab]`` buffer: the start of the index buffer,
+        free until the histogram (or a buffer of its own when there is none)."""
+        vocab = self.gaps.shape[1]
+        if self.index is None:
+            if self._spare is None:
+                self._spare = torch.empty_like(self.gaps)
+            return self._spare[:rows]
+        return self.index.view(-1).view(torch.float32)[: rows * vocab].view(rows, vocab)
 
-def gaps(rows: torch.Tensor, inv_temperature: float, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(z_max - z) / tau`` per row into the float32 buffer ``out``, clamped to
-    ``GAP_CLAMP`` (so masked ``-inf`` logits contribute exactly 0); and the index of
-    each row's top-1 (``[r, 1]``)."""
+
+def gaps(rows: torch.Tensor, inv_temperature: float, out: torch.Tensor) -> torch.Tensor:
+    """``(z_max - z) / tau`` per row into the float32 buffer ``out`` (never -0.0),
+    clamped to ``GAP_CLAMP`` (so masked ``-inf`` logits contribute exactly 0)."""
     out.copy_(rows)
-    top, top_index = out.max(-1, keepdim=True)
-    return out.sub_(top).mul_(-inv_temperature).clamp_(max=GAP_CLAMP), top_index
+    torch.sub(out.amax(-1, keepdim=True), out, out=out)
+    if inv_temperature != 1.0:
+        out.mul_(inv_temperature)
+    return out.clamp_(max=GAP_CLAMP)
 
 
-def exp_outside_top1(u: torch.Tensor, top_index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``exp(-gap)`` into ``out`` and its row sum without the top-1's own ``exp(0) = 1``
-    (``[r]``): the mass outside the top-1, kept at full float32 precision even when
-    it is 1e-12 (``1 - q`` computed as ``1 - 1/Z`` would round to 0)."""
-    torch.neg(u, out=out).exp_()
-    out.scatter_(1, top_index, 0.0)
-    rest = out.sum(-1)
-    out.scatter_(1, top_index, 1.0)
-    return rest
+def partition(u: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(-gap)`` into ``out`` (which may be ``u``), and per row the number of
+    classes tied at the top and the sum of the rest: ``Z = ties + rest``. Kept
+    apart, ``1 - q = (ties - 1 + rest) / Z`` stays exact when ``rest`` is 1e-12
+    (``1 - 1/Z`` would round to 0). ``scratch`` is overwritten."""
+    sign = torch.sign(u, out=scratch)  # 0 at the top-1 and its ties, 1 elsewhere
+    e = torch.neg(u, out=out).exp_()
+    total = e.sum(-1)
+    rest = sign.mul_(e).sum(-1)
+    return (total - rest).round_().clamp_(min=1.0), rest
 
 
-def gap_histogram(u: torch.Tensor, scratch: torch.Tensor,
-                  index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Count, mean and variance of the gaps in each geometric bin (each ``[r, GAP_BINS]``).
+def gap_histogram(u: torch.Tensor, workspace: Workspace) -> torch.Tensor:
+    """Per row and bin: count, sum and sum of squares of ``gap - centre`` (``[3, r, GAP_BINS]``).
 
-    ``scratch`` (float32) and ``index`` (int64), shaped like ``u``, are overwritten.
-    Variances are accumulated from offsets to the bin's lower edge, so float32
-    keeps them.
+    Overwrites the workspace's scratch and index buffers; ``u`` is kept.
     """
     r, v = u.shape
-    inv_log_ratio = 1.0 / math.log(GAP_RATIO)
-    b = torch.log(u, out=scratch).mul_(inv_log_ratio).add_(1.0 - math.log(GAP_FIRST_EDGE) * inv_log_ratio)
-    # gap 0 -> log 0 = -inf -> bin 0 after the clamp; NaN gaps (NaN logits) -> bin 0.
-    b.floor_().clamp_(0.0, GAP_BINS - 1).nan_to_num_(0.0)
-    idx = index.copy_(b)
-    edges = bin_lower_edges(u.device)
-    offset = torch.index_select(edges, 0, idx.view(-1), out=scratch.view(-1)).view(r, v)
-    offset = torch.sub(u, offset, out=scratch)
-    count = u.new_zeros(r, GAP_BINS).scatter_add_(1, idx, u.new_ones(1, 1).expand(r, v))
-    first = u.new_zeros(r, GAP_BINS).scatter_add_(1, idx, offset)
-    second = u.new_zeros(r, GAP_BINS).scatter_add_(1, idx, offset.square_())
-    n = count.clamp(min=1.0)
-    mean_offset = first / n
-    var = (second / n).sub_(mean_offset.square()).clamp_(min=0.0)
-    return count, mean_offset.add_(edges), var
+    _, scratch, index = workspace.take(r)
+    # The bin's lower edge is the gap with its 19 low mantissa bits cleared
+    # (exponent and 4 leading mantissa bits kept); gaps below 2^-5 all get 2^-5.
+    edge = torch.bitwise_and(u.view(torch.int32), _EDGE_MASK, out=scratch.view(torch.int32))
+    edge.clamp_(min=_BASE << _SHIFT)
+    idx = torch.bitwise_right_shift(edge, _SHIFT, out=index)
+    idx.sub_(_BASE).clamp_(max=GAP_BINS - 1).mul_(LANES).add_(workspace.lanes)  # NaN -> last bin
+    d = torch.sub(u, edge.view(torch.float32), out=scratch)
+    sums = u.new_zeros(3, r, GAP_BINS * LANES)
+    sums[0].scatter_add_(1, idx, u.new_ones(1, 1).expand(r, v))
+    sums[1].scatter_add_(1, idx, d)
+    sums[2].scatter_add_(1, idx, d.square_())
+    n, s1, s2 = sums.view(3, r, GAP_BINS, LANES).sum(-1)
+    # re-centre the offsets: from the lower edge to the middle of the bin
+    shift = workspace.shift
+    return torch.stack([n, s1 - n * shift, s2 - 2 * shift * s1 + n * shift.square()])
 
 
-def top1_on_grid(count: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
-                 betas: torch.Tensor) -> torch.Tensor:
-    """Top-1 probability at each ``beta`` (``[r, K]``) from binned gaps ``[r, bins]``:
-    ``1 / sum_b count_b exp(-beta mean_b + beta^2 var_b / 2)``. Exact when every bin
-    holds one gap (count 1, variance 0)."""
-    terms = mean.unsqueeze(-1) * betas.neg()
-    terms.addcmul_(var.unsqueeze(-1), betas.square() / 2)
-    terms.add_(count.log().unsqueeze(-1))
-    return torch.logsumexp(terms, dim=1).neg_().exp_()
+def top1_on_grid(sums: torch.Tensor, workspace: Workspace) -> torch.Tensor:
+    """Top-1 probability at each ``beta`` (``[r, K]``) from ``gap_histogram`` sums:
+    ``1 / sum_b exp(-beta c_b) (count_b - beta sum_b d + beta^2 sum_b d^2 / 2)``."""
+    betas = workspace.betas
+    count, first, second = (x @ workspace.decay for x in sums)
+    return (count - first * betas + second * (betas.square() / 2)).reciprocal()
 
 
-def saturation_chunk(rows: torch.Tensor, inv_temperature: float, betas: torch.Tensor,
+def top1_on_grid_exact(u: torch.Tensor, betas: torch.Tensor) -> torch.Tensor:
+    """Top-1 probability at each ``beta`` (``[r, K]``) from every gap ``[r, V]``."""
+    return torch.exp(u.unsqueeze(-1) * betas.neg()).sum(1).reciprocal()
+
+
+def saturation_chunk(rows: torch.Tensor, inv_temperature: float,
                      workspace: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
     """Statistics of one chunk of positions.
 
     ``rows``: ``[r, V]`` logits, any float dtype (computed in float32 in
-    ``workspace``). ``betas``: ``tau / T`` for each grid temperature ``T``.
+    ``workspace``, whose ``betas`` are ``tau / T`` for each grid temperature ``T``).
     Returns ``([r, len(STATS)], [r, K])``: top-1 probability, whether it is above
     0.99 and 0.999, ``q (1 - q)``, entropy in nats; top-1 probability at each grid
     temperature.
     """
-    u, e, index = workspace.take(rows.shape[0])
-    _, top_index = gaps(rows, inv_temperature, out=u)
-    rest = exp_outside_top1(u, top_index, out=e)  # Z = 1 + rest
-    top1 = (1.0 + rest).reciprocal()
-    not_top1 = rest * top1                        # 1 - q, exact for tiny rest
-    entropy = torch.log1p(rest) + e.mul_(u).sum(-1) * top1  # H = log Z + E_p[gap]
+    r = rows.shape[0]
+    u, e, index = workspace.take(r)
+    gaps(rows, inv_temperature, out=u)
+    spare = workspace.spare(r)
+    ties, rest = partition(u, e, scratch=spare)
+    z = ties + rest
+    top1 = z.reciprocal()
+    not_top1 = (ties - 1.0 + rest) * top1                   # 1 - q, exact for tiny rest
+    entropy = torch.log(z) + e.mul_(u).sum(-1) * top1       # H = log Z + E_p[gap]
     stats = torch.stack([top1, *((top1 > t).float() for t in SATURATION_THRESHOLDS),
                          top1 * not_top1, entropy], dim=1)
-    if index is None:  # few classes: every gap is its own bin (exact)
-        grid = top1_on_grid(torch.ones_like(u), u, torch.zeros_like(u), betas)
+    if index is None:
+        grid = top1_on_grid_exact(u, workspace.betas)
     else:
-        grid = top1_on_grid(*gap_histogram(u, e, index), betas)
+        grid = top1_on_grid(gap_histogram(u, workspace), workspace)
     return stats, grid
 
 
-def saturation_workspace(rows: int, vocab: int, device: torch.device) -> Workspace:
-    """The buffers ``saturation_chunk`` needs (no index buffer when every gap is its own bin)."""
-    return Workspace(rows, vocab, device, index=vocab > GAP_BINS)
+def saturation_workspace(rows: int, vocab: int, betas: torch.Tensor) -> Workspace:
+    """The buffers ``saturation_chunk`` needs (no histogram with few classes)."""
+    return Workspace(rows, vocab, betas.device, betas=betas, histogram=vocab > EXACT_MAX_CLASSES)
 
 
 def distillation_chunk(student_rows: torch.Tensor, teacher_rows: torch.Tensor,
@@ -236,13 +291,16 @@ def distillation_chunk(student_rows: torch.Tensor, teacher_rows: torch.Tensor,
     others by as much; the first column is the part of the raising that goes to
     the teacher's top-1 ``t``: ``max(p_T,t - p_S,t, 0)``.
     """
-    p, teacher, _ = workspace.take(student_rows.shape[0])
-    gaps(student_rows, inv_temperature, out=p)[0].neg_().exp_()
+    r = student_rows.shape[0]
+    p, teacher, _ = workspace.take(r)
+    gaps(teacher_rows, inv_temperature, out=teacher)
+    top_index = teacher.argmin(-1, keepdim=True)  # gap 0: the teacher's top-1 (the first of ties)
+    ties, rest = partition(teacher, teacher, scratch=p)
+    z = ties + rest
+    teacher.div_(z.unsqueeze(-1))
+    dark = (ties - 1.0 + rest) / z
+    torch.neg(gaps(student_rows, inv_temperature, out=p), out=p).exp_()
     p.div_(p.sum(-1, keepdim=True))
-    teacher_gaps, top_index = gaps(teacher_rows, inv_temperature, out=teacher)
-    rest = exp_outside_top1(teacher_gaps, top_index, out=teacher)
-    teacher.div_((1.0 + rest).unsqueeze(-1))
-    dark = rest / (1.0 + rest)
     g = p.sub_(teacher)
     raise_top = g.gather(1, top_index).neg_().clamp_(min=0.0).squeeze(-1)
     return torch.stack([raise_top, g.abs_().sum(-1) / 2, dark], dim=1)

@@ -61,13 +61,15 @@ def test_subsample_stride(positions, cap, period, stride):
     assert got == 1 or math.gcd(got, period) == 1
 
 
-def test_rows_per_chunk_respects_the_byte_bound():
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_rows_per_chunk_respects_the_byte_bound(device):
     for vocab in (2, 64, 1000, 131072, 10_000_000):
         for chunk in (1, 1 << 20, 64 << 20):
-            rows = sm.rows_per_chunk(vocab, chunk)
-            per_row = sm.BYTES_PER_LOGIT * vocab + sm.BYTES_PER_GRID_TERM * min(vocab, sm.GAP_BINS) * sm.TEMPERATURE_POINTS
+            rows = sm.rows_per_chunk(vocab, chunk, device=device)
+            bound = min(chunk, sm.CPU_CHUNK_BYTES) if device == "cpu" else chunk
             assert rows >= 1
-            assert rows == 1 or rows * per_row <= chunk
+            assert rows == 1 or rows * (sm.BYTES_PER_LOGIT * vocab + sm.GRID_BYTES_PER_ROW) <= bound
+    assert sm.rows_per_chunk(131072, 64 << 20, device="cuda") > sm.rows_per_chunk(131072, 64 << 20)
 
 
 # -- recommended temperature vs exact bisection -----------------------------------
@@ -87,8 +89,8 @@ def exact_temperature(z: torch.Tensor, target: float) -> float:
 
 def estimated_temperature(z: torch.Tensor, target: float, tau: float = 1.0) -> float:
     temps = sm.temperature_grid()
-    ws = sm.saturation_workspace(z.shape[0], z.shape[1], z.device)
-    _, grid = sm.saturation_chunk(z, 1.0 / tau, tau / temps, ws)
+    ws = sm.saturation_workspace(z.shape[0], z.shape[1], tau / temps)
+    _, grid = sm.saturation_chunk(z, 1.0 / tau, ws)
     return sm.temperature_for_target(temps, grid.mean(0, keepdim=True), target).item()
 
 
@@ -115,7 +117,7 @@ def _cases(vocab: int) -> dict[str, torch.Tensor]:
     out["gumbel"] = -torch.log(-torch.log(torch.rand(n, vocab, generator=g))) * 2
     # adversarial for the histogram: the whole bulk on two gap values at the two
     # ends of one geometric bin (the worst within-bin spread)
-    lo, hi = sm.GAP_FIRST_EDGE * sm.GAP_RATIO ** 64, sm.GAP_FIRST_EDGE * sm.GAP_RATIO ** 65
+    lo, hi = 24.0, 25.0  # 16 bins per octave: [24, 25) is one bin
     z = torch.zeros(n, vocab)
     z[:, 1: vocab // 2] = -(lo + 1e-4)
     z[:, vocab // 2:] = -(hi - 1e-4)
@@ -161,14 +163,26 @@ def test_temperature_for_target_edges():
     assert math.isnan(got[2].item())
 
 
+def test_bins_are_sixteen_per_octave():
+    lower, centre = sm.bin_edges()
+    assert lower[1].item() == 2.0 ** -5 * (1 + 1 / 16)
+    assert (lower[2:] / lower[1:-1]).max().item() <= 1 + 1 / 16 + 1e-6
+    assert lower[-1].item() > sm.GAP_CLAMP
+    assert ((centre > lower) | (torch.arange(sm.GAP_BINS) == 0)).all()
+
+
 def test_gap_histogram_summarises_each_bin():
-    u = torch.tensor([[0.0, 0.01, 1.0, 1.05, 9000.0, 10_000.0] + [3.0] * 200])
-    count, mean, var = sm.gap_histogram(u, torch.empty_like(u), torch.empty(u.shape, dtype=torch.long))
-    edges = sm.bin_lower_edges()
+    u = torch.tensor([[0.0, 0.01, 1.0, 1.05, 9000.0, 10_000.0, 24.0001, 24.9999] + [3.0] * 200
+                      + torch.linspace(0.02, 60, 500).tolist()])
+    ws = sm.saturation_workspace(1, u.shape[1], 1 / sm.temperature_grid())
+    count, first, second = sm.gap_histogram(u.clone(), ws)[:, 0]
+    lower, centre = sm.bin_edges()
+    which = torch.bucketize(u[0], lower[1:], right=True)  # bin 0 holds everything below lower[1]
     assert count.sum().item() == u.numel()
-    idx = torch.bucketize(u[0], edges, right=True) - 1
-    for b in idx.unique():
-        inside = u[0][idx == b].double()
-        assert count[0, b].item() == inside.numel()
-        assert mean[0, b].item() == pytest.approx(inside.mean().item(), rel=1e-5)
-        assert var[0, b].item() == pytest.approx(inside.var(unbiased=False).item(), abs=1e-5 * (1 + inside.mean().item()) ** 2)
+    for b in range(sm.GAP_BINS):
+        inside = u[0][which == b].double()
+        assert count[b].item() == inside.numel()
+        d = inside - centre[b].double()
+        scale = (lower[b + 1] - lower[b]).item() if b + 1 < sm.GAP_BINS else 1.0
+        assert first[b].item() == pytest.approx(d.sum().item(), abs=1e-4 * scale * max(1, inside.numel()))
+        assert second[b].item() == pytest.approx(d.square().sum().item(), abs=1e-4 * scale**2 * max(1, inside.numel()))
