@@ -167,7 +167,10 @@ class Workspace:
         self.index = self._spare = None
         if histogram and betas is not None:
             self.index = torch.empty((rows, vocab), dtype=torch.long, device=device)
-            self.lanes = torch.arange(vocab, dtype=torch.int32, device=device) % LANES
+            # class j goes to lane j % LANES; histogram column = lane * GAP_BINS + bin,
+            # bin = (edge bits >> 19) - _BASE
+            lanes = torch.arange(vocab, device=device) % LANES
+            self.lane_offset = lanes * GAP_BINS - _BASE
             lower, centre = bin_edges(device)
             self.shift = centre - lower                                # [bins]
             self.decay = torch.exp(centre.unsqueeze(1) * betas.neg())  # [bins, K]
@@ -217,17 +220,17 @@ def gap_histogram(u: torch.Tensor, workspace: Workspace) -> torch.Tensor:
     r, v = u.shape
     _, scratch, index = workspace.take(r)
     # The bin's lower edge is the gap with its 19 low mantissa bits cleared
-    # (exponent and 4 leading mantissa bits kept); gaps below 2^-5 all get 2^-5.
+    # (exponent and 4 leading mantissa bits kept); gaps below 2^-5 all get 2^-5;
+    # NaN gaps (NaN logits) land in the last bin, which no clamped gap reaches.
     edge = torch.bitwise_and(u.view(torch.int32), _EDGE_MASK, out=scratch.view(torch.int32))
-    edge.clamp_(min=_BASE << _SHIFT)
-    idx = torch.bitwise_right_shift(edge, _SHIFT, out=index)
-    idx.sub_(_BASE).clamp_(max=GAP_BINS - 1).mul_(LANES).add_(workspace.lanes)  # NaN -> last bin
+    edge.clamp_(_BASE << _SHIFT, (_BASE + GAP_BINS - 1) << _SHIFT)
+    idx = torch.bitwise_right_shift(edge, _SHIFT, out=index).add_(workspace.lane_offset)
     d = torch.sub(u, edge.view(torch.float32), out=scratch)
     sums = u.new_zeros(3, r, GAP_BINS * LANES)
     sums[0].scatter_add_(1, idx, u.new_ones(1, 1).expand(r, v))
     sums[1].scatter_add_(1, idx, d)
     sums[2].scatter_add_(1, idx, d.square_())
-    n, s1, s2 = sums.view(3, r, GAP_BINS, LANES).sum(-1)
+    n, s1, s2 = sums.view(3, r, LANES, GAP_BINS).sum(2)
     # re-centre the offsets: from the lower edge to the middle of the bin
     shift = workspace.shift
     return torch.stack([n, s1 - n * shift, s2 - 2 * shift * s1 + n * shift.square()])
