@@ -17,7 +17,7 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 # The collector comes from $TRAINVITALS_COLLECTOR (else a local JSONL file).
 mon = attach(model, opt, run="minimal", modalities=("text", "image"), every=5)
 
-for step in range(20):
+for _ in range(20):
     ids = torch.randint(0, 100, (8, 16))
     labels = ids.roll(-1, dims=1)
     modality = torch.tensor([0] * 6 + [1] * 2)  # 6 text samples, 2 image samples

@@ -15,7 +15,8 @@ from trainvitals.hooks import distributed
 from trainvitals.hooks.config import Config
 from trainvitals.hooks.report import PendingReport, Pipeline, pack
 from trainvitals.hooks.signals.base import Signal, StepContext
-from trainvitals.hooks.tensors import is_sharded
+from trainvitals.hooks.signals.param_series import real
+from trainvitals.hooks.tensors import is_sharded, local, stack_on
 from trainvitals.hooks.transport.sinks import make_sink
 
 log = logging.getLogger("trainvitals")
@@ -68,6 +69,8 @@ class Monitor:
         self._latest: PendingReport | None = None
         self._closed = False
         self._reporting = False
+        self._pre_steps = 0
+        self._grad_cache: tuple[int, list[torch.Tensor], torch.Tensor] | None = None
         self._evaluator = None
         if rules is not None:
             from trainvitals.alerts.local import LocalEvaluator
@@ -93,6 +96,17 @@ class Monitor:
     def reporting_next(self) -> bool:
         """Whether the optimizer step now being accumulated will be reported."""
         return not self._closed and self.reports_at(self.step + 1)
+
+    def grad_norms(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The optimizer's parameters that have a gradient (group order) and their
+        gradients' L2 norms (float32, on ``device``; rank-local shards when sharded).
+        One foreach call per optimizer step, shared by every signal that needs them."""
+        if self._grad_cache is None or self._grad_cache[0] != self._pre_steps:
+            params = [p for _, g in self.groups() for p in g["params"] if p.grad is not None]
+            grads = [real(local(p.grad)) for p in params]
+            norms = (torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else [])
+            self._grad_cache = (self._pre_steps, params, stack_on(norms, self.device))
+        return self._grad_cache[1], self._grad_cache[2]
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str:
         return self.param_names.get(id(p), fallback)
@@ -228,6 +242,8 @@ class Monitor:
             return None
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._pre_steps += 1
+        self._grad_cache = None
         self._reporting = self.reporting_next
         for s in self.signals:
             self._guard(s, "before_step", s.before_step, self, self._reporting)

@@ -27,9 +27,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from trainvitals.alerts.service import AlertService
 from trainvitals.hooks.wire import SCHEMA_VERSION, ReportBatch
 from trainvitals.monitor.exposition import ReportCounter, StoreCollector, make_registry
-from trainvitals.alerts.service import AlertService
 from trainvitals.monitor.settings import Settings, SettingsError
 from trainvitals.monitor.store import IngestRefused, SeriesLimitExceeded, SeriesStore
 

@@ -28,6 +28,18 @@ class OptimizerStats(Signal):
         self._elem_gidx: torch.Tensor | None = None
         self._strides: list[int] = []
         self._nonfinite: torch.Tensor | None = None
+        self._indices: dict[tuple, torch.Tensor] = {}
+
+    def _index(self, values: list[int], device: torch.device) -> torch.Tensor:
+        """A cached device index tensor: making one from Python ints each report would
+        be a blocking host-to-device copy."""
+        key = (tuple(values), device)
+        cached = self._indices.get(key)
+        if cached is None:
+            if len(self._indices) > 8:
+                self._indices.clear()
+            cached = self._indices[key] = torch.tensor(values, dtype=torch.long).to(device)
+        return cached
 
     def _params(self, monitor: Any) -> tuple[list[torch.Tensor], list[int]]:
         params, gidx = [], []
@@ -54,10 +66,9 @@ class OptimizerStats(Signal):
         if not reporting:
             return
         params, gidx = self._params(monitor)
-        with_grad = [(p.grad, g) for p, g in zip(params, gidx) if p.grad is not None]
         dev = monitor.device
-        self._grad_norms = norms([local(g) for g, _ in with_grad], dev)
-        self._grad_gidx = torch.tensor([g for _, g in with_grad], dtype=torch.long, device=dev)
+        _, self._grad_norms = monitor.grad_norms()  # same order: the groups' params with a grad
+        self._grad_gidx = self._index([g for p, g in zip(params, gidx) if p.grad is not None], dev)
         self._before = self._sample(monitor, params, gidx)
 
     def after_step(self, monitor: Any, reporting: bool) -> None:
@@ -82,7 +93,7 @@ class OptimizerStats(Signal):
             self._nonfinite = self._nonfinite + (~torch.isfinite(gn)).sum()
             parts.append(with_all(group_sum(gn.square(), self._grad_gidx, n_groups)))
         pn = norms([local(p).detach() for p in params], dev)
-        parts.append(with_all(group_sum(pn.square(), torch.tensor(gidx, dtype=torch.long, device=dev), n_groups)))
+        parts.append(with_all(group_sum(pn.square(), self._index(gidx, dev), n_groups)))
         upd = None
         if self._before is not None and self._elem_gidx is not None:
             after = self._sample(monitor, params, gidx)

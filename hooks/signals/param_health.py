@@ -51,7 +51,6 @@ from trainvitals.hooks.signals.param_series import (
     choose,
     flat,
     groups_key,
-    real,
     stride_for,
 )
 from trainvitals.hooks.tensors import group_amax, group_amin, group_sum, local
@@ -210,15 +209,12 @@ class ParamHealth(Signal):
         if not reporting:
             return
         self._ensure_layout(monitor)
-        params = [p for _, g in monitor.groups() for p in g["params"] if p.grad is not None]
+        params, norms = monitor.grad_norms()  # shared with OptimizerStats: one foreach call
         dev = monitor.device
         if not params:
             self._grad_sq = None
             return
-        grads = [real(local(p.grad)) for p in params] if monitor.sharded else [real(p.grad) for p in params]
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-        same = all(n.device == dev for n in norms)
-        self._grad_sq = torch.stack(norms if same else [n.to(dev, non_blocking=True) for n in norms]).square()
+        self._grad_sq = norms.square()
         numel_key = tuple(p.numel() for p in params)  # global sizes (DTensor.numel is global)
         if numel_key != self._grad_numel_key:
             self._grad_numel_key = numel_key
