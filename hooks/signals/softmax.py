@@ -48,8 +48,10 @@ Cost, bounded for 150k-class vocabularies and paid only on reported steps:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -176,9 +178,9 @@ class Softmax(Signal):
         _check_name("task", task, "ie")
         _check_name("role", role, "teacher")
         tau = _check_temperature(where, temperature)
-        if not monitor.reporting_next:
+        if not monitor.reporting_next or self._broken:
             return
-        with torch.no_grad():
+        with self._guarded(monitor, where), torch.no_grad():
             positions = _Positions(logits, mask, monitor.config.softmax_max_positions)
             self._add_saturation((task, role), positions, tau, monitor.config.softmax_chunk_bytes)
 
@@ -193,15 +195,32 @@ class Softmax(Signal):
         _check_mask(where, mask, student_logits)
         _check_name("task", task, "ie")
         tau = _check_temperature(where, temperature)
-        if not monitor.reporting_next:
+        if not monitor.reporting_next or self._broken:
             return
         cap, chunk_bytes = monitor.config.softmax_max_positions, monitor.config.softmax_chunk_bytes
-        with torch.no_grad():
+        with self._guarded(monitor, where), torch.no_grad():
             student = _Positions(student_logits, mask, cap)
             teacher = _Positions(teacher_logits, mask, cap)
             self._add_saturation((task, "student"), student, tau, chunk_bytes)
             self._add_saturation((task, "teacher"), teacher, tau, chunk_bytes)
             self._add_distillation(task, student, teacher, tau, chunk_bytes)
+
+    @property
+    def _broken(self) -> bool:
+        return getattr(self, "_trainvitals_broken", False)  # set by Monitor._guard too
+
+    @contextlib.contextmanager
+    def _guarded(self, monitor: Any, where: str) -> Iterator[None]:
+        """Past the argument checks, a failure (a bug, an out-of-memory) turns the
+        signal off with one log line instead of reaching the training loop."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001
+            self._trainvitals_broken = True
+            self._saturation.clear()
+            self._distillation.clear()
+            monitor.warn_once("softmax", "%s failed; the softmax signal is turned off: %s: %s",
+                              where, type(exc).__name__, exc)
 
     # -- accumulation ----------------------------------------------------------
     def _grid(self, device: torch.device) -> torch.Tensor:

@@ -202,6 +202,24 @@ def test_only_reported_steps_do_any_work(monkeypatch):
     mon.close()
 
 
+def test_a_failure_past_the_checks_turns_the_signal_off_instead_of_raising(monkeypatch, caplog):
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(sm, "saturation_chunk", broken)
+    mon, model, opt = monitor()
+    with caplog.at_level("WARNING", logger="trainvitals"):
+        mon.observe_logits(torch.randn(4, 10))
+        mon.observe_logits(torch.randn(4, 10))
+    assert [r.getMessage() for r in caplog.records if "softmax" in r.getMessage()] == [
+        "trainvitals: observe_logits failed; the softmax signal is turned off: RuntimeError: boom"]
+    finish_step(model, opt)
+    assert not [s for s in mon.latest() if s["name"] in SATURATION]
+    with pytest.raises(ValueError, match="short identifier"):  # argument checks still apply
+        mon.observe_logits(torch.randn(4, 10), task="a b")
+    mon.close()
+
+
 def test_observing_makes_no_host_sync(monkeypatch):
     """No .item()/.tolist()/float()/bool() on the training thread, in the observe
     calls or in the step that reports them."""
