@@ -39,7 +39,6 @@ class PendingReport:
     events: list[dict[str, Any]]
     host: torch.Tensor
     ready: Any = None  # a CUDA event when the copy is asynchronous
-    extra: list[dict[str, Any]] = field(default_factory=list)  # host-side samples (drop counter)
     gated: list[int] = field(default_factory=list)  # layout indices with a presence value, after the flags
     _done: dict[str, Any] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -56,7 +55,6 @@ class PendingReport:
                     {"name": name, "labels": labels, "value": v}
                     for i, ((name, labels), v) in enumerate(zip(self.layout, values)) if i not in absent
                 ]
-                samples.extend(self.extra)
                 events = list(self.events)
                 for (kind, detail, labels), v in zip(self.flags, values[len(self.layout):]):
                     if v > 0 and not math.isnan(v):
