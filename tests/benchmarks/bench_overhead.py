@@ -36,13 +36,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--observe-logits", action="store_true", help="call observe_logits(logits) per micro-batch")
     ap.add_argument("--blocks", type=int, default=6, help="blocks per arm (interleaved)")
     ap.add_argument("--steps", type=int, default=0,
-                    help="steps per block (default: the report interval, at least 5; rounded up to a multiple of it)")
+                    help="steps per block (default: the report interval; rounded up to a multiple of it)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--option", action="append", default=[], help="extra attach option name=value (int/float/str)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    steps = max(args.steps, 5)
+    steps = max(args.steps, 1)
     args.steps = -(-steps // args.every) * args.every
 
     signals = None if args.signals == "all" else (() if args.signals == "none" else tuple(args.signals.split(",")))
