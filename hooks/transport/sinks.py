@@ -135,10 +135,7 @@ class HttpSink:
         with self._cond:
             self._queue.append(report_json)
             self._queued_bytes += len(report_json)
-            while self._queued_bytes > self.max_queue_bytes and len(self._queue) > 1:
-                old = self._queue.popleft()
-                self._queued_bytes -= len(old)
-                self.dropped += 1
+            self._trim_locked()
             self._cond.notify()
 
     def flush(self, timeout: float) -> bool:
@@ -162,6 +159,13 @@ class HttpSink:
             self._queued_bytes = 0
             self._cond.notify_all()
         self._thread.join(timeout=max(0.1, min(timeout, self.timeout + 1)))
+
+    def _trim_locked(self) -> None:
+        """Drop the oldest reports until the queue fits its byte bound (keeps the newest)."""
+        while self._queued_bytes > self.max_queue_bytes and len(self._queue) > 1:
+            old = self._queue.popleft()
+            self._queued_bytes -= len(old)
+            self.dropped += 1
 
     # -- sender thread -------------------------------------------------------
     def _take_batch(self) -> list[bytes]:
@@ -198,10 +202,7 @@ class HttpSink:
                         for item in reversed(batch):
                             self._queue.appendleft(item)
                             self._queued_bytes += len(item)
-                        while self._queued_bytes > self.max_queue_bytes and len(self._queue) > 1:
-                            old = self._queue.popleft()
-                            self._queued_bytes -= len(old)
-                            self.dropped += 1
+                        self._trim_locked()
                     elif outcome == "retry":
                         self.dropped += len(batch)
                     self._cond.notify_all()
