@@ -1,17 +1,29 @@
-"""Helpers for the alert tests: reports, a recording HTTP sink, polling."""
+"""Helpers for the alert tests: reports and a recording HTTP sink (free ports,
+polling and the real Alertmanager come from ``tests.support``, re-exported here)."""
 
 from __future__ import annotations
 
 import json
-import socket
+import sys
 import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from trainvitals.hooks.wire import Event, Report, Sample
+
+# ``tests`` is a package at the repository root. ``python -m pytest`` puts the root on
+# sys.path; plain ``pytest`` only puts this rootless folder there, so add the root.
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from tests.support import ALERTMANAGER, free_port, running_alertmanager, wait_until  # noqa: E402
+
+__all__ = ["ALERTMANAGER", "Received", "RecordingServer", "free_port", "report", "running_alertmanager",
+           "wait_until"]
 
 
 def report(step: int, samples: Iterable[tuple[str, dict[str, str], float]] = (), *,
@@ -22,18 +34,6 @@ def report(step: int, samples: Iterable[tuple[str, dict[str, str], float]] = (),
     return Report(run=run, step=step, time=time_ if time_ is not None else 1000.0 + step, rank=rank,
                   samples=[Sample(name=n, labels=dict(lb), value=v) for n, lb, v in samples],
                   events=evs)
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.02) -> Any:
-    """Poll until predicate() is truthy; return it, or fail after timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(interval)
 
 
 @dataclass
@@ -120,10 +120,3 @@ class RecordingServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound and released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -7,70 +7,26 @@ server) with send_resolved.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 
-import httpx
 import pytest
-from alerting_support import RecordingServer, free_port, report, wait_until
+from alerting_support import ALERTMANAGER, RecordingServer, report, running_alertmanager, wait_until
 
 from trainvitals.alerts.service import AlertService
 
-ALERTMANAGER = shutil.which("prometheus-alertmanager")
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(ALERTMANAGER is None, reason="prometheus-alertmanager not installed"),
 ]
 
-CONFIG = """\
-route:
-  receiver: recorder
-  group_by: [alertname, run, modality]
-  group_wait: 1s
-  group_interval: 2s
-  repeat_interval: 1h
-receivers:
-  - name: recorder
-    webhook_configs:
-      - url: "{url}/webhook"
-        send_resolved: true
-"""
-
 
 @pytest.fixture
 def alertmanager(tmp_path):
     """(Alertmanager URL, recording webhook receiver)."""
-    with RecordingServer() as receiver:
-        config = tmp_path / "alertmanager.yml"
-        config.write_text(CONFIG.format(url=receiver.url))
-        port = free_port()
-        log = open(tmp_path / "alertmanager.log", "wb")  # closed in finally
-        proc = subprocess.Popen(
-            [ALERTMANAGER, f"--config.file={config}", f"--storage.path={tmp_path / 'am'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-            stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            with httpx.Client(timeout=1.0) as client:
-                def ready() -> bool:
-                    if proc.poll() is not None:
-                        raise AssertionError((tmp_path / "alertmanager.log").read_text())
-                    try:
-                        return client.get(f"{url}/-/ready").status_code == 200
-                    except httpx.TransportError:
-                        return False
-
-                wait_until(ready, timeout=30)
-            yield url, receiver
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-            log.close()
+    with RecordingServer() as receiver, \
+            running_alertmanager(tmp_path / "alertmanager", receiver.url,
+                                 group_by=("alertname", "run", "modality")) as url:
+        yield url, receiver
 
 
 def _dilution(step: int, value: float):

@@ -1,16 +1,13 @@
-"""Real servers for the end-to-end alert tests: the collector, a recording webhook
-receiver, Debian's Alertmanager; and bounded polling."""
+"""Real servers for the end-to-end alert tests: the collector and a recording webhook
+receiver; Debian's Alertmanager and bounded polling come from ``tests.support``."""
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
-import socket
-import subprocess
+import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,19 +21,16 @@ from trainvitals.monitor.app import create_app
 from trainvitals.monitor.settings import Settings
 from trainvitals.monitor.testing import serve_in_thread
 
-ALERTMANAGER = shutil.which("prometheus-alertmanager")
+# ``tests`` is a package at the repository root. ``python -m pytest`` puts the root on
+# sys.path; plain ``pytest`` only puts this rootless folder there, so add the root.
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
+from tests.support import ALERTMANAGER, running_alertmanager, wait_until  # noqa: E402
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll until ``predicate()`` is truthy and return it; fail after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not seen within {timeout} s")
-        time.sleep(interval)
+__all__ = ["ALERTMANAGER", "Collector", "Receiver", "Request", "metric_values", "running_alertmanager",
+           "running_collector", "short_silence_rules", "wait_until"]
 
 
 # -- the collector -------------------------------------------------------------------
@@ -182,63 +176,3 @@ class Receiver:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# -- Alertmanager ------------------------------------------------------------------------
-ALERTMANAGER_CONFIG = """\
-route:
-  receiver: recorder
-  group_by: [alertname, run]
-  group_wait: 1s
-  group_interval: 2s
-  repeat_interval: 1h
-receivers:
-  - name: recorder
-    webhook_configs:
-      - url: "{url}/webhook"
-        send_resolved: true
-"""
-
-
-@contextmanager
-def running_alertmanager(folder: Path, receiver_url: str) -> Iterator[str]:
-    """Debian's prometheus-alertmanager on loopback, no cluster, storage in ``folder``;
-    its route sends every alert to ``receiver_url``/webhook. Yields its URL."""
-    if ALERTMANAGER is None:
-        raise RuntimeError("prometheus-alertmanager is not installed")
-    folder.mkdir(parents=True, exist_ok=True)
-    config = folder / "alertmanager.yml"
-    config.write_text(ALERTMANAGER_CONFIG.format(url=receiver_url))
-    port = free_port()
-    log_path = folder / "alertmanager.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [ALERTMANAGER, f"--config.file={config}", f"--storage.path={folder / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-            stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            with httpx.Client(timeout=1.0) as client:
-                def ready() -> bool:
-                    if proc.poll() is not None:
-                        raise AssertionError(f"alertmanager exited: {log_path.read_text()}")
-                    try:
-                        return client.get(f"{url}/-/ready").status_code == 200
-                    except httpx.TransportError:
-                        return False
-
-                wait_until(ready, 30, "alertmanager ready")
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
