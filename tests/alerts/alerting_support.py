@@ -4,23 +4,14 @@ polling and the real Alertmanager come from ``tests.support``, re-exported here)
 from __future__ import annotations
 
 import json
-import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
+from tests.support import ALERTMANAGER, free_port, running_alertmanager, wait_until
 from trainvitals.hooks.wire import Event, Report, Sample
-
-# ``tests`` is a package at the repository root. ``python -m pytest`` puts the root on
-# sys.path; plain ``pytest`` only puts this rootless folder there, so add the root.
-_ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from tests.support import ALERTMANAGER, free_port, running_alertmanager, wait_until  # noqa: E402
 
 __all__ = ["ALERTMANAGER", "Received", "RecordingServer", "free_port", "report", "running_alertmanager",
            "wait_until"]

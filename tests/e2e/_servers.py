@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,18 +15,11 @@ from typing import Any
 
 import httpx
 
+from tests.support import ALERTMANAGER, running_alertmanager, wait_until
 from trainvitals.alerts.rules import default_rule_paths
 from trainvitals.monitor.app import create_app
 from trainvitals.monitor.settings import Settings
 from trainvitals.monitor.testing import serve_in_thread
-
-# ``tests`` is a package at the repository root. ``python -m pytest`` puts the root on
-# sys.path; plain ``pytest`` only puts this rootless folder there, so add the root.
-_ROOT = str(Path(__file__).resolve().parents[2])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from tests.support import ALERTMANAGER, running_alertmanager, wait_until  # noqa: E402
 
 __all__ = ["ALERTMANAGER", "Collector", "Receiver", "Request", "metric_values", "running_alertmanager",
            "running_collector", "short_silence_rules", "wait_until"]
