@@ -3,9 +3,11 @@ Alertmanager on loopback."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager")
 
@@ -90,3 +93,24 @@ def running_alertmanager(folder: Path, receiver_url: str,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+
+
+def run_ranks(script: Path, out: Path, *extra: str, world: int = 2, timeout: float = 180) -> Any:
+    """Run ``script RANK WORLD PORT OUT *extra`` as ``world`` processes (a gloo group on a
+    free loopback port); fail the test on a non-zero exit or after ``timeout`` seconds
+    (killing them all); return the JSON that rank 0 wrote to ``out``."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), str(port), str(out), *extra],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"data-parallel ranks did not finish within {timeout} s")
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log
+    return json.loads(out.read_text())

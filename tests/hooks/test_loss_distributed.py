@@ -3,17 +3,15 @@ process computes over the union (DDP averages gradients over ranks)."""
 
 from __future__ import annotations
 
-import json
 import math
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from _loss_models import MODALITIES, TokenModel, dp_batches, per_token_loss, reduce_loss, reference
+
+from tests.support import run_ranks as run_rank_processes
 
 HERE = Path(__file__).resolve().parent
 WORLD = 2
@@ -22,29 +20,8 @@ TIMEOUT_S = 180
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(tmp_path: Path, probe: bool) -> list[dict]:
-    out = tmp_path / "rank0.json"
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "_loss_models.py"), str(r), str(WORLD), str(port), str(out),
-                               "1" if probe else "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(WORLD)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"data-parallel ranks did not finish within {TIMEOUT_S} s")
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log
-    return json.loads(out.read_text())
+    return run_rank_processes(HERE / "_loss_models.py", tmp_path / "rank0.json", "1" if probe else "0", world=WORLD, timeout=TIMEOUT_S)
 
 
 def value(samples: list[dict], name: str, **labels: str) -> float | None:

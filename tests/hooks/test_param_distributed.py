@@ -7,15 +7,13 @@ the report's one collective."""
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 from _param_models import dp_single_process
+
+from tests.support import run_ranks as run_rank_processes
 
 HERE = Path(__file__).resolve().parent
 WORLD = 2
@@ -24,29 +22,8 @@ TIMEOUT_S = 180
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(tmp_path: Path, mode: str) -> dict:
-    out = tmp_path / "rank0.json"
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "_param_models.py"), str(r), str(WORLD), str(port),
-                               str(out), mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(WORLD)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"data-parallel ranks did not finish within {TIMEOUT_S} s")
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log
-    return json.loads(out.read_text())
+    return run_rank_processes(HERE / "_param_models.py", tmp_path / "rank0.json", mode, world=WORLD, timeout=TIMEOUT_S)
 
 
 def keyed(samples: list[dict]) -> dict[tuple, float]:
