@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager")
 
@@ -114,3 +116,30 @@ def run_ranks(script: Path, out: Path, *extra: str, world: int = 2, timeout: flo
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log
     return json.loads(out.read_text())
+
+
+SYNCS = ("item", "tolist", "__float__", "__bool__", "__int__", "cpu", "numpy")
+
+
+class HostSyncSpy:
+    """Records the host-sync calls (.item(), .tolist(), float(t), ...) made on the
+    thread that created it while recording; the sender thread's are ignored."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.calls: list[str] = []
+        self._monkeypatch = monkeypatch
+        main = threading.get_ident()
+        for name in SYNCS:
+            orig = getattr(torch.Tensor, name)
+
+            def spy(t, *a, _orig=orig, _name=name, **k):
+                if threading.get_ident() == main:
+                    self.calls.append(_name)
+                return _orig(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, spy)
+
+    def stop(self) -> list[str]:
+        """Stop recording; return what was recorded."""
+        self._monkeypatch.undo()
+        return self.calls

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 
 import pytest
 import torch
@@ -152,28 +151,18 @@ def test_close_removes_every_hook_and_is_idempotent():
 def test_the_step_makes_no_host_sync(monkeypatch):
     """Our hooks add no .item()/.tolist()/float() on the training thread: the
     monitored step makes exactly the calls the optimizer itself makes."""
+    from tests.support import HostSyncSpy
+
     base_model, model = tiny(), tiny()
     base_opt = torch.optim.AdamW(base_model.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mon = attach(model, opt, run="sync", sink="null", every=1)
-    main = threading.get_ident()
-    calls = []
-    for name in ("item", "tolist", "__float__", "__bool__", "__int__", "cpu", "numpy"):
-        orig = getattr(torch.Tensor, name)
-
-        def spy(self, *a, _orig=orig, _name=name, **k):
-            if threading.get_ident() == main:
-                calls.append(_name)
-            return _orig(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, spy)
     counts = []
     for m, o in ((base_model, base_opt), (model, opt)):
         m(torch.randn(8, 6)).pow(2).mean().backward()
-        calls.clear()
+        spy = HostSyncSpy(monkeypatch)
         o.step()
-        counts.append(list(calls))
-    monkeypatch.undo()
+        counts.append(spy.stop())
     mon.close()
     assert counts[1] == counts[0]
 

@@ -5,7 +5,6 @@ distillation reproduction with its healthy twin."""
 from __future__ import annotations
 
 import math
-import threading
 
 import pytest
 import torch
@@ -223,28 +222,19 @@ def test_a_failure_past_the_checks_turns_the_signal_off_instead_of_raising(monke
 def test_observing_makes_no_host_sync(monkeypatch):
     """No .item()/.tolist()/float()/bool() on the training thread, in the observe
     calls or in the step that reports them."""
+    from tests.support import HostSyncSpy
+
     mon, model, opt = monitor()
     student = logits_with_margins((2, 6, 500), seed=8).requires_grad_()
     teacher = logits_with_margins((2, 6, 500), seed=9)
     mask = torch.ones(2, 6, dtype=torch.bool)
-    main = threading.get_ident()
-    calls = []
-    for name in ("item", "tolist", "__float__", "__bool__", "__int__", "cpu", "numpy"):
-        orig = getattr(torch.Tensor, name)
-
-        def spy(self, *a, _orig=orig, _name=name, **k):
-            if threading.get_ident() == main:
-                calls.append(_name)
-            return _orig(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, spy)
+    loss = model(torch.ones(1, 2)).sum()
+    spy = HostSyncSpy(monkeypatch)
     mon.observe_logits(student, mask=mask, task="ie")
     mon.observe_distillation(student, teacher, temperature=2.0, mask=mask, task="ie")
-    model(torch.ones(1, 2)).sum().backward()
-    calls.clear()
+    loss.backward()
     opt.step()
-    monkeypatch.undo()
-    assert calls == []
+    assert spy.stop() == []
     assert mon.value("distill_dark_knowledge_mass", task="ie") is not None
     mon.close()
 
