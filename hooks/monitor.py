@@ -329,6 +329,7 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str, coll
         raise TypeError(f"attach() got unknown option(s) {unknown}; known options: {Config.field_names()}")
     config = Config(every=every, **options)
     # Only rank 0 sends; other ranks compute (and join the collectives) but keep no sender.
-    resolved = make_sink(collector, sink, run) if distributed.rank() == 0 else _null_sink()
+    resolved = (make_sink(collector, sink, run, queue_bytes=config.queue_bytes)
+                if distributed.rank() == 0 else _null_sink())
     return Monitor(model, optimizer, run=run, sink=resolved, modalities=mods, scaler=scaler,
                    config=config, rules=rules)

@@ -454,14 +454,6 @@ class LossAccounting(Signal):
     def _weight_hook(self, monitor: Any, step: _Step, b: dict[str, Any], per_token: torch.Tensor):
         lay = self._layout
 
-        def hook(grad: torch.Tensor) -> None:
-            if self._probing or self._closed or getattr(self, "_trainvitals_broken", False):
-                return
-            try:
-                weights(grad)
-            except Exception as exc:  # noqa: BLE001 - never break the user's backward
-                self._broken(monitor, "the per-token loss hook", exc)
-
         def weights(grad: torch.Tensor) -> None:
             step.fired += 1
             fdt = b["fdt"]
@@ -495,18 +487,24 @@ class LossAccounting(Signal):
                 finally:
                     self._probing = False
 
-        return hook
+        return self._guarded(monitor, "the per-token loss hook", weights)
 
-    def _output_hook(self, monitor: Any, step: _Step, b: dict[str, Any], lead_dims: int):
-        lay = self._layout
+    def _guarded(self, monitor: Any, where: str, fn: Any):
+        """A tensor hook running ``fn(grad)``: skipped during the probe's own backward or
+        once the signal is off; a failure turns the signal off, never the user's backward."""
 
         def hook(grad: torch.Tensor) -> None:
             if self._probing or self._closed or getattr(self, "_trainvitals_broken", False):
                 return
             try:
-                norms(grad)
+                fn(grad)
             except Exception as exc:  # noqa: BLE001 - never break the user's backward
-                self._broken(monitor, "the output hook", exc)
+                self._broken(monitor, where, exc)
+
+        return hook
+
+    def _output_hook(self, monitor: Any, step: _Step, b: dict[str, Any], lead_dims: int):
+        lay = self._layout
 
         def norms(grad: torch.Tensor) -> None:
             fdt = b["fdt"]
@@ -520,7 +518,7 @@ class LossAccounting(Signal):
                 sq = sq * (inv * inv)
             step.sums[lay.output].index_add_(0, b["tok_bin"], sq)
 
-        return hook
+        return self._guarded(monitor, "the output hook", norms)
 
     # -- report ------------------------------------------------------------------
     def collect(self, monitor: Any, ctx: StepContext) -> None:

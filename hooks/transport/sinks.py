@@ -245,7 +245,7 @@ class HttpSink:
                 log.warning("trainvitals: %s; reports are queued and retried (%d dropped so far)", message, self.dropped)
 
 
-def make_sink(collector: str | None, sink: Any, run: str) -> Any:
+def make_sink(collector: str | None, sink: Any, run: str, *, queue_bytes: int = DEFAULT_QUEUE_BYTES) -> Any:
     """Resolve ``attach(collector=..., sink=...)`` into a sink object.
 
     Precedence: an explicit ``sink`` or ``collector``; else ``$TRAINVITALS_COLLECTOR``
@@ -259,10 +259,10 @@ def make_sink(collector: str | None, sink: Any, run: str) -> Any:
     spec = collector if collector is not None else sink
     if spec is None:
         spec = os.environ.get(ENV_COLLECTOR) or f"file:trainvitals-{run.replace('/', '_')}.jsonl"
-    return parse_sink(spec)
+    return parse_sink(spec, queue_bytes=queue_bytes)
 
 
-def parse_sink(spec: str) -> Any:
+def parse_sink(spec: str, *, queue_bytes: int = DEFAULT_QUEUE_BYTES) -> Any:
     if spec in ("null", "none", ""):
         return NullSink()
     if spec.startswith("file:"):
@@ -271,7 +271,7 @@ def parse_sink(spec: str) -> Any:
             raise ValueError("sink 'file:' needs a path, e.g. sink='file:/tmp/run.jsonl'")
         return FileSink(path)
     if spec.startswith(("http://", "https://")):
-        return HttpSink(spec)
+        return HttpSink(spec, max_queue_bytes=queue_bytes)
     raise ValueError(
         f"cannot tell where to send reports from {spec!r}: pass collector='http://host:9477', "
         "sink='file:/path/run.jsonl' or sink='null'"

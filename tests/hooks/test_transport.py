@@ -159,3 +159,10 @@ def test_monitor_streams_to_http(statuses):
         assert rec.reports[-1]["events"][0]["kind"] == "run_end"
         names = {s["name"] for s in rec.reports[-2]["samples"]}
         assert {"grad_norm", "client_dropped_reports_total"} <= names
+
+
+def test_attach_queue_bytes_bounds_the_http_queue():
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with attach(model, opt, run="q", collector=_dead_url(), queue_bytes=12345, flush_timeout=0.1) as mon:
+        assert mon._pipeline.sink.max_queue_bytes == 12345
