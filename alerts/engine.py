@@ -56,7 +56,7 @@ from trainvitals.alerts.rules import (
     load_rules,
     render_template,
 )
-from trainvitals.hooks.wire import Report
+from trainvitals.wire import Report
 
 __all__ = ["RUN_END_EVENT", "Alert", "AlertState", "Engine", "Transition"]
 

@@ -34,7 +34,7 @@ from trainvitals.alerts.rules import (
     ThresholdRule,
     parse_duration,
 )
-from trainvitals.hooks.wire import PREFIX
+from trainvitals.wire import PREFIX
 
 __all__ = ["export_prometheus", "promql_template"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from trainvitals.alerts.engine import Alert, AlertState, Engine, Transition
 from trainvitals.alerts.rules import Rule, SilenceRule, load_rules
-from trainvitals.hooks.wire import Report
+from trainvitals.wire import Report
 
 __all__ = ["LocalEvaluator", "format_transition"]
 

@@ -62,7 +62,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainvitals.hooks.wire import PREFIX
+from trainvitals.wire import METRICS, PREFIX
 
 __all__ = [
     "KNOWN_LABELS",
@@ -84,46 +84,10 @@ __all__ = [
 Severity = Literal["critical", "page", "error", "warning", "ticket", "info"]
 
 # Labels each known metric carries besides `run` (and `rank` on non-zero ranks),
-# from DESIGN.md "Metrics". Used to check templates at load time and to build
-# `and on(...)` matching in the Prometheus export.
+# from the wire's metric catalogue. Used to check templates at load time and to
+# build `and on(...)` matching in the Prometheus export.
 METRIC_LABELS: dict[str, tuple[str, ...]] = {
-    "step": (),
-    "last_report_timestamp_seconds": (),
-    "loss": ("modality",),
-    "grad_norm": ("group",),
-    "param_norm": ("group",),
-    "update_ratio": ("group",),
-    "nonfinite_total": ("what",),
-    "modality_sample_share_ratio": ("modality",),
-    "modality_token_share_ratio": ("modality",),
-    "modality_grad_share_ratio": ("modality",),
-    "modality_dilution_ratio": ("modality",),
-    "modality_grad_norm": ("modality", "scope"),
-    "modality_grad_cosine": ("modality", "other"),
-    "loss_norm_exponent": (),
-    "loss_weight_mass": (),
-    "microbatches": (),
-    "token_weight_spread_ratio": (),
-    "param_min": ("param",),
-    "param_max": ("param",),
-    "param_absmax": ("param",),
-    "param_drift_log2": ("param",),
-    "param_grad_relative_rms": ("param",),
-    "param_drift_consistency_ratio": ("param",),
-    "param_weight_decay": ("param",),
-    "adam_eps_dominated_ratio": ("param",),
-    "adam_normalized_update_rms": ("param",),
-    "adam_exp_avg_norm": ("param",),
-    "adam_exp_avg_sq_norm": ("param",),
-    "optimizer_state_resets_total": (),
-    "softmax_top1_prob_mean": ("task", "role"),
-    "softmax_saturated_ratio": ("task", "role", "threshold"),
-    "softmax_jacobian_mean": ("task", "role"),
-    "softmax_entropy_nats": ("task", "role"),
-    "softmax_recommended_temperature": ("task", "role"),
-    "distill_top1_grad_share_ratio": ("task",),
-    "distill_dark_knowledge_mass": ("task",),
-    "client_dropped_reports_total": (),
+    name: spec.labels for name, spec in METRICS.items() if spec.owner == "hooks" or spec.group == "run"
 }
 # Every label a sample may carry by DESIGN (bounded labels only).
 KNOWN_LABELS = frozenset(

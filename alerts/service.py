@@ -34,7 +34,7 @@ from trainvitals.alerts.local import format_transition
 from trainvitals.alerts.notifiers.base import Notification, Notifier
 from trainvitals.alerts.notifiers.config import build_notifiers
 from trainvitals.alerts.rules import Rule, load_rules
-from trainvitals.hooks.wire import Report, ReportBatch
+from trainvitals.wire import METRICS, PREFIX, Report, ReportBatch
 
 __all__ = ["AlertService"]
 
@@ -210,7 +210,7 @@ class AlertService:
 
     def metric_families(self) -> Iterator[Metric]:
         """Fresh metric families for the collector's exposition (a prometheus Collector)."""
-        firing = GaugeMetricFamily("trainvitals_alerts_firing", "Alerts firing now.",
+        firing = GaugeMetricFamily(PREFIX + "alerts_firing", METRICS["alerts_firing"].help,
                                    labels=["alertname", "severity"])
         counts: dict[tuple[str, str], int] = {(r.alert, r.severity): 0 for r in self.engine.rules}
         for a in self.engine.firing():
@@ -221,13 +221,12 @@ class AlertService:
         stats = self.stats()
         if not stats:
             return
-        sent = CounterMetricFamily("trainvitals_notifications", "Alert notifications by notifier and outcome.",
+        sent = CounterMetricFamily(PREFIX + "notifications", METRICS["notifications_total"].help,
                                    labels=["notifier", "outcome"])
-        retries = CounterMetricFamily("trainvitals_notification_retries",
-                                      "Retried notification sends (429, 5xx, timeouts, connection errors).",
+        retries = CounterMetricFamily(PREFIX + "notification_retries", METRICS["notification_retries_total"].help,
                                       labels=["notifier"])
-        queued = GaugeMetricFamily("trainvitals_notifications_queued",
-                                   "Notifications waiting in a notifier's queue.", labels=["notifier"])
+        queued = GaugeMetricFamily(PREFIX + "notifications_queued", METRICS["notifications_queued"].help,
+                                   labels=["notifier"])
         for name, c in sorted(stats.items()):
             for outcome in ("sent", "failed", "dropped"):
                 sent.add_metric([name, outcome], c[outcome])

@@ -1,6 +1,6 @@
 """In-process PyTorch hooks: ``attach(model, optimizer, ...)`` and the signals.
 
-Attributes are loaded lazily so that ``trainvitals.hooks.wire`` (the shared wire
+Attributes are loaded lazily so that ``trainvitals.wire`` (the shared wire
 schema) can be imported by the collector without importing torch.
 """
 
@@ -12,7 +12,7 @@ __all__ = ["Monitor", "attach", "SCHEMA_VERSION"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainvitals.hooks.monitor import Monitor, attach
-    from trainvitals.hooks.wire import SCHEMA_VERSION
+    from trainvitals.wire import SCHEMA_VERSION
 
 
 def __getattr__(name: str) -> Any:
@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(monitor, name)
     if name == "SCHEMA_VERSION":
-        from trainvitals.hooks.wire import SCHEMA_VERSION
+        from trainvitals.wire.schema import SCHEMA_VERSION
 
         return SCHEMA_VERSION
     raise AttributeError(f"module 'trainvitals.hooks' has no attribute {name!r}")

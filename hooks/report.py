@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.signals.base import StepContext
-from trainvitals.hooks.wire import Report
+from trainvitals.wire import Report
 
 log = logging.getLogger("trainvitals")
 

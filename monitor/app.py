@@ -28,10 +28,10 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from trainvitals.alerts.service import AlertService
-from trainvitals.hooks.wire import SCHEMA_VERSION, ReportBatch
 from trainvitals.monitor.exposition import ReportCounter, StoreCollector, make_registry
 from trainvitals.monitor.settings import Settings, SettingsError
 from trainvitals.monitor.store import IngestRefused, SeriesLimitExceeded, SeriesStore
+from trainvitals.wire import SCHEMA_VERSION, ReportBatch
 
 __all__ = ["create_app", "tune_gc"]
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from trainvitals.hooks.wire import SCHEMA_VERSION, Report, ReportBatch
 from trainvitals.monitor.settings import DEFAULT_PORT, Settings, SettingsError
+from trainvitals.wire import SCHEMA_VERSION, Report, ReportBatch
 
 if TYPE_CHECKING:
     import httpx

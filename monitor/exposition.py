@@ -18,8 +18,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString as _fmt
 
-from trainvitals.hooks.wire import METRICS, PREFIX, metric_type
 from trainvitals.monitor.store import LabelKey, RemovableHandle, RunCopy, SeriesStore
+from trainvitals.wire import METRICS, PREFIX, metric_type
 
 __all__ = [
     "REPORT_OUTCOMES",
@@ -69,7 +69,7 @@ class ReportCounter:
 
 def _help(name: str) -> str:
     known = METRICS.get(name)
-    return known[1] if known is not None else _UNKNOWN_HELP
+    return known.help if known is not None else _UNKNOWN_HELP
 
 
 class StoreCollector(Collector):
@@ -138,16 +138,14 @@ class StoreCollector(Collector):
         """The collector's own metrics, then the registered sources' families."""
         outcomes = CounterMetricFamily(
             PREFIX + "collector_reports_total",
-            "Reports the collector accepted, and bodies it rejected, by outcome.",
+            _help("collector_reports_total"),
             labels=["outcome"],
         )
         for outcome, count in self.reports.values().items():
             outcomes.add_metric([outcome], count)
         yield outcomes
         yield GaugeMetricFamily(
-            PREFIX + "collector_series",
-            "Series the collector holds (its cap: max_series).",
-            value=series_count,
+            PREFIX + "collector_series", _help("collector_series"), value=series_count
         )
         with self._lock:
             sources = list(self._sources)

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trainvitals.hooks.wire import PREFIX, Event, ReportBatch, metric_type
+from trainvitals.wire import PREFIX, RESERVED_NAMES, Event, ReportBatch, metric_type
 
 __all__ = [
     "DEFAULT_MAX_EVENTS",
@@ -51,16 +51,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_SERIES = 1_000_000
 DEFAULT_MAX_EVENTS = 10_000
 
-# Wire names the collector produces itself; a sample may not claim them.
-RESERVED_NAMES = frozenset(
-    {
-        "step",
-        "last_report_timestamp_seconds",
-        "collector_reports_total",
-        "collector_series",
-        "alerts_firing",
-    }
-)
 
 # A series inside one run and rank: its label items, sorted. The name is the outer key.
 LabelKey = tuple[tuple[str, str], ...]

@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainvitals.hooks.wire import SCHEMA_VERSION
+from trainvitals.wire import SCHEMA_VERSION
 
 log = logging.getLogger("trainvitals")
 

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from tests.support import ALERTMANAGER, free_port, running_alertmanager, wait_until
-from trainvitals.hooks.wire import Event, Report, Sample
+from trainvitals.wire import Event, Report, Sample
 
 __all__ = ["ALERTMANAGER", "Received", "RecordingServer", "free_port", "report", "running_alertmanager",
            "wait_until"]

@@ -16,7 +16,7 @@ import random
 import time
 
 from trainvitals.alerts.engine import Engine
-from trainvitals.hooks.wire import Report, Sample
+from trainvitals.wire import Report, Sample
 
 PARAM_METRICS = ["param_min", "param_max", "param_absmax", "param_drift_log2", "param_grad_relative_rms",
                  "param_drift_consistency_ratio", "param_weight_decay", "adam_eps_dominated_ratio",

@@ -20,7 +20,7 @@ from trainvitals.alerts.notifiers.config import (
 )
 from trainvitals.alerts.rules import parse_rules
 from trainvitals.alerts.service import AlertService
-from trainvitals.hooks.wire import ReportBatch
+from trainvitals.wire import ReportBatch
 
 FAST = RetryPolicy(attempts=3, initial=0.01, maximum=0.05)
 

@@ -168,8 +168,8 @@ def scrape_time(url: str, n_series: int, repeats: int) -> None:
 
 
 def in_process_breakdown() -> None:
-    from trainvitals.hooks.wire import ReportBatch
     from trainvitals.monitor.store import SeriesStore
+    from trainvitals.wire import ReportBatch
 
     raw = body([report("breakdown", 1)])
     store = SeriesStore()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from trainvitals.hooks import Monitor, attach
-from trainvitals.hooks.wire import Report
+from trainvitals.wire import Report
 
 
 def tiny(seed: int = 0) -> nn.Module:

@@ -11,7 +11,6 @@ import time
 import pytest
 from prometheus_client.metrics_core import GaugeMetricFamily
 
-from trainvitals.hooks.wire import ReportBatch
 from trainvitals.monitor.exposition import (
     REPORT_OUTCOMES,
     ReportCounter,
@@ -20,6 +19,7 @@ from trainvitals.monitor.exposition import (
 )
 from trainvitals.monitor.store import SeriesStore
 from trainvitals.monitor.testing import make_body, make_report
+from trainvitals.wire import ReportBatch
 
 
 def ingest(store: SeriesStore, *reports: dict, now: float | None = None) -> None:

@@ -1,0 +1,226 @@
+"""The metric catalogue: one spec per metric, the single source of its name, type,
+help, unit and labels.
+
+Everything else is derived from :data:`METRICS`: the collector's HELP/TYPE lines,
+the names a sample may not claim (:data:`RESERVED_NAMES`), the labels the rule
+checker knows per metric (:func:`labels_of`), the Grafana panel units and the
+metric reference in ``docs/metrics.md`` (:func:`reference_markdown`, checked
+current by a test).
+
+Names are wire names: the Prometheus name without the ``trainvitals_`` prefix.
+Series of a run carry ``run`` (and ``rank`` on ranks other than 0, see
+:func:`trainvitals.wire.series.series_labels`) besides the labels listed here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "METRICS",
+    "PREFIX",
+    "RESERVED_NAMES",
+    "MetricSpec",
+    "exposed_family",
+    "labels_of",
+    "metric_type",
+    "reference_markdown",
+]
+
+PREFIX = "trainvitals_"
+
+MetricType = Literal["gauge", "counter"]
+Owner = Literal["hooks", "collector"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric of the contract."""
+
+    name: str
+    """Wire name (no prefix). Counters end in ``_total``."""
+    type: MetricType
+    help: str
+    """One line; the HELP text on ``/metrics``."""
+    unit: str
+    """``ratio`` (0..1), ``x`` (a factor), ``seconds``, ``nats``, ``bits``, ``count``,
+    ``step``, ``norm`` (an L2 norm in the tensor's unit) or ``value`` (the tensor's own unit)."""
+    labels: tuple[str, ...] = ()
+    """Labels besides ``run``/``rank`` (for collector-owned metrics: all of them)."""
+    owner: Owner = "hooks"
+    """Who produces it: the training-side hooks, or the collector itself."""
+    group: str = ""
+    """Where it is documented (a section of the metric reference)."""
+
+
+def _m(name: str, type_: MetricType, unit: str, labels: tuple[str, ...], group: str, help_: str,
+       owner: Owner = "hooks") -> MetricSpec:
+    return MetricSpec(name, type_, help_, unit, labels, owner, group)
+
+
+_SPECS: tuple[MetricSpec, ...] = (
+    # -- per run, set by the collector from the reports themselves
+    _m("step", "gauge", "step", (), "run", "Last reported optimizer step.", "collector"),
+    _m("last_report_timestamp_seconds", "gauge", "seconds", (), "run",
+       "Unix time when the run's last report arrived.", "collector"),
+    # -- optimizer step (table stakes)
+    _m("loss", "gauge", "value", ("modality",), "loss",
+       "Mean per-token loss of the last optimizer step, per modality."),
+    _m("grad_norm", "gauge", "norm", ("group",), "optimizer",
+       "Gradient L2 norm (group=\"all\": global) before the optimizer step."),
+    _m("param_norm", "gauge", "norm", ("group",), "optimizer", "Parameter L2 norm after the optimizer step."),
+    _m("update_ratio", "gauge", "x", ("group",), "optimizer",
+       "RMS(update) / RMS(parameter) of the last optimizer step."),
+    _m("nonfinite_total", "counter", "count", ("what",), "optimizer",
+       "Non-finite losses or gradients seen (what=loss|grad)."),
+    # -- loss accounting (I1-I3)
+    _m("modality_sample_share_ratio", "gauge", "ratio", ("modality",), "loss",
+       "Share of the step's samples per modality."),
+    _m("modality_token_share_ratio", "gauge", "ratio", ("modality",), "loss",
+       "Share of the step's label tokens per modality."),
+    _m("modality_grad_share_ratio", "gauge", "ratio", ("modality",), "loss",
+       "Share of the step's loss weight sum(dL/dl) per modality."),
+    _m("modality_dilution_ratio", "gauge", "x", ("modality",), "loss",
+       "Sample share over gradient-weight share per modality (I1)."),
+    _m("modality_grad_norm", "gauge", "norm", ("modality", "scope"), "loss",
+       "Per-modality gradient norm (scope=output|params)."),
+    _m("modality_grad_cosine", "gauge", "value", ("modality", "other"), "loss",
+       "Cosine between two modalities' parameter gradients (probe)."),
+    _m("loss_norm_exponent", "gauge", "value", (), "loss",
+       "Fitted beta in w ~ n^beta (1 per-token, 0.5 sqrt, 0 per-sample)."),
+    _m("loss_weight_mass", "gauge", "x", (), "loss",
+       "Sum of loss weights over one optimizer step (1 when normalized, I2)."),
+    _m("microbatches", "gauge", "count", (), "loss", "Micro-batches seen in the last optimizer step."),
+    _m("token_weight_spread_ratio", "gauge", "x", (), "loss",
+       "Max/min per-token weight across the step's micro-batches (I3)."),
+    # -- 1D parameters (I4)
+    _m("param_min", "gauge", "value", ("param",), "params", "Minimum element of a 1D parameter."),
+    _m("param_max", "gauge", "value", ("param",), "params", "Maximum element of a 1D parameter."),
+    _m("param_absmax", "gauge", "value", ("param",), "params", "Largest absolute element of a 1D parameter."),
+    _m("param_drift_log2", "gauge", "bits", ("param",), "params",
+       "log2(absmax / absmax at attach): bits of range gained (I4)."),
+    _m("param_grad_relative_rms", "gauge", "x", ("param",), "params",
+       "Gradient RMS over the model's median per-parameter gradient RMS."),
+    _m("param_drift_consistency_ratio", "gauge", "ratio", ("param",), "params",
+       "|mean sign| of a parameter's recent changes."),
+    _m("param_weight_decay", "gauge", "value", ("param",), "params",
+       "Weight decay the optimizer applies to the parameter (0: none)."),
+    # -- Adam state (I4)
+    _m("adam_eps_dominated_ratio", "gauge", "ratio", ("param",), "adam",
+       "Share of elements with sqrt(v_hat) < eps."),
+    _m("adam_normalized_update_rms", "gauge", "value", ("param",), "adam", "RMS of m_hat / (sqrt(v_hat) + eps)."),
+    _m("adam_exp_avg_norm", "gauge", "norm", ("param",), "adam", "L2 norm of Adam's first moment."),
+    _m("adam_exp_avg_sq_norm", "gauge", "norm", ("param",), "adam", "L2 norm of Adam's second moment."),
+    _m("optimizer_state_resets_total", "counter", "count", (), "adam", "Optimizer state resets seen."),
+    # -- softmax saturation and distillation (I5)
+    _m("softmax_top1_prob_mean", "gauge", "ratio", ("task", "role"), "softmax",
+       "Mean top-1 softmax probability."),
+    _m("softmax_saturated_ratio", "gauge", "ratio", ("task", "role", "threshold"), "softmax",
+       "Share of positions whose top-1 probability is above threshold."),
+    _m("softmax_jacobian_mean", "gauge", "value", ("task", "role"), "softmax",
+       "Mean q(1-q) of the top-1 probability."),
+    _m("softmax_entropy_nats", "gauge", "nats", ("task", "role"), "softmax", "Mean softmax entropy in nats."),
+    _m("softmax_recommended_temperature", "gauge", "value", ("task", "role"), "softmax",
+       "Temperature that brings mean top-1 to the target (1: none needed)."),
+    _m("distill_top1_grad_share_ratio", "gauge", "ratio", ("task",), "softmax",
+       "Share of the KL gradient on the student's logits at the teacher's top-1."),
+    _m("distill_dark_knowledge_mass", "gauge", "ratio", ("task",), "softmax",
+       "Mean teacher probability outside its top-1."),
+    # -- the hooks' own health
+    _m("client_dropped_reports_total", "counter", "count", (), "client",
+       "Reports the hooks dropped (queue full or collector unreachable)."),
+    # -- the collector's own metrics (no run label)
+    _m("collector_reports_total", "counter", "count", ("outcome",), "collector",
+       "Reports the collector accepted, and bodies it rejected, by outcome.", "collector"),
+    _m("collector_series", "gauge", "count", (), "collector",
+       "Series the collector holds (its cap: max_series).", "collector"),
+    _m("alerts_firing", "gauge", "count", ("alertname", "severity"), "collector",
+       "Alerts firing now.", "collector"),
+    _m("notifications_total", "counter", "count", ("notifier", "outcome"), "collector",
+       "Alert notifications by notifier and outcome.", "collector"),
+    _m("notification_retries_total", "counter", "count", ("notifier",), "collector",
+       "Retried notification sends (429, 5xx, timeouts, connection errors).", "collector"),
+    _m("notifications_queued", "gauge", "count", ("notifier",), "collector",
+       "Notifications waiting in a notifier's queue.", "collector"),
+)
+
+METRICS: dict[str, MetricSpec] = {s.name: s for s in _SPECS}
+"""Every metric of the contract, by wire name."""
+
+
+def metric_type(name: str) -> MetricType:
+    """``counter`` or ``gauge`` for a wire name; unknown names by their suffix."""
+    known = METRICS.get(name)
+    if known is not None:
+        return known.type
+    return "counter" if name.endswith("_total") else "gauge"
+
+
+def exposed_family(name: str) -> str:
+    """The family name Prometheus sees (no prefix): a counter ``x_total`` is family ``x``."""
+    return name.removesuffix("_total") if metric_type(name) == "counter" else name
+
+
+def _reserved() -> frozenset[str]:
+    out: set[str] = set()
+    for spec in _SPECS:
+        if spec.owner == "collector":
+            family = exposed_family(spec.name)
+            # The name itself, its family, and the other type's spelling of the family.
+            out.update({spec.name, family, family + "_total"})
+    return frozenset(out)
+
+
+RESERVED_NAMES: frozenset[str] = _reserved()
+"""Wire names a sample may not use: the collector exports them itself."""
+
+
+def labels_of(name: str) -> tuple[str, ...] | None:
+    """The labels a known metric carries besides run/rank; None for an unknown name."""
+    known = METRICS.get(name)
+    return None if known is None else known.labels
+
+
+_GROUP_TITLES = {
+    "run": "Per run (set by the collector)",
+    "optimizer": "Optimizer step",
+    "loss": "Loss accounting (I1-I3)",
+    "params": "1D parameters (I4)",
+    "adam": "Adam state (I4)",
+    "softmax": "Softmax saturation and distillation (I5)",
+    "client": "The hooks' own health",
+    "collector": "The collector's own metrics",
+}
+
+
+def reference_markdown() -> str:
+    """The metric reference (``docs/metrics.md``), generated from :data:`METRICS`."""
+    lines = [
+        "# Metric reference",
+        "",
+        "<!-- Generated from trainvitals/wire/metrics.py by `python -m trainvitals.wire.metrics`;",
+        "     tests/test_docs.py fails when this file is out of date. -->",
+        "",
+        f"Prometheus names carry the `{PREFIX}` prefix; the wire name (in reports and",
+        "rules) is the name without it. Every series of a run carries `run`, and `rank`",
+        "when it comes from a data-parallel rank other than 0. Counters end in `_total`.",
+        "Units: `ratio` is 0..1, `x` a factor (1 = neutral), `norm` an L2 norm in the",
+        "tensor's own unit, `value` the tensor's own unit. What each signal means and its",
+        "healthy values: [signals.md](signals.md).",
+        "",
+    ]
+    for group, title in _GROUP_TITLES.items():
+        specs = [s for s in _SPECS if s.group == group]
+        if not specs:
+            continue
+        lines += [f"## {title}", "", "| metric | type | unit | labels | meaning |", "|---|---|---|---|---|"]
+        for s in specs:
+            labels = ", ".join(s.labels) if s.labels else "-"
+            lines.append(f"| `{PREFIX}{s.name}` | {s.type} | {s.unit} | {labels} | {s.help.replace('|', chr(92) + '|')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover - regenerates docs/metrics.md
+    print(reference_markdown(), end="")
