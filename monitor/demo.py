@@ -110,7 +110,7 @@ def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
                             result["resolved_at"] = global_step
                         share = mon.value("modality_grad_share_ratio", modality="image")
                         dil = mon.value("modality_dilution_ratio", modality="image")
-                        loss = mon.value("loss", modality="all")
+                        loss = mon.value("loss")
                         row = (global_step, phase.name, loss, share, dil, state)
                         result["rows"].append(row)
                         echo(

@@ -25,8 +25,8 @@ Definitions (per optimizer step, over all its ``track_loss`` calls and all ranks
   the modality's share of samples, label tokens, and weight ``sum w`` (I1).
   ``modality_dilution_ratio`` = sample share / grad share (1 when every sample
   weighs the same; 17 in I1).
-- ``loss{modality}``: mean per-token loss over label tokens; ``modality="all"``
-  over every label token.
+- ``loss``: mean per-token loss over every label token; ``modality_loss{modality}``
+  over the modality's label tokens.
 - ``loss_norm_exponent``: least-squares slope of ``log w_s`` on ``log n_s`` over
   the samples with ``w_s > 0``: 1 per-token, 0.5 sqrt, 0 per-sample normalization.
   Absent when the lengths do not vary (no slope to fit).
@@ -583,8 +583,8 @@ class LossAccounting(Signal):
         total_samples, total_tokens, total_weight = samples.sum(), tokens.sum(), weight.sum()
         some = (total_tokens > 0).float()
 
-        ctx.emit("loss", torch.cat([loss_sum[:m] / tokens[:m], (loss_sum.sum() / total_tokens).reshape(1)]),
-                 mod_labels + [{"modality": "all"}], present=torch.cat([tokens[:m], total_tokens.reshape(1)]))
+        ctx.emit("loss", loss_sum.sum() / total_tokens, present=some)
+        ctx.emit("modality_loss", loss_sum[:m] / tokens[:m], mod_labels, present=tokens[:m])
         sample_share = samples[:m] / total_samples
         ctx.emit("modality_sample_share_ratio", sample_share, mod_labels, present=some.expand(m))
         ctx.emit("modality_token_share_ratio", tokens[:m] / total_tokens, mod_labels, present=some.expand(m))

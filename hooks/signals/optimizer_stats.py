@@ -1,10 +1,10 @@
 """Table stakes around the optimizer step: gradient and parameter norms, the
 update-to-weight ratio, non-finite gradients (INCIDENTS.md, "Table stakes").
 
-grad_norm{group} is the L2 norm of the gradients the optimizer is about to use
+grad_norm (and group_grad_norm{group} per param group) is the L2 norm of the gradients the optimizer is about to use
 (after unscaling by a GradScaler, which unscales before ``step``), the same value
-``torch.nn.utils.clip_grad_norm_`` returns. param_norm{group} is taken after the
-step. update_ratio{group} = RMS(p_after - p_before) / RMS(p_after), on a strided
+``torch.nn.utils.clip_grad_norm_`` returns. param_norm is taken after the
+step. update_ratio = RMS(p_after - p_before) / RMS(p_after), on a strided
 sample of at most ``update_sample`` elements per tensor (exact for smaller tensors),
 so no copy of the model is ever made.
 """
@@ -79,7 +79,7 @@ class OptimizerStats(Signal):
         groups = monitor.groups()
         n_groups = len(groups)
         params, gidx = self._params(monitor)
-        labels = [{"group": "all"}] + [{"group": label} for label, _ in groups]
+        group_labels = [{"group": label} for label, _ in groups]
 
         # Sums of squares per group, [all, g0, g1, ...]; summed across ranks when sharded.
         def with_all(per_group: torch.Tensor) -> torch.Tensor:
@@ -106,16 +106,22 @@ class OptimizerStats(Signal):
         self._grad_norms = None
         nonfinite = self._nonfinite
 
+        def emit(name: str, values: torch.Tensor) -> None:
+            # The whole model and its groups are separate metrics, so a sum() over
+            # the groups never adds the total to its parts.
+            ctx.emit(name, values[0])
+            ctx.emit("group_" + name, values[1:], group_labels)
+
         def finish(total: torch.Tensor) -> None:
             total = total.view(-1, n_groups + 1)
             row = 0
             if has_grad:
-                ctx.emit("grad_norm", total[row].sqrt(), labels)
+                emit("grad_norm", total[row].sqrt())
                 row += 1
-            ctx.emit("param_norm", total[row].sqrt(), labels)
+            emit("param_norm", total[row].sqrt())
             row += 1
             if upd is not None:
-                ctx.emit("update_ratio", (total[row] / total[row + 1]).sqrt(), labels)
+                emit("update_ratio", (total[row] / total[row + 1]).sqrt())
             if nonfinite is not None:
                 ctx.emit("nonfinite_total", nonfinite, {"what": "grad"})
 

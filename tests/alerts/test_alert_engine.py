@@ -322,7 +322,6 @@ def test_ratio_to_median_transform():
     eng = engine("""
 - alert: GradNormSpike
   metric: grad_norm
-  labels: {group: all}
   transform: ratio_to_median
   window: 5
   above: 10
@@ -333,7 +332,7 @@ def test_ratio_to_median_transform():
     values = [100, 50, 20, 30, 25, 24, 26, 400, 150, 70, 26, 25]
     for i, v in enumerate(values):
         out += [(i, t.state, t.summary) for t in
-                eng.observe(report(i, [("grad_norm", {"group": "all"}, v)]), now=i)]
+                eng.observe(report(i, [("grad_norm", {}, v)]), now=i)]
     # No verdict for the first 5 reports (warm-up norms fall); then 400 / median(20,30,25,24,26)
     # = 16x; 150 is 5.8x (inside the band: still firing); 70 is 2.7x: back under clear.
     assert out == [(7, F, "16x"), (9, R, "3x")]
@@ -367,7 +366,7 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
         "SoftmaxSaturation": lambda s: [("softmax_saturated_ratio",
                                          {"task": "ie", "role": "teacher", "threshold": "0.99"}, 0.97)],
         "NonFiniteLoss": lambda s: [("nonfinite_total", {"what": "loss"}, float(s >= 150))],
-        "GradNormSpike": lambda s: [("grad_norm", {"group": "all"}, 500.0 if s == 250 else 1.0 + 0.3 * math.sin(s))],
+        "GradNormSpike": lambda s: [("grad_norm", {}, 500.0 if s == 250 else 1.0 + 0.3 * math.sin(s))],
     }
     healthy = {
         "GradientDilution": lambda s: [("modality_dilution_ratio", {"modality": "image"}, 1.0),
@@ -387,7 +386,7 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
                                          {"task": "ie", "role": "teacher", "threshold": "0.99"}, 0.35)],
         "NonFiniteLoss": lambda s: [("nonfinite_total", {"what": "loss"}, 0.0),
                                     ("nonfinite_total", {"what": "grad"}, float(s))],
-        "GradNormSpike": lambda s: [("grad_norm", {"group": "all"}, 1.0 + 0.5 * math.sin(s))],
+        "GradNormSpike": lambda s: [("grad_norm", {}, 1.0 + 0.5 * math.sin(s))],
     }
     for name, fn in incident.items():
         assert run_values(fn) == {name}, name

@@ -41,7 +41,7 @@ def test_export_structure_matches_the_rules(tmp_path):
     assert by["NonFiniteLoss"]["keep_firing_for"] == "1m40s"
     assert by["OptimizerStateReset"]["expr"] == "increase(trainvitals_optimizer_state_resets_total[5m]) > 0"
     assert by["RunSilent"]["expr"] == "time() - trainvitals_last_report_timestamp_seconds > 600"
-    assert "quantile_over_time(0.5, trainvitals_grad_norm{group=\"all\"}[3m20s])" in by["GradNormSpike"]["expr"]
+    assert "quantile_over_time(0.5, trainvitals_grad_norm[3m20s])" in by["GradNormSpike"]["expr"]
 
 
 def test_export_options_scale_durations(tmp_path):

@@ -350,7 +350,7 @@ class NonFiniteLossJob(Job):
 
 class SpikeJob(Job):
     """A gradient spike after a stable period: at step ``SPIKE_AT`` the loss (and so
-    the gradient) is 100x (a bad batch or a broken loss scale). ``grad_norm{group="all"}``
+    the gradient) is 100x (a bad batch or a broken loss scale). ``grad_norm``
     jumps ~100x its running median. Fix: no spike."""
 
     SPIKE_AT = 26

@@ -82,14 +82,14 @@ def test_norms_and_update_ratio_match_plain_torch(opt_name):
             before = [p.detach().clone() for p in params]
             opt.step()
             opt.zero_grad()
-            assert mon.value("grad_norm", group="all") == pytest.approx(all_ref, rel=1e-5)
+            assert mon.value("grad_norm") == pytest.approx(all_ref, rel=1e-5)
             for label, ps in groups:
-                assert mon.value("grad_norm", group=label) == pytest.approx(grad_ref[label], rel=1e-5)
+                assert mon.value("group_grad_norm", group=label) == pytest.approx(grad_ref[label], rel=1e-5)
                 idx = [next(j for j, q in enumerate(params) if q is p) for p in ps]
                 du = torch.cat([(params[j].detach() - before[j]).flatten() for j in idx])
                 pa = torch.cat([params[j].detach().flatten() for j in idx])
-                assert mon.value("param_norm", group=label) == pytest.approx(pa.norm().item(), rel=1e-5)
-                assert mon.value("update_ratio", group=label) == pytest.approx((du.norm() / pa.norm()).item(), rel=1e-4)
+                assert mon.value("group_param_norm", group=label) == pytest.approx(pa.norm().item(), rel=1e-5)
+                assert mon.value("group_update_ratio", group=label) == pytest.approx((du.norm() / pa.norm()).item(), rel=1e-4)
             assert mon.value("nonfinite_total", what="grad") == 0
 
 
@@ -104,7 +104,7 @@ def test_update_ratio_samples_large_tensors_with_a_fixed_stride():
         strides = [math.ceil(p.numel() / 64) for p in model.parameters()]
         du = torch.cat([(p.detach().flatten() - b.flatten())[::s] for p, b, s in zip(model.parameters(), before, strides)])
         pa = torch.cat([p.detach().flatten()[::s] for p, s in zip(model.parameters(), strides)])
-        assert mon.value("update_ratio", group="all") == pytest.approx((du.norm() / pa.norm()).item(), rel=1e-5)
+        assert mon.value("update_ratio") == pytest.approx((du.norm() / pa.norm()).item(), rel=1e-5)
 
 
 def test_nonfinite_gradients_are_counted():
@@ -119,7 +119,7 @@ def test_nonfinite_gradients_are_counted():
         opt.step()
         opt.zero_grad()
         assert mon.value("nonfinite_total", what="grad") == 2
-        assert math.isnan(mon.value("grad_norm", group="all"))
+        assert math.isnan(mon.value("grad_norm"))
 
 
 def test_reports_on_first_step_and_every_n():

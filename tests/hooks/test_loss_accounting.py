@@ -150,9 +150,9 @@ def test_loss_per_modality_is_the_mean_label_token_loss():
     lab = rows.mask
     is_image = (rows.modality == 1)[:, None] & lab
     is_text = (rows.modality == 0)[:, None] & lab
-    assert mon.value("loss", modality="text") == pytest.approx(float(ref_pt[is_text].mean()), rel=1e-6)
-    assert mon.value("loss", modality="image") == pytest.approx(float(ref_pt[is_image].mean()), rel=1e-6)
-    assert mon.value("loss", modality="all") == pytest.approx(float(ref_pt[lab].mean()), rel=1e-6)
+    assert mon.value("modality_loss", modality="text") == pytest.approx(float(ref_pt[is_text].mean()), rel=1e-6)
+    assert mon.value("modality_loss", modality="image") == pytest.approx(float(ref_pt[is_image].mean()), rel=1e-6)
+    assert mon.value("loss") == pytest.approx(float(ref_pt[lab].mean()), rel=1e-6)
     mon.close()
 
 
