@@ -55,8 +55,8 @@ def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
 
     from trainvitals.hooks import attach
     from trainvitals.monitor.app import create_app
+    from trainvitals.monitor.server import serve_in_thread
     from trainvitals.monitor.settings import Settings
-    from trainvitals.monitor.testing import serve_in_thread
 
     torch.set_num_threads(1)
     settings = Settings(port=port, rules="default", log_level="warning")

@@ -16,7 +16,7 @@ from torch import nn
 
 from trainvitals.hooks import attach
 from trainvitals.monitor.app import create_app
-from trainvitals.monitor.testing import serve_in_thread
+from trainvitals.monitor.server import serve_in_thread
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,8 +18,8 @@ import httpx
 from tests.support import ALERTMANAGER, running_alertmanager, wait_until
 from trainvitals.alerts.rules import default_rule_paths
 from trainvitals.monitor.app import create_app
+from trainvitals.monitor.server import serve_in_thread
 from trainvitals.monitor.settings import Settings
-from trainvitals.monitor.testing import serve_in_thread
 
 __all__ = ["ALERTMANAGER", "Collector", "Receiver", "Request", "metric_values", "running_alertmanager",
            "running_collector", "short_silence_rules", "wait_until"]

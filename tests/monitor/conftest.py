@@ -11,9 +11,9 @@ import pytest
 from fastapi import FastAPI
 
 from trainvitals.monitor.app import create_app
+from trainvitals.monitor.server import serve_in_thread
 from trainvitals.monitor.settings import Settings
 from trainvitals.monitor.store import SeriesStore
-from trainvitals.monitor.testing import serve_in_thread
 
 RunningCollector = Callable[..., AbstractContextManager[tuple[str, FastAPI]]]
 

@@ -11,9 +11,10 @@ import sys
 import httpx
 import pytest
 
+from tests.reports import make_body, make_report
 from trainvitals.monitor.app import create_app
+from trainvitals.monitor.server import serve_in_thread
 from trainvitals.monitor.settings import Settings
-from trainvitals.monitor.testing import make_body, make_report, serve_in_thread
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
+from tests.reports import make_body, make_report
 from trainvitals.monitor.cli import main
 from trainvitals.monitor.settings import Settings
-from trainvitals.monitor.testing import make_body, make_report
 
 
 def sample(name: str, value: float, **labels: str) -> dict:

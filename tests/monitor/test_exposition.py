@@ -11,6 +11,7 @@ import time
 import pytest
 from prometheus_client.metrics_core import GaugeMetricFamily
 
+from tests.reports import make_body, make_report
 from trainvitals.monitor.exposition import (
     REPORT_OUTCOMES,
     ReportCounter,
@@ -18,7 +19,6 @@ from trainvitals.monitor.exposition import (
     render,
 )
 from trainvitals.monitor.store import SeriesStore
-from trainvitals.monitor.testing import make_body, make_report
 from trainvitals.wire import ReportBatch
 
 

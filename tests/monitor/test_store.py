@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
+from tests.reports import make_body, make_report
 from trainvitals.monitor.store import IngestRefused, SeriesLimitExceeded, SeriesStore
-from trainvitals.monitor.testing import make_body, make_report
 from trainvitals.wire import ReportBatch
 
 T0 = 1_000_000.0
