@@ -45,17 +45,17 @@ __all__ = [
 ]
 
 _WHERE = {
-    "Alert": "engine",
-    "AlertState": "engine",
+    "Alert": "state",
+    "AlertState": "state",
+    "Transition": "state",
     "Engine": "engine",
-    "Transition": "engine",
-    "Condition": "rules",
-    "EventRule": "rules",
-    "Rule": "rules",
-    "RuleError": "rules",
-    "SilenceRule": "rules",
-    "ThresholdRule": "rules",
-    "load_rules": "rules",
+    "Condition": "model",
+    "EventRule": "model",
+    "Rule": "model",
+    "SilenceRule": "model",
+    "ThresholdRule": "model",
+    "RuleError": "loading",
+    "load_rules": "loading",
     "LocalEvaluator": "local",
     "AlertService": "service",
     "Dispatcher": "dispatch",
@@ -70,21 +70,15 @@ _WHERE = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainvitals.alerts.dispatch import Dispatcher, RetryPolicy
-    from trainvitals.alerts.engine import Alert, AlertState, Engine, Transition
+    from trainvitals.alerts.engine import Engine
     from trainvitals.alerts.export import export_prometheus
+    from trainvitals.alerts.loading import RuleError, load_rules
     from trainvitals.alerts.local import LocalEvaluator
+    from trainvitals.alerts.model import Condition, EventRule, Rule, SilenceRule, ThresholdRule
     from trainvitals.alerts.notifiers.base import Notification, Notifier, NotifyError
     from trainvitals.alerts.notifiers.config import NotifierConfigError, build_notifiers
-    from trainvitals.alerts.rules import (
-        Condition,
-        EventRule,
-        Rule,
-        RuleError,
-        SilenceRule,
-        ThresholdRule,
-        load_rules,
-    )
     from trainvitals.alerts.service import AlertService
+    from trainvitals.alerts.state import Alert, AlertState, Transition
 
 
 def __getattr__(name: str) -> Any:

@@ -11,14 +11,8 @@ from pathlib import Path
 import click
 
 from trainvitals.alerts.export import export_prometheus
-from trainvitals.alerts.rules import (
-    EventRule,
-    Rule,
-    RuleError,
-    SilenceRule,
-    ThresholdRule,
-    load_rules,
-)
+from trainvitals.alerts.loading import RuleError, load_rules
+from trainvitals.alerts.model import EventRule, Rule, SilenceRule, ThresholdRule
 
 __all__ = ["describe_rule", "rules"]
 

@@ -1,6 +1,7 @@
 """The evaluation engine: one state machine per (rule, series), fed report by report.
 
-States: inactive -> pending -> firing -> resolved (-> pending/firing again).
+States (:mod:`trainvitals.alerts.state`): inactive -> pending -> firing ->
+resolved (-> pending/firing again).
 
 - ``for_steps`` counts optimizer steps (the report's ``step``): an alert fires on
   the first report at least ``for_steps`` steps after the one that made it
@@ -19,11 +20,13 @@ States: inactive -> pending -> firing -> resolved (-> pending/firing again).
   while the drift is still large).
 - No evidence: NaN, a series missing from a report, an ``and`` series not yet
   seen, the first report of a counter (``increase`` needs two) or a spike
-  history shorter than ``window``: the state stays as it is. A NaN never
-  satisfies ``above``/``below`` and never clears; non-finite losses are caught by
-  NonFiniteLoss from the counter. +Inf does satisfy ``above``.
-- Series: the report's ``run``, ``rank`` only when not 0 (as the collector's
-  store labels them), and the sample's labels.
+  history shorter than ``window`` (:mod:`trainvitals.alerts.transforms`): the
+  state stays as it is. A NaN never satisfies ``above``/``below`` and never
+  clears; non-finite losses are caught by NonFiniteLoss from the counter. +Inf
+  does satisfy ``above``.
+- Series: labelled as the collector's store labels them
+  (:func:`trainvitals.wire.series_labels`: ``run``, ``rank`` unless 0, then the
+  sample's labels).
 - Event rules fire on the report that carries the event and resolve on a later
   report of the same run without it, once ``hold_steps``/``hold`` have passed
   since the last such event. A ``run_end`` event marks a run finished:
@@ -32,108 +35,36 @@ States: inactive -> pending -> firing -> resolved (-> pending/firing again).
   ``run_ttl`` (their alerts resolve) and dropping resolved alerts after
   ``resolved_retention``.
 
-Pure Python; thread-safe (one lock); no I/O.
+The engine takes rule objects (:func:`trainvitals.alerts.loading.resolve_rules`
+turns names, files and folders into them). Pure Python; thread-safe (one
+lock); no I/O.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
-from trainvitals.alerts.rules import (
+from trainvitals.alerts.loading import load_rules
+from trainvitals.alerts.model import (
     Condition,
     EventRule,
     Rule,
     SilenceRule,
     ThresholdRule,
-    load_rules,
-    render_template,
 )
+from trainvitals.alerts.state import Alert, AlertState, LabelItems, Transition
+from trainvitals.alerts.transforms import SeriesHistory
 from trainvitals.wire import Report
 
 __all__ = ["RUN_END_EVENT", "Alert", "AlertState", "Engine", "Transition"]
 
 # The event kind that says a run finished on purpose (no RunSilent for it).
 RUN_END_EVENT = "run_end"
-
-LabelItems = tuple[tuple[str, str], ...]
-
-
-class AlertState(str, Enum):
-    """Where one (rule, series) stands."""
-
-    INACTIVE = "inactive"
-    PENDING = "pending"
-    FIRING = "firing"
-    RESOLVED = "resolved"
-
-
-@dataclass(frozen=True)
-class Alert:
-    """A snapshot of one (rule, series) state machine."""
-
-    rule: Rule
-    labels: Mapping[str, str]
-    state: AlertState
-    value: float
-    step: int | None
-    since: float
-    fired_at: float | None
-    resolved_at: float | None
-    detail: str = ""
-
-    @property
-    def alertname(self) -> str:
-        return self.rule.alert
-
-    @property
-    def severity(self) -> str:
-        return self.rule.severity
-
-    @property
-    def alert_labels(self) -> dict[str, str]:
-        """Labels that identify the alert downstream: alertname, severity and the series'."""
-        return {"alertname": self.rule.alert, "severity": self.rule.severity, **self.labels}
-
-    @property
-    def key(self) -> tuple[str, LabelItems]:
-        return self.rule.alert, tuple(sorted(self.labels.items()))
-
-    def fields(self) -> dict[str, Any]:
-        """Template namespace: the series labels plus the rule's numbers."""
-        out: dict[str, Any] = dict(self.labels)
-        out.update(alertname=self.rule.alert, severity=self.rule.severity, value=self.value,
-                   step=self.step if self.step is not None else -1, detail=self.detail)
-        if isinstance(self.rule, ThresholdRule):
-            out.update(above=self.rule.above, below=self.rule.below, clear=self.rule.clear_at)
-        return out
-
-    @property
-    def summary(self) -> str:
-        return render_template(self.rule.summary, self.fields())
-
-    @property
-    def description(self) -> str:
-        return render_template(self.rule.description, self.fields())
-
-
-@dataclass(frozen=True)
-class Transition(Alert):
-    """A state change of one (rule, series): ``old`` -> ``state``."""
-
-    old: AlertState = AlertState.INACTIVE
-    reason: str = ""
-
-    @property
-    def new(self) -> AlertState:
-        return self.state
 
 
 # Verdicts of one observation.
@@ -279,8 +210,8 @@ class Engine:
         # Instances per threshold rule: with none, a value short of the threshold
         # needs no state lookup at all.
         self._live = [0] * len(self.rules)
-        # Transform history: (rule index, run, rank, label items) -> last value | deque
-        self._history: dict[tuple[int, str, int, LabelItems], Any] = {}
+        # What transforms remember, per (rule index, run, rank, label items).
+        self._history = SeriesHistory()
         self._runs: dict[str, _Run] = {}
         self._next_sweep = 0.0
 
@@ -350,31 +281,6 @@ class Engine:
         out.update(labels)
         return out
 
-    def _transformed(self, c: _Compiled, key: tuple, raw: float) -> float | None:
-        rule = c.rule
-        if rule.transform == "value":
-            return raw
-        if rule.transform == "increase":
-            prev = self._history.get(key)
-            if raw == raw:
-                self._history[key] = raw
-            if prev is None or raw != raw:
-                return None
-            return raw if raw < prev else raw - prev  # a decrease is a counter reset
-        hist = self._history.get(key)
-        if hist is None:
-            hist = self._history[key] = deque(maxlen=rule.window)
-        result: float | None = None
-        if len(hist) == rule.window:
-            med = statistics.median(hist)
-            if med > 0:
-                result = raw / med
-            elif raw == raw:
-                result = math.inf if raw > 0 else None
-        if math.isfinite(raw):
-            hist.append(raw)
-        return result
-
     def _conditions(self, c: _Compiled, run: str, rank: int, labels: Mapping[str, str]) -> str | None:
         """None when every condition holds, else _CLEAR (one is false) or _UNKNOWN."""
         unknown = False
@@ -406,7 +312,7 @@ class Engine:
         rule = c.rule
         items = tuple(sorted(labels.items()))
         key = (c.index, run, rank, items)
-        value = self._transformed(c, key, raw) if rule.transform != "value" else raw
+        value = self._history.apply(rule, key, raw) if rule.transform != "value" else raw
         if value is None or value != value:
             verdict = _UNKNOWN
         elif rule.above is not None:
@@ -566,8 +472,7 @@ class Engine:
                 inst.state, inst.resolved_at = AlertState.RESOLVED, now
                 out.append(inst.snapshot(Transition, old=AlertState.FIRING, reason="run expired"))
             self._drop(key, inst)
-        for key in [k for k in self._history if k[1] == run]:
-            del self._history[key]
+        self._history.forget_run(run)
         for key in [k for k in self._latest if k[0] == run]:
             del self._latest[key]
         for key in [k for k in self._event_instances if k[0] == run]:

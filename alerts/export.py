@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import yaml
 
-from trainvitals.alerts.rules import (
+from trainvitals.alerts.model import (
     METRIC_LABELS,
     EventRule,
     Rule,

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from trainvitals.alerts.engine import Alert, AlertState, Engine, Transition
-from trainvitals.alerts.rules import Rule, SilenceRule, load_rules
+from trainvitals.alerts.loading import load_rules
+from trainvitals.alerts.model import Rule, SilenceRule
 from trainvitals.wire import Report
 
 __all__ = ["LocalEvaluator", "format_transition"]

@@ -30,10 +30,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from trainvitals.alerts.dispatch import Dispatcher, RetryPolicy
 from trainvitals.alerts.engine import Alert, AlertState, Engine, Transition
+from trainvitals.alerts.loading import load_rules
 from trainvitals.alerts.local import format_transition
+from trainvitals.alerts.model import Rule
 from trainvitals.alerts.notifiers.base import Notification, Notifier
 from trainvitals.alerts.notifiers.config import build_notifiers
-from trainvitals.alerts.rules import Rule, load_rules
 from trainvitals.wire import METRICS, PREFIX, Report, ReportBatch
 
 __all__ = ["AlertService"]
@@ -69,7 +70,7 @@ class AlertService:
                     **kwargs: Any) -> AlertService:
         """Build from rule sources (``"default"``, files, folders) and ``notifiers:`` dicts.
 
-        Raises :class:`~trainvitals.alerts.rules.RuleError` or
+        Raises :class:`~trainvitals.alerts.loading.RuleError` or
         :class:`~trainvitals.alerts.notifiers.config.NotifierConfigError`.
         Other keyword arguments go to the constructor.
         """

@@ -11,9 +11,10 @@ from alerting_support import report
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainvitals.alerts.engine import AlertState, Engine
+from trainvitals.alerts.engine import Engine
+from trainvitals.alerts.loading import load_rules, parse_rules
 from trainvitals.alerts.local import LocalEvaluator
-from trainvitals.alerts.rules import load_rules, parse_rules
+from trainvitals.alerts.state import AlertState
 
 F, P, R, IN = AlertState.FIRING, AlertState.PENDING, AlertState.RESOLVED, AlertState.INACTIVE
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from trainvitals.alerts.cli import rules as rules_cli
 from trainvitals.alerts.export import export_prometheus, promql_template
-from trainvitals.alerts.rules import load_rules, parse_rules
+from trainvitals.alerts.loading import load_rules, parse_rules
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")

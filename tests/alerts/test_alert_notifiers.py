@@ -12,13 +12,13 @@ from prometheus_client import CollectorRegistry
 
 from trainvitals.alerts.dispatch import Dispatcher, RetryPolicy
 from trainvitals.alerts.engine import Engine
+from trainvitals.alerts.loading import parse_rules
 from trainvitals.alerts.notifiers.base import Notification, Notifier, dedup_key
 from trainvitals.alerts.notifiers.config import (
     NotifierConfigError,
     build_notifiers,
     parse_notifier_configs,
 )
-from trainvitals.alerts.rules import parse_rules
 from trainvitals.alerts.service import AlertService
 from trainvitals.wire import ReportBatch
 

@@ -9,17 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainvitals.alerts.rules import (
-    EventRule,
-    RuleError,
-    SilenceRule,
-    ThresholdRule,
-    load_rule_file,
-    load_rules,
-    parse_duration,
-    parse_rules,
-    render_template,
-)
+from trainvitals.alerts.loading import RuleError, load_rule_file, load_rules, parse_rules
+from trainvitals.alerts.model import EventRule, SilenceRule, ThresholdRule, parse_duration
+from trainvitals.alerts.templates import render_template
 
 REQUIRED = {
     "GradientDilution", "LossNotAccumNormalized", "MeanOfMeansLoss", "ParamDrift",

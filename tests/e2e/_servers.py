@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from tests.support import ALERTMANAGER, running_alertmanager, wait_until
-from trainvitals.alerts.rules import default_rule_paths
+from trainvitals.alerts.loading import default_rule_paths
 from trainvitals.monitor.app import create_app
 from trainvitals.monitor.server import serve_in_thread
 from trainvitals.monitor.settings import Settings

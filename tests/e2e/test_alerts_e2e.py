@@ -48,7 +48,7 @@ from _servers import (
 )
 
 from trainvitals.alerts.dispatch import RetryPolicy
-from trainvitals.alerts.rules import load_rules
+from trainvitals.alerts.loading import load_rules
 from trainvitals.monitor.testing import make_body, make_report
 
 DEFAULT_RULES = {r.alert: r for r in load_rules("default")}

@@ -1,0 +1,68 @@
+"""Value transforms of threshold rules, and the per-series history they need.
+
+- ``value``: the sample as reported.
+- ``increase`` (counters): the increase since the series' previous report; a
+  decrease is a counter reset (a restarted job), so the new value is the
+  increase. The first report is the baseline: no value yet.
+- ``ratio_to_median``: the value over the median of the series' previous
+  ``window`` finite values (a spike factor, unitless). No value until
+  ``window`` reports are in; with a median at or below 0, a positive value
+  gives +Inf and any other no value.
+
+"No value" (None) is no evidence: the engine keeps the alert's state. NaN is
+never remembered, so one NaN does not poison the baseline.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Hashable
+from typing import Any
+
+from trainvitals.alerts.model import ThresholdRule
+
+__all__ = ["SeriesHistory"]
+
+
+class SeriesHistory:
+    """What ``increase``/``ratio_to_median`` remember per series.
+
+    Keys are the engine's (rule index, run, rank, label items); the run is the
+    second element, so :meth:`forget_run` can drop a run's history.
+    """
+
+    def __init__(self) -> None:
+        # key -> last value (increase) | deque of recent values (ratio_to_median)
+        self._history: dict[tuple[Any, ...], Any] = {}
+
+    def apply(self, rule: ThresholdRule, key: tuple[Hashable, ...], raw: float) -> float | None:
+        """The rule's transform of ``raw`` for this series; None while there is no value."""
+        if rule.transform == "value":
+            return raw
+        if rule.transform == "increase":
+            prev = self._history.get(key)
+            if raw == raw:
+                self._history[key] = raw
+            if prev is None or raw != raw:
+                return None
+            return raw if raw < prev else raw - prev  # a decrease is a counter reset
+        hist = self._history.get(key)
+        if hist is None:
+            hist = self._history[key] = deque(maxlen=rule.window)
+        result: float | None = None
+        if len(hist) == rule.window:
+            med = statistics.median(hist)
+            if med > 0:
+                result = raw / med
+            elif raw == raw:
+                result = math.inf if raw > 0 else None
+        if math.isfinite(raw):
+            hist.append(raw)
+        return result
+
+    def forget_run(self, run: str) -> None:
+        """Drop every series of ``run``."""
+        for key in [k for k in self._history if k[1] == run]:
+            del self._history[key]
