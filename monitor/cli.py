@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import click
 
 from trainvitals.monitor.settings import DEFAULT_PORT, Settings, SettingsError
-from trainvitals.wire import SCHEMA_VERSION, Report, ReportBatch
+from trainvitals.wire import Report, ReportBatch, encode_body, encode_report
 
 if TYPE_CHECKING:
     import httpx
@@ -128,9 +128,8 @@ def replay(
     accepted = 0
     with httpx.Client(timeout=timeout, headers=headers) as client:
         for first_line, last_line, reports in _batches(file, batch_size):
-            body = f'{{"schema":{SCHEMA_VERSION},"reports":['.encode() + b",".join(reports) + b"]}"
             try:
-                resp = client.post(url, content=body)
+                resp = client.post(url, content=encode_body(reports))
             except httpx.HTTPError as exc:
                 raise click.ClickException(
                     f"cannot reach the collector at {url}: {exc or type(exc).__name__}"
@@ -170,7 +169,7 @@ def _reports(file: Path) -> Iterator[tuple[int, bytes]]:
             except ValueError as exc:  # pydantic.ValidationError
                 raise click.ClickException(f"{file}:{lineno}: {_first_error(exc)}") from None
             for report in reports:
-                yield lineno, report.model_dump_json().encode()
+                yield lineno, encode_report(report)
 
 
 def _first_error(exc: ValueError) -> str:
