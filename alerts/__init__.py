@@ -42,6 +42,7 @@ __all__ = [
     "build_notifiers",
     "export_prometheus",
     "load_rules",
+    "resolve_rules",
 ]
 
 _WHERE = {
@@ -56,6 +57,7 @@ _WHERE = {
     "ThresholdRule": "model",
     "RuleError": "loading",
     "load_rules": "loading",
+    "resolve_rules": "loading",
     "LocalEvaluator": "local",
     "AlertService": "service",
     "Dispatcher": "dispatch",
@@ -72,7 +74,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainvitals.alerts.dispatch import Dispatcher, RetryPolicy
     from trainvitals.alerts.engine import Engine
     from trainvitals.alerts.export import export_prometheus
-    from trainvitals.alerts.loading import RuleError, load_rules
+    from trainvitals.alerts.loading import RuleError, load_rules, resolve_rules
     from trainvitals.alerts.local import LocalEvaluator
     from trainvitals.alerts.model import Condition, EventRule, Rule, SilenceRule, ThresholdRule
     from trainvitals.alerts.notifiers.base import Notification, Notifier, NotifyError

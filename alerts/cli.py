@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from trainvitals.alerts.export import export_prometheus
-from trainvitals.alerts.loading import RuleError, load_rules
+from trainvitals.alerts.loading import RuleError, resolve_rules
 from trainvitals.alerts.model import EventRule, Rule, SilenceRule, ThresholdRule
 
 __all__ = ["describe_rule", "rules"]
@@ -72,7 +72,7 @@ def check(files: tuple[Path, ...]) -> None:
     """
     sources: list[str | Path] = list(files) or ["default"]
     try:
-        loaded = load_rules(sources)
+        loaded = resolve_rules(sources)
     except RuleError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
@@ -101,7 +101,7 @@ def export(fmt: str, sources: tuple[str, ...], step_seconds: float, report_every
            increase_window: str, runbook_base_url: str | None, output: Path | None) -> None:
     """Export rules as a Prometheus rule file (check it with `promtool check rules`)."""
     try:
-        loaded = load_rules(list(sources))
+        loaded = resolve_rules(list(sources))
         text = export_prometheus(loaded, step_seconds=step_seconds, report_every=report_every,
                                  increase_window=increase_window, runbook_base_url=runbook_base_url,
                                  sources=", ".join(sources) if sources != ("default",) else "the default rules")

@@ -47,10 +47,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from os import PathLike
 from typing import Any
 
-from trainvitals.alerts.loading import load_rules
 from trainvitals.alerts.model import (
+    RULE_TYPES,
     Condition,
     EventRule,
     Rule,
@@ -61,7 +62,7 @@ from trainvitals.alerts.state import Alert, AlertState, LabelItems, Transition
 from trainvitals.alerts.transforms import SeriesHistory
 from trainvitals.wire import Report
 
-__all__ = ["RUN_END_EVENT", "Alert", "AlertState", "Engine", "Transition"]
+__all__ = ["RUN_END_EVENT", "Engine"]
 
 # The event kind that says a run finished on purpose (no RunSilent for it).
 RUN_END_EVENT = "run_end"
@@ -164,18 +165,31 @@ def _hold_done(rule: Rule, inst: _Instance, step: int | None, now: float) -> boo
     return inst.clear_time is not None and (hold <= 0 or now - inst.clear_time >= hold)
 
 
+def _rule_objects(rules: Iterable[Rule]) -> list[Rule]:
+    if rules is None or isinstance(rules, str | bytes | PathLike):
+        raise TypeError(f"Engine takes rule objects, not {rules!r}: "
+                        "resolve names, files and folders first with resolve_rules()")
+    out = list(rules)
+    for i, rule in enumerate(out, start=1):
+        if not isinstance(rule, RULE_TYPES):
+            raise TypeError(f"Engine rule #{i} is a {type(rule).__name__}, not a rule object "
+                            "(ThresholdRule, EventRule or SilenceRule); see resolve_rules()")
+    return out
+
+
 class Engine:
     """Evaluates rules against reports; returns the state changes.
 
-    ``observe(report, now)`` on every report, ``tick(now)`` every second or so
-    for the timers. ``now`` is the collector's clock (Unix seconds).
+    ``rules``: rule objects (:func:`trainvitals.alerts.loading.resolve_rules`
+    makes them from ``"default"``, files and folders). ``observe(report, now)``
+    on every report, ``tick(now)`` every second or so for the timers. ``now`` is
+    the collector's clock (Unix seconds); ``run_ttl`` and ``resolved_retention``
+    are seconds.
     """
 
-    def __init__(self, rules: Iterable[Rule] | str | None = "default", *,
+    def __init__(self, rules: Iterable[Rule], *,
                  run_ttl: float = 86400.0, resolved_retention: float = 900.0) -> None:
-        if rules is None or isinstance(rules, str):
-            rules = load_rules(rules)
-        self.rules: list[Rule] = list(rules)
+        self.rules: list[Rule] = _rule_objects(rules)
         self.run_ttl = run_ttl
         self.resolved_retention = resolved_retention
         self._lock = threading.Lock()

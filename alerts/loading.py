@@ -1,11 +1,14 @@
 """Rule files: YAML in, validated rules out, with errors that say where.
 
-A rule file is a YAML list of rules (or a mapping with a ``rules:`` list),
-loaded with ``yaml.safe_load``; the rule format is in ``docs/rules.md`` and the
-model in :mod:`trainvitals.alerts.model`. ``"default"`` stands for the files
-shipped in ``trainvitals/alerts/rules/``; a folder for its ``*.yaml``/``*.yml``
-files. Alert names must be unique across everything loaded together. Every
-error names the file, the rule and the field::
+:func:`resolve_rules` turns every accepted way of naming rules (``"default"``,
+files, folders, rule objects, a mix of them) into one list of rules; every
+caller uses it. A rule file is a YAML list of rules (or a mapping with a
+``rules:`` list), loaded with ``yaml.safe_load``; the rule format is in
+``docs/rules.md`` and the model in :mod:`trainvitals.alerts.model`.
+``"default"`` stands for the files shipped in ``trainvitals/alerts/rules/``; a
+folder for its ``*.yaml``/``*.yml`` files. Alert names must be unique across
+everything resolved together. Every error names the file, the rule and the
+field::
 
     rules/x.yaml: rule 'GradientDilution' (#1): field 'above': Input should be a valid number
 """
@@ -15,19 +18,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from trainvitals.alerts.model import KINDS, FieldError, Rule
+from trainvitals.alerts.model import KINDS, RULE_TYPES, FieldError, Rule
 
 __all__ = [
     "RuleError",
+    "RuleSpec",
     "default_rule_paths",
     "load_rule_file",
     "load_rules",
     "parse_rules",
+    "resolve_rules",
 ]
 
 
@@ -144,33 +149,68 @@ def default_rule_paths() -> list[Path]:
     return sorted(Path(str(p)) for p in folder.iterdir() if p.name.endswith((".yaml", ".yml")))
 
 
-def load_rules(sources: str | Path | Iterable[str | Path] | None = "default") -> list[Rule]:
-    """Load rules from ``"default"`` (the shipped files), files and folders.
+RuleSpec = Union[str, Path, Rule, Iterable[Union[str, Path, Rule]], None]
+"""What names rules: ``"default"``, a file, a folder, a rule object, or an iterable of
+those; ``None`` for no rules."""
 
-    ``None`` or an empty list gives no rules. Alert names must be unique across
-    all the files loaded together.
+_OBJECTS = "<rule objects>"  # the source named in errors about rules given as objects
+
+
+def resolve_rules(spec: RuleSpec = "default") -> list[Rule]:
+    """The rules ``spec`` names, validated, in the order given.
+
+    - ``"default"``: the files shipped in ``trainvitals/alerts/rules/``;
+    - a path (str or :class:`~pathlib.Path`): a rule file, or a folder (its
+      ``*.yaml``/``*.yml`` files in name order);
+    - a rule object (:class:`~trainvitals.alerts.model.ThresholdRule`,
+      :class:`~trainvitals.alerts.model.EventRule`,
+      :class:`~trainvitals.alerts.model.SilenceRule`): itself;
+    - an iterable of any of these; ``None`` or an empty iterable: no rules.
+
+    Every caller (the collector's service, the in-process evaluator, the CLI)
+    goes through here. Raises :class:`RuleError` naming the file, rule and field,
+    also for an alert name used twice anywhere in ``spec``.
     """
-    if sources is None:
+    if spec is None:
         return []
-    if isinstance(sources, str | Path):
-        sources = [sources]
-    paths: list[Path] = []
-    for src in sources:
-        if str(src) == "default":
-            paths.extend(default_rule_paths())
-            continue
-        p = Path(src)
-        if p.is_dir():
-            paths.extend(sorted(q for q in p.iterdir() if q.suffix in (".yaml", ".yml")))
-        else:
-            paths.append(p)
+    if isinstance(spec, str | Path) or isinstance(spec, RULE_TYPES):
+        spec = [spec]
+    elif isinstance(spec, Mapping) or not isinstance(spec, Iterable):
+        raise _spec_error(spec)
     rules: list[Rule] = []
-    origin: list[str] = []
+    sources: list[str] = []
     indices: list[int] = []
-    for p in paths:
-        loaded = load_rule_file(p)
-        rules.extend(loaded)
-        origin.extend([str(p)] * len(loaded))
-        indices.extend(range(1, len(loaded) + 1))
-    _check_unique(rules, origin, indices)
+    for position, item in enumerate(spec, start=1):
+        if isinstance(item, RULE_TYPES):
+            rules.append(item)
+            sources.append(_OBJECTS)
+            indices.append(position)
+            continue
+        if not isinstance(item, str | Path):
+            raise _spec_error(item, position)
+        for path in _rule_files(item):
+            loaded = load_rule_file(path)
+            rules.extend(loaded)
+            sources.extend([str(path)] * len(loaded))
+            indices.extend(range(1, len(loaded) + 1))
+    _check_unique(rules, sources, indices)
     return rules
+
+
+load_rules = resolve_rules
+"""The same function, under the name the package has always exported."""
+
+
+def _rule_files(item: str | Path) -> list[Path]:
+    if str(item) == "default":
+        return default_rule_paths()
+    path = Path(item)
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml"))
+    return [path]
+
+
+def _spec_error(item: Any, position: int | None = None) -> RuleError:
+    where = f"rules: item #{position}" if position is not None else "rules"
+    return RuleError(f"{where}: {type(item).__name__} {item!r:.60} names no rules; give 'default', "
+                     "a rule file or folder, rule objects, or a list of these", source="rules")

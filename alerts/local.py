@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainvitals.alerts.engine import Alert, AlertState, Engine, Transition
-from trainvitals.alerts.loading import load_rules
-from trainvitals.alerts.model import Rule, SilenceRule
+from trainvitals.alerts.engine import Engine
+from trainvitals.alerts.loading import RuleSpec, resolve_rules
+from trainvitals.alerts.model import SilenceRule
+from trainvitals.alerts.state import Alert, AlertState, Transition
 from trainvitals.wire import Report
 
 __all__ = ["LocalEvaluator", "format_transition"]
@@ -35,16 +35,16 @@ def format_transition(t: Transition) -> str:
 class LocalEvaluator:
     """Evaluate rules on each report in-process and log what fires and resolves.
 
-    ``rules``: ``"default"``, rule file paths, or rule objects. RunSilent rules
+    ``rules``: what :func:`~trainvitals.alerts.loading.resolve_rules` takes
+    (``"default"``, rule files and folders, rule objects). RunSilent rules
     are left out (a process that reports is not silent). Call it with each report
     (``evaluator(report)``); it never raises into the caller.
     """
 
-    def __init__(self, rules: str | Path | Iterable[str | Path | Rule] | None = "default", *,
+    def __init__(self, rules: RuleSpec = "default", *,
                  logger: logging.Logger | None = None,
                  clock: Callable[[], float] = time.time) -> None:
-        loaded = _resolve(rules)
-        self.engine = Engine([r for r in loaded if not isinstance(r, SilenceRule)])
+        self.engine = Engine([r for r in resolve_rules(rules) if not isinstance(r, SilenceRule)])
         self.log = logger or logging.getLogger("trainvitals")
         self.clock = clock
 
@@ -73,15 +73,3 @@ class LocalEvaluator:
         """Alerts firing now."""
         return self.engine.firing()
 
-
-def _resolve(rules: str | Path | Iterable[str | Path | Rule] | None) -> list[Rule]:
-    if rules is None or isinstance(rules, str | Path):
-        return load_rules(rules)
-    out: list[Rule] = []
-    paths: list[str | Path] = []
-    for item in rules:
-        if isinstance(item, str | Path):
-            paths.append(item)
-        else:
-            out.append(item)
-    return load_rules(paths) + out if paths else out

@@ -22,19 +22,18 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from trainvitals.alerts.dispatch import Dispatcher, RetryPolicy
-from trainvitals.alerts.engine import Alert, AlertState, Engine, Transition
-from trainvitals.alerts.loading import load_rules
+from trainvitals.alerts.engine import Engine
+from trainvitals.alerts.loading import RuleSpec, resolve_rules
 from trainvitals.alerts.local import format_transition
-from trainvitals.alerts.model import Rule
 from trainvitals.alerts.notifiers.base import Notification, Notifier
 from trainvitals.alerts.notifiers.config import build_notifiers
+from trainvitals.alerts.state import Alert, AlertState, Transition
 from trainvitals.wire import METRICS, PREFIX, Report, ReportBatch
 
 __all__ = ["AlertService"]
@@ -64,24 +63,18 @@ class AlertService:
         self._ticker: threading.Thread | None = None
 
     @classmethod
-    def from_config(cls, rules: str | Path | Iterable[str | Path | Rule] | None = "default",
+    def from_config(cls, rules: RuleSpec = "default",
                     notifiers: Sequence[Mapping[str, Any]] | None = None, *,
                     run_ttl: float = 86400.0, resolved_retention: float = 900.0,
                     **kwargs: Any) -> AlertService:
-        """Build from rule sources (``"default"``, files, folders) and ``notifiers:`` dicts.
+        """Build from rules (what :func:`~trainvitals.alerts.loading.resolve_rules` takes:
+        ``"default"``, files, folders, rule objects) and ``notifiers:`` dicts.
 
         Raises :class:`~trainvitals.alerts.loading.RuleError` or
         :class:`~trainvitals.alerts.notifiers.config.NotifierConfigError`.
         Other keyword arguments go to the constructor.
         """
-        loaded: list[Rule] = []
-        if rules is None or isinstance(rules, str | Path):
-            loaded = load_rules(rules)
-        else:
-            items = list(rules)
-            paths = [r for r in items if isinstance(r, str | Path)]
-            loaded = (load_rules(paths) if paths else []) + [r for r in items if not isinstance(r, str | Path)]
-        engine = Engine(loaded, run_ttl=run_ttl, resolved_retention=resolved_retention)
+        engine = Engine(resolve_rules(rules), run_ttl=run_ttl, resolved_retention=resolved_retention)
         return cls(engine, build_notifiers(notifiers), **kwargs)
 
     # ------------------------------------------------------------ evaluation

@@ -16,6 +16,7 @@ import random
 import time
 
 from trainvitals.alerts.engine import Engine
+from trainvitals.alerts.loading import resolve_rules
 from trainvitals.wire import Report, Sample
 
 PARAM_METRICS = ["param_min", "param_max", "param_absmax", "param_drift_log2", "param_grad_relative_rms",
@@ -42,7 +43,7 @@ def main() -> None:
     rng = random.Random(0)
     for label, value in (("healthy", lambda: 0.0), ("alarming", rng.random)):
         reports = [make_report(i * 10, value) for i in range(args.reports)]
-        engine = Engine("default")
+        engine = Engine(resolve_rules("default"))
         start = time.perf_counter()
         for i, r in enumerate(reports):
             engine.observe(r, now=1000.0 + i)

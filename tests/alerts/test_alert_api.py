@@ -12,7 +12,7 @@ EXPECTED = {
     "Alert", "AlertService", "AlertState", "Condition", "Dispatcher", "Engine", "EventRule",
     "LocalEvaluator", "Notification", "Notifier", "NotifierConfigError", "NotifyError",
     "RetryPolicy", "Rule", "RuleError", "SilenceRule", "ThresholdRule", "Transition",
-    "build_notifiers", "export_prometheus", "load_rules",
+    "build_notifiers", "export_prometheus", "load_rules", "resolve_rules",
 }
 
 

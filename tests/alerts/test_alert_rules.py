@@ -9,8 +9,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainvitals.alerts.loading import RuleError, load_rule_file, load_rules, parse_rules
+from trainvitals.alerts.engine import Engine
+from trainvitals.alerts.loading import (
+    RuleError,
+    load_rule_file,
+    load_rules,
+    parse_rules,
+    resolve_rules,
+)
+from trainvitals.alerts.local import LocalEvaluator
 from trainvitals.alerts.model import EventRule, SilenceRule, ThresholdRule, parse_duration
+from trainvitals.alerts.service import AlertService
 from trainvitals.alerts.templates import render_template
 
 REQUIRED = {
@@ -162,3 +171,67 @@ def test_render_never_raises():
     assert render_template("{modality} {value:.1f}", {"value": 2.0}) == "? 2.0"
     assert render_template("{modality:.1f} x", {}) == "? x"
     assert render_template("{value:.1f}", {"value": float("nan")}) == "nan"
+
+
+# ------------------------------------------------------------ resolve_rules
+
+def test_resolve_takes_every_spec_in_the_order_given(tmp_path):
+    folder = tmp_path / "more"
+    folder.mkdir()
+    _write(folder, "- {alert: B, silent_for: 5m, summary: s}\n", "b.yml")
+    _write(folder, "- {alert: A, silent_for: 5m, summary: s}\n", "a.yaml")
+    _write(folder, "not a rule file", "notes.txt")
+    single = _write(tmp_path, "- {alert: C, metric: loss, above: 1, summary: s}\n")
+    (obj,) = parse_rules([{"alert": "D", "event": "run_end", "summary": "s"}])
+    defaults = [r.alert for r in resolve_rules("default")]
+    assert defaults == [r.alert for r in resolve_rules(Path("default"))] == [r.alert for r in load_rules()]
+    mixed = resolve_rules([obj, str(single), folder, "default"])
+    assert [r.alert for r in mixed] == ["D", "C", "A", "B", *defaults]
+    assert mixed[0] is obj
+    assert resolve_rules(obj) == [obj] and resolve_rules(iter([obj])) == [obj]
+    assert resolve_rules(None) == [] and resolve_rules(()) == []
+
+
+def test_every_caller_resolves_the_same_way(tmp_path):
+    path = _write(tmp_path, "- {alert: C, metric: loss, above: 1, summary: s}\n"
+                            "- {alert: Quiet, silent_for: 5m, summary: s}\n")
+    (obj,) = parse_rules([{"alert": "D", "event": "run_end", "summary": "s"}])
+    spec = [obj, path]
+    service = AlertService.from_config(rules=spec)
+    assert [r.alert for r in service.engine.rules] == ["D", "C", "Quiet"]
+    local = LocalEvaluator(spec)  # no RunSilent-style rules in-process
+    assert [r.alert for r in local.engine.rules] == ["D", "C"]
+
+
+def test_resolve_checks_names_across_objects_and_files(tmp_path):
+    path = _write(tmp_path, "- {alert: A, silent_for: 5m, summary: s}\n")
+    (obj,) = parse_rules([{"alert": "A", "event": "run_end", "summary": "s"}])
+    with pytest.raises(RuleError, match=r"x.yaml: rule 'A' \(#1\): field 'alert': duplicate alert name "
+                                        r"\(also <rule objects> #1\)"):
+        resolve_rules([obj, path])
+    with pytest.raises(RuleError, match=r"<rule objects>: rule 'A' \(#2\): field 'alert': duplicate"):
+        resolve_rules([obj, obj])
+
+
+@pytest.mark.parametrize(("spec", "fragment"), [
+    (5, "rules: int 5 names no rules"),
+    ({"rules": []}, "rules: dict {'rules': []} names no rules"),
+    (["default", 3.5], "rules: item #2: float 3.5 names no rules"),
+    ([{"alert": "A"}], "rules: item #1: dict"),
+])
+def test_resolve_rejects_what_names_no_rules(spec, fragment):
+    with pytest.raises(RuleError) as info:
+        resolve_rules(spec)
+    assert str(info.value).startswith(fragment)
+    assert "give 'default', a rule file or folder, rule objects" in str(info.value)
+
+
+def test_a_missing_file_is_named(tmp_path):
+    with pytest.raises(RuleError, match=r"nope.yaml: cannot read: No such file"):
+        resolve_rules(["default", tmp_path / "nope.yaml"])
+
+
+@pytest.mark.parametrize("spec", ["default", Path("rules.yaml"), None, ["default"], [object()]])
+def test_engine_takes_rule_objects_only(spec):
+    with pytest.raises(TypeError, match="resolve_rules"):
+        Engine(spec)
