@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from trainvitals.alerts.service import AlertService
-from trainvitals.monitor.exposition import ReportCounter, StoreCollector, make_registry
+from trainvitals.monitor.exposition import ReportCounter, StoreCollector
 from trainvitals.monitor.settings import Settings, SettingsError
 from trainvitals.monitor.store import IngestRefused, SeriesLimitExceeded, SeriesStore
 from trainvitals.wire import SCHEMA_VERSION, ReportBatch
@@ -58,20 +58,16 @@ def create_app(settings: Settings | None = None, *, store: SeriesStore | None = 
                alerts: AlertService | None = None) -> FastAPI:
     """Build the collector app; ``settings`` default to the environment.
 
-    ``app.state`` holds ``settings``, ``store``, ``registry`` (the private
-    Prometheus registry), ``exporter`` (its :class:`StoreCollector`) and
-    ``reports`` (the :class:`ReportCounter`).
+    ``app.state`` holds ``settings``, ``store``, ``exporter`` (the
+    :class:`StoreCollector` that renders ``/metrics``) and ``reports`` (the
+    :class:`ReportCounter`).
     """
     if settings is None:
         settings = Settings()
     if store is None:
-        store = SeriesStore(
-            ttl_seconds=settings.run_ttl_seconds,
-            max_series=settings.max_series,
-            max_events=settings.max_events,
-        )
+        store = SeriesStore(ttl_seconds=settings.run_ttl_seconds, max_series=settings.max_series)
     reports = ReportCounter()
-    registry, exporter = make_registry(store, reports)
+    exporter = StoreCollector(store, reports)
     if alerts is None:
         alerts = _alert_service(settings)
     # Rules are evaluated as reports arrive (cheap, no I/O); notifiers send from their own threads.
@@ -95,7 +91,6 @@ def create_app(settings: Settings | None = None, *, store: SeriesStore | None = 
     )
     app.state.settings = settings
     app.state.store = store
-    app.state.registry = registry
     app.state.exporter = exporter
     app.state.reports = reports
     app.state.alerts = alerts
@@ -145,6 +140,7 @@ def create_app(settings: Settings | None = None, *, store: SeriesStore | None = 
                 "step": r.step,
                 "last_report_time": r.last_report_time,
                 "ranks": list(r.ranks),
+                "ended": r.ended,
             }
             for r in store.runs()
         ]

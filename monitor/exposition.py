@@ -1,9 +1,15 @@
-"""Prometheus exposition: a custom collector that reads the store at scrape time.
+"""Prometheus exposition: the text ``/metrics`` serves, written from the store at scrape time.
 
-Each scrape builds fresh metric families from :meth:`SeriesStore.snapshot`, so
-series of expired runs simply vanish. Other components add families through
-:meth:`StoreCollector.register_family_source` (the alert engine exports
-``trainvitals_alerts_firing`` this way).
+:meth:`StoreCollector.render` is the one exposition path: it reads
+:meth:`SeriesStore.copy_runs`, so series of expired runs simply vanish, and
+writes what ``prometheus_client.generate_latest`` would write for the same
+families (checked by the tests with prometheus_client's parser and promtool).
+Other components add families through :meth:`StoreCollector.register_family_source`
+(the alert service exports ``trainvitals_alerts_firing`` this way).
+
+Names, types and HELP text come from the wire metric table
+(:data:`trainvitals.wire.METRICS`, listed in ``docs/metrics.md``); labels of a
+run's series from :func:`trainvitals.wire.series_labels`.
 """
 
 from __future__ import annotations
@@ -12,23 +18,14 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString as _fmt
 
 from trainvitals.monitor.store import LabelKey, RemovableHandle, RunCopy, SeriesStore
-from trainvitals.wire import METRICS, PREFIX, metric_type
+from trainvitals.wire import METRICS, PREFIX, metric_type, series_labels
 
-__all__ = [
-    "REPORT_OUTCOMES",
-    "FamilySource",
-    "ReportCounter",
-    "StoreCollector",
-    "make_registry",
-    "render",
-]
+__all__ = ["REPORT_OUTCOMES", "FamilySource", "ReportCounter", "StoreCollector"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +39,7 @@ REPORT_OUTCOMES = (
     "bad_gzip",
     "series_limit",
 )
+# HELP of a metric a client sent that the wire table does not know (not one of ours).
 _UNKNOWN_HELP = "Sent by a trainvitals client; not in this collector's metric catalogue."
 
 FamilySource = Callable[[], Iterable[Metric]]
@@ -72,8 +70,8 @@ def _help(name: str) -> str:
     return known.help if known is not None else _UNKNOWN_HELP
 
 
-class StoreCollector(Collector):
-    """Yields the store's series, the collector's own counters, and registered families."""
+class StoreCollector:
+    """Writes the store's series, the collector's own metrics and registered families."""
 
     def __init__(self, store: SeriesStore, reports: ReportCounter | None = None) -> None:
         self.store = store
@@ -100,69 +98,16 @@ class StoreCollector(Collector):
 
         return RemovableHandle(remove)
 
-    def describe(self) -> list[Metric]:
-        """Nothing up front: the series exist only at scrape time."""
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        """Build fresh families from a store snapshot."""
-        snap = self.store.snapshot()
-
-        step = GaugeMetricFamily(PREFIX + "step", _help("step"))
-        last = GaugeMetricFamily(
-            PREFIX + "last_report_timestamp_seconds", _help("last_report_timestamp_seconds")
-        )
-        for run in snap.runs:
-            labels = {"run": run.run}
-            step.samples.append(Sample(step.name, labels, float(run.step)))
-            last.samples.append(Sample(last.name, labels, run.last_report_time))
-        yield step
-        yield last
-
-        for full_name, kind, series in snap.families:
-            help_text = _help(full_name[len(PREFIX) :])
-            family: Metric
-            if kind == "counter":
-                family = CounterMetricFamily(full_name, help_text)
-                sample_name = family.name + "_total"
-            else:
-                family = GaugeMetricFamily(full_name, help_text)
-                sample_name = full_name
-            # Samples appended directly: add_metric() would zip label names per series.
-            family.samples = [Sample(sample_name, labels, value) for labels, value in series]
-            yield family
-
-        yield from self._extra_families(snap.series_count)
-
-    def _extra_families(self, series_count: int) -> Iterator[Metric]:
-        """The collector's own metrics, then the registered sources' families."""
-        outcomes = CounterMetricFamily(
-            PREFIX + "collector_reports_total",
-            _help("collector_reports_total"),
-            labels=["outcome"],
-        )
-        for outcome, count in self.reports.values().items():
-            outcomes.add_metric([outcome], count)
-        yield outcomes
-        yield GaugeMetricFamily(
-            PREFIX + "collector_series", _help("collector_series"), value=series_count
-        )
-        with self._lock:
-            sources = list(self._sources)
-        for source in sources:
-            try:
-                yield from list(source())
-            except Exception:
-                log.exception("metric family source %r failed; skipped in this scrape", source)
-
     def render(self) -> bytes:
-        """The text exposition, as ``generate_latest`` would write it, faster.
+        """The text exposition (format 0.0.4), as ``generate_latest`` would write it.
 
         The store's series are written from cached line prefixes (name and
-        label set, escaped once per series), not through ``Sample`` objects;
-        the collector's own families and the registered sources go through
-        ``generate_latest``. At 100,000 series this is what keeps a scrape
-        under DESIGN's 1 s budget.
+        label set, escaped once per series) rather than through
+        ``prometheus_client`` sample objects: at 100,000 series this keeps a
+        scrape well under a second. The collector's own families and the
+        registered sources are few and go through ``generate_latest``.
+        Families are ordered: the per-run series (step, last report time,
+        run_ended), the samples' metrics by name, then the collector's own.
         """
         with self._render_lock:
             runs = self.store.copy_runs()
@@ -170,14 +115,17 @@ class StoreCollector(Collector):
             old, cache = self._prefixes, {}
             step_lines: list[str] = []
             last_lines: list[str] = []
+            ended_lines: list[str] = []
             by_name: dict[str, list[str]] = {}
-            for run, step, last, _ in sorted(runs, key=_run_name):
-                run_labels = f'{{run="{_escape(run)}"}} '
+            for run, step, last, ended, _ in sorted(runs, key=_run_name):
+                run_labels = _labels(series_labels(run, 0, {}).items())
                 step_lines.append(f"{PREFIX}step{run_labels}{_fmt(step)}\n")
                 last_lines.append(
                     f"{PREFIX}last_report_timestamp_seconds{run_labels}{_fmt(last)}\n"
                 )
-            for run, _, _, per_rank in runs:
+                if ended:
+                    ended_lines.append(f"{PREFIX}run_ended{run_labels}{_fmt(1)}\n")
+            for run, _, _, _, per_rank in runs:
                 for rank, fams in per_rank:
                     for name, series in fams:
                         key = (run, rank, name)
@@ -192,20 +140,48 @@ class StoreCollector(Collector):
                         for label_items, value in series:
                             prefix = prefixes.get(label_items)
                             if prefix is None:
-                                prefix = prefixes[label_items] = _line_prefix(
-                                    name, run, rank, label_items
+                                labels = series_labels(run, rank, dict(label_items))
+                                prefix = prefixes[label_items] = _exposed_name(name) + _labels(
+                                    labels.items()
                                 )
                             append(prefix + _fmt(value))
             self._prefixes = cache  # drops the prefixes of expired runs
 
-        out = [_header("step"), *step_lines, _header("last_report_timestamp_seconds"), *last_lines]
+        out = [
+            _header("step"),
+            *step_lines,
+            _header("last_report_timestamp_seconds"),
+            *last_lines,
+            _header("run_ended"),
+            *ended_lines,
+        ]
         for name in sorted(by_name):
             out.append(_header(name))
-            lines = by_name[name]
-            out.append("\n".join(lines))
+            out.append("\n".join(by_name[name]))
             out.append("\n")
         text = "".join(out).encode()
-        return text + generate_latest(_Families(self._extra_families(series_count)))
+        return text + generate_latest(_Families(self._own_families(series_count)))
+
+    def _own_families(self, series_count: int) -> Iterator[Metric]:
+        """The collector's own metrics, then the registered sources' families."""
+        outcomes = CounterMetricFamily(
+            PREFIX + "collector_reports_total",
+            _help("collector_reports_total"),
+            labels=METRICS["collector_reports_total"].labels,
+        )
+        for outcome, count in self.reports.values().items():
+            outcomes.add_metric([outcome], count)
+        yield outcomes
+        yield GaugeMetricFamily(
+            PREFIX + "collector_series", _help("collector_series"), value=series_count
+        )
+        with self._lock:
+            sources = list(self._sources)
+        for source in sources:
+            try:
+                yield from list(source())
+            except Exception:
+                log.exception("metric family source %r failed; skipped in this scrape", source)
 
 
 class _Families:
@@ -223,7 +199,14 @@ def _run_name(run: RunCopy) -> str:
 
 
 def _escape(value: str) -> str:
+    """A label value escaped as the text format requires (backslash, newline, quote)."""
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+def _labels(items: Iterable[tuple[str, str]]) -> str:
+    """``{k="v",...} `` with names sorted, as ``generate_latest`` orders them."""
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(items))
+    return f"{{{inner}}} "
 
 
 def _exposed_name(name: str) -> str:
@@ -237,27 +220,3 @@ def _header(name: str) -> str:
     exposed = _exposed_name(name)
     help_text = _help(name).replace("\\", r"\\").replace("\n", r"\n")
     return f"# HELP {exposed} {help_text}\n# TYPE {exposed} {metric_type(name)}\n"
-
-
-def _line_prefix(name: str, run: str, rank: int, label_items: LabelKey) -> str:
-    labels = [*label_items, ("run", run)]
-    if rank:
-        labels.append(("rank", str(rank)))
-    labels.sort()
-    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
-    return f"{_exposed_name(name)}{{{inner}}} "
-
-
-def make_registry(
-    store: SeriesStore, reports: ReportCounter | None = None
-) -> tuple[CollectorRegistry, StoreCollector]:
-    """A private registry holding only a :class:`StoreCollector` over ``store``."""
-    registry = CollectorRegistry(auto_describe=False)
-    collector = StoreCollector(store, reports)
-    registry.register(collector)
-    return registry, collector
-
-
-def render(registry: CollectorRegistry) -> bytes:
-    """Prometheus text exposition of ``registry`` (``generate_latest``)."""
-    return generate_latest(registry)

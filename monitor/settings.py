@@ -66,7 +66,6 @@ class Settings(BaseSettings):
     max_series: int = Field(
         1_000_000, ge=1, description="Series cap; a batch that would pass it is refused."
     )
-    max_events: int = Field(10_000, ge=0, description="Recent events kept for consumers.")
     log_level: str = Field("info", description="uvicorn / logging level.")
     # Passed through to the alert engine, which validates them.
     rules: list[str] | str | None = Field(

@@ -1,20 +1,19 @@
 """The series store: the latest value of every series, per run, in plain Python.
 
-No HTTP here. The ingest API validates a body into a ``ReportBatch`` and hands it
-to :meth:`SeriesStore.ingest`; the exposition reads :meth:`SeriesStore.snapshot`
-(full label sets) or :meth:`SeriesStore.copy_runs` (raw, for the fast renderer).
+No HTTP here. The ingest route validates a body into a ``ReportBatch`` and hands
+it to :meth:`SeriesStore.ingest`; the exposition reads :meth:`SeriesStore.copy_runs`.
 
-Series identity and labels (what ``/metrics`` shows):
+Series identity (what ``/metrics`` shows; the wire format is ``docs/wire.md``):
 
 - name: ``PREFIX + sample.name``;
-- labels: ``run`` (the report's run), the sample's own labels, and ``rank`` only
-  when the report's rank is not 0. Rank 0 is the run's voice: it sends the
-  values that are global to the job (DESIGN "Data-parallel"), so they carry no
-  rank label. Other ranks send per-rank series only, and those carry
-  ``rank="N"``. A value from rank 0 and one from rank 1 are distinct series.
-- ``trainvitals_step{run}`` and ``trainvitals_last_report_timestamp_seconds{run}``
-  come from the reports themselves, never from samples: the step of the run's
-  latest report (from whichever rank sent it) and the collector's receive time.
+- labels: :func:`trainvitals.wire.series_labels` of the report's run and rank and
+  the sample's own labels: ``run``, and ``rank`` only when it is not 0. A value
+  from rank 0 and one from rank 1 are distinct series.
+- per run, from the reports themselves, never from samples:
+  ``trainvitals_step{run}`` (the step of the run's latest report, from whichever
+  rank sent it), ``trainvitals_last_report_timestamp_seconds{run}`` (the
+  collector's receive time) and ``trainvitals_run_ended{run}`` (present, 1, while
+  the run's latest report carried a ``run_end`` event). ``docs/metrics.md`` lists them.
 
 Counters (``*_total``) are cumulative on the client; the store keeps the latest
 value like any gauge.
@@ -25,16 +24,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trainvitals.wire import PREFIX, RESERVED_NAMES, Event, ReportBatch, metric_type
+from trainvitals.wire import PREFIX, RESERVED_NAMES, Report, ReportBatch, metric_type
 
 __all__ = [
-    "DEFAULT_MAX_EVENTS",
     "DEFAULT_MAX_SERIES",
-    "RESERVED_NAMES",
+    "RUN_END_EVENT",
     "IngestCallback",
     "IngestRefused",
     "RemovableHandle",
@@ -42,22 +39,23 @@ __all__ = [
     "RunInfo",
     "SeriesLimitExceeded",
     "SeriesStore",
-    "Snapshot",
-    "StoredEvent",
 ]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SERIES = 1_000_000
-DEFAULT_MAX_EVENTS = 10_000
+# The event kind Monitor.close() sends with a run's last report (docs/wire.md).
+RUN_END_EVENT = "run_end"
 
 
 # A series inside one run and rank: its label items, sorted. The name is the outer key.
 LabelKey = tuple[tuple[str, str], ...]
 # wire name -> {label key: value}
 Families = dict[str, dict[LabelKey, float]]
-# What copy_runs() returns per run: (run, step, last report time, per-rank series).
-RunCopy = tuple[str, int, float, list[tuple[int, list[tuple[str, list[tuple[LabelKey, float]]]]]]]
+# What copy_runs() returns per run: (run, step, last report time, ended, per-rank series).
+RunCopy = tuple[
+    str, int, float, bool, list[tuple[int, list[tuple[str, list[tuple[LabelKey, float]]]]]]
+]
 IngestCallback = Callable[[ReportBatch, float], None]
 
 
@@ -70,18 +68,6 @@ class SeriesLimitExceeded(IngestRefused):
 
 
 @dataclass(frozen=True)
-class StoredEvent:
-    """An event as received: which run, rank and step it came with, and when."""
-
-    run: str
-    rank: int
-    step: int
-    time: float
-    received: float
-    event: Event
-
-
-@dataclass(frozen=True)
 class RunInfo:
     """What ``GET /v1/runs`` shows for one run."""
 
@@ -89,6 +75,8 @@ class RunInfo:
     step: int
     last_report_time: float
     ranks: tuple[int, ...]
+    ended: bool = False
+    """The run's latest report carried a ``run_end`` event."""
 
 
 @dataclass
@@ -97,24 +85,14 @@ class _Run:
     last_report_time: float
     # rank -> that rank's series
     by_rank: dict[int, Families] = field(default_factory=dict)
-    # series held, the step and last-report-timestamp series included
+    # the latest report carried run_end: one more series (run_ended) while true
+    ended: bool = False
+    # series held, the per-run step, last-report-timestamp and run_ended series included
     n_series: int = 2
 
     def count(self) -> int:
-        return 2 + sum(len(fam) for fams in self.by_rank.values() for fam in fams.values())
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A consistent copy for exposition.
-
-    ``families`` maps the full Prometheus name to (type, list of (labels, value)),
-    names sorted. ``runs`` holds the per-run step and receive time.
-    """
-
-    families: list[tuple[str, str, list[tuple[dict[str, str], float]]]]
-    runs: list[RunInfo]
-    series_count: int
+        samples = sum(len(fam) for fams in self.by_rank.values() for fam in fams.values())
+        return 2 + self.ended + samples
 
 
 class RemovableHandle:
@@ -137,20 +115,20 @@ def _label_key(labels: dict[str, str]) -> LabelKey:
     return tuple(labels.items()) if len(labels) < 2 else tuple(sorted(labels.items()))
 
 
+def _ends(report: Report) -> bool:
+    """The report says its run ended (``Monitor.close()`` sent it)."""
+    return any(ev.kind == RUN_END_EVENT for ev in report.events)
+
+
 class SeriesStore:
     """Latest value per series, per run; thread-safe.
 
     ``ttl_seconds``: a run with no report for this long is dropped with all its
     series. ``max_series``: a batch that would exceed it is refused whole.
-    ``max_events``: how many recent events are kept (oldest dropped first).
     """
 
     def __init__(
-        self,
-        *,
-        ttl_seconds: float = 3600.0,
-        max_series: int = DEFAULT_MAX_SERIES,
-        max_events: int = DEFAULT_MAX_EVENTS,
+        self, *, ttl_seconds: float = 3600.0, max_series: int = DEFAULT_MAX_SERIES
     ) -> None:
         if ttl_seconds <= 0:
             raise ValueError(f"ttl_seconds must be > 0, got {ttl_seconds}")
@@ -161,7 +139,6 @@ class SeriesStore:
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}
         self._series_count = 0
-        self._events: deque[StoredEvent] = deque(maxlen=max_events)
         self._callbacks: list[IngestCallback] = []
         # Sample names already checked (reserved, type clash): skip on the hot path.
         self._known_names: set[str] = set()
@@ -201,9 +178,10 @@ class SeriesStore:
         with self._lock:
             self._expire_locked(now)
             fresh_names = self._check_names_locked(batch)
-            # At most one new series per sample, plus two per new run: when even
-            # that fits, skip counting (the hot path); otherwise count first.
-            bound = sum(len(r.samples) + 2 for r in batch.reports)
+            # At most one new series per sample, plus three per run (step, last
+            # report time, run_ended): when even that fits, skip counting (the hot
+            # path); otherwise count first.
+            bound = sum(len(r.samples) + 3 for r in batch.reports)
             if self._series_count + bound > self.max_series:
                 added = self._count_new_locked(batch)
                 if self._series_count + added > self.max_series:
@@ -233,11 +211,8 @@ class SeriesStore:
                         fam[tuple(labels.items())] = s.value
                     else:
                         fam[tuple(sorted(labels.items()))] = s.value
-                if report.events:
-                    for ev in report.events:
-                        self._events.append(
-                            StoredEvent(report.run, report.rank, report.step, report.time, now, ev)
-                        )
+                # A later report without run_end (any rank) means the run goes on.
+                run.ended = _ends(report) if report.events else False
                 count = run.count()
                 self._series_count += count - run.n_series
                 run.n_series = count
@@ -254,8 +229,10 @@ class SeriesStore:
         """Series the batch would add (duplicates within it counted once)."""
         seen: set[tuple[str, int, str, LabelKey]] = set()
         new_runs: set[str] = set()
+        ended: dict[str, bool] = {}  # run -> does its last report in the batch end it
         for report in batch.reports:
             run = self._runs.get(report.run)
+            ended[report.run] = _ends(report)
             if run is None:
                 new_runs.add(report.run)
             fams = run.by_rank.get(report.rank, {}) if run is not None else {}
@@ -264,7 +241,12 @@ class SeriesStore:
                 fam = fams.get(s.name)
                 if fam is None or key not in fam:
                     seen.add((report.run, report.rank, s.name, key))
-        return len(seen) + 2 * len(new_runs)
+        newly_ended = sum(
+            1
+            for name, ends in ended.items()
+            if ends and (name not in self._runs or not self._runs[name].ended)
+        )
+        return len(seen) + 2 * len(new_runs) + newly_ended
 
     def _check_names_locked(self, batch: ReportBatch) -> set[str]:
         """Refuse collector-owned names and gauge/counter clashes; return new names.
@@ -311,7 +293,7 @@ class SeriesStore:
     # -- reads -------------------------------------------------------------
 
     def __len__(self) -> int:
-        """Number of series, the per-run step and timestamp series included."""
+        """Number of series, the per-run step, timestamp and run_ended series included."""
         with self._lock:
             return self._series_count
 
@@ -322,7 +304,7 @@ class SeriesStore:
         with self._lock:
             self._expire_locked(now)
             return [
-                RunInfo(name, r.step, r.last_report_time, tuple(sorted(r.by_rank)))
+                RunInfo(name, r.step, r.last_report_time, tuple(sorted(r.by_rank)), r.ended)
                 for name, r in sorted(self._runs.items())
             ]
 
@@ -339,68 +321,28 @@ class SeriesStore:
                 return None
             return fam.get(_label_key(labels or {}))
 
-    def events(self, run: str | None = None, since: float | None = None) -> list[StoredEvent]:
-        """Recent events, oldest first; optionally one run's, received after ``since``."""
-        with self._lock:
-            evs = list(self._events)
-        return [
-            e
-            for e in evs
-            if (run is None or e.run == run) and (since is None or e.received > since)
-        ]
-
     def copy_runs(self, now: float | None = None) -> list[RunCopy]:
         """Expire silent runs, then copy the raw series out, in store order.
 
-        Each run as ``(run, step, last_report_time, [(rank, [(wire name,
+        Each run as ``(run, step, last_report_time, ended, [(rank, [(wire name,
         [(label items, value)])])])``; label items are sorted and exclude run
-        and rank. The fast path of the exposition reads this.
+        and rank. :meth:`StoreCollector.render` reads this.
         """
         if now is None:
             now = time.time()
         with self._lock:
             self._expire_locked(now)
-            return self._copy_locked()
-
-    def _copy_locked(self) -> list[RunCopy]:
-        # Copy each family's items under the lock; ingest mutates them in place.
-        return [
-            (
-                name,
-                r.step,
-                r.last_report_time,
-                [
-                    (rank, [(m, list(f.items())) for m, f in fams.items()])
-                    for rank, fams in r.by_rank.items()
-                ],
-            )
-            for name, r in self._runs.items()
-        ]
-
-    def snapshot(self, now: float | None = None) -> Snapshot:
-        """Expire silent runs, then copy everything out with full label sets."""
-        if now is None:
-            now = time.time()
-        with self._lock:
-            self._expire_locked(now)
-            items = self._copy_locked()
-            count = self._series_count
-        by_name: dict[str, list[tuple[dict[str, str], float]]] = {}
-        runs: list[RunInfo] = []
-        for run_name, step, last, per_rank in items:
-            runs.append(RunInfo(run_name, step, last, tuple(sorted(r for r, _ in per_rank))))
-            for rank, fams in per_rank:
-                rank_label = str(rank) if rank else None
-                for name, series in fams:
-                    out = by_name.get(name)
-                    if out is None:
-                        out = by_name[name] = []
-                    for label_items, value in series:
-                        labels = dict(label_items)
-                        labels["run"] = run_name
-                        if rank_label is not None:
-                            labels["rank"] = rank_label
-                        out.append((labels, value))
-        families = [(PREFIX + name, metric_type(name), by_name[name]) for name in sorted(by_name)]
-        runs.sort(key=lambda r: r.run)
-        return Snapshot(families=families, runs=runs, series_count=count)
+            # Copy each family's items under the lock; ingest mutates them in place.
+            return [
+                (
+                    name,
+                    r.step,
+                    r.last_report_time,
+                    r.ended,
+                    [
+                        (rank, [(m, list(f.items())) for m, f in fams.items()])
+                        for rank, fams in r.by_rank.items()
+                    ],
+                )
+                for name, r in self._runs.items()
+            ]

@@ -64,6 +64,9 @@ _SPECS: tuple[MetricSpec, ...] = (
     _m("step", "gauge", "step", (), "run", "Last reported optimizer step.", "collector"),
     _m("last_report_timestamp_seconds", "gauge", "seconds", (), "run",
        "Unix time when the run's last report arrived.", "collector"),
+    _m("run_ended", "gauge", "count", (), "run",
+       "1 when the run's last report said it ended (Monitor.close()); absent otherwise.",
+       "collector"),
     # -- optimizer step (table stakes)
     _m("grad_norm", "gauge", "norm", (), "optimizer",
        "Global gradient L2 norm the optimizer step is given."),

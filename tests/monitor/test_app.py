@@ -52,7 +52,24 @@ def test_accepted_report_shows_in_metrics_and_runs(client):
 
     [run] = client.get("/v1/runs").json()
     assert run["run"] == "mm-pt1" and run["step"] == 120 and run["ranks"] == [0, 1]
-    assert isinstance(run["last_report_time"], float)
+    assert isinstance(run["last_report_time"], float) and run["ended"] is False
+
+
+def test_run_end_event_shows_as_run_ended_until_the_run_reports_again(client):
+    end = {"kind": "run_end", "detail": "Monitor.close() after 7 optimizer steps"}
+    for run, events in [("closed", [end]), ("open", [])]:
+        assert client.post("/v1/reports", json=make_body(make_report(run, 7, events=events))).status_code == 202
+    text = client.get("/metrics").text
+    assert 'trainvitals_run_ended{run="closed"} 1.0' in text
+    assert 'trainvitals_run_ended{run="open"}' not in text
+    assert {r["run"]: r["ended"] for r in client.get("/v1/runs").json()} == {
+        "closed": True,
+        "open": False,
+    }
+
+    client.post("/v1/reports", json=make_body(make_report("closed", 8)))
+    assert "trainvitals_run_ended{" not in client.get("/metrics").text
+    assert [r["ended"] for r in client.get("/v1/runs").json()] == [False, False]
 
 
 def test_gzip_body_and_nonfinite_values_are_accepted(client):
@@ -321,7 +338,10 @@ def test_detail_lists_at_most_ten_errors(client):
     assert resp.json()["detail"].endswith("... and 15 more errors")
 
 
-def test_importing_the_collector_does_not_import_torch():
-    code = "import sys, trainvitals.monitor.app, trainvitals.monitor.cli; assert 'torch' not in sys.modules, 'torch imported'"
+def test_importing_the_collector_does_not_import_torch_or_the_hooks():
+    code = (
+        "import sys, trainvitals.monitor.app, trainvitals.monitor.cli, trainvitals.monitor.server; "
+        "bad = [m for m in ('torch', 'trainvitals.hooks') if m in sys.modules]; assert not bad, bad"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

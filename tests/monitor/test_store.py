@@ -1,4 +1,4 @@
-"""SeriesStore: ingest, atomic refusal, TTL expiry, the series cap, events, callbacks."""
+"""SeriesStore: ingest, atomic refusal, TTL expiry, the series cap, run_end, callbacks."""
 
 from __future__ import annotations
 
@@ -23,8 +23,14 @@ def sample(name: str, value: float, **labels: str) -> dict:
     return {"name": name, "labels": labels, "value": value}
 
 
-def families(store: SeriesStore) -> dict[str, tuple[str, list]]:
-    return {name: (kind, series) for name, kind, series in store.snapshot(T0).families}
+def series(store: SeriesStore, now: float = T0) -> dict[tuple[str, int, str], list]:
+    """(run, rank, wire name) -> [(label items, value)], everything the store holds."""
+    return {
+        (run, rank, name): sorted(items)
+        for run, _, _, _, per_rank in store.copy_runs(now)
+        for rank, fams in per_rank
+        for name, items in fams
+    }
 
 
 def test_ingest_keeps_latest_value_per_series_and_run_state():
@@ -48,7 +54,7 @@ def test_label_order_does_not_make_a_new_series():
     assert store.get("a", s1["name"], s1["labels"]) == 0.2
 
 
-def test_snapshot_labels_run_and_rank_only_when_nonzero():
+def test_ranks_keep_distinct_series():
     store = SeriesStore()
     store.ingest(
         batch(
@@ -57,13 +63,13 @@ def test_snapshot_labels_run_and_rank_only_when_nonzero():
         ),
         T0,
     )
-    kind, series = families(store)["trainvitals_grad_norm"]
-    assert kind == "gauge"
-    assert sorted(series, key=lambda s: s[1]) == [
-        ({"run": "a", "group": "all"}, 3.0),
-        ({"run": "a", "group": "all", "rank": "2"}, 4.0),
-    ]
+    assert series(store) == {
+        ("a", 0, "grad_norm"): [((("group", "all"),), 3.0)],
+        ("a", 2, "grad_norm"): [((("group", "all"),), 4.0)],
+    }
+    assert store.get("a", "grad_norm", {"group": "all"}, rank=2) == 4.0
     assert store.runs(T0)[0].ranks == (0, 2)
+    assert len(store) == 4
 
 
 def test_counters_store_the_latest_cumulative_value():
@@ -72,9 +78,7 @@ def test_counters_store_the_latest_cumulative_value():
         store.ingest(
             batch(make_report("a", step, [sample("nonfinite_total", total, what="loss")])), T0
         )
-    kind, series = families(store)["trainvitals_nonfinite_total"]
-    assert kind == "counter"
-    assert series == [({"run": "a", "what": "loss"}, 3.0)]
+    assert series(store) == {("a", 0, "nonfinite_total"): [((("what", "loss"),), 3.0)]}
 
 
 def test_nonfinite_values_are_kept():
@@ -86,7 +90,7 @@ def test_nonfinite_values_are_kept():
 def test_series_limit_refuses_the_whole_batch_and_changes_nothing():
     store = SeriesStore(max_series=6)
     store.ingest(batch(make_report("a", 1, [sample("loss", 1.0, modality="text")])), T0)
-    before = store.snapshot(T0)
+    before = series(store)
 
     too_many = batch(
         make_report(
@@ -97,7 +101,7 @@ def test_series_limit_refuses_the_whole_batch_and_changes_nothing():
     with pytest.raises(SeriesLimitExceeded, match="series limit"):
         store.ingest(too_many, T0 + 5)
 
-    assert store.snapshot(T0) == before
+    assert series(store) == before
     assert store.runs(T0)[0].step == 1
     assert len(store) == 3
 
@@ -150,25 +154,48 @@ def test_runs_expire_after_ttl_with_all_their_series():
     assert store.get("old", "loss", {"modality": "text"}) is None
 
 
-def test_snapshot_and_ingest_expire_silent_runs():
+def test_copy_and_ingest_expire_silent_runs():
     store = SeriesStore(ttl_seconds=10)
     store.ingest(batch(make_report("old", 1)), T0)
-    assert [r.run for r in store.snapshot(T0 + 10).runs] == []
+    assert store.copy_runs(T0 + 10) == []
     store.ingest(batch(make_report("old", 1)), T0)
     store.ingest(batch(make_report("new", 1)), T0 + 11)
     assert [r.run for r in store.runs(T0 + 11)] == ["new"]
 
 
-def test_events_are_kept_with_their_report_and_bounded():
-    store = SeriesStore(max_events=3)
-    for step in range(5):
-        ev = {"kind": "optimizer_state_reset", "detail": f"at {step}"}
-        store.ingest(batch(make_report("a", step, events=[ev])), T0 + step)
-    evs = store.events()
-    assert [e.step for e in evs] == [2, 3, 4]
-    assert evs[-1].event.kind == "optimizer_state_reset" and evs[-1].received == T0 + 4
-    assert [e.step for e in store.events(since=T0 + 3)] == [4]
-    assert store.events(run="other") == []
+RUN_END = {"kind": "run_end", "detail": "Monitor.close() after 5 optimizer steps"}
+
+
+def test_run_end_marks_the_run_ended_until_a_later_report_without_it():
+    store = SeriesStore()
+    store.ingest(batch(make_report("a", 4)), T0)
+    assert store.runs(T0)[0].ended is False
+    assert len(store) == 3
+
+    store.ingest(batch(make_report("a", 5, events=[RUN_END])), T0 + 1)
+    [run] = store.runs(T0 + 1)
+    assert (run.step, run.ended) == (5, True)
+    assert store.copy_runs(T0 + 1)[0][3] is True
+    assert len(store) == 4  # trainvitals_run_ended{run} is one more series
+
+    other = {"kind": "optimizer_state_reset", "detail": ""}
+    store.ingest(batch(make_report("a", 6, events=[other])), T0 + 2)  # the same run resumed
+    assert store.runs(T0 + 2)[0].ended is False
+    assert len(store) == 3
+
+
+def test_run_end_counts_against_the_series_cap():
+    store = SeriesStore(max_series=3)
+    store.ingest(batch(make_report("a", 1)), T0)
+    with pytest.raises(SeriesLimitExceeded, match="would add 1 series"):
+        store.ingest(batch(make_report("a", 2, events=[RUN_END])), T0)
+    assert store.runs(T0)[0].ended is False
+
+    roomy = SeriesStore(max_series=4)
+    roomy.ingest(batch(make_report("a", 1), make_report("a", 2, events=[RUN_END])), T0)
+    # Already ended, and a batch whose last report ends it again: no new series.
+    roomy.ingest(batch(make_report("a", 3), make_report("a", 4, events=[RUN_END])), T0)
+    assert roomy.runs(T0)[0].ended is True and len(roomy) == 4
 
 
 def test_on_ingest_callbacks_see_the_batch_and_cannot_break_ingest(caplog):
@@ -215,7 +242,7 @@ def test_concurrent_ingest_keeps_counts_consistent():
     for t in threads:
         t.join()
     assert len(store) == 4 * 22
-    assert sum(len(s) for _, _, s in store.snapshot(T0).families) == 4 * 20
+    assert sum(len(items) for items in series(store).values()) == 4 * 20
 
 
 def test_constructor_rejects_bad_limits():
