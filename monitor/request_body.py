@@ -1,0 +1,179 @@
+"""Reading a ``POST /v1/reports`` body: token, content type, bounded read, bounded
+gzip inflate, JSON parse, and an error description that names the field.
+
+No routing here: :func:`read_batch` either returns a validated
+:class:`~trainvitals.wire.ReportBatch` or raises :class:`BodyRefused`, which
+carries the HTTP status, the ``outcome`` label counted in
+``trainvitals_collector_reports_total`` and the ``detail`` shown to the client.
+The wire format is described in ``docs/wire.md``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import zlib
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from trainvitals.monitor.settings import Settings
+from trainvitals.wire import SCHEMA_VERSION, ReportBatch
+
+__all__ = ["BodyRefused", "describe_errors", "parse_batch", "read_batch"]
+
+_MAX_ERRORS_SHOWN = 10
+_REALM = 'Bearer realm="trainvitals"'
+
+
+class BodyRefused(Exception):
+    """A body the collector will not ingest: HTTP status, outcome label, detail, headers."""
+
+    def __init__(
+        self, status: int, outcome: str, detail: str, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.outcome = outcome
+        self.detail = detail
+        self.headers = headers
+
+
+async def read_batch(request: Request, settings: Settings) -> ReportBatch:
+    """Check, read, inflate and validate the request's body; raise :class:`BodyRefused`.
+
+    Limits from ``settings``: ``max_body_bytes`` (as sent) and
+    ``max_decompressed_bytes`` (after gzip), both in bytes.
+    """
+    check_token(request, settings)
+    check_content_type(request)
+    body = await read_bounded(request, settings.max_body_bytes)
+    body = inflate(request, body, settings.max_decompressed_bytes)
+    return parse_batch(body)
+
+
+def check_token(request: Request, settings: Settings) -> None:
+    """Refuse (401) a request without the configured bearer token; no token set: pass."""
+    if settings.token is None:
+        return
+    header = request.headers.get("authorization")
+    if header is None:
+        raise BodyRefused(
+            401,
+            "unauthorized",
+            "missing bearer token: send 'Authorization: Bearer <token>'",
+            {"WWW-Authenticate": _REALM},
+        )
+    scheme, _, given = header.partition(" ")
+    token = settings.token.get_secret_value().encode()
+    # compare_digest: the time taken does not tell how much of the token matched.
+    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token):
+        raise BodyRefused(
+            401,
+            "unauthorized",
+            "invalid bearer token",
+            {"WWW-Authenticate": f'{_REALM}, error="invalid_token"'},
+        )
+
+
+def check_content_type(request: Request) -> None:
+    """Refuse (415) anything but JSON, plain or gzip-encoded."""
+    ctype = request.headers.get("content-type", "")
+    media = ctype.split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        shown = repr(ctype) if ctype else "none"
+        raise BodyRefused(
+            415, "unsupported_media", f"Content-Type {shown} not supported; send application/json"
+        )
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("identity", "gzip", ""):
+        raise BodyRefused(
+            415,
+            "unsupported_media",
+            f"Content-Encoding {encoding!r} not supported; send gzip or no encoding",
+        )
+
+
+async def read_bounded(request: Request, limit: int) -> bytes:
+    """The body as sent, refused (413) past ``limit`` bytes without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise BodyRefused(
+                400, "invalid", f"Content-Length {declared!r} is not a number"
+            ) from None
+        if size > limit:
+            raise BodyRefused(
+                413, "too_large", f"body of {size} bytes exceeds the limit of {limit} bytes"
+            )
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():  # chunked bodies declare no length
+        total += len(chunk)
+        if total > limit:
+            raise BodyRefused(
+                413, "too_large", f"body exceeds the limit of {limit} bytes (max_body_bytes)"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def inflate(request: Request, body: bytes, limit: int) -> bytes:
+    """Decode a gzip body, refused (413) past ``limit`` inflated bytes (a gzip bomb)."""
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding != "gzip":
+        return body
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)  # 16+: gzip header and trailer
+    try:
+        out = inflater.decompress(body, limit)
+        if inflater.unconsumed_tail:
+            raise BodyRefused(
+                413,
+                "too_large",
+                f"gzip body inflates past the limit of {limit} bytes (max_decompressed_bytes)",
+            )
+        out += inflater.flush()
+    except zlib.error as exc:
+        raise BodyRefused(400, "bad_gzip", f"body is not valid gzip: {exc}") from None
+    if len(out) > limit:
+        raise BodyRefused(413, "too_large", f"gzip body inflates past the limit of {limit} bytes")
+    if not inflater.eof:
+        raise BodyRefused(400, "bad_gzip", "body is not valid gzip: truncated stream")
+    if inflater.unused_data:
+        raise BodyRefused(400, "bad_gzip", "body is not valid gzip: trailing data after the stream")
+    return out
+
+
+def parse_batch(body: bytes) -> ReportBatch:
+    """Validate JSON bytes as a wire body: 400 for bad JSON, 422 naming the bad fields."""
+    try:
+        return ReportBatch.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_context=False)
+        if any(e["type"] == "json_invalid" for e in errors):
+            msg = errors[0]["msg"].removeprefix("Invalid JSON: ")
+            raise BodyRefused(400, "invalid", f"body is not valid JSON: {msg}") from None
+        raise BodyRefused(422, "invalid", describe_errors(errors)) from None
+
+
+def describe_errors(errors: list[Any]) -> str:
+    """``path: message`` for the first ten validation errors, ``; ``-joined."""
+    parts = []
+    for err in errors[:_MAX_ERRORS_SHOWN]:
+        loc = err["loc"]
+        path = ".".join(str(p) for p in loc) if loc else "body"
+        msg = err["msg"].removeprefix("Value error, ")
+        if loc == ("schema",):
+            if err["type"] == "missing":
+                msg = f"missing; this collector supports schema version {SCHEMA_VERSION}"
+            else:
+                msg = (
+                    f"unsupported schema version {err.get('input')!r}; "
+                    f"this collector supports version {SCHEMA_VERSION}"
+                )
+        parts.append(f"{path}: {msg}")
+    if len(errors) > _MAX_ERRORS_SHOWN:
+        parts.append(f"... and {len(errors) - _MAX_ERRORS_SHOWN} more errors")
+    return "; ".join(parts)

@@ -1,0 +1,27 @@
+"""``GET /healthz`` (the process answers) and ``GET /readyz`` (started, able to ingest)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from trainvitals.monitor.deps import StoreDep
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process answers."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", response_class=JSONResponse)
+async def readyz(request: Request, store: StoreDep) -> JSONResponse:
+    """Started and able to ingest: 200 with the series count, else 503 while starting."""
+    # app.state.ready is set by the app's lifespan once the alert service runs.
+    if not request.app.state.ready:
+        return JSONResponse({"status": "starting"}, 503)
+    return JSONResponse({"status": "ready", "series": len(store)})
