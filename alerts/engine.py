@@ -60,7 +60,7 @@ from trainvitals.alerts.model import (
 )
 from trainvitals.alerts.state import Alert, AlertState, LabelItems, Transition
 from trainvitals.alerts.transforms import SeriesHistory
-from trainvitals.wire import Report
+from trainvitals.wire import Report, series_labels
 
 __all__ = ["RUN_END_EVENT", "Engine"]
 
@@ -288,13 +288,6 @@ class Engine:
                 out.extend(self._observe_events(report, now))
         return out
 
-    def _series_labels(self, run: str, rank: int, labels: Mapping[str, str]) -> dict[str, str]:
-        out = {"run": run}
-        if rank:
-            out["rank"] = str(rank)
-        out.update(labels)
-        return out
-
     def _conditions(self, c: _Compiled, run: str, rank: int, labels: Mapping[str, str]) -> str | None:
         """None when every condition holds, else _CLEAR (one is false) or _UNKNOWN."""
         unknown = False
@@ -345,7 +338,7 @@ class Engine:
                 inst.value = value
             return None
         if inst is None:
-            inst = self._new_instance(key, rule, self._series_labels(run, rank, labels), run)
+            inst = self._new_instance(key, rule, series_labels(run, rank, labels), run)
         return self._advance(inst, verdict, value, step, now)  # type: ignore[arg-type]
 
     def _advance(self, inst: _Instance, verdict: str, value: float, step: int, now: float) -> Transition | None:
@@ -400,7 +393,7 @@ class Engine:
                 seen.add(key)
                 inst = self._instances.get(key)
                 if inst is None:
-                    inst = self._new_instance(key, rule, self._series_labels(run, rank, ev.labels), run)
+                    inst = self._new_instance(key, rule, series_labels(run, rank, ev.labels), run)
                     per_run[key] = inst
                 old = inst.state
                 inst.step, inst.detail = step, ev.detail
@@ -443,7 +436,7 @@ class Engine:
                     key = (i, run, 0, ())
                     inst = self._instances.get(key)
                     if inst is None:
-                        inst = self._new_instance(key, rule, {"run": run}, run)
+                        inst = self._new_instance(key, rule, series_labels(run, 0, {}), run)
                     inst.value, inst.step = silent, info.last_step
                     if inst.state is not AlertState.FIRING:
                         old = inst.state

@@ -28,6 +28,7 @@ import yaml
 
 from trainvitals.alerts.model import (
     METRIC_LABELS,
+    SERIES_LABELS,
     EventRule,
     Rule,
     SilenceRule,
@@ -172,7 +173,7 @@ class _Exporter:
             expr = f"({expr} or ({value} {op} {_num(rule.clear)} and {_IGNORING} {firing}))"
             notes.append(f"hysteresis: once firing, stays while {op} {_num(rule.clear)} (ALERTS self-reference)")
         for cond in rule.and_:
-            on = ["run", "rank", *METRIC_LABELS.get(cond.metric, ())]
+            on = [*SERIES_LABELS, *METRIC_LABELS.get(cond.metric, ())]
             on += [m.name for m in cond.labels if m.name not in on]
             cop = ">" if cond.above is not None else "<"
             threshold = cond.above if cond.above is not None else cond.below

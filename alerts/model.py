@@ -55,13 +55,14 @@ from pydantic import (
 )
 
 from trainvitals.alerts.templates import RULE_FIELDS, check_template
-from trainvitals.wire import METRICS, PREFIX
+from trainvitals.wire import METRICS, PREFIX, labels_of, series_labels
 
 __all__ = [
     "EVENT_COUNTERS",
     "KINDS",
     "KNOWN_LABELS",
     "METRIC_LABELS",
+    "SERIES_LABELS",
     "Condition",
     "EventRule",
     "FieldError",
@@ -75,16 +76,19 @@ __all__ = [
 
 Severity = Literal["critical", "page", "error", "warning", "ticket", "info"]
 
-# Labels each known metric carries besides `run` (and `rank` on non-zero ranks),
-# from the wire's metric catalogue. Used to check templates at load time and to
-# build `and on(...)` matching in the Prometheus export.
+# The labels every series of a run carries before its own: `run`, and `rank`
+# (left out on rank 0), as the wire's series_labels writes them.
+SERIES_LABELS: tuple[str, ...] = tuple(series_labels("", 1, {}))
+# Labels each metric of a run carries besides SERIES_LABELS, from the wire's metric
+# table: the hooks' metrics and the collector's per-run gauges (the collector's
+# own metrics, like alerts_firing, belong to no run). Used to check templates at
+# load time and to build `and on(...)` matching in the Prometheus export.
 METRIC_LABELS: dict[str, tuple[str, ...]] = {
-    name: spec.labels for name, spec in METRICS.items() if spec.owner == "hooks" or spec.group == "run"
+    name: labels_of(name) or () for name, spec in METRICS.items()
+    if spec.owner == "hooks" or spec.group == "run"
 }
-# Every label a sample may carry (bounded labels only).
-KNOWN_LABELS = frozenset(
-    {"run", "rank", "modality", "param", "group", "task", "role", "threshold", "what", "scope", "other"}
-)
+# Every label a series of a run may carry (the table's labels are bounded ones).
+KNOWN_LABELS: frozenset[str] = frozenset(SERIES_LABELS).union(*METRIC_LABELS.values())
 # Event kinds whose count is also exported as a counter (for the Prometheus export).
 EVENT_COUNTERS: dict[str, str] = {"optimizer_state_reset": "optimizer_state_resets_total"}
 
@@ -254,7 +258,7 @@ class _RuleBase(_Model):
 
     def template_fields(self) -> frozenset[str]:
         """Names a summary/description template may use."""
-        return RULE_FIELDS | {"run", "rank"}
+        return RULE_FIELDS | set(SERIES_LABELS)
 
     @model_validator(mode="after")
     def _templates(self):
@@ -299,7 +303,7 @@ class ThresholdRule(_RuleBase):
     def template_fields(self) -> frozenset[str]:
         labels = set(METRIC_LABELS.get(self.metric, KNOWN_LABELS))
         labels |= {m.name for m in self.labels}
-        return RULE_FIELDS | labels | {"run", "rank"}
+        return RULE_FIELDS | labels | set(SERIES_LABELS)
 
     @field_validator("and_", mode="before")
     @classmethod

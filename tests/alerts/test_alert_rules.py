@@ -18,9 +18,17 @@ from trainvitals.alerts.loading import (
     resolve_rules,
 )
 from trainvitals.alerts.local import LocalEvaluator
-from trainvitals.alerts.model import EventRule, SilenceRule, ThresholdRule, parse_duration
+from trainvitals.alerts.model import (
+    KNOWN_LABELS,
+    METRIC_LABELS,
+    EventRule,
+    SilenceRule,
+    ThresholdRule,
+    parse_duration,
+)
 from trainvitals.alerts.service import AlertService
 from trainvitals.alerts.templates import render_template
+from trainvitals.wire import METRICS, Sample, series_labels
 
 REQUIRED = {
     "GradientDilution", "LossNotAccumNormalized", "MeanOfMeansLoss", "ParamDrift",
@@ -235,3 +243,36 @@ def test_a_missing_file_is_named(tmp_path):
 def test_engine_takes_rule_objects_only(spec):
     with pytest.raises(TypeError, match="resolve_rules"):
         Engine(spec)
+
+
+# --------------------------------------------- labels come from the wire's table
+
+RUN_METRICS = sorted(METRIC_LABELS)
+
+
+@pytest.mark.parametrize("metric", RUN_METRICS)
+def test_a_rule_offers_exactly_its_metrics_labels(metric):
+    spec = METRICS[metric]
+    # The series the collector stores for a sample of this metric, on rank 1.
+    sample = Sample(name=metric, labels={k: "v" for k in spec.labels}, value=1.0)
+    stored = series_labels("r", 1, sample.labels)
+    fields = " ".join(f"{{{k}}}" for k in stored)
+    (rule,) = parse_rules([{"alert": "A", "metric": metric, "above": 1, "summary": fields}])
+    assert rule.template_fields() - {"alertname", "severity", "value", "step", "above", "below",
+                                     "clear"} == set(stored)
+    unknown = sorted(KNOWN_LABELS - set(stored))
+    if unknown:
+        with pytest.raises(RuleError, match=f"unknown template field {{{unknown[0]}}}"):
+            parse_rules([{"alert": "A", "metric": metric, "above": 1, "summary": f"{{{unknown[0]}}}"}])
+
+
+def test_known_labels_are_every_label_of_a_run_series():
+    run_specs = [s for s in METRICS.values() if s.name in METRIC_LABELS]
+    assert {"loss", "step", "last_report_timestamp_seconds"} <= set(METRIC_LABELS)
+    # The collector's own metrics belong to no run: their labels are not series labels.
+    assert "alerts_firing" not in METRIC_LABELS and "notifier" not in KNOWN_LABELS
+    assert KNOWN_LABELS == {label for s in run_specs
+                            for label in series_labels("r", 1, dict.fromkeys(s.labels, "v"))}
+    # An event may come from any series of a run: its template offers every label.
+    (rule,) = parse_rules([{"alert": "E", "event": "x", "summary": "{modality} {param} {rank}"}])
+    assert KNOWN_LABELS <= rule.template_fields()
