@@ -11,7 +11,9 @@
 - ``transform: increase`` and event rules -> ``increase(counter[W]) > x``.
 - ``transform: ratio_to_median`` -> value over ``quantile_over_time(0.5, ...)``
   across ``window`` reports' worth of time (``window * report_every * step_seconds``).
-- RunSilent -> ``time() - trainvitals_last_report_timestamp_seconds > s``.
+- RunSilent -> ``time() - trainvitals_last_report_timestamp_seconds > s unless
+  on(run) trainvitals_run_ended == 1``: a run whose last report carried a
+  ``run_end`` event stays quiet, as in the collector.
 - Templates: ``{value:.1f}`` -> ``{{ printf "%.1f" $value }}``, ``{modality}`` ->
   ``{{ $labels.modality }}``, ``{step}`` -> a query of ``trainvitals_step``.
 
@@ -40,6 +42,8 @@ from trainvitals.wire import PREFIX
 __all__ = ["export_prometheus", "promql_template"]
 
 _IGNORING = "ignoring(alertname, alertstate, severity)"
+# The collector's per-run gauge: 1 when the run's last report carried run_end.
+RUN_ENDED = "run_ended"
 
 
 def _num(x: float) -> str:
@@ -135,8 +139,10 @@ class _Exporter:
                 notes.append(f"hold_steps {rule.hold_steps} -> keep_firing_for {_duration(hold_s)}")
         else:
             assert isinstance(rule, SilenceRule)
-            out["expr"] = f"time() - {PREFIX}last_report_timestamp_seconds > {_num(rule.silent_for)}"
-            notes.append("a run that ended (run_end event) still fires until the collector forgets the run")
+            out["expr"] = (f"time() - {PREFIX}last_report_timestamp_seconds > {_num(rule.silent_for)}"
+                           f" unless on(run) {PREFIX}{RUN_ENDED} == 1")
+            notes.append(f"a run whose last report carried run_end ({PREFIX}{RUN_ENDED} == 1) "
+                         "stays quiet, as in the collector")
             for_s = hold_s = 0.0
         if for_s > 0:
             out["for"] = _duration(for_s)

@@ -11,8 +11,10 @@ import yaml
 from click.testing import CliRunner
 
 from trainvitals.alerts.cli import rules as rules_cli
-from trainvitals.alerts.export import export_prometheus, promql_template
+from trainvitals.alerts.export import RUN_ENDED, export_prometheus, promql_template
 from trainvitals.alerts.loading import load_rules, parse_rules
+from trainvitals.alerts.model import METRIC_LABELS
+from trainvitals.wire import METRICS
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
@@ -40,8 +42,20 @@ def test_export_structure_matches_the_rules(tmp_path):
     assert by["NonFiniteLoss"]["expr"] == 'increase(trainvitals_nonfinite_total{what="loss"}[5m]) > 0'
     assert by["NonFiniteLoss"]["keep_firing_for"] == "1m40s"
     assert by["OptimizerStateReset"]["expr"] == "increase(trainvitals_optimizer_state_resets_total[5m]) > 0"
-    assert by["RunSilent"]["expr"] == "time() - trainvitals_last_report_timestamp_seconds > 600"
+    assert by["RunSilent"]["expr"] == ("time() - trainvitals_last_report_timestamp_seconds > 600"
+                                       " unless on(run) trainvitals_run_ended == 1")
     assert "quantile_over_time(0.5, trainvitals_grad_norm[3m20s])" in by["GradNormSpike"]["expr"]
+
+
+def test_run_silent_export_names_the_collectors_run_ended_gauge():
+    """The gauge the export reads is the one the collector exports, per run."""
+    spec = METRICS[RUN_ENDED]
+    assert (spec.owner, spec.type, spec.labels) == ("collector", "gauge", ())
+    assert RUN_ENDED in METRIC_LABELS  # a per-run series: it carries `run`
+    text = export_prometheus(load_rules("default"))
+    assert ("# RunSilent:\n  #   a run whose last report carried run_end (trainvitals_run_ended == 1)"
+            " stays quiet, as in the collector") in text
+    assert "still fires" not in text
 
 
 def test_export_options_scale_durations(tmp_path):
