@@ -1,4 +1,4 @@
-"""Collector budgets (DESIGN "Budgets"): ingest samples/s over HTTP, scrape time at 100k series.
+"""Collector throughput: ingest samples/s over HTTP, and scrape time at 100k series.
 
 Run: ``python tests/benchmarks/bench_collector_ingest.py [--seconds 10]``.
 
@@ -23,6 +23,8 @@ import threading
 import time
 
 import httpx
+
+from trainvitals.wire import encode_body
 
 SAMPLES_PER_REPORT = 2000
 # As `trainvitals serve` runs it (default settings, tune_gc, one worker).
@@ -62,7 +64,8 @@ def report(run: str, step: int) -> dict:
 
 
 def body(reports: list[dict]) -> bytes:
-    return json.dumps({"schema": 1, "reports": reports}).encode()
+    """A wire body, put together by the encoder the hooks use."""
+    return encode_body(json.dumps(r).encode() for r in reports)
 
 
 def cpu_seconds(pid: int) -> float:
