@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import click
 
-# The batch of INCIDENTS.md I1, scaled down 10x in length: 84% text samples with
+# The batch of incident I1 (docs/incidents.md), scaled down 10x in length: 84% text samples with
 # 400 label tokens, 16% image samples with 20 (the same 20:1 length ratio).
 TEXT_SAMPLES, IMAGE_SAMPLES, TEXT_TOKENS, IMAGE_TOKENS = 21, 4, 400, 20
 VOCAB, DIM = 64, 32
