@@ -1,0 +1,156 @@
+"""The committed Grafana dashboards: current with their generator, and built the way
+the product promises (stable uids, a Prometheus datasource variable, run/modality/
+param/task variables, a unit on every panel, catalogue metric names only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.integration._stack import DASHBOARDS, load_dashboards, panels
+from trainvitals.wire import METRICS, PREFIX
+
+
+def _generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("trainvitals_dashboards_generate",
+                                                  DASHBOARDS / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+GENERATE = _generator()
+UIDS = {
+    "trainvitals-overview.json": "trainvitals-overview",
+    "trainvitals-loss.json": "trainvitals-loss",
+    "trainvitals-params.json": "trainvitals-params",
+    "trainvitals-softmax.json": "trainvitals-softmax",
+}
+TAG = "trainvitals"
+_METRIC_NAME = re.compile(rf"\b{PREFIX}\w+")
+
+
+def _exprs(dashboard: dict) -> list[str]:
+    return [t["expr"] for p in panels(dashboard) for t in p.get("targets", [])]
+
+
+def test_committed_json_is_what_the_generator_writes() -> None:
+    rendered = GENERATE.render()
+    committed = {p.name: p.read_text(encoding="utf-8") for p in DASHBOARDS.glob("*.json")}
+    assert set(committed) == set(rendered), "dashboards/*.json and generate.DASHBOARDS differ"
+    stale = [name for name, text in rendered.items() if committed[name] != text]
+    assert not stale, f"stale: {stale}; run `python dashboards/generate.py` and commit the JSON"
+
+
+def test_check_mode_reports_a_stale_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert GENERATE.main(["--out", str(tmp_path)]) == 0
+    assert GENERATE.main(["--check", "--out", str(tmp_path)]) == 0
+    (tmp_path / "trainvitals-loss.json").write_text("{}\n")
+    assert GENERATE.main(["--check", "--out", str(tmp_path)]) == 1
+    assert "trainvitals-loss.json" in capsys.readouterr().err
+
+
+def test_stable_uids_and_current_schema() -> None:
+    dashboards = load_dashboards()
+    assert {name: d["uid"] for name, d in dashboards.items()} == UIDS
+    for name, d in dashboards.items():
+        assert len(d["uid"]) <= 40, f"{name}: Grafana uids are at most 40 characters"
+        # Grafana 11 writes schema 39-41; older numbers get migrated on load.
+        assert d["schemaVersion"] >= 39, f"{name}: schemaVersion {d['schemaVersion']}"
+        assert "id" not in d or d["id"] is None, f"{name}: a fixed id clashes across Grafana instances"
+        assert TAG in d["tags"]
+
+
+
+def test_variables_datasource_and_units() -> None:
+    for name, d in load_dashboards().items():
+        variables = {v["name"]: v for v in d["templating"]["list"]}
+        ds = variables.get("datasource")
+        assert ds is not None and ds["type"] == "datasource" and ds["query"] == "prometheus", name
+        assert "run" in variables, f"{name}: no run variable"
+        used = {v for e in _exprs(d) for v in re.findall(r"\$(\w+)", e)} - {"__rate_interval"}
+        assert used <= set(variables), f"{name}: queries use undefined variables {used - set(variables)}"
+        unused = set(variables) - used - {"datasource"}
+        assert not unused, f"{name}: variables no query uses: {unused}"
+        ids = []
+        for p in panels(d):
+            title = f"{name} / {p['title']}"
+            ids.append(p["id"])
+            assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, title
+            unit = p["fieldConfig"]["defaults"].get("unit")
+            assert unit, f"{title}: no unit"
+            assert unit in set(GENERATE.UNITS.values()) | {GENERATE.RATE_UNIT, "s", "short"}, (title, unit)
+            assert p.get("description"), f"{title}: no description"
+            assert p["targets"] and all(t.get("refId") for t in p["targets"]), title
+        assert len(ids) == len(set(ids)), f"{name}: duplicate panel ids"
+    found = {v["name"] for d in load_dashboards().values() for v in d["templating"]["list"]}
+    assert {"datasource", "run", "modality", "task", "param"} <= found
+
+
+def test_units_follow_the_catalogue() -> None:
+    """A panel that plots one catalogue metric as it is has that metric's unit."""
+    checked = 0
+    for name, d in load_dashboards().items():
+        for p in panels(d):
+            exprs = [t["expr"] for t in p["targets"]]
+            plain = [re.fullmatch(rf"(?:topk\(\d+, )?{PREFIX}(\w+)\{{[^}}]*\}}\)?", e) for e in exprs]
+            if all(plain) and len({m.group(1) for m in plain}) == 1:  # type: ignore[union-attr]
+                metric = plain[0].group(1)  # type: ignore[union-attr]
+                assert p["fieldConfig"]["defaults"]["unit"] == GENERATE.UNITS[METRICS[metric].unit], \
+                    f"{name} / {p['title']}: unit of {metric}"
+                checked += 1
+    assert checked > 30
+
+
+def test_only_catalogue_metrics_and_every_one_on_a_panel() -> None:
+    families = {PREFIX + name for name in METRICS}
+    shown: set[str] = set()
+    for name, d in load_dashboards().items():
+        for expr in _exprs(d):
+            names = set(_METRIC_NAME.findall(expr))
+            unknown = names - families
+            assert not unknown, f"{name}: {expr!r} uses names outside the catalogue: {unknown}"
+            shown |= names
+    missing = sorted(families - shown - {PREFIX + n for n in GENERATE.NOT_ON_DASHBOARDS})
+    assert not missing, (f"catalogue metrics on no dashboard panel: {missing}; add a panel in "
+                         "dashboards/generate.py (or list the metric in NOT_ON_DASHBOARDS with why)")
+
+
+# What the issue asks each dashboard to show, as the metrics it must query.
+REQUIRED = {
+    "trainvitals-overview.json": ["step", "last_report_timestamp_seconds", "alerts_firing", "loss", "grad_norm"],
+    "trainvitals-loss.json": ["modality_sample_share_ratio", "modality_grad_share_ratio", "modality_dilution_ratio",
+                              "loss_norm_exponent", "loss_weight_mass", "microbatches", "token_weight_spread_ratio"],
+    "trainvitals-params.json": ["param_drift_log2", "param_drift_consistency_ratio", "param_weight_decay",
+                                "adam_eps_dominated_ratio", "adam_normalized_update_rms"],
+    "trainvitals-softmax.json": ["softmax_top1_prob_mean", "softmax_saturated_ratio", "softmax_entropy_nats",
+                                 "distill_top1_grad_share_ratio"],
+}
+
+
+def test_each_dashboard_shows_what_it_is_for() -> None:
+    dashboards = load_dashboards()
+    for name, metrics in REQUIRED.items():
+        text = " ".join(_exprs(dashboards[name]))
+        missing = [m for m in metrics if not re.search(rf"\b{PREFIX}{m}\b", text)]
+        assert not missing, f"{name}: no panel queries {missing}"
+    softmax_legends = [t["legendFormat"] for p in panels(dashboards["trainvitals-softmax.json"])
+                       for t in p["targets"] if "softmax_" in t["expr"]]
+    assert all("{{task}}" in lf and "{{role}}" in lf for lf in softmax_legends), softmax_legends
+
+
+def test_a_threshold_line_sits_where_its_rule_fires() -> None:
+    d = load_dashboards()["trainvitals-loss.json"]
+    dilution = next(p for p in panels(d) if p["title"] == "Dilution")
+    steps = dilution["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [s["value"] for s in steps] == [None, 5]  # GradientDilution: above 5
+    mass = next(p for p in panels(d) if p["title"] == "Loss weight mass")
+    steps = mass["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    assert [(s["value"], s["color"]) for s in steps] == [(None, "orange"), (0.5, "green"), (1.5, "red")]

@@ -1,0 +1,172 @@
+"""The dashboards against real data: Debian's Prometheus, configured as
+``deploy/prometheus.yml`` ships it (with the exported rules), scrapes a real
+collector that a real tiny job (tests/integration/_job.py) reports to. Every
+variable query of every committed dashboard must list values and every panel
+query, variables substituted, must return data; every metric of the catalogue
+must reach Prometheus with the labels the catalogue gives it."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from tests.integration import _job
+from tests.integration._stack import (
+    DEPLOY,
+    Prometheus,
+    Recorder,
+    load_dashboards,
+    panels,
+    prometheus_config,
+    resolve_variables,
+    running_collector,
+    running_prometheus,
+    substitute,
+)
+from tests.support import wait_until
+from trainvitals.hooks import Monitor
+from trainvitals.wire import METRICS, PREFIX
+
+pytestmark = pytest.mark.integration
+
+RUN = "it-every-signal"
+STEPS = 12
+# Labels Prometheus or the series contract add to a catalogue metric's own labels.
+SCRAPE_LABELS = {"__name__", "job", "instance"}
+RUN_LABELS = {"run", "rank"}
+
+
+@dataclass
+class Stack:
+    prom: Prometheus
+    start: float  # unix time before the job's first report
+    notified: Recorder
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The collector (default rules, a webhook notifier), Prometheus with the shipped
+    config and rules, and the job's 12 reported steps, all delivered and scraped."""
+    folder = tmp_path_factory.mktemp("prometheus")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("TRAINVITALS_")]:
+            mp.delenv(key)
+        with Recorder() as notified, \
+                running_collector(notifiers=[{"type": "webhook", "url": f"{notified.url}/hook"}]) as url, \
+                running_prometheus(folder, prometheus_config(
+                    url, rule_files=sorted((DEPLOY / "rules").glob("*.yml")))) as prom:
+            start = time.time() - 1
+
+            def scraped_before_nonfinite(mon: Monitor, step: int) -> None:
+                # increase() needs the loss counter scraped once before it moves, at
+                # 0; the job is faster than the 1 s scrape, so wait for that scrape.
+                if step == _job.NONFINITE_AT:
+                    assert mon.flush(10), "reports not delivered"
+                    wait_until(lambda: prom.query(
+                        f'{PREFIX}nonfinite_total{{run="{RUN}", what="loss"}} == 0'),
+                        10, "the loss counter at 0 in Prometheus")
+
+            _job.run_job(url, RUN, STEPS, before_step=scraped_before_nonfinite)
+            wait_until(lambda: prom.query(f'{PREFIX}step{{run="{RUN}"}} == {STEPS}'), 10,
+                       "the last step scraped")
+            yield Stack(prom, start, notified)
+    torch.set_num_threads(threads)
+
+
+def _empty_panels(prom: Prometheus, start: float, dashboards: list[dict[str, Any]]) -> list[str]:
+    """'dashboard / panel: query' for every panel query without data (Grafana runs
+    range queries over the time range and instant queries at its end)."""
+    empty = []
+    end = time.time()
+    for dashboard in dashboards:
+        values = resolve_variables(prom, dashboard, start)
+        for panel in panels(dashboard):
+            targets = panel.get("targets") or []
+            if not targets:
+                empty.append(f"{dashboard['title']} / {panel['title']}: no queries")
+            for target in targets:
+                expr = substitute(target["expr"], values)
+                if target.get("instant"):
+                    result = prom.query(expr)
+                else:
+                    result = prom.query_range(expr, start, end)
+                if not result:
+                    empty.append(f"{dashboard['title']} / {panel['title']}: {expr}")
+    return empty
+
+
+def test_every_panel_query_returns_data(stack: Stack) -> None:
+    last: list[str] = []
+
+    def all_have_data() -> bool:
+        last[:] = _empty_panels(stack.prom, stack.start, list(load_dashboards().values()))
+        return not last
+
+    # Alert states and rates need a few evaluations after the job's last report.
+    try:
+        wait_until(all_have_data, 20, interval=1.0)
+    except AssertionError:
+        pytest.fail("panels without data:\n  " + "\n  ".join(last))
+
+
+def test_every_catalogue_metric_reaches_prometheus_with_its_labels(stack: Stack) -> None:
+    problems = []
+    for spec in METRICS.values():
+        series = stack.prom.series(PREFIX + spec.name, stack.start)
+        if not series:
+            problems.append(f"{PREFIX}{spec.name}: no series (the job or the collector never produced it)")
+            continue
+        allowed = SCRAPE_LABELS | set(spec.labels) | (RUN_LABELS if spec.owner == "hooks" else set())
+        extra = {name for s in series for name in s} - allowed
+        if extra:
+            problems.append(f"{PREFIX}{spec.name}: labels {sorted(extra)} not in the catalogue "
+                            f"(labels={spec.labels})")
+        missing = set(spec.labels) - {name for s in series for name in s}
+        if missing:
+            problems.append(f"{PREFIX}{spec.name}: catalogue labels {sorted(missing)} on no series")
+        if spec.owner == "hooks" and any(s.get("run") != RUN for s in series):
+            problems.append(f"{PREFIX}{spec.name}: a series without run={RUN!r}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_collector_notified_through_its_webhook(stack: Stack) -> None:
+    """The notifier behind notifications_total really delivered (the job pages
+    NonFiniteLoss): the collector-owned series are not just zeros."""
+    wait_until(lambda: stack.notified.received(), 10, "a webhook notification")
+    bodies = [r.json() for r in stack.notified.received()]
+    names = {a["labels"]["alertname"] for b in bodies for a in b["alerts"] if a["status"] == "firing"}
+    assert "NonFiniteLoss" in names, bodies
+
+
+def test_variables_see_the_jobs_labels(stack: Stack) -> None:
+    """The variable queries list what the job reported, not just something."""
+    seen: dict[str, set[str]] = {}
+    for dashboard in load_dashboards().values():
+        for name, values in resolve_variables(stack.prom, dashboard, stack.start).items():
+            seen.setdefault(name, set()).update(values)
+    assert seen["run"] == {RUN}
+    assert seen["modality"] == {"text", "image"}
+    assert seen["task"] == {"lm", "ie"}
+    assert seen["param"] == {"scale", "norm.weight", "head.bias"}
+
+
+def test_an_empty_panel_fails_with_its_title(stack: Stack) -> None:
+    """The check itself: a panel whose query matches nothing is reported by title."""
+    dashboard = {"title": "probe", "templating": {"list": []}, "panels": [
+        {"type": "row", "title": "a row", "panels": [
+            {"type": "timeseries", "title": "Nothing here",
+             "targets": [{"expr": f"{PREFIX}no_such_metric", "refId": "A"}]}]},
+        {"type": "stat", "title": "Steps", "targets": [
+            {"expr": f"{PREFIX}step", "instant": True, "refId": "A"}]},
+        {"type": "stat", "title": "No targets"},
+    ]}
+    empty = _empty_panels(stack.prom, stack.start, [dashboard])
+    assert empty == [f"probe / Nothing here: {PREFIX}no_such_metric", "probe / No targets: no queries"]
