@@ -11,6 +11,20 @@ In the training process (no collector, no HTTP)::
     evaluate = LocalEvaluator(rules="default")
     evaluate(report)   # logs a warning on "trainvitals" when an alert fires
 
+Modules, one concept each (the rule format is in ``docs/rules.md``):
+
+- ``model``: the rule model (Matcher, Condition, ThresholdRule, EventRule,
+  SilenceRule, durations, the labels a metric's series carry);
+- ``templates``: checking summary/description templates at load, rendering them;
+- ``loading``: rule files and folders, ``"default"``, unique names, RuleError;
+  ``resolve_rules`` turns every accepted rule spec into rule objects;
+- ``state``: AlertState and the Alert/Transition snapshots;
+- ``transforms``: the ``increase``/``ratio_to_median`` value transforms;
+- ``engine``: the state machines, on rule objects only (no I/O);
+- ``local``: LocalEvaluator (in-process, logs); ``service``: AlertService
+  (collector); ``dispatch`` and ``notifiers``: sending; ``export``: the
+  Prometheus rule file; ``cli``: ``trainvitals rules check|export``.
+
 Attributes load lazily: the rule model and engine need only pydantic and
 PyYAML; the service and notifiers bring httpx and prometheus_client. No torch.
 """

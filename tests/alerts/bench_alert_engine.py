@@ -1,4 +1,4 @@
-"""Cost of rule evaluation on the collector's ingest path (DESIGN "Budgets").
+"""Cost of rule evaluation on the collector's ingest path, per report and per sample.
 
 Run: ``python tests/alerts/bench_alert_engine.py [--reports 200]``.
 

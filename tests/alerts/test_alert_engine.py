@@ -340,7 +340,7 @@ def test_ratio_to_median_transform():
 
 
 def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
-    """The shipped rules against INCIDENTS.md values (I1-I5) and healthy values."""
+    """The shipped rules against the incidents' values (docs/incidents.md, I1-I5) and healthy values."""
     def run_values(samples_at, steps=range(0, 300, 10), events_at=None):
         eng = Engine(load_rules("default"))
         fired = set()
