@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trainvitals.hooks.signals.base import StepContext
+from trainvitals.hooks.step import StepContext
 
 
 def _dist():

@@ -1,11 +1,23 @@
-"""``attach()`` and the ``Monitor`` it returns: hooks in, reports out."""
+"""The ``Monitor`` that ``attach()`` returns: optimizer hooks in, reports out.
+
+Data flow of one report step (each stage its own module):
+
+1. ``optimizer.step()`` runs the monitor's pre- and post-step hooks; the signals
+   (:mod:`trainvitals.hooks.signals`) do cheap bookkeeping on every step and, on
+   report steps, write batched tensor statistics into a
+   :class:`~trainvitals.hooks.step.StepContext`.
+2. :func:`trainvitals.hooks.distributed.combine` runs the cross-rank partials in one
+   collective.
+3. :func:`trainvitals.hooks.pack.pack` concatenates everything into one vector and
+   starts its one copy to the host.
+4. :class:`trainvitals.hooks.sender.Sender` (one thread) materializes, validates,
+   encodes and hands the report to a sink (:mod:`trainvitals.hooks.sinks`).
+"""
 
 from __future__ import annotations
 
 import atexit
 import logging
-import re
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -13,43 +25,25 @@ from torch import nn
 
 from trainvitals.hooks import distributed
 from trainvitals.hooks.config import Config
-from trainvitals.hooks.report import PendingReport, Pipeline, pack
-from trainvitals.hooks.signals.base import Signal, StepContext
-from trainvitals.hooks.signals.param_series import real
-from trainvitals.hooks.tensors import is_sharded, local, stack_on
-from trainvitals.hooks.transport.sinks import make_sink
+from trainvitals.hooks.naming import clean_name, unwrap
+from trainvitals.hooks.pack import PendingReport, pack
+from trainvitals.hooks.sender import Sender
+from trainvitals.hooks.signals.base import Removable, Signal
+from trainvitals.hooks.sinks import Sink
+from trainvitals.hooks.step import StepContext
+from trainvitals.hooks.tensors import is_sharded, local, real, stack_on
+
+__all__ = ["Monitor"]
 
 log = logging.getLogger("trainvitals")
-
-_RUN_RE = re.compile(r"^[A-Za-z0-9_.:\-/]{1,128}$")
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
-# Wrapper prefixes that never belong in a parameter's user-facing name.
-_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
-            model = model._orig_mod
-    return model
-
-
-def _clean_name(name: str) -> str:
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
 
 
 class Monitor:
     """Watches one model and optimizer. Create it with :func:`attach`."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str, sink: Any,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str, sink: Sink,
                  modalities: tuple[str, ...], scaler: Any, config: Config, rules: Any = None):
-        self.model = _unwrap(model)
+        self.model = unwrap(model)
         self.optimizer = optimizer
         self.run = run
         self.modalities = modalities
@@ -59,7 +53,7 @@ class Monitor:
         self.rank = distributed.rank()
         self.world_size = distributed.world_size()
         self.param_names: dict[int, str] = {
-            id(p): _clean_name(n) for n, p in self.model.named_parameters()
+            id(p): clean_name(n) for n, p in self.model.named_parameters()
         }
         first = next(iter(self.model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
@@ -71,20 +65,20 @@ class Monitor:
         self._reporting = False
         self._pre_steps = 0
         self._grad_cache: tuple[int, list[torch.Tensor], torch.Tensor] | None = None
-        self._evaluator = None
+        evaluator = None
         if rules is not None:
-            from trainvitals.alerts.local import LocalEvaluator
+            from trainvitals.alerts import LocalEvaluator
 
-            self._evaluator = LocalEvaluator(rules=rules)
-        send = sink if self.rank == 0 else _null_sink()
-        self._pipeline = Pipeline(send, on_report=self._evaluator.observe if self._evaluator else None)
+            evaluator = LocalEvaluator(rules=rules)
+        self._sender = Sender(sink, max_queue_bytes=config.queue_bytes,
+                              on_report=evaluator.observe if evaluator is not None else None)
         self.signals: list[Signal] = _default_signals(config.signals)
-        self._handles: list[Any] = [
+        self._handles: list[Removable] = [
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
         ]
         for s in self.signals:
-            self._handles.extend(self._guard(s, "bind", s.bind, self) or [])
+            self._handles.extend(s.run_guarded("bind", s.bind, self) or [])
         atexit.register(self.close)
 
     # -- what signals use ----------------------------------------------------
@@ -129,7 +123,7 @@ class Monitor:
     def track_loss(self, per_token: torch.Tensor, *, modality: Any, mask: torch.Tensor | None = None,
                    segments: torch.Tensor | None = None, output: torch.Tensor | None = None) -> None:
         """Account the loss weights of one micro-batch; call once per micro-batch,
-        before its backward.
+        before its backward (definitions: docs/signals.md, "Loss accounting").
 
         ``per_token``: [B, T] (or [N]) per-token losses the loss is reduced from
         (``reduction="none"``); it must require grad. ``modality``: per sample [B] or
@@ -137,8 +131,7 @@ class Monitor:
         ``mask``: [B, T] bool, the label tokens (default: all). ``segments``: [B, T]
         sample ids of packed rows. ``output``: logits or last hidden states
         [B, T, ...], for per-modality output-gradient norms. Wrong types, shapes and
-        unknown names raise here; problems in the values become events. Definitions:
-        :mod:`trainvitals.hooks.signals.loss_accounting`.
+        unknown names raise here; problems in the values become events.
         """
         self._loss_signal().track(self, per_token, modality=modality, mask=mask, segments=segments, output=output)
 
@@ -170,7 +163,7 @@ class Monitor:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait (bounded) until queued reports are delivered; False on timeout."""
-        return self._pipeline.flush(self.config.flush_timeout if timeout is None else timeout)
+        return self._sender.flush(self.config.flush_timeout if timeout is None else timeout)
 
     def close(self) -> None:
         """Remove every hook placed by ``attach`` and flush the sender (bounded wait)."""
@@ -185,20 +178,21 @@ class Monitor:
                 pass
         self._handles.clear()
         for s in self.signals:
-            self._guard(s, "close", s.close)
+            s.run_guarded("close", s.close)
         # A last, sample-free report tells the collector the run ended on purpose,
         # so RunSilent does not page for a job that simply finished.
         end = StepContext(step=self.step, device=torch.device("cpu"))
         end.event("run_end", f"Monitor.close() after {self.step} optimizer steps")
         try:
-            self._pipeline.put(pack(end, run=self.run, rank=self.rank))
+            self._sender.put(pack(end, run=self.run, rank=self.rank))
         except Exception as exc:  # noqa: BLE001
             self.warn_once("run_end", "could not queue the run_end report: %s", exc)
-        self._pipeline.close(self.config.flush_timeout)
+        self._sender.close(self.config.flush_timeout)
 
     @property
     def dropped_reports(self) -> int:
-        return self._pipeline.total_dropped()
+        """Reports not delivered (queue full, refused, unreachable until close)."""
+        return self._sender.dropped
 
     def __enter__(self) -> Monitor:
         return self
@@ -207,16 +201,16 @@ class Monitor:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Monitor(run={self.run!r}, step={self.step}, every={self.config.every}, sink={self._pipeline.sink!r})"
+        return f"Monitor(run={self.run!r}, step={self.step}, every={self.config.every}, sink={self._sender.sink!r})"
 
     # -- internals -----------------------------------------------------------
-    def _signal(self, cls: type) -> Any:
+    def _signal(self, cls: type[Signal]) -> Any:
         for s in self.signals:
             if isinstance(s, cls):
                 return s
         s = cls()
         self.signals.append(s)
-        self._handles.extend(self._guard(s, "bind", s.bind, self) or [])
+        self._handles.extend(s.run_guarded("bind", s.bind, self) or [])
         return s
 
     def _loss_signal(self) -> Any:
@@ -229,51 +223,33 @@ class Monitor:
 
         return self._signal(Softmax)
 
-    def _guard(self, signal: Signal, what: str, fn: Any, *args: Any) -> Any:
-        """Run a signal callback; a failure is logged once and never reaches training."""
-        if getattr(signal, "_trainvitals_broken", False):
-            return None
-        try:
-            return fn(*args)
-        except Exception as exc:  # noqa: BLE001
-            signal._trainvitals_broken = True  # type: ignore[attr-defined]
-            log.warning("trainvitals: signal %s failed in %s and is turned off: %s: %s",
-                        type(signal).__name__, what, type(exc).__name__, exc)
-            return None
-
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._pre_steps += 1
         self._grad_cache = None
         self._reporting = self.reporting_next
         for s in self.signals:
-            self._guard(s, "before_step", s.before_step, self, self._reporting)
+            s.run_guarded("before_step", s.before_step, self, self._reporting)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.step += 1
         reporting = self._reporting
         for s in self.signals:
-            self._guard(s, "after_step", s.after_step, self, reporting)
+            s.run_guarded("after_step", s.after_step, self, reporting)
         if not reporting:
             return
         try:
             ctx = StepContext(step=self.step, device=self.device)
             for s in self.signals:
-                self._guard(s, "collect", s.collect, self, ctx)
+                s.run_guarded("collect", s.collect, self, ctx)
             distributed.combine(ctx)
             for kind, detail, labels in self._pending_events:
                 ctx.event(kind, detail, labels)
             self._pending_events.clear()
             pending = pack(ctx, run=self.run, rank=self.rank)
             self._latest = pending
-            self._pipeline.put(pending)
+            self._sender.put(pending)
         except Exception as exc:  # noqa: BLE001
             self.warn_once("report", "could not assemble the report of step %d: %s", self.step, exc)
-
-
-def _null_sink() -> Any:
-    from trainvitals.hooks.transport.sinks import NullSink
-
-    return NullSink()
 
 
 def _default_signals(names: tuple[str, ...] | None) -> list[Signal]:
@@ -283,53 +259,3 @@ def _default_signals(names: tuple[str, ...] | None) -> list[Signal]:
 
     builtin = {"optimizer": OptimizerStats, "params": ParamHealth, "adam": AdamState}
     return [cls() for name, cls in builtin.items() if names is None or name in names]
-
-
-def _check_names(what: str, names: Iterable[Any]) -> tuple[str, ...]:
-    out = tuple(names)
-    for n in out:
-        if not isinstance(n, str) or not _NAME_RE.match(n):
-            raise ValueError(f"{what}: {n!r} is not a usable name; use short identifiers like 'text', 'image'")
-    if len(set(out)) != len(out):
-        raise ValueError(f"{what}: names must be unique, got {out!r}")
-    return out
-
-
-def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str, collector: str | None = None,
-           sink: Any = None, modalities: Sequence[str] = (), every: int = 10, scaler: Any = None,
-           rules: Any = None, **options: Any) -> Monitor:
-    """Hook ``model`` and ``optimizer`` and stream training-health reports.
-
-    ``collector``: a collector URL (``http://host:9477``); or ``sink``: ``"file:PATH"``,
-    ``"null"`` or a sink object; default ``$TRAINVITALS_COLLECTOR``, else
-    ``./trainvitals-<run>.jsonl``. ``modalities``: names for integer modality codes.
-    ``every``: report every N optimizer steps. ``scaler``: a ``GradScaler``, so loss
-    weights are unscaled. ``rules``: evaluate alert rules in-process (``"default"``)
-    and log when one fires. Further options: see :class:`trainvitals.hooks.config.Config`.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"attach(model=...) needs a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"attach(optimizer=...) needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
-            "pass the optimizer you call .step() on (not a scheduler or a wrapper)")
-    if not isinstance(run, str) or not _RUN_RE.match(run):
-        raise ValueError(f"run={run!r}: use 1-128 characters from letters, digits and _ . : - /")
-    if collector is not None and sink is not None:
-        raise ValueError("pass either collector=URL or sink=..., not both")
-    if collector is not None and not (isinstance(collector, str) and collector.startswith(("http://", "https://"))):
-        raise ValueError(f"collector={collector!r} must be an http(s) URL like 'http://127.0.0.1:9477'")
-    if isinstance(modalities, str):
-        raise TypeError(f"modalities={modalities!r} must be a sequence of names, e.g. ('text', 'image')")
-    mods = _check_names("modalities", modalities)
-    if scaler is not None and not (hasattr(scaler, "get_scale") and hasattr(scaler, "unscale_")):
-        raise TypeError(f"scaler must be a torch.amp.GradScaler (or None), got {type(scaler).__name__}")
-    unknown = sorted(set(options) - set(Config.field_names()))
-    if unknown:
-        raise TypeError(f"attach() got unknown option(s) {unknown}; known options: {Config.field_names()}")
-    config = Config(every=every, **options)
-    # Only rank 0 sends; other ranks compute (and join the collectives) but keep no sender.
-    resolved = (make_sink(collector, sink, run, queue_bytes=config.queue_bytes)
-                if distributed.rank() == 0 else _null_sink())
-    return Monitor(model, optimizer, run=run, sink=resolved, modalities=mods, scaler=scaler,
-                   config=config, rules=rules)

@@ -19,6 +19,23 @@ def is_sharded(t: torch.Tensor) -> bool:
     return bool(placements) and any(p.is_shard() for p in placements)
 
 
+def real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as (real, imaginary) pairs, as Adam treats it; others as they are."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of ``t`` (a copy only when ``t`` is not contiguous); complex as real pairs."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+
+
+def float_dtype(device: torch.device) -> torch.dtype:
+    """The widest float the device computes in: float64, float32 on MPS (no float64)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def stack_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Stack 0-d tensors that may live on several devices onto ``device`` (float32)."""
     if not tensors:
@@ -42,10 +59,12 @@ def group_sum(values: torch.Tensor, index: torch.Tensor, groups: int) -> torch.T
 
 
 def group_amax(values: torch.Tensor, index: torch.Tensor, groups: int) -> torch.Tensor:
+    """Largest value per bin (-inf for an empty bin)."""
     out = torch.full((groups,), float("-inf"), dtype=values.dtype, device=values.device)
     return out.scatter_reduce_(0, index, values, reduce="amax", include_self=True)
 
 
 def group_amin(values: torch.Tensor, index: torch.Tensor, groups: int) -> torch.Tensor:
+    """Smallest value per bin (+inf for an empty bin)."""
     out = torch.full((groups,), float("inf"), dtype=values.dtype, device=values.device)
     return out.scatter_reduce_(0, index, values, reduce="amin", include_self=True)

@@ -1,107 +1,131 @@
-"""The lifecycle every signal follows, and the per-step context it writes into.
+"""The lifecycle every signal follows, and what a signal may use of the monitor.
 
-A signal places its hooks in ``bind``; the Monitor calls ``before_step`` and
+A signal places its hooks in ``bind``; the monitor calls ``before_step`` and
 ``after_step`` around every optimizer step (cheap bookkeeping only), and
 ``collect`` on report steps, where the signal computes its statistics as batched
-tensor work and hands them to the context. Nothing here reads a tensor's value on
-the host: values reach the host once per report, on the sender thread.
+tensor work and hands them to the :class:`~trainvitals.hooks.step.StepContext`.
+Nothing here reads a tensor's value on the host: values reach the host once per
+report, on the sender thread.
+
+A signal that fails is turned off, one way for all: :meth:`Signal.turn_off` (log
+once, drop buffers, skip it from then on). The monitor wraps every lifecycle call
+in :meth:`Signal.run_guarded`; code a signal runs from a user call or a tensor hook
+wraps itself in :meth:`Signal.guard`. Nothing reaches the training loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from trainvitals.hooks.step import StepContext
+
 if TYPE_CHECKING:  # pragma: no cover
-    from trainvitals.hooks.monitor import Monitor
+    from torch import nn
 
-Labels = dict[str, str]
-ReduceOp = Literal["sum", "max", "min"]
+    from trainvitals.hooks.config import Config
 
+__all__ = ["MonitorView", "Removable", "Signal"]
 
-@dataclass
-class _Emit:
-    name: str
-    values: torch.Tensor  # 1-D, one element per labels entry
-    labels: list[Labels]
-    present: torch.Tensor | None = None  # 1-D like values: a sample is sent only where > 0
+log = logging.getLogger("trainvitals")
 
 
-@dataclass
-class _Reduce:
-    tensor: torch.Tensor  # 1-D float
-    op: ReduceOp
-    then: Callable[[torch.Tensor], None]
+class Removable(Protocol):
+    def remove(self) -> None: ...
 
 
-@dataclass
-class _Event:
-    kind: str
-    detail: str
-    labels: Labels
-    flag: torch.Tensor | None  # None: always; else emitted when the flag is > 0 on the host
+class MonitorView(Protocol):
+    """What a signal may use of the :class:`~trainvitals.hooks.monitor.Monitor`."""
 
-
-@dataclass
-class StepContext:
-    """What one report step collects: final values, cross-rank partials, events."""
-
-    step: int
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    config: Config
+    modalities: tuple[str, ...]
+    scaler: Any
     device: torch.device
-    emits: list[_Emit] = field(default_factory=list)
-    reduces: list[_Reduce] = field(default_factory=list)
-    events: list[_Event] = field(default_factory=list)
+    step: int
+    """Optimizer steps completed since attach (plus those restored by load_state_dict)."""
+    rank: int
+    world_size: int
+    sharded: bool
 
-    def emit(self, name: str, values: torch.Tensor, labels: Labels | Sequence[Labels] | None = None, *,
-             present: torch.Tensor | None = None) -> None:
-        """Report ``values`` under wire name ``name``: a 0-d tensor with one labels dict,
-        or a 1-D tensor with one labels dict per element. With ``present`` (same shape
-        as ``values``), a sample is sent only where it is > 0: a statistic that is
-        undefined on this step is absent, decided on the sender thread (no host sync)."""
-        if isinstance(labels, dict) or labels is None:
-            labels = [labels or {}]
-        values = values.detach().reshape(-1)
-        if values.numel() != len(labels):
-            raise ValueError(f"{name}: {values.numel()} values for {len(labels)} label sets")
-        if present is not None:
-            present = present.detach().reshape(-1)
-            if present.numel() != values.numel():
-                raise ValueError(f"{name}: present has {present.numel()} elements for {values.numel()} values")
-        if values.numel():
-            self.emits.append(_Emit(name, values, list(labels), present))
+    @property
+    def reporting_next(self) -> bool:
+        """Whether the optimizer step now being accumulated will be reported."""
+        ...
 
-    def reduce(self, tensor: torch.Tensor, op: ReduceOp, then: Callable[[torch.Tensor], None]) -> None:
-        """Combine ``tensor`` across data-parallel ranks with ``op``, then call ``then``
-        with the combined tensor (at once when there is one rank). All partials of a
-        report travel in one packed collective."""
-        self.reduces.append(_Reduce(tensor.detach().reshape(-1).float(), op, then))
+    def reports_at(self, step: int) -> bool: ...
 
-    def event(self, kind: str, detail: str = "", labels: Labels | None = None, *,
-              when: torch.Tensor | None = None) -> None:
-        """Attach an event to this report; with ``when`` (a 0-d tensor), only if it is > 0,
-        decided on the sender thread so the step never waits for the value."""
-        self.events.append(_Event(kind, detail, labels or {}, None if when is None else when.detach().reshape(1)))
+    def grad_norms(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The optimizer's parameters with a gradient and their gradients' L2 norms
+        (one foreach call per step, shared by every signal)."""
+        ...
+
+    def name_of(self, p: torch.Tensor, fallback: str = "") -> str: ...
+
+    def groups(self) -> list[tuple[str, dict[str, Any]]]: ...
+
+    def event(self, kind: str, detail: str = "", labels: dict[str, str] | None = None) -> None: ...
+
+    def warn_once(self, key: str, message: str, *args: Any) -> None: ...
 
 
 class Signal:
     """Base class: override what you need. Handles returned by ``bind`` are removed
     on ``Monitor.close()``."""
 
-    def bind(self, monitor: Monitor) -> list:
+    broken: bool = False
+    """Set by :meth:`turn_off`: the signal failed and is skipped from then on."""
+
+    def bind(self, monitor: MonitorView) -> list[Removable]:
         """Place hooks; return their handles (anything with ``remove()``)."""
         return []
 
-    def before_step(self, monitor: Monitor, reporting: bool) -> None:
+    def before_step(self, monitor: MonitorView, reporting: bool) -> None:
         """Called before ``optimizer.step()``; gradients are final here."""
 
-    def after_step(self, monitor: Monitor, reporting: bool) -> None:
+    def after_step(self, monitor: MonitorView, reporting: bool) -> None:
         """Called after ``optimizer.step()``."""
 
-    def collect(self, monitor: Monitor, ctx: StepContext) -> None:
+    def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
         """On report steps, after ``after_step``: emit this step's statistics."""
+
+    def reset(self) -> None:
+        """Drop what the current step accumulated (the signal is being turned off)."""
 
     def close(self) -> None:
         """Release buffers."""
+        self.reset()
+
+    # -- failure handling: one way for every signal ----------------------------
+    def turn_off(self, where: str, exc: BaseException) -> None:
+        """Mark the signal broken, drop its buffers, log once."""
+        if self.broken:
+            return
+        self.broken = True
+        with contextlib.suppress(Exception):
+            self.reset()
+        log.warning("trainvitals: signal %s failed in %s and is turned off: %s: %s",
+                    type(self).__name__, where, type(exc).__name__, exc)
+
+    @contextlib.contextmanager
+    def guard(self, where: str) -> Iterator[None]:
+        """Run a block; a failure turns the signal off instead of propagating."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - never into the training loop
+            self.turn_off(where, exc)
+
+    def run_guarded(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` unless the signal is broken; a failure turns it off (returns None)."""
+        if self.broken:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001
+            self.turn_off(where, exc)
+            return None

@@ -32,15 +32,14 @@ FSDP's own reduce-scatter. Not tested with activation checkpointing or with DDP'
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from trainvitals.hooks.signals.base import StepContext
+from trainvitals.hooks.signals.base import MonitorView
+from trainvitals.hooks.step import StepContext
 
 
 class ModalityProbe:
-    def __init__(self, monitor: Any) -> None:
+    def __init__(self, monitor: MonitorView) -> None:
         self.every: int = monitor.config.probe_every
         self.modalities = len(monitor.modalities)
         self._last_period = -1
@@ -50,13 +49,13 @@ class ModalityProbe:
             monitor.warn_once("probe_sharded", "probe_every is not supported with sharded parameters "
                               "(FSDP/DTensor); the per-modality parameter probe is off")
 
-    def due(self, monitor: Any, step: int) -> bool:
+    def due(self, monitor: MonitorView, step: int) -> bool:
         """Whether optimizer step ``step`` is a probe step: the first report step of each
         window of ``probe_every`` steps (so the rate holds whatever ``every`` is)."""
         return self.supported and monitor.reports_at(step) and step // self.every > self._last_period
 
     @staticmethod
-    def _params(monitor: Any) -> list[torch.Tensor]:
+    def _params(monitor: MonitorView) -> list[torch.Tensor]:
         seen: set[int] = set()
         out = []
         for _, group in monitor.groups():
@@ -67,7 +66,7 @@ class ModalityProbe:
         return out
 
     def accumulate(self, buf: torch.Tensor | None, per_token: torch.Tensor, grad: torch.Tensor,
-                   masks: torch.Tensor, inv_scale: torch.Tensor | None, monitor: Any) -> torch.Tensor:
+                   masks: torch.Tensor, inv_scale: torch.Tensor | None, monitor: MonitorView) -> torch.Tensor:
         """Add this micro-batch's per-modality parameter gradients into ``buf`` [M, P].
         Called from the per-token loss hook, during the user's backward."""
         params = self._params(monitor)
@@ -95,7 +94,7 @@ class ModalityProbe:
             torch._foreach_add_(dst, src)
         return buf
 
-    def gram(self, monitor: Any, buf: torch.Tensor | None, step: int) -> torch.Tensor | None:
+    def gram(self, monitor: MonitorView, buf: torch.Tensor | None, step: int) -> torch.Tensor | None:
         """<g_m, g_k> for all pairs, [M, M] float64; combined over ranks first. All ranks
         call it on the same steps (the collective must line up); None where this rank
         has nothing to report."""

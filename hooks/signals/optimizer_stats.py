@@ -1,88 +1,74 @@
 """Table stakes around the optimizer step: gradient and parameter norms, the
-update-to-weight ratio, non-finite gradients (INCIDENTS.md, "Table stakes").
+update-to-weight ratio, non-finite gradients (docs/signals.md, "Optimizer step").
 
-grad_norm (and group_grad_norm{group} per param group) is the L2 norm of the gradients the optimizer is about to use
-(after unscaling by a GradScaler, which unscales before ``step``), the same value
-``torch.nn.utils.clip_grad_norm_`` returns. param_norm is taken after the
-step. update_ratio = RMS(p_after - p_before) / RMS(p_after), on a strided
-sample of at most ``update_sample`` elements per tensor (exact for smaller tensors),
-so no copy of the model is ever made.
+``grad_norm`` (and ``group_grad_norm{group}`` per param group) is the L2 norm of
+the gradients the optimizer is about to use (after unscaling by a GradScaler, which
+unscales before ``step``), the value ``torch.nn.utils.clip_grad_norm_`` returns.
+``param_norm`` is taken after the step. ``update_ratio`` = RMS(p_after - p_before) /
+RMS(p_after), on a strided sample of at most ``update_sample`` elements per tensor
+(exact for smaller tensors), so no copy of the model is ever made. The whole model
+and its groups are separate metrics, so a ``sum()`` over groups never adds the
+total to its parts.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from trainvitals.hooks.signals.base import Signal, StepContext
-from trainvitals.hooks.tensors import group_sum, local, norms
+from trainvitals.hooks.indices import IndexCache
+from trainvitals.hooks.sampling import StridedSample
+from trainvitals.hooks.signals.base import MonitorView, Signal
+from trainvitals.hooks.step import StepContext
+from trainvitals.hooks.tensors import flat, group_sum, local, norms
 
 
 class OptimizerStats(Signal):
     def __init__(self) -> None:
         self._grad_norms: torch.Tensor | None = None
-        self._grad_gidx: torch.Tensor | None = None
+        self._grad_group: torch.Tensor | None = None
         self._before: torch.Tensor | None = None
-        self._layout_key: tuple | None = None
-        self._elem_gidx: torch.Tensor | None = None
-        self._strides: list[int] = []
+        self._sample_key: tuple | None = None
+        self._sample: StridedSample | None = None
+        self._sample_group: torch.Tensor | None = None
         self._nonfinite: torch.Tensor | None = None
-        self._indices: dict[tuple, torch.Tensor] = {}
+        self._indices = IndexCache()
 
-    def _index(self, values: list[int], device: torch.device) -> torch.Tensor:
-        """A cached device index tensor: making one from Python ints each report would
-        be a blocking host-to-device copy."""
-        key = (tuple(values), device)
-        cached = self._indices.get(key)
-        if cached is None:
-            if len(self._indices) > 8:
-                self._indices.clear()
-            cached = self._indices[key] = torch.tensor(values, dtype=torch.long).to(device)
-        return cached
-
-    def _params(self, monitor: Any) -> tuple[list[torch.Tensor], list[int]]:
-        params, gidx = [], []
+    @staticmethod
+    def _params(monitor: MonitorView) -> tuple[list[torch.Tensor], list[int]]:
+        params, group_of = [], []
         for gi, (_, g) in enumerate(monitor.groups()):
             for p in g["params"]:
                 params.append(p)
-                gidx.append(gi)
-        return params, gidx
+                group_of.append(gi)
+        return params, group_of
 
-    def _sample(self, monitor: Any, params: list[torch.Tensor], gidx: list[int]) -> torch.Tensor:
+    def _sampled(self, monitor: MonitorView, params: list[torch.Tensor], group_of: list[int]) -> torch.Tensor:
         key = tuple((id(p), p.numel()) for p in params)
-        cap = monitor.config.update_sample
-        if key != self._layout_key:
-            self._layout_key = key
-            self._strides = [max(1, -(-local(p).numel() // cap)) for p in params]
-            counts = [-(-local(p).numel() // s) for p, s in zip(params, self._strides)]
-            self._elem_gidx = torch.repeat_interleave(
-                torch.tensor(gidx, dtype=torch.long), torch.tensor(counts, dtype=torch.long)
-            ).to(monitor.device)
-        views = [local(p).detach().reshape(-1)[::s] for p, s in zip(params, self._strides)]
-        return torch.cat([v.to(monitor.device, torch.float32) for v in views]) if views else torch.zeros(0)
+        if key != self._sample_key:
+            self._sample_key = key
+            self._sample = StridedSample([flat(local(p)).numel() for p in params], monitor.config.update_sample)
+            self._sample_group = self._sample.owners(monitor.device, group_of)
+        assert self._sample is not None
+        return self._sample.take([local(p) for p in params], monitor.device)
 
-    def before_step(self, monitor: Any, reporting: bool) -> None:
+    def before_step(self, monitor: MonitorView, reporting: bool) -> None:
         if not reporting:
             return
-        params, gidx = self._params(monitor)
-        dev = monitor.device
+        params, group_of = self._params(monitor)
         _, self._grad_norms = monitor.grad_norms()  # same order: the groups' params with a grad
-        self._grad_gidx = self._index([g for p, g in zip(params, gidx) if p.grad is not None], dev)
-        self._before = self._sample(monitor, params, gidx)
+        self._grad_group = self._indices.get([g for p, g in zip(params, group_of) if p.grad is not None],
+                                             monitor.device)
+        self._before = self._sampled(monitor, params, group_of)
 
-    def after_step(self, monitor: Any, reporting: bool) -> None:
-        pass
-
-    def collect(self, monitor: Any, ctx: StepContext) -> None:
+    def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
         dev = monitor.device
         groups = monitor.groups()
         n_groups = len(groups)
-        params, gidx = self._params(monitor)
+        params, group_of = self._params(monitor)
         group_labels = [{"group": label} for label, _ in groups]
 
-        # Sums of squares per group, [all, g0, g1, ...]; summed across ranks when sharded.
-        def with_all(per_group: torch.Tensor) -> torch.Tensor:
+        # Sums of squares, [whole model, g0, g1, ...]; summed across ranks when sharded.
+        def with_total(per_group: torch.Tensor) -> torch.Tensor:
             return torch.cat([per_group.sum().reshape(1), per_group])
 
         parts: list[torch.Tensor] = []
@@ -91,15 +77,16 @@ class OptimizerStats(Signal):
             if self._nonfinite is None:
                 self._nonfinite = torch.zeros((), device=dev)
             self._nonfinite = self._nonfinite + (~torch.isfinite(gn)).sum()
-            parts.append(with_all(group_sum(gn.square(), self._grad_gidx, n_groups)))
+            parts.append(with_total(group_sum(gn.square(), self._grad_group, n_groups)))
         pn = norms([local(p).detach() for p in params], dev)
-        parts.append(with_all(group_sum(pn.square(), self._index(gidx, dev), n_groups)))
+        parts.append(with_total(group_sum(pn.square(), self._indices.get(group_of, dev), n_groups)))
         upd = None
-        if self._before is not None and self._elem_gidx is not None:
-            after = self._sample(monitor, params, gidx)
+        if self._before is not None and self._sample_group is not None:
+            after = self._sampled(monitor, params, group_of)
             if after.shape == self._before.shape:
-                upd = (with_all(group_sum((after - self._before).square(), self._elem_gidx, n_groups)),
-                       with_all(group_sum(after.square(), self._elem_gidx, n_groups)))
+                idx = self._sample_group
+                upd = (with_total(group_sum((after - self._before).square(), idx, n_groups)),
+                       with_total(group_sum(after.square(), idx, n_groups)))
         self._before = None
         sq = torch.stack(parts + list(upd or ()))
         has_grad = self._grad_norms is not None
@@ -107,8 +94,6 @@ class OptimizerStats(Signal):
         nonfinite = self._nonfinite
 
         def emit(name: str, values: torch.Tensor) -> None:
-            # The whole model and its groups are separate metrics, so a sum() over
-            # the groups never adds the total to its parts.
             ctx.emit(name, values[0])
             ctx.emit("group_" + name, values[1:], group_labels)
 
@@ -125,7 +110,7 @@ class OptimizerStats(Signal):
             if nonfinite is not None:
                 ctx.emit("nonfinite_total", nonfinite, {"what": "grad"})
 
-        if monitor.sharded:
-            ctx.reduce(sq, "sum", finish)
-        else:
-            finish(sq)
+        ctx.combine([(sq, "sum")], finish, across_ranks=monitor.sharded)
+
+    def reset(self) -> None:
+        self._grad_norms = self._before = None

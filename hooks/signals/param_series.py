@@ -12,9 +12,10 @@ parameter the model does not own is named after its group and position.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+
+from trainvitals.hooks.signals.base import MonitorView
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,7 +25,7 @@ class Series:
     group: int  # index into optimizer.param_groups
 
 
-def groups_key(monitor: Any) -> tuple:
+def groups_key(monitor: MonitorView) -> tuple:
     """Which parameters each param group holds, by identity (host only).
 
     Changes when a group is added or removed or its parameters change; not when
@@ -32,7 +33,7 @@ def groups_key(monitor: Any) -> tuple:
     return tuple(tuple(map(id, g["params"])) for g in monitor.optimizer.param_groups)
 
 
-def choose(monitor: Any) -> list[Series]:
+def choose(monitor: MonitorView) -> list[Series]:
     """The parameters reported individually, in report order."""
     one_d: list[Series] = []
     multi: list[Series] = []
@@ -58,20 +59,3 @@ def choose(monitor: Any) -> list[Series]:
                               "under max_param_series=%d; the rest are reported per group only",
                               len(multi), room, cap)
     return chosen
-
-
-def stride_for(numel: int, cap: int) -> int:
-    """Stride of a deterministic sample of at most ``cap`` elements out of ``numel``."""
-    return max(1, -(-numel // cap))
-
-
-def real(t: torch.Tensor) -> torch.Tensor:
-    """A complex tensor as (real, imaginary) pairs, as Adam treats it; others as they are."""
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
-def flat(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of ``t`` (a copy only when ``t`` is not contiguous); complex as real pairs."""
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.view(-1) if t.is_contiguous() else t.reshape(-1)

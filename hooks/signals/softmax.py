@@ -1,4 +1,4 @@
-"""Softmax saturation and distillation signals (INCIDENTS.md, I5).
+"""Softmax saturation and distillation signals (docs/incidents.md, I5).
 
 ``observe_logits`` reports, per (task, role), over every position observed in a
 reported step (all calls of the step add up; the sums reset after each report):
@@ -48,16 +48,15 @@ Cost, bounded for 150k-class vocabularies and paid only on reported steps:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from trainvitals.hooks.signals import softmax_math as sm
-from trainvitals.hooks.signals.base import Signal, StepContext
+from trainvitals.hooks.signals.base import MonitorView, Signal
+from trainvitals.hooks.step import StepContext
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 # Accumulator layout per (task, role): weight, then STATS, then the grid.
@@ -170,7 +169,7 @@ class Softmax(Signal):
         self._temperatures: dict[torch.device, torch.Tensor] = {}
 
     # -- user calls (through Monitor) ----------------------------------------
-    def observe_logits(self, monitor: Any, logits: torch.Tensor, *, mask: torch.Tensor | None = None,
+    def observe_logits(self, monitor: MonitorView, logits: torch.Tensor, *, mask: torch.Tensor | None = None,
                        task: str = "all", role: str = "student", temperature: float = 1.0) -> None:
         where = "observe_logits"
         _check_logits(where, "logits", logits)
@@ -178,13 +177,13 @@ class Softmax(Signal):
         _check_name("task", task, "ie")
         _check_name("role", role, "teacher")
         tau = _check_temperature(where, temperature)
-        if not monitor.reporting_next or self._broken:
+        if not monitor.reporting_next or self.broken:
             return
-        with self._guarded(monitor, where), torch.no_grad():
+        with self.guard(where), torch.no_grad():
             positions = _Positions(logits, mask, monitor.config.softmax_max_positions)
             self._add_saturation((task, role), positions, tau, monitor.config.softmax_chunk_bytes)
 
-    def observe_distillation(self, monitor: Any, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+    def observe_distillation(self, monitor: MonitorView, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
                              *, temperature: float, mask: torch.Tensor | None = None, task: str = "all") -> None:
         where = "observe_distillation"
         _check_logits(where, "student_logits", student_logits)
@@ -195,32 +194,15 @@ class Softmax(Signal):
         _check_mask(where, mask, student_logits)
         _check_name("task", task, "ie")
         tau = _check_temperature(where, temperature)
-        if not monitor.reporting_next or self._broken:
+        if not monitor.reporting_next or self.broken:
             return
         cap, chunk_bytes = monitor.config.softmax_max_positions, monitor.config.softmax_chunk_bytes
-        with self._guarded(monitor, where), torch.no_grad():
+        with self.guard(where), torch.no_grad():
             student = _Positions(student_logits, mask, cap)
             teacher = _Positions(teacher_logits, mask, cap)
             self._add_saturation((task, "student"), student, tau, chunk_bytes)
             self._add_saturation((task, "teacher"), teacher, tau, chunk_bytes)
             self._add_distillation(task, student, teacher, tau, chunk_bytes)
-
-    @property
-    def _broken(self) -> bool:
-        return getattr(self, "_trainvitals_broken", False)  # set by Monitor._guard too
-
-    @contextlib.contextmanager
-    def _guarded(self, monitor: Any, where: str) -> Iterator[None]:
-        """Past the argument checks, a failure (a bug, an out-of-memory) turns the
-        signal off with one log line instead of reaching the training loop."""
-        try:
-            yield
-        except Exception as exc:  # noqa: BLE001
-            self._trainvitals_broken = True
-            self._saturation.clear()
-            self._distillation.clear()
-            monitor.warn_once("softmax", "%s failed; the softmax signal is turned off: %s: %s",
-                              where, type(exc).__name__, exc)
 
     # -- accumulation ----------------------------------------------------------
     def _grid(self, device: torch.device) -> torch.Tensor:
@@ -261,7 +243,7 @@ class Softmax(Signal):
         return part if acc is None else acc + part.to(acc.device, non_blocking=True)
 
     # -- report ------------------------------------------------------------------
-    def collect(self, monitor: Any, ctx: StepContext) -> None:
+    def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
         saturation, self._saturation = self._saturation, {}
         distillation, self._distillation = self._distillation, {}
         if saturation:
@@ -274,7 +256,7 @@ class Softmax(Signal):
             ctx.emit("distill_top1_grad_share_ratio", raise_top / raise_all, labels, present=raise_all > 0)
             ctx.emit("distill_dark_knowledge_mass", dark / weight, labels, present=weight > 0)
 
-    def _emit_saturation(self, monitor: Any, ctx: StepContext,
+    def _emit_saturation(self, monitor: MonitorView, ctx: StepContext,
                          saturation: dict[tuple[str, str], torch.Tensor]) -> None:
         keys = list(saturation)
         acc = torch.stack([saturation[k].to(ctx.device) for k in keys])
@@ -295,7 +277,10 @@ class Softmax(Signal):
         ctx.emit("softmax_entropy_nats", entropy, labels, present=present)
         ctx.emit("softmax_recommended_temperature", recommended, labels, present=present)
 
-    def close(self) -> None:
+    def reset(self) -> None:
         self._saturation.clear()
         self._distillation.clear()
+
+    def close(self) -> None:
+        self.reset()
         self._temperatures.clear()

@@ -1,4 +1,4 @@
-"""The arithmetic behind the softmax saturation signal (INCIDENTS.md, I5).
+"""The arithmetic behind the softmax saturation signal (docs/incidents.md, I5).
 
 Pure functions on tensors: no monitor, no state, no host sync. The signal
 (``softmax.py``) feeds them row chunks of logits and sums what they return.

@@ -210,8 +210,8 @@ def test_a_failure_past_the_checks_turns_the_signal_off_instead_of_raising(monke
     with caplog.at_level("WARNING", logger="trainvitals"):
         mon.observe_logits(torch.randn(4, 10))
         mon.observe_logits(torch.randn(4, 10))
-    assert [r.getMessage() for r in caplog.records if "softmax" in r.getMessage()] == [
-        "trainvitals: observe_logits failed; the softmax signal is turned off: RuntimeError: boom"]
+    assert [r.getMessage() for r in caplog.records if "Softmax" in r.getMessage()] == [
+        "trainvitals: signal Softmax failed in observe_logits and is turned off: RuntimeError: boom"]
     finish_step(model, opt)
     assert not [s for s in mon.latest() if s["name"] in SATURATION]
     with pytest.raises(ValueError, match="short identifier"):  # argument checks still apply

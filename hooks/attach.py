@@ -1,0 +1,73 @@
+"""``attach()``: hook a model and its optimizer, checking every argument at once.
+
+Wrong arguments raise here, before anything is hooked, saying what to pass
+instead; past this point nothing trainvitals does raises into the training loop.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainvitals.hooks import distributed
+from trainvitals.hooks.config import Config
+from trainvitals.hooks.monitor import Monitor
+from trainvitals.hooks.sinks import NullSink, make_sink
+
+__all__ = ["attach"]
+
+_RUN_RE = re.compile(r"^[A-Za-z0-9_.:\-/]{1,128}$")
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
+
+
+def _check_names(what: str, names: Iterable[Any]) -> tuple[str, ...]:
+    out = tuple(names)
+    for n in out:
+        if not isinstance(n, str) or not _NAME_RE.match(n):
+            raise ValueError(f"{what}: {n!r} is not a usable name; use short identifiers like 'text', 'image'")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{what}: names must be unique, got {out!r}")
+    return out
+
+
+def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str, collector: str | None = None,
+           sink: Any = None, modalities: Sequence[str] = (), every: int = 10, scaler: Any = None,
+           rules: Any = None, **options: Any) -> Monitor:
+    """Hook ``model`` and ``optimizer`` and stream training-health reports.
+
+    ``collector``: a collector URL (``http://host:9477``); or ``sink``: ``"file:PATH"``,
+    ``"null"`` or a sink object; default ``$TRAINVITALS_COLLECTOR``, else
+    ``./trainvitals-<run>.jsonl``. ``modalities``: names for integer modality codes.
+    ``every``: report every N optimizer steps. ``scaler``: a ``GradScaler``, so loss
+    weights are unscaled. ``rules``: evaluate alert rules in-process (``"default"``)
+    and log when one fires. Further options: see :class:`trainvitals.hooks.config.Config`.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"attach(model=...) needs a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"attach(optimizer=...) needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+            "pass the optimizer you call .step() on (not a scheduler or a wrapper)")
+    if not isinstance(run, str) or not _RUN_RE.match(run):
+        raise ValueError(f"run={run!r}: use 1-128 characters from letters, digits and _ . : - /")
+    if collector is not None and sink is not None:
+        raise ValueError("pass either collector=URL or sink=..., not both")
+    if collector is not None and not (isinstance(collector, str) and collector.startswith(("http://", "https://"))):
+        raise ValueError(f"collector={collector!r} must be an http(s) URL like 'http://127.0.0.1:9477'")
+    if isinstance(modalities, str):
+        raise TypeError(f"modalities={modalities!r} must be a sequence of names, e.g. ('text', 'image')")
+    mods = _check_names("modalities", modalities)
+    if scaler is not None and not (hasattr(scaler, "get_scale") and hasattr(scaler, "unscale_")):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler (or None), got {type(scaler).__name__}")
+    unknown = sorted(set(options) - set(Config.field_names()))
+    if unknown:
+        raise TypeError(f"attach() got unknown option(s) {unknown}; known options: {Config.field_names()}")
+    config = Config(every=every, **options)
+    # Only rank 0 sends; other ranks compute (and join the collectives) but send nothing.
+    resolved = make_sink(collector, sink, run) if distributed.rank() == 0 else NullSink()
+    return Monitor(model, optimizer, run=run, sink=resolved, modalities=mods, scaler=scaler,
+                   config=config, rules=rules)

@@ -1,0 +1,97 @@
+"""From a step's tensors to a wire report: pack on the device, one host copy,
+materialize on the sender thread.
+
+The training thread only concatenates the step's statistics into one vector and
+starts a (non-blocking, where the device allows) copy to the host. The sender
+thread waits for that copy and turns the numbers into samples and events;
+``Monitor.latest()`` materializes the newest report on demand.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainvitals.hooks.step import StepContext
+
+__all__ = ["PendingReport", "pack"]
+
+
+@dataclass
+class PendingReport:
+    """A report whose numbers may still be in flight to the host."""
+
+    run: str
+    step: int
+    time: float
+    rank: int
+    layout: list[tuple[str, dict[str, str]]]
+    flags: list[tuple[str, str, dict[str, str]]]  # deferred events, one value each after the samples
+    events: list[dict[str, Any]]
+    host: torch.Tensor
+    ready: Any = None  # a CUDA event when the copy is asynchronous
+    gated: list[int] = field(default_factory=list)  # layout indices with a presence value, after the flags
+    _done: dict[str, Any] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def materialize(self) -> dict[str, Any]:
+        with self._lock:
+            if self._done is None:
+                if self.ready is not None:
+                    self.ready.synchronize()
+                values = self.host.tolist()
+                tail = values[len(self.layout) + len(self.flags):]
+                absent = {i for i, p in zip(self.gated, tail) if not p > 0}
+                samples = [
+                    {"name": name, "labels": labels, "value": v}
+                    for i, ((name, labels), v) in enumerate(zip(self.layout, values)) if i not in absent
+                ]
+                events = list(self.events)
+                for (kind, detail, labels), v in zip(self.flags, values[len(self.layout):]):
+                    if v > 0 and not math.isnan(v):
+                        events.append({"kind": kind, "detail": detail, "labels": labels})
+                self._done = {
+                    "run": self.run, "step": self.step, "time": self.time, "rank": self.rank,
+                    "samples": samples, "events": events,
+                }
+            return self._done
+
+
+def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
+    """Concatenate a context's values into one vector and start its copy to the host."""
+    device = ctx.device
+    dtype = torch.float32 if device.type == "mps" else torch.float64
+    parts: list[torch.Tensor] = []
+    layout: list[tuple[str, dict[str, str]]] = []
+    gated: list[int] = []
+    presence: list[torch.Tensor] = []
+    for e in ctx.emits:
+        parts.append(e.values.to(device=device, dtype=dtype, non_blocking=True))
+        if e.present is not None:
+            gated.extend(range(len(layout), len(layout) + len(e.labels)))
+            presence.append(e.present.to(device=device, dtype=dtype, non_blocking=True))
+        layout.extend((e.name, lab) for lab in e.labels)
+    flags: list[tuple[str, str, dict[str, str]]] = []
+    events: list[dict[str, Any]] = []
+    for ev in ctx.events:
+        if ev.flag is None:
+            events.append({"kind": ev.kind, "detail": ev.detail, "labels": ev.labels})
+        else:
+            parts.append(ev.flag.to(device=device, dtype=dtype, non_blocking=True))
+            flags.append((ev.kind, ev.detail, ev.labels))
+    parts.extend(presence)  # after the flags: materialize reads them as the tail
+    flat = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
+    ready = None
+    if flat.device.type == "cuda":
+        host = torch.empty(flat.shape, dtype=dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+    else:
+        host = flat.to("cpu")
+    return PendingReport(run, ctx.step, time.time(), rank, layout, flags, events, host, ready, gated=gated)

@@ -1,0 +1,91 @@
+"""Deterministic samples of large tensors, so no statistic ever copies a whole model.
+
+Two shapes of sample, both fixed by the tensor's size alone (the same elements every
+report, so changes between reports compare like with like):
+
+- :class:`StridedSample`: every ``stride``-th element, at most ``cap`` per tensor
+  (``update_ratio``, the sign ring of the 1D drift consistency).
+- :class:`BlockSample`: evenly spaced runs of ``width`` contiguous elements. A single
+  strided element costs a cache miss each; a run of 16 float32 is one 64-byte line,
+  so Adam's moments are sampled this way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from trainvitals.hooks.tensors import flat
+
+__all__ = ["BLOCK_WIDTH", "BlockSample", "StridedSample", "owner_index", "stride_for"]
+
+BLOCK_WIDTH = 16
+"""Elements per sampled run: one 64-byte cache line of float32."""
+
+
+def stride_for(numel: int, cap: int) -> int:
+    """Stride of a deterministic sample of at most ``cap`` elements out of ``numel``."""
+    return max(1, -(-numel // cap))
+
+
+def owner_index(sizes: Sequence[int], device: torch.device,
+                owner_of: Sequence[int] | None = None) -> torch.Tensor:
+    """For tensors of ``sizes`` elements laid end to end: element -> the index of its
+    tensor (or ``owner_of[tensor]``)."""
+    owner = torch.tensor(list(owner_of) if owner_of is not None else range(len(sizes)), dtype=torch.long)
+    return torch.repeat_interleave(owner, torch.tensor(list(sizes), dtype=torch.long)).to(device)
+
+
+class StridedSample:
+    """Every ``stride``-th element of each of several tensors, at most ``cap`` each,
+    laid end to end. ``counts`` are the tensors' element counts (complex as pairs)."""
+
+    def __init__(self, counts: Sequence[int], cap: int) -> None:
+        self.counts = list(counts)
+        self.strides = [stride_for(c, cap) for c in self.counts]
+        self.sizes = [-(-c // s) for c, s in zip(self.counts, self.strides)]
+        self.dense = all(s == 1 for s in self.strides)
+        """True when every element is kept (the sample is the tensors themselves)."""
+
+    def take(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The sampled elements of ``tensors``, end to end, as float32 on ``device``."""
+        if not tensors:
+            return torch.zeros(0, device=device)
+        return torch.cat([flat(t.detach())[::s].to(device, torch.float32, non_blocking=True)
+                          for t, s in zip(tensors, self.strides)])
+
+    def take_from(self, values: torch.Tensor) -> torch.Tensor:
+        """The sample of tensors already laid end to end in ``values`` (1-D)."""
+        if self.dense:
+            return values
+        parts, start = [], 0
+        for n, s in zip(self.counts, self.strides):
+            parts.append(values[start : start + n : s])
+            start += n
+        return torch.cat(parts)
+
+    def owners(self, device: torch.device, owner_of: Sequence[int] | None = None) -> torch.Tensor:
+        """Sampled element -> the index of the tensor it came from (or ``owner_of[tensor]``)."""
+        return owner_index(self.sizes, device, owner_of)
+
+
+class BlockSample:
+    """``blocks`` runs of ``width`` contiguous elements, ``spacing`` apart, out of one tensor."""
+
+    def __init__(self, numel: int, cap: int, width: int = BLOCK_WIDTH) -> None:
+        self.width = min(width, cap)
+        self.blocks = cap // self.width
+        self.spacing = numel // self.blocks
+        self.size = self.blocks * self.width
+
+    @staticmethod
+    def plan(numel: int, cap: int) -> BlockSample | None:
+        """A block sample for a tensor of ``numel`` elements, or None to take every element."""
+        return None if numel <= cap else BlockSample(numel, cap)
+
+    def copy(self, t: torch.Tensor, first: int, last: int, out: torch.Tensor) -> None:
+        """Copy elements ``first:last`` of the sample of ``t`` into ``out`` (whole runs)."""
+        x = t if t.is_contiguous() and not t.is_complex() else flat(t)
+        view = x.as_strided((self.blocks, self.width), (self.spacing, 1), x.storage_offset())
+        out.view(-1, self.width).copy_(view[first // self.width : last // self.width])

@@ -1,0 +1,211 @@
+"""Where reports go: one small interface, a null sink, a JSONL file, and HTTP.
+
+A sink is called from the sender thread only (:mod:`trainvitals.hooks.sender`),
+never from the training step, with batches of encoded reports (one wire JSON
+object each). It answers what happened to the batch; the sender owns queueing,
+retries, backoff and the drop count. Nothing here raises into the caller.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from trainvitals.wire.body import encode_body
+
+__all__ = ["ENV_COLLECTOR", "ENV_TOKEN", "Delivery", "FileSink", "HttpSink", "NullSink", "Sink",
+           "make_sink", "parse_sink"]
+
+log = logging.getLogger("trainvitals")
+
+ENV_COLLECTOR = "TRAINVITALS_COLLECTOR"
+ENV_TOKEN = "TRAINVITALS_TOKEN"
+
+Delivery = Literal["sent", "retry", "refused"]
+"""``sent``; ``retry``: a failure that may pass (the sender backs off and tries the
+batch again); ``refused``: the destination will never take it (dropped, counted)."""
+
+
+class Sink(Protocol):
+    """A destination for batches of encoded reports."""
+
+    max_batch_bytes: int
+    """Largest batch to hand over at once (the sender splits by it)."""
+
+    def deliver(self, batch: list[bytes]) -> Delivery: ...
+
+    def close(self) -> None: ...
+
+
+class NullSink:
+    """Discards everything (``Monitor.latest()`` still works)."""
+
+    max_batch_bytes = 1 << 62
+
+    def deliver(self, batch: list[bytes]) -> Delivery:
+        return "sent"
+
+    def close(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "NullSink()"
+
+
+class FileSink:
+    """Appends one report per line to a JSONL file (``trainvitals replay`` sends it)."""
+
+    max_batch_bytes = 1 << 62
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self._fh: Any = None
+        self._failed = False
+
+    def deliver(self, batch: list[bytes]) -> Delivery:
+        try:
+            if self._fh is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fh = open(self.path, "ab")  # noqa: SIM115 - kept open across batches
+            self._fh.write(b"".join(r + b"\n" for r in batch))
+            self._fh.flush()
+        except OSError as exc:
+            if not self._failed:
+                self._failed = True
+                log.warning("trainvitals: cannot write reports to %s (%s); dropping them", self.path, exc)
+            return "refused"
+        return "sent"
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __repr__(self) -> str:
+        return f"FileSink({str(self.path)!r})"
+
+
+class HttpSink:
+    """POSTs batches to a collector's ``/v1/reports`` (gzip above ``gzip_min_bytes``).
+
+    Connection errors, timeouts and 408/429/5xx are ``retry``; other 4xx mean the
+    collector refuses the data (``refused``, the answer's detail logged once per
+    state change)."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 5.0,
+                 max_batch_bytes: int = 4 * 1024 * 1024, gzip_min_bytes: int = 2048):
+        self.url = url.rstrip("/") + "/v1/reports"
+        self._token = token if token is not None else os.environ.get(ENV_TOKEN)
+        self.timeout = timeout
+        self.max_batch_bytes = max_batch_bytes
+        self.gzip_min_bytes = gzip_min_bytes
+        self._client: Any = None
+        self._healthy = True
+
+    def __repr__(self) -> str:
+        return f"HttpSink({self.url!r})"
+
+    def _http(self) -> Any:
+        if self._client is None:
+            import httpx
+
+            headers = {"Content-Type": "application/json", "User-Agent": "trainvitals-hooks"}
+            if self._token:
+                headers["Authorization"] = f"Bearer {self._token}"
+            self._client = httpx.Client(timeout=self.timeout, headers=headers)
+        return self._client
+
+    def deliver(self, batch: list[bytes]) -> Delivery:
+        body = encode_body(batch)
+        headers = {}
+        if len(body) >= self.gzip_min_bytes:
+            body = gzip.compress(body, compresslevel=1)
+            headers["Content-Encoding"] = "gzip"
+        try:
+            resp = self._http().post(self.url, content=body, headers=headers)
+        except Exception as exc:  # connection refused, timeout, DNS: all transient
+            self._set_health(False, f"collector {self.url} unreachable ({type(exc).__name__}: {exc})")
+            return "retry"
+        if resp.status_code < 300:
+            self._set_health(True, f"collector {self.url} reachable again")
+            return "sent"
+        if resp.status_code in (408, 429) or resp.status_code >= 500:
+            self._set_health(False, f"collector {self.url} answered {resp.status_code}")
+            return "retry"
+        log.warning("trainvitals: collector refused %d report(s) with %d: %s", len(batch), resp.status_code,
+                    resp.text[:500])
+        return "refused"
+
+    def _set_health(self, healthy: bool, message: str) -> None:
+        if healthy != self._healthy:
+            self._healthy = healthy
+            if healthy:
+                log.info("trainvitals: %s", message)
+            else:
+                log.warning("trainvitals: %s; reports are queued and retried", message)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class _SubmitSink:
+    """Adapts a user's sink object with ``submit(report_json)``/``flush``/``close``."""
+
+    max_batch_bytes = 1 << 62
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def deliver(self, batch: list[bytes]) -> Delivery:
+        for report in batch:
+            self.inner.submit(report)
+        return "sent"
+
+    def close(self) -> None:
+        self.inner.flush(1.0)
+        self.inner.close(1.0)
+
+    def __repr__(self) -> str:
+        return repr(self.inner)
+
+
+def make_sink(collector: str | None, sink: Any, run: str) -> Sink:
+    """Resolve ``attach(collector=..., sink=...)`` into a sink object.
+
+    Precedence: an explicit ``sink`` or ``collector``; else ``$TRAINVITALS_COLLECTOR``
+    (a URL or ``file:PATH``); else ``./trainvitals-<run>.jsonl``.
+    """
+    if sink is not None and not isinstance(sink, str):
+        if callable(getattr(sink, "deliver", None)) and callable(getattr(sink, "close", None)):
+            return sink  # type: ignore[no-any-return]
+        for attr in ("submit", "flush", "close"):
+            if not callable(getattr(sink, attr, None)):
+                raise TypeError(f"sink object {sink!r} has no deliver(batch) or {attr}(); pass a sink "
+                                "string like 'file:run.jsonl' or 'null'")
+        return _SubmitSink(sink)
+    spec = collector if collector is not None else sink
+    if spec is None:
+        spec = os.environ.get(ENV_COLLECTOR) or f"file:trainvitals-{run.replace('/', '_')}.jsonl"
+    return parse_sink(spec)
+
+
+def parse_sink(spec: str) -> Sink:
+    """A sink from ``"null"``, ``"file:PATH"`` or a collector URL."""
+    if spec in ("null", "none", ""):
+        return NullSink()
+    if spec.startswith("file:"):
+        path = spec[len("file:"):]
+        if not path:
+            raise ValueError("sink 'file:' needs a path, e.g. sink='file:/tmp/run.jsonl'")
+        return FileSink(path)
+    if spec.startswith(("http://", "https://")):
+        return HttpSink(spec)
+    raise ValueError(
+        f"cannot tell where to send reports from {spec!r}: pass collector='http://host:9477', "
+        "sink='file:/path/run.jsonl' or sink='null'"
+    )

@@ -1,0 +1,102 @@
+"""What one report step collects: final values, cross-rank partials, events.
+
+Signals write into a :class:`StepContext` in ``collect``; nothing here reads a
+tensor's value on the host. :mod:`trainvitals.hooks.distributed` runs the
+cross-rank partials in one collective, then :mod:`trainvitals.hooks.pack` turns
+the context into one vector and one host copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+__all__ = ["Labels", "ReduceOp", "StepContext"]
+
+Labels = dict[str, str]
+ReduceOp = Literal["sum", "max", "min"]
+
+
+@dataclass
+class _Emit:
+    name: str
+    values: torch.Tensor  # 1-D, one element per labels entry
+    labels: list[Labels]
+    present: torch.Tensor | None = None  # 1-D like values: a sample is sent only where > 0
+
+
+@dataclass
+class _Reduce:
+    tensor: torch.Tensor  # 1-D float
+    op: ReduceOp
+    then: Callable[[torch.Tensor], None]
+
+
+@dataclass
+class _Event:
+    kind: str
+    detail: str
+    labels: Labels
+    flag: torch.Tensor | None  # None: always; else emitted when the flag is > 0 on the host
+
+
+@dataclass
+class StepContext:
+    """What one report step collects: final values, cross-rank partials, events."""
+
+    step: int
+    device: torch.device
+    emits: list[_Emit] = field(default_factory=list)
+    reduces: list[_Reduce] = field(default_factory=list)
+    events: list[_Event] = field(default_factory=list)
+
+    def emit(self, name: str, values: torch.Tensor, labels: Labels | Sequence[Labels] | None = None, *,
+             present: torch.Tensor | None = None) -> None:
+        """Report ``values`` under wire name ``name``: a 0-d tensor with one labels dict,
+        or a 1-D tensor with one labels dict per element. With ``present`` (same shape
+        as ``values``), a sample is sent only where it is > 0: a statistic that is
+        undefined on this step is absent, decided on the sender thread (no host sync)."""
+        if isinstance(labels, dict) or labels is None:
+            labels = [labels or {}]
+        values = values.detach().reshape(-1)
+        if values.numel() != len(labels):
+            raise ValueError(f"{name}: {values.numel()} values for {len(labels)} label sets")
+        if present is not None:
+            present = present.detach().reshape(-1)
+            if present.numel() != values.numel():
+                raise ValueError(f"{name}: present has {present.numel()} elements for {values.numel()} values")
+        if values.numel():
+            self.emits.append(_Emit(name, values, list(labels), present))
+
+    def reduce(self, tensor: torch.Tensor, op: ReduceOp, then: Callable[[torch.Tensor], None]) -> None:
+        """Combine ``tensor`` across data-parallel ranks with ``op``, then call ``then``
+        with the combined tensor (at once when there is one rank). All partials of a
+        report travel in one packed collective."""
+        self.reduces.append(_Reduce(tensor.detach().reshape(-1).float(), op, then))
+
+    def event(self, kind: str, detail: str = "", labels: Labels | None = None, *,
+              when: torch.Tensor | None = None) -> None:
+        """Attach an event to this report; with ``when`` (a 0-d tensor), only if it is > 0,
+        decided on the sender thread so the step never waits for the value."""
+        self.events.append(_Event(kind, detail, labels or {}, None if when is None else when.detach().reshape(1)))
+
+    def combine(self, parts: Sequence[tuple[torch.Tensor, ReduceOp]], then: Callable[..., None], *,
+                across_ranks: bool) -> None:
+        """Call ``then(*combined)`` once with every part combined across data-parallel
+        ranks by its op; with ``across_ranks=False`` (nothing sharded) at once, with the
+        parts as they are."""
+        if not across_ranks:
+            then(*(t for t, _ in parts))
+            return
+        out: list[torch.Tensor | None] = [None] * len(parts)
+
+        def store(i: int, t: torch.Tensor) -> None:
+            out[i] = t
+            if all(o is not None for o in out):
+                then(*out)
+
+        for i, (t, op) in enumerate(parts):
+            self.reduce(t, op, lambda c, i=i: store(i, c))
