@@ -20,6 +20,7 @@ Modules, one concept each (the rule format is in ``docs/rules.md``):
   ``resolve_rules`` turns every accepted rule spec into rule objects;
 - ``state``: AlertState and the Alert/Transition snapshots;
 - ``transforms``: the ``increase``/``ratio_to_median`` value transforms;
+- ``conditions``: what ``and`` conditions read (another metric's latest series);
 - ``engine``: the state machines, on rule objects only (no I/O);
 - ``local``: LocalEvaluator (in-process, logs); ``service``: AlertService
   (collector); ``dispatch`` and ``notifiers``: sending; ``export``: the

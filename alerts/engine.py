@@ -15,7 +15,8 @@ resolved (-> pending/firing again).
 - ``and`` conditions: the alert is past the threshold only when every condition
   holds too. A condition reads the other metric's series whose labels equal the
   primary series' labels restricted to that metric's labels (same run and rank),
-  from the latest report that carried that metric. A condition that is clearly
+  from the latest report that carried that metric
+  (:mod:`trainvitals.alerts.conditions`). A condition that is clearly
   false counts as "clear" (fixing the weight decay resolves ParamDrift even
   while the drift is still large).
 - No evidence: NaN, a series missing from a report, an ``and`` series not yet
@@ -50,6 +51,7 @@ from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
 
+from trainvitals.alerts.conditions import LabelPredicate, LatestSamples
 from trainvitals.alerts.model import (
     RULE_TYPES,
     Condition,
@@ -117,8 +119,8 @@ class _Compiled:
 
     index: int
     rule: ThresholdRule
-    match: Callable[[Mapping[str, str]], bool] | None
-    conditions: list[tuple[Condition, Callable[[Mapping[str, str]], bool] | None]] = field(default_factory=list)
+    match: LabelPredicate | None
+    conditions: list[tuple[Condition, LabelPredicate | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # For the ingest loop: a plain-value rule can skip a sample on its value alone.
@@ -127,30 +129,7 @@ class _Compiled:
         self.below = self.rule.below
 
 
-class _Latest:
-    """The samples of one metric from the latest report that carried it (one run/rank).
-
-    Indexed by label names on first lookup, so reports whose conditions are never
-    consulted (the healthy case) cost one list append per sample.
-    """
-
-    __slots__ = ("_index", "samples")
-
-    def __init__(self, samples: list[Any]) -> None:
-        self.samples = samples
-        self._index: dict[tuple[str, ...], dict[LabelItems, float]] | None = None
-
-    def index(self) -> dict[tuple[str, ...], dict[LabelItems, float]]:
-        if self._index is None:
-            index: dict[tuple[str, ...], dict[LabelItems, float]] = {}
-            for sample in self.samples:
-                items = tuple(sorted(sample.labels.items()))
-                index.setdefault(tuple(k for k, _ in items), {})[items] = sample.value
-            self._index = index
-        return self._index
-
-
-def _compile_matchers(matchers) -> Callable[[Mapping[str, str]], bool]:
+def _compile_matchers(matchers) -> LabelPredicate:
     preds = [(m.name, m.compile()) for m in matchers]
     if not preds:
         return lambda labels: True
@@ -219,8 +198,8 @@ class Engine:
         self._instances: dict[tuple[int, str, int, LabelItems], _Instance] = {}
         # (run, rank) -> event-rule instances of that run, for holds.
         self._event_instances: dict[tuple[str, int], dict[tuple, _Instance]] = {}
-        # Metrics used in `and` conditions: (run, rank, metric) -> latest report's samples.
-        self._latest: dict[tuple[str, int, str], _Latest] = {}
+        # What `and` conditions read: the latest report's samples of their metrics.
+        self._latest = LatestSamples()
         # Instances per threshold rule: with none, a value short of the threshold
         # needs no state lookup at all.
         self._live = [0] * len(self.rules)
@@ -278,7 +257,7 @@ class Engine:
                     if c.match is None or c.match(sample.labels):
                         matched.append((c, sample))
             for name, samples in fresh.items():
-                self._latest[(run, rank, name)] = _Latest(samples)
+                self._latest.remember(run, rank, name, samples)
             for c, sample in matched:
                 t = self._evaluate(c, run, rank, step, sample.labels, sample.value, now)
                 if t is not None:
@@ -287,32 +266,6 @@ class Engine:
             if self._event_rules:
                 out.extend(self._observe_events(report, now))
         return out
-
-    def _conditions(self, c: _Compiled, run: str, rank: int, labels: Mapping[str, str]) -> str | None:
-        """None when every condition holds, else _CLEAR (one is false) or _UNKNOWN."""
-        unknown = False
-        for cond, match in c.conditions:
-            latest = self._latest.get((run, rank, cond.metric))
-            verdict: bool | None = None
-            if latest is not None:
-                for keys, values in latest.index().items():
-                    if not all(k in labels for k in keys):
-                        continue
-                    items = tuple([(k, labels[k]) for k in keys])
-                    value = values.get(items)
-                    if value is None or (match is not None and not match(dict(items))):
-                        continue
-                    holds = cond.holds(value)
-                    if holds:
-                        verdict = True
-                        break
-                    if holds is False and verdict is None:
-                        verdict = False
-            if verdict is False:
-                return _CLEAR
-            if verdict is None:
-                unknown = True
-        return _UNKNOWN if unknown else None
 
     def _evaluate(self, c: _Compiled, run: str, rank: int, step: int,
                   labels: Mapping[str, str], raw: float, now: float) -> Transition | None:
@@ -327,10 +280,10 @@ class Engine:
         else:
             verdict = _BAD if value < rule.below else (_CLEAR if value >= rule.clear_at else _BAND)  # type: ignore[operator]
         if c.conditions and verdict != _UNKNOWN:
-            cond = self._conditions(c, run, rank, labels)
-            if cond == _CLEAR:
+            holds = self._latest.verdict(c.conditions, run, rank, labels)
+            if holds is False:  # a condition clearly false counts as cleared
                 verdict = _CLEAR
-            elif cond == _UNKNOWN and verdict == _BAD:
+            elif holds is None and verdict == _BAD:
                 verdict = _UNKNOWN
         inst = self._instances.get(key)
         if verdict == _UNKNOWN or (inst is None and verdict != _BAD):
@@ -480,8 +433,7 @@ class Engine:
                 out.append(inst.snapshot(Transition, old=AlertState.FIRING, reason="run expired"))
             self._drop(key, inst)
         self._history.forget_run(run)
-        for key in [k for k in self._latest if k[0] == run]:
-            del self._latest[key]
+        self._latest.forget_run(run)
         for key in [k for k in self._event_instances if k[0] == run]:
             del self._event_instances[key]
         del self._runs[run]
