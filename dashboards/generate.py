@@ -279,19 +279,22 @@ def overview() -> Dashboard:
     silent = rule_line("RunSilent")[0]
     rows = [
         ("Runs", [
-            P("Runs reporting", [(f"count({m('step', RUN)})", "runs")],
+            P("Runs", [(f"count({m('step', RUN)})", "runs")],
               "Runs the collectors hold (they forget a run silent for run_ttl_seconds).",
               unit="short", kind="stat", width=4, height=5),
+            P("Ended cleanly", [(f"count({m('run_ended', RUN)} == 1)", "ended")],
+              "Runs whose last report said they ended (Monitor.close()): RunSilent spares them.",
+              metric="run_ended", kind="stat", width=4, height=5),
             P("Alerts firing (collector)", [(f"sum({m('alerts_firing')})", "firing")],
               "Alerts the collectors' own rule engines have firing now, all runs.",
               metric="alerts_firing", kind="stat", width=4, height=5),
             P("Last step", [(m("step", RUN), "{{run}}")],
               "Last optimizer step each run reported.", metric="step", kind="bargauge",
-              width=8, height=5),
+              width=6, height=5),
             P("Last report age", [(age, "{{run}}")],
               f"Seconds since each run's last report reached a collector. RunSilent fires "
               f"at {silent:g} s (the line); a run that ended with Monitor.close() stops here.",
-              unit="s", kind="bargauge", lines=["RunSilent"], width=8, height=5),
+              unit="s", kind="bargauge", lines=["RunSilent"], width=6, height=5),
         ]),
         ("Alerts", [
             P("Firing now (collector rules)",
@@ -310,7 +313,7 @@ def overview() -> Dashboard:
               "Mean per-token loss of the last optimizer step over every label token "
               "(per modality: the loss accounting dashboard).", metric="loss"),
             P("Gradient norm", [(m("grad_norm", RUN), "{{run}}")],
-              "Whole-model gradient L2 norm the optimizer step is given (before clipping). "
+              "Whole-model gradient L2 norm the optimizer step is given (after any clipping). "
               "GradNormSpike compares it with its own recent median.", metric="grad_norm"),
             P("Update ratio", [(m("update_ratio", RUN), "{{run}}")],
               "RMS(update) / RMS(parameter) of the last step, whole model; ~1e-3 is typical "
