@@ -313,8 +313,8 @@ def overview() -> Dashboard:
               "Mean per-token loss of the last optimizer step over every label token "
               "(per modality: the loss accounting dashboard).", metric="loss"),
             P("Gradient norm", [(m("grad_norm", RUN), "{{run}}")],
-              "Whole-model gradient L2 norm the optimizer step is given (after any clipping). "
-              "GradNormSpike compares it with its own recent median.", metric="grad_norm"),
+              f"Whole model: {METRICS['grad_norm'].help} GradNormSpike compares the norm with "
+              "its own recent median.", metric="grad_norm"),
             P("Update ratio", [(m("update_ratio", RUN), "{{run}}")],
               "RMS(update) / RMS(parameter) of the last step, whole model; ~1e-3 is typical "
               "for Adam.", metric="update_ratio"),

@@ -13,8 +13,9 @@ real data. Per optimizer step (reported every step):
 - ``observe_logits`` on the student and ``observe_distillation`` against a sharp
   teacher at temperature 2 (every softmax and distillation series);
 - AdamW with weight decay on the matrices and none on the 1D parameters (the norm
-  weight, the head's bias and a learnable input scale): ``param_weight_decay`` 0,
-  eps-dominated Adam state on the scale (its gradient is divided out by the norm).
+  weight, the head's bias and a learnable input scale): ``param_weight_decay`` 0 and
+  per-parameter Adam state for those, per-group state for the matrices. The scale's
+  gradient is ~1e-4 of the others' (the norm divides it out).
 
 Once per run, at fixed steps: a micro-batch with an infinite logit (a non-finite
 loss, skipped as a GradScaler would: ``nonfinite_total{what="loss"}`` counts it)
