@@ -65,6 +65,13 @@ def _received_firing(am: httpx.Client) -> float:
         r'^alertmanager_alerts_received_total\{[^}]*status="firing"[^}]*\} (\S+)$', text, re.M))
 
 
+def _prometheus_sent(prom: Prometheus) -> float:
+    """Alerts Prometheus has sent to Alertmanager (its own metric)."""
+    text = prom.client.get("/metrics").text
+    return sum(float(v) for v in re.findall(r"^prometheus_notifications_sent_total\{[^}]*\} (\S+)$",
+                                            text, re.M))
+
+
 @pytest.mark.parametrize("relabel,expected", [(True, 1), (False, 2)],
                          ids=["shipped-relabeling", "control-without-relabeling"])
 def test_one_incident_through_both_paths_is_one_alert(tmp_path: Path, relabel: bool,
@@ -92,7 +99,8 @@ def test_one_incident_through_both_paths_is_one_alert(tmp_path: Path, relabel: b
         collector_alerts = [a for a in collector.get("/v1/alerts").json()
                             if a["alertname"] == "NonFiniteLoss" and a["state"] == "firing"]
         assert len(collector_alerts) == 1, collector_alerts
-        # Both paths have delivered (Prometheus sends as soon as an alert fires).
+        # Both paths have delivered: Prometheus says it sent, Alertmanager got two.
+        wait_until(lambda: _prometheus_sent(prom) >= 1, 15, "Prometheus sending its alert")
         wait_until(lambda: _received_firing(am) >= 2, 15, "alerts from both paths at Alertmanager")
 
         stored = am.get("/api/v2/alerts", params={"filter": 'alertname="NonFiniteLoss"'}).json()
