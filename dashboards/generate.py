@@ -274,6 +274,12 @@ def build_dashboard(uid: str, title: str, description: str, variables: list[str]
 
 
 # -- the dashboards ------------------------------------------------------------------------------
+# The whole-model gradient norm of the last step, and the per-step statistics over
+# the steps since the previous report (grad_norm_max, ...) that the catalogue has.
+GRAD_NORMS = [("grad_norm", "last step")] + [
+    (n, n.removeprefix("grad_norm_")) for n in METRICS if n.startswith("grad_norm_")]
+
+
 def overview() -> Dashboard:
     age = f"time() - {m('last_report_timestamp_seconds', RUN)}"
     silent = rule_line("RunSilent")[0]
@@ -312,9 +318,10 @@ def overview() -> Dashboard:
             P("Loss", [(m("loss", RUN), "{{run}}")],
               "Mean per-token loss of the last optimizer step over every label token "
               "(per modality: the loss accounting dashboard).", metric="loss"),
-            P("Gradient norm", [(m("grad_norm", RUN), "{{run}}")],
-              f"Whole model: {METRICS['grad_norm'].help} GradNormSpike compares the norm with "
-              "its own recent median.", metric="grad_norm"),
+            P("Gradient norm", [(m(n, RUN), f"{{{{run}}}} {label}") for n, label in GRAD_NORMS],
+              "Whole model. " + " ".join(f"{label}: {METRICS[n].help}" for n, label in GRAD_NORMS)
+              + " GradNormSpike compares the norm with its own recent median.",
+              metric="grad_norm"),
             P("Update ratio", [(m("update_ratio", RUN), "{{run}}")],
               "RMS(update) / RMS(parameter) of the last step, whole model; ~1e-3 is typical "
               "for Adam.", metric="update_ratio"),
@@ -535,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=HERE, help="folder for the JSON files")
     args = parser.parse_args(argv)
     stale = []
+    if not args.check:
+        args.out.mkdir(parents=True, exist_ok=True)
     for name, text in render().items():
         path = args.out / name
         if args.check:
