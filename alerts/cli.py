@@ -31,6 +31,8 @@ def describe_rule(rule: Rule) -> str:
             sel = f"increase({sel})"
         elif rule.transform == "ratio_to_median":
             sel = f"{sel} / median(last {rule.window})"
+            if rule.history_needed != rule.window:
+                sel += f" (judged from {rule.history_needed} reports)"
         op = ">" if rule.above is not None else "<"
         text = f"{sel} {op} {rule.threshold:g}"
         if rule.clear is not None and rule.clear != rule.threshold:

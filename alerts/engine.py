@@ -62,13 +62,9 @@ from trainvitals.alerts.model import (
 )
 from trainvitals.alerts.state import Alert, AlertState, LabelItems, Transition
 from trainvitals.alerts.transforms import SeriesHistory
-from trainvitals.wire import Report, series_labels
+from trainvitals.wire import RUN_END_EVENT, Report, series_labels
 
-__all__ = ["RUN_END_EVENT", "Engine"]
-
-# The event kind that says a run finished on purpose (no RunSilent for it).
-RUN_END_EVENT = "run_end"
-
+__all__ = ["Engine"]
 
 # Verdicts of one observation.
 _BAD, _BAND, _CLEAR, _UNKNOWN = "bad", "band", "clear", "unknown"

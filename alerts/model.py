@@ -10,7 +10,8 @@ with every field, is in ``docs/rules.md``)::
       clear: 3                             # hysteresis: resolves only back at/below this
       transform: value                     # or `increase` (counters: the increase since the
                                            # series' previous report) or `ratio_to_median`
-                                           # (value / median of its previous `window` reports)
+                                           # (value / median of its previous `window` reports,
+                                           # judged from `min_history` reports on)
       and:                                 # further conditions on the same series' labels
         - {metric: param_weight_decay, below: 1.0e-12}
       for_steps: 20                        # optimizer steps past the threshold before firing
@@ -281,6 +282,8 @@ class ThresholdRule(_RuleBase):
     clear: float | None = None
     transform: Literal["value", "increase", "ratio_to_median"] = "value"
     window: Annotated[int, Field(ge=2, le=10_000)] = 20
+    min_history: Annotated[int, Field(ge=1, le=10_000)] | None = None
+    """ratio_to_median: reports of history needed before a verdict (default: ``window``)."""
     and_: Annotated[tuple[Condition, ...], Field(alias="and")] = ()
     for_steps: Annotated[int, Field(ge=0)] = 0
     for_: Annotated[Duration, Field(alias="for")] = 0.0
@@ -294,6 +297,11 @@ class ThresholdRule(_RuleBase):
     @property
     def threshold(self) -> float:
         return self.above if self.above is not None else self.below  # type: ignore[return-value]
+
+    @property
+    def history_needed(self) -> int:
+        """ratio_to_median: reports of history before the first verdict."""
+        return self.min_history if self.min_history is not None else self.window
 
     @property
     def clear_at(self) -> float:
@@ -318,8 +326,12 @@ class ThresholdRule(_RuleBase):
     def _thresholds(self) -> ThresholdRule:
         if (self.above is None) == (self.below is None):
             raise ValueError("give exactly one of 'above' or 'below'")
-        if "window" in self.model_fields_set and self.transform != "ratio_to_median":
-            raise FieldError("window", "'window' applies only to 'transform: ratio_to_median'")
+        for name in ("window", "min_history"):
+            if name in self.model_fields_set and self.transform != "ratio_to_median":
+                raise FieldError(name, f"'{name}' applies only to 'transform: ratio_to_median'")
+        if self.min_history is not None and self.min_history > self.window:
+            raise FieldError("min_history", f"min_history ({self.min_history}) must not exceed "
+                                            f"window ({self.window})")
         if self.clear is not None:
             if self.above is not None and self.clear > self.above:
                 raise FieldError("clear", f"clear ({self.clear:g}) must not be above 'above' ({self.above:g})")

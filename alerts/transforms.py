@@ -6,8 +6,8 @@
   increase. The first report is the baseline: no value yet.
 - ``ratio_to_median``: the value over the median of the series' previous
   ``window`` finite values (a spike factor, unitless). No value until
-  ``window`` reports are in; with a median at or below 0, a positive value
-  gives +Inf and any other no value.
+  ``min_history`` reports are in (default ``window``); with a median at or below
+  0, a positive value gives +Inf and any other no value.
 
 "No value" (None) is no evidence: the engine keeps the alert's state. NaN is
 never remembered, so one NaN does not poison the baseline.
@@ -52,7 +52,7 @@ class SeriesHistory:
         if hist is None:
             hist = self._history[key] = deque(maxlen=rule.window)
         result: float | None = None
-        if len(hist) == rule.window:
+        if len(hist) >= rule.history_needed:
             med = statistics.median(hist)
             if med > 0:
                 result = raw / med

@@ -32,6 +32,7 @@ from trainvitals.hooks.signals.base import Removable, Signal
 from trainvitals.hooks.sinks import Sink
 from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.tensors import is_sharded, local, real, stack_on
+from trainvitals.wire.schema import RUN_END_EVENT
 
 __all__ = ["Monitor"]
 
@@ -182,7 +183,7 @@ class Monitor:
         # A last, sample-free report tells the collector the run ended on purpose,
         # so RunSilent does not page for a job that simply finished.
         end = StepContext(step=self.step, device=torch.device("cpu"))
-        end.event("run_end", f"Monitor.close() after {self.step} optimizer steps")
+        end.event(RUN_END_EVENT, f"Monitor.close() after {self.step} optimizer steps")
         try:
             self._sender.put(pack(end, run=self.run, rank=self.rank))
         except Exception as exc:  # noqa: BLE001

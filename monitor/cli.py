@@ -204,7 +204,7 @@ def _batches(file: Path, size: int) -> Iterator[tuple[int, int, list[bytes]]]:
 
 def _add_subcommands() -> None:
     from trainvitals.alerts.cli import rules
-    from trainvitals.monitor.demo import demo
+    from trainvitals.demo import demo
 
     main.add_command(rules)
     main.add_command(demo)

@@ -27,11 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trainvitals.wire import PREFIX, RESERVED_NAMES, Report, ReportBatch, metric_type
+from trainvitals.wire import PREFIX, RESERVED_NAMES, RUN_END_EVENT, Report, ReportBatch, metric_type
 
 __all__ = [
     "DEFAULT_MAX_SERIES",
-    "RUN_END_EVENT",
     "IngestCallback",
     "IngestRefused",
     "RemovableHandle",
@@ -44,9 +43,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SERIES = 1_000_000
-# The event kind Monitor.close() sends with a run's last report (docs/wire.md).
-RUN_END_EVENT = "run_end"
-
 
 # A series inside one run and rank: its label items, sorted. The name is the outer key.
 LabelKey = tuple[tuple[str, str], ...]

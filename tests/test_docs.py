@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from trainvitals.wire.metrics import reference_markdown
+from trainvitals.wire.reference import reference_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE_DIRS = ("hooks", "monitor", "alerts", "wire")
@@ -24,7 +24,7 @@ CODE_SUFFIXES = (".py", ".yaml", ".yml", ".md")
 SKIP_DIRS = {".git", ".venv", "venv", "build", "dist", "__pycache__", ".ruff_cache",
              ".pytest_cache", "node_modules"}
 
-REGENERATE = "python -m trainvitals.wire.metrics > docs/metrics.md"
+REGENERATE = "python -m trainvitals.wire.reference > docs/metrics.md"
 
 
 def _walk(top: Path) -> Iterator[Path]:

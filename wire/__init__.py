@@ -19,6 +19,7 @@ from trainvitals.wire.metrics import (
 )
 from trainvitals.wire.schema import (
     RESERVED_LABELS,
+    RUN_END_EVENT,
     SCHEMA_VERSION,
     Event,
     Report,
@@ -32,6 +33,7 @@ __all__ = [
     "PREFIX",
     "RESERVED_LABELS",
     "RESERVED_NAMES",
+    "RUN_END_EVENT",
     "SCHEMA_VERSION",
     "Event",
     "MetricSpec",

@@ -25,7 +25,6 @@ __all__ = [
     "exposed_family",
     "labels_of",
     "metric_type",
-    "reference_markdown",
 ]
 
 PREFIX = "trainvitals_"
@@ -47,7 +46,10 @@ class MetricSpec:
     """``ratio`` (0..1), ``x`` (a factor), ``seconds``, ``nats``, ``bits``, ``count``,
     ``step``, ``norm`` (an L2 norm in the tensor's unit) or ``value`` (the tensor's own unit)."""
     labels: tuple[str, ...] = ()
-    """Labels besides ``run``/``rank`` (for collector-owned metrics: all of them)."""
+    """Labels besides ``run``/``rank`` on a run's series (the collector's own metrics that
+    are not per run, group ``collector``, list all their labels). The
+    ``adam_*`` metrics carry ``param`` on a parameter's own series and ``group`` on the
+    series of its param group's other parameters (parts, never a total)."""
     owner: Owner = "hooks"
     """Who produces it: the training-side hooks, or the collector itself."""
     group: str = ""
@@ -69,9 +71,13 @@ _SPECS: tuple[MetricSpec, ...] = (
        "collector"),
     # -- optimizer step (table stakes)
     _m("grad_norm", "gauge", "norm", (), "optimizer",
-       "Global gradient L2 norm the optimizer step is given."),
+       "Global gradient L2 norm before clipping, at the end of the last step's backward."),
+    _m("grad_norm_max", "gauge", "norm", (), "optimizer",
+       "Largest global gradient norm (before clipping) of the steps since the previous report."),
+    _m("grad_norm_mean", "gauge", "norm", (), "optimizer",
+       "Mean global gradient norm (before clipping) of the steps since the previous report."),
     _m("group_grad_norm", "gauge", "norm", ("group",), "optimizer",
-       "Gradient L2 norm of one param group the optimizer step is given."),
+       "Gradient L2 norm of one param group as the optimizer applies it (after any clipping)."),
     _m("param_norm", "gauge", "norm", (), "optimizer", "Global parameter L2 norm after the optimizer step."),
     _m("group_param_norm", "gauge", "norm", ("group",), "optimizer",
        "Parameter L2 norm of one param group after the optimizer step."),
@@ -80,7 +86,7 @@ _SPECS: tuple[MetricSpec, ...] = (
     _m("group_update_ratio", "gauge", "x", ("group",), "optimizer",
        "RMS(update) / RMS(parameter) of the last optimizer step, one param group."),
     _m("nonfinite_total", "counter", "count", ("what",), "optimizer",
-       "Non-finite losses or gradients seen (what=loss|grad)."),
+       "Micro-batches with a non-finite loss (what=loss), steps with a non-finite gradient (what=grad)."),
     # -- loss accounting (I1-I3)
     _m("loss", "gauge", "value", (), "loss", "Mean per-token loss of the last optimizer step."),
     _m("modality_loss", "gauge", "value", ("modality",), "loss",
@@ -117,11 +123,11 @@ _SPECS: tuple[MetricSpec, ...] = (
     _m("param_weight_decay", "gauge", "value", ("param",), "params",
        "Weight decay the optimizer applies to the parameter (0: none)."),
     # -- Adam state (I4)
-    _m("adam_eps_dominated_ratio", "gauge", "ratio", ("param",), "adam",
+    _m("adam_eps_dominated_ratio", "gauge", "ratio", ("param", "group"), "adam",
        "Share of elements with sqrt(v_hat) < eps."),
-    _m("adam_normalized_update_rms", "gauge", "value", ("param",), "adam", "RMS of m_hat / (sqrt(v_hat) + eps)."),
-    _m("adam_exp_avg_norm", "gauge", "norm", ("param",), "adam", "L2 norm of Adam's first moment."),
-    _m("adam_exp_avg_sq_norm", "gauge", "norm", ("param",), "adam", "L2 norm of Adam's second moment."),
+    _m("adam_normalized_update_rms", "gauge", "value", ("param", "group"), "adam", "RMS of m_hat / (sqrt(v_hat) + eps)."),
+    _m("adam_exp_avg_norm", "gauge", "norm", ("param", "group"), "adam", "L2 norm of Adam's first moment."),
+    _m("adam_exp_avg_sq_norm", "gauge", "norm", ("param", "group"), "adam", "L2 norm of Adam's second moment."),
     _m("optimizer_state_resets_total", "counter", "count", (), "adam", "Optimizer state resets seen."),
     # -- softmax saturation and distillation (I5)
     _m("softmax_top1_prob_mean", "gauge", "ratio", ("task", "role"), "softmax",
@@ -190,47 +196,3 @@ def labels_of(name: str) -> tuple[str, ...] | None:
     """The labels a known metric carries besides run/rank; None for an unknown name."""
     known = METRICS.get(name)
     return None if known is None else known.labels
-
-
-_GROUP_TITLES = {
-    "run": "Per run (set by the collector)",
-    "optimizer": "Optimizer step",
-    "loss": "Loss accounting (I1-I3)",
-    "params": "1D parameters (I4)",
-    "adam": "Adam state (I4)",
-    "softmax": "Softmax saturation and distillation (I5)",
-    "client": "The hooks' own health",
-    "collector": "The collector's own metrics",
-}
-
-
-def reference_markdown() -> str:
-    """The metric reference (``docs/metrics.md``), generated from :data:`METRICS`."""
-    lines = [
-        "# Metric reference",
-        "",
-        "<!-- Generated from trainvitals/wire/metrics.py by `python -m trainvitals.wire.metrics`;",
-        "     tests/test_docs.py fails when this file is out of date. -->",
-        "",
-        f"Prometheus names carry the `{PREFIX}` prefix; the wire name (in reports and",
-        "rules) is the name without it. Every series of a run carries `run`, and `rank`",
-        "when it comes from a data-parallel rank other than 0. Counters end in `_total`.",
-        "Units: `ratio` is 0..1, `x` a factor (1 = neutral), `norm` an L2 norm in the",
-        "tensor's own unit, `value` the tensor's own unit. What each signal means and its",
-        "healthy values: [signals.md](signals.md).",
-        "",
-    ]
-    for group, title in _GROUP_TITLES.items():
-        specs = [s for s in _SPECS if s.group == group]
-        if not specs:
-            continue
-        lines += [f"## {title}", "", "| metric | type | unit | labels | meaning |", "|---|---|---|---|---|"]
-        for s in specs:
-            labels = ", ".join(s.labels) if s.labels else "-"
-            lines.append(f"| `{PREFIX}{s.name}` | {s.type} | {s.unit} | {labels} | {s.help.replace('|', chr(92) + '|')} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":  # pragma: no cover - regenerates docs/metrics.md
-    print(reference_markdown(), end="")

@@ -20,10 +20,13 @@ from pydantic import (
 
 from trainvitals.wire.metrics import PREFIX
 
-__all__ = ["MAX_LABELS", "MAX_LABEL_VALUE", "RESERVED_LABELS", "SCHEMA_VERSION", "Event", "Report",
+__all__ = ["MAX_LABELS", "MAX_LABEL_VALUE", "RESERVED_LABELS", "RUN_END_EVENT", "SCHEMA_VERSION", "Event", "Report",
            "ReportBatch", "Sample"]
 
 SCHEMA_VERSION = 1
+
+RUN_END_EVENT = "run_end"
+"""The event ``Monitor.close()`` sends: the run ended on purpose (no RunSilent for it)."""
 
 # Labels a sample may not carry: Prometheus renames job/instance on scrape, and
 # run/rank come from the report itself.

@@ -1,9 +1,13 @@
 """Table stakes around the optimizer step: gradient and parameter norms, the
 update-to-weight ratio, non-finite gradients (docs/signals.md, "Optimizer step").
 
-``grad_norm`` (and ``group_grad_norm{group}`` per param group) is the L2 norm of
-the gradients the optimizer is about to use (after unscaling by a GradScaler, which
-unscales before ``step``), the value ``torch.nn.utils.clip_grad_norm_`` returns.
+``grad_norm`` is the global gradient L2 norm before clipping, taken at the end of
+every backward (:mod:`~trainvitals.hooks.signals.backward_grad_norm`), with
+``grad_norm_max`` / ``grad_norm_mean`` over the steps since the previous report, and
+``nonfinite_total{what="grad"}`` the steps whose gradient was not finite.
+``group_grad_norm{group}`` is the L2 norm of one param group's gradients as the
+optimizer is about to use them (after unscaling by a GradScaler and after any
+clipping).
 ``param_norm`` is taken after the step. ``update_ratio`` = RMS(p_after - p_before) /
 RMS(p_after), on a strided sample of at most ``update_sample`` elements per tensor
 (exact for smaller tensors), so no copy of the model is ever made. The whole model
@@ -17,8 +21,9 @@ import torch
 
 from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.sampling import StridedSample
-from trainvitals.hooks.signals.base import MonitorView, Signal
-from trainvitals.hooks.step import StepContext
+from trainvitals.hooks.signals.backward_grad_norm import BackwardGradNorms, emit_norm_history
+from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
+from trainvitals.hooks.step import ReduceOp, StepContext
 from trainvitals.hooks.tensors import flat, group_sum, local, norms
 
 
@@ -32,6 +37,14 @@ class OptimizerStats(Signal):
         self._sample_group: torch.Tensor | None = None
         self._nonfinite: torch.Tensor | None = None
         self._indices = IndexCache()
+        self._history = BackwardGradNorms(self)
+
+    def bind(self, monitor: MonitorView) -> list[Removable]:
+        self._history.bind(monitor)
+        return []
+
+    def after_step(self, monitor: MonitorView, reporting: bool) -> None:
+        self._history.end_step(monitor)
 
     @staticmethod
     def _params(monitor: MonitorView) -> tuple[list[torch.Tensor], list[int]]:
@@ -71,12 +84,19 @@ class OptimizerStats(Signal):
         def with_total(per_group: torch.Tensor) -> torch.Tensor:
             return torch.cat([per_group.sum().reshape(1), per_group])
 
+        if self._nonfinite is None:
+            self._nonfinite = torch.zeros((), device=dev)
+        history = self._history.take()
         parts: list[torch.Tensor] = []
         if self._grad_norms is not None:
             gn = self._grad_norms
-            if self._nonfinite is None:
-                self._nonfinite = torch.zeros((), device=dev)
-            self._nonfinite = self._nonfinite + (~torch.isfinite(gn)).sum()
+            # The gradient the optimizer applies is not finite although the backward's was
+            # (set or scaled by hand after the backward), or no backward was seen: count
+            # the step here; the backward's non-finite steps are counted from the history.
+            applied_bad = (~torch.isfinite(gn)).any()
+            if history is not None:
+                applied_bad = applied_bad & torch.isfinite(history[-1])
+            self._nonfinite = self._nonfinite + applied_bad
             parts.append(with_total(group_sum(gn.square(), self._grad_group, n_groups)))
         pn = norms([local(p).detach() for p in params], dev)
         parts.append(with_total(group_sum(pn.square(), self._indices.get(group_of, dev), n_groups)))
@@ -91,26 +111,35 @@ class OptimizerStats(Signal):
         sq = torch.stack(parts + list(upd or ()))
         has_grad = self._grad_norms is not None
         self._grad_norms = None
-        nonfinite = self._nonfinite
 
-        def emit(name: str, values: torch.Tensor) -> None:
-            ctx.emit(name, values[0])
+        def emit(name: str, values: torch.Tensor, whole: bool = True) -> None:
+            if whole:
+                ctx.emit(name, values[0])
             ctx.emit("group_" + name, values[1:], group_labels)
 
-        def finish(total: torch.Tensor) -> None:
+        def finish(total: torch.Tensor, *rest: torch.Tensor) -> None:
             total = total.view(-1, n_groups + 1)
             row = 0
             if has_grad:
-                emit("grad_norm", total[row].sqrt())
+                emit("grad_norm", total[row].sqrt(), whole=history is None)
                 row += 1
             emit("param_norm", total[row].sqrt())
             row += 1
             if upd is not None:
                 emit("update_ratio", (total[row] / total[row + 1]).sqrt())
-            if nonfinite is not None:
-                ctx.emit("nonfinite_total", nonfinite, {"what": "grad"})
+            if rest:  # the per-step squared norms, combined across shards
+                self._nonfinite = self._nonfinite + emit_norm_history(ctx, rest[0])
+            ctx.emit("nonfinite_total", self._nonfinite, {"what": "grad"})
 
-        ctx.combine([(sq, "sum")], finish, across_ranks=monitor.sharded)
+        parts_to_combine: list[tuple[torch.Tensor, ReduceOp]] = [(sq, "sum")]
+        if history is not None:
+            parts_to_combine.append((history, "sum"))
+        ctx.combine(parts_to_combine, finish, across_ranks=monitor.sharded)
 
     def reset(self) -> None:
         self._grad_norms = self._before = None
+        self._history.reset()
+
+    def close(self) -> None:
+        self.reset()
+        self._history.remove()

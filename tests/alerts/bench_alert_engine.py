@@ -30,7 +30,7 @@ def make_report(step: int, value) -> Report:
     for m in ("text", "image"):
         for n in ("modality_dilution_ratio", "modality_sample_share_ratio", "modality_grad_share_ratio", "loss"):
             samples.append(Sample(name=n, labels={"modality": m}, value=1.0))
-    samples += [Sample(name="grad_norm", labels={}, value=1.0),
+    samples += [Sample(name="grad_norm_max", labels={}, value=1.0),
                 Sample(name="loss_weight_mass", labels={}, value=1.0),
                 Sample(name="nonfinite_total", labels={"what": "loss"}, value=0.0)]
     return Report(run="bench", step=step, time=0.0, samples=samples[-2000:])

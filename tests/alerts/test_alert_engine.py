@@ -367,7 +367,7 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
         "SoftmaxSaturation": lambda s: [("softmax_saturated_ratio",
                                          {"task": "ie", "role": "teacher", "threshold": "0.99"}, 0.97)],
         "NonFiniteLoss": lambda s: [("nonfinite_total", {"what": "loss"}, float(s >= 150))],
-        "GradNormSpike": lambda s: [("grad_norm", {}, 500.0 if s == 250 else 1.0 + 0.3 * math.sin(s))],
+        "GradNormSpike": lambda s: [("grad_norm_max", {}, 500.0 if s == 250 else 1.0 + 0.3 * math.sin(s))],
     }
     healthy = {
         "GradientDilution": lambda s: [("modality_dilution_ratio", {"modality": "image"}, 1.0),
@@ -387,7 +387,7 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
                                          {"task": "ie", "role": "teacher", "threshold": "0.99"}, 0.35)],
         "NonFiniteLoss": lambda s: [("nonfinite_total", {"what": "loss"}, 0.0),
                                     ("nonfinite_total", {"what": "grad"}, float(s))],
-        "GradNormSpike": lambda s: [("grad_norm", {}, 1.0 + 0.5 * math.sin(s))],
+        "GradNormSpike": lambda s: [("grad_norm_max", {}, 1.0 + 0.5 * math.sin(s))],
     }
     for name, fn in incident.items():
         assert run_values(fn) == {name}, name
@@ -395,6 +395,11 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
         assert run_values(fn) == set(), name
     reset = run_values(lambda s: [], events_at=lambda s: ["optimizer_state_reset"] if s == 100 else [])
     assert reset == {"OptimizerStateReset"}
+    # A spike early in the run: judged from the 5th report on (min_history), not the 20th.
+    early = run_values(lambda s: [("grad_norm_max", {}, 300.0 if s == 60 else 1.0 + 0.3 * math.sin(s))])
+    assert early == {"GradNormSpike"}
+    too_early = run_values(lambda s: [("grad_norm_max", {}, 300.0 if s == 30 else 1.0)], steps=range(0, 50, 10))
+    assert too_early == set()
 
 
 def test_local_evaluator_logs_fire_and_resolve(caplog):

@@ -44,7 +44,7 @@ def test_export_structure_matches_the_rules(tmp_path):
     assert by["OptimizerStateReset"]["expr"] == "increase(trainvitals_optimizer_state_resets_total[5m]) > 0"
     assert by["RunSilent"]["expr"] == ("time() - trainvitals_last_report_timestamp_seconds > 600"
                                        " unless on(run) trainvitals_run_ended == 1")
-    assert "quantile_over_time(0.5, trainvitals_grad_norm[3m20s])" in by["GradNormSpike"]["expr"]
+    assert "quantile_over_time(0.5, trainvitals_grad_norm_max[3m20s])" in by["GradNormSpike"]["expr"]
 
 
 def test_run_silent_export_names_the_collectors_run_ended_gauge():

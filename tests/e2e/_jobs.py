@@ -350,7 +350,7 @@ class NonFiniteLossJob(Job):
 
 class SpikeJob(Job):
     """A gradient spike after a stable period: at step ``SPIKE_AT`` the loss (and so
-    the gradient) is 100x (a bad batch or a broken loss scale). ``grad_norm``
+    the gradient) is 100x (a bad batch or a broken loss scale). ``grad_norm_max``
     jumps ~100x its running median. Fix: no spike."""
 
     SPIKE_AT = 26
@@ -366,6 +366,23 @@ class SpikeJob(Job):
             loss = loss * 100
         loss.backward()
         self.finish_step()
+
+
+class ClippedSpikeJob(SpikeJob):
+    """The same spike in an LLM-style job: gradients clipped to norm 1 every step and a
+    report every 5 steps, the spike on a step that is not reported (23). The norm is
+    taken before clipping and the report's max covers every step since the previous
+    one, so the spike still reaches the collector. Fix: no spike."""
+
+    SPIKE_AT = 23
+
+    def attach(self, url: str, run: str, **options: Any) -> Monitor:
+        options.setdefault("every", 5)
+        return super().attach(url, run, **options)
+
+    def finish_step(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=1.0)
+        super().finish_step()
 
 
 class HealthyJob(Job):

@@ -25,6 +25,7 @@ import httpx
 import pytest
 from _jobs import (
     AccumulationJob,
+    ClippedSpikeJob,
     DilutionJob,
     DistillJob,
     DoubleDivisionJob,
@@ -47,9 +48,9 @@ from _servers import (
     wait_until,
 )
 
+from tests.reports import make_body, make_report
 from trainvitals.alerts.dispatch import RetryPolicy
 from trainvitals.alerts.loading import load_rules
-from trainvitals.monitor.testing import make_body, make_report
 
 DEFAULT_RULES = {r.alert: r for r in load_rules("default")}
 
@@ -99,6 +100,7 @@ CASES = [
          {"task": "ie", "role": "teacher", "threshold": "0.99"}),
     Case("NonFiniteLoss", "NonFiniteLoss", NonFiniteLossJob, 10, {"what": "loss"}),
     Case("GradNormSpike", "GradNormSpike", SpikeJob, 30, {}),
+    Case("GradNormSpike-clipped-between-reports", "GradNormSpike", ClippedSpikeJob, 30, {}),
 ]
 
 

@@ -107,19 +107,27 @@ def test_update_ratio_samples_large_tensors_with_a_fixed_stride():
         assert mon.value("update_ratio") == pytest.approx((du.norm() / pa.norm()).item(), rel=1e-5)
 
 
-def test_nonfinite_gradients_are_counted():
+def test_nonfinite_gradients_are_counted_per_step():
     model = tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with attach(model, opt, run="nf", sink="null", every=1) as mon:
         step(model, opt, 0)
         assert mon.value("nonfinite_total", what="grad") == 0
+        # Made non-finite by hand after the backward: the applied gradient counts.
         model(torch.randn(8, 6)).pow(2).mean().backward()
         model[0].weight.grad[0, 0] = float("nan")
         model[3].bias.grad[0] = float("inf")
         opt.step()
         opt.zero_grad()
+        assert mon.value("nonfinite_total", what="grad") == 1
+        assert math.isnan(mon.value("group_grad_norm", group="0"))
+        # Non-finite out of the backward itself: counted, grad_norm says so.
+        (model(torch.randn(8, 6)).pow(2).mean() * float("inf")).backward()
+        opt.step()
+        opt.zero_grad()
         assert mon.value("nonfinite_total", what="grad") == 2
-        assert math.isnan(mon.value("grad_norm"))
+        assert not math.isfinite(mon.value("grad_norm"))
+        assert mon.value("grad_norm_max") is None  # no finite step since the previous report
 
 
 def test_reports_on_first_step_and_every_n():

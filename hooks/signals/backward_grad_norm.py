@@ -1,0 +1,160 @@
+"""The global gradient norm before clipping, on every step (docs/signals.md,
+"Optimizer step").
+
+Clipping rewrites the gradients in place before ``optimizer.step()``: a 50x spike
+clipped to 1.0 reads 1.0 there. So the norm is taken when the step's backward has
+finished accumulating, before the user's code sees the gradients: a post-accumulate
+hook on each parameter queues one autograd end-of-backward callback per backward,
+and that callback queues itself once more so it runs after the callbacks DDP and
+FSDP queue during the backward (their gradient reductions are done by then).
+
+Each backward overwrites the step's value (with gradient accumulation the last
+backward holds the whole step's gradient); after ``optimizer.step()`` the value
+goes into a small ring on the device, one slot per step since the previous report.
+At the report: the last step's norm, the max and the mean over the steps since the
+previous report (non-finite steps left out of both and counted), so a spike on any
+step reaches the next report without a host sync. Cost: one foreach norm over the
+gradients per backward; with a GradScaler the norm is unscaled by its scale tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
+from trainvitals.hooks.signals.param_series import groups_key
+from trainvitals.hooks.step import StepContext
+from trainvitals.hooks.tensors import local, real
+
+log = logging.getLogger("trainvitals")
+
+
+def _queue_callback() -> Any:
+    engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+    return getattr(engine, "queue_callback", None)
+
+
+class BackwardGradNorms:
+    """Squared global gradient norm at the end of every backward, kept per step.
+
+    Owned by :class:`~trainvitals.hooks.signals.optimizer_stats.OptimizerStats`,
+    which calls :meth:`bind`, :meth:`end_step` and :meth:`take`.
+    """
+
+    def __init__(self, signal: Signal) -> None:
+        self._signal = signal  # failures turn it off
+        self._queue = _queue_callback()
+        self._handles: list[Removable] = []
+        self._params: list[torch.Tensor] = []
+        self._key: tuple | None = None
+        self._queued = False
+        self._monitor: MonitorView | None = None
+        self._current: torch.Tensor | None = None  # this step's squared norm so far
+        self._ring: torch.Tensor | None = None
+        self._count = 0  # steps recorded since the last take()
+
+    @property
+    def available(self) -> bool:
+        return self._queue is not None
+
+    def bind(self, monitor: MonitorView) -> None:
+        self._monitor = monitor
+        if self.available:
+            self._hook_params(monitor)
+
+    def _hook_params(self, monitor: MonitorView) -> None:
+        self.remove()
+        self._key = groups_key(monitor)
+        seen: set[int] = set()
+        for _, group in monitor.groups():
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    self._params.append(p)
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated))
+
+    # -- during the user's backward ---------------------------------------------
+    def _accumulated(self, _param: torch.Tensor) -> None:
+        if self._queued or self._signal.broken:
+            return
+        self._queued = True
+        with self._signal.guard("the gradient-norm hook"):
+            # Queued now, it would run before the DDP/FSDP reductions queued later in this
+            # backward; so it queues the real work once more, to run after them.
+            self._queue(lambda: self._queue(self._end_of_backward))
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        monitor = self._monitor
+        if monitor is None or self._signal.broken:
+            return
+        with self._signal.guard("the end-of-backward gradient norm"):
+            grads = [real(local(p.grad)) for p in self._params if p.grad is not None]
+            if not grads:
+                return
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            sq = torch.stack([n.to(monitor.device, non_blocking=True) for n in norms]).square().sum()
+            scale = self._scale(monitor)
+            self._current = sq if scale is None else sq / scale.square()
+
+    @staticmethod
+    def _scale(monitor: MonitorView) -> torch.Tensor | None:
+        scaler = monitor.scaler
+        if scaler is None or (getattr(scaler, "is_enabled", None) and not scaler.is_enabled()):
+            return None
+        scale = getattr(scaler, "_scale", None)
+        if not isinstance(scale, torch.Tensor):
+            return None
+        return scale.detach().reshape(()).to(monitor.device, torch.float32, non_blocking=True)
+
+    # -- around the optimizer step ------------------------------------------------
+    def end_step(self, monitor: MonitorView) -> None:
+        """After ``optimizer.step()``: the step's value joins the ring (no host sync)."""
+        if not self.available:
+            return
+        if groups_key(monitor) != self._key:
+            self._hook_params(monitor)  # parameters added or replaced: hook the new ones
+        current, self._current = self._current, None
+        if current is None:
+            return
+        size = max(1, monitor.config.every)
+        if self._ring is None or self._ring.numel() != size or self._ring.device != current.device:
+            self._ring = torch.zeros(size, device=current.device)
+            self._count = 0
+        self._ring[self._count % size].copy_(current)
+        self._count += 1
+
+    def take(self) -> torch.Tensor | None:
+        """The squared norms of the steps since the previous take (oldest first), or None."""
+        if self._ring is None or not self._count:
+            return None
+        n = min(self._count, self._ring.numel())
+        start = self._count % self._ring.numel() if self._count > n else 0
+        values = torch.roll(self._ring, -start)[:n] if start else self._ring[:n].clone()
+        self._count = 0
+        return values
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._params.clear()
+
+    def reset(self) -> None:
+        self._current = None
+        self._count = 0
+
+
+def emit_norm_history(ctx: StepContext, sq: torch.Tensor) -> torch.Tensor:
+    """Emit ``grad_norm`` (the last step), ``grad_norm_max`` / ``grad_norm_mean`` (over the
+    finite steps of ``sq``, absent when none); return the number of non-finite steps."""
+    norms = sq.sqrt()
+    finite = torch.isfinite(norms)
+    count = finite.sum()
+    ctx.emit("grad_norm", norms[-1])
+    ctx.emit("grad_norm_max", torch.where(finite, norms, float("-inf")).amax(), present=(count > 0).float())
+    ctx.emit("grad_norm_mean", torch.where(finite, norms, 0.0).sum() / count, present=(count > 0).float())
+    return (~finite).sum()
