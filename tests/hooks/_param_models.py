@@ -201,6 +201,47 @@ def dp_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(split_groups(model), lr=0.02)
 
 
+CLIP = 0.05  # far below the tiny model's gradient norm: every step is clipped
+
+
+def _rank_grad_norms(rank: int, world: int, wrapped: nn.Module, opt: torch.optim.Optimizer, attach) -> list:
+    """Each rank its own half of the batch; gradients clipped before every step."""
+    mon = attach(wrapped, opt, run="dp", sink="null", every=2, signals=("optimizer",))
+    reports = []
+    for i in range(DP_STEPS):
+        x, y = data(i, 8 * world)
+        x, y = x[rank * 8 : (rank + 1) * 8], y[rank * 8 : (rank + 1) * 8]
+        (wrapped(x) - y).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(wrapped.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if mon.reports_at(mon.step):
+            reports.append(mon.latest())
+    mon.close()
+    return reports
+
+
+def grad_norm_reference(mode: str, world: int = 2) -> list[list[float]]:
+    """Per report step: the pre-clip global norms of the steps since the previous report,
+    from the averaged gradient of the ranks' halves, computed in one process."""
+    torch.set_num_threads(1)
+    model = dp_model(mode)
+    opt = dp_optimizer(model)
+    out, since = [], []
+    for i in range(DP_STEPS):
+        x, y = data(i, 8 * world)
+        losses = [(model(x[r * 8 : (r + 1) * 8]) - y[r * 8 : (r + 1) * 8]).square().mean() for r in range(world)]
+        (sum(losses) / world).backward()
+        since.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step = i + 1
+        if step == 1 or step % 2 == 0:
+            out.append(since)
+            since = []
+    return out
+
+
 def _rank_main(rank: int, world: int, port: int, out: str, mode: str) -> None:
     import datetime
     import json
@@ -212,6 +253,8 @@ def _rank_main(rank: int, world: int, port: int, out: str, mode: str) -> None:
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
+    split = mode.endswith("-split")
+    mode = mode.removesuffix("-split")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     model = dp_model(mode)
@@ -226,6 +269,14 @@ def _rank_main(rank: int, world: int, port: int, out: str, mode: str) -> None:
             fully_shard(sub, mesh=mesh)
         wrapped = fully_shard(model, mesh=mesh)
     opt = dp_optimizer(wrapped)
+    if split:
+        reports = _rank_grad_norms(rank, world, wrapped, opt, attach)
+        if rank == 0:
+            with open(out, "w") as fh:
+                json.dump({"reports": reports}, fh)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     mon = attach(wrapped, opt, run="dp", sink="null", every=2, drift_window=3, signals=("params", "adam"))
     sharded = mon.sharded
     reports = []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from _param_models import dp_single_process
+from _param_models import dp_single_process, grad_norm_reference
 
 from tests.support import run_ranks as run_rank_processes
 
@@ -46,3 +46,20 @@ def test_rank0_reports_what_one_process_reports(tmp_path, mode):
                 assert g[key] == value, (k, key)
             else:  # the same numbers, summed in another order across shards
                 assert g[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (k, key)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_grad_norm_is_the_global_norm_before_clipping(tmp_path, mode):
+    """Each rank trains on its own half of the batch and clips every step: rank 0's
+    grad_norm is the norm of the averaged gradient before clipping (taken after the
+    DDP all-reduce / FSDP reduce-scatter, combined across shards), and the max/mean
+    cover every step since the previous report."""
+    got = run_ranks(tmp_path, f"{mode}-split")["reports"]
+    want = grad_norm_reference(mode)
+    assert len(got) == len(want) == 4
+    for report, steps in zip(got, want):
+        value = {s["name"]: s["value"] for s in report if not s["labels"]}
+        assert value["grad_norm"] == pytest.approx(steps[-1], rel=1e-5)
+        assert value["grad_norm_max"] == pytest.approx(max(steps), rel=1e-5)
+        assert value["grad_norm_mean"] == pytest.approx(sum(steps) / len(steps), rel=1e-5)
+        assert value["grad_norm"] > 0.05 * 5  # well above the clip: the norm is taken before it
