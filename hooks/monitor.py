@@ -34,7 +34,10 @@ from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.tensors import is_sharded, local, real, stack_on
 from trainvitals.wire.schema import RUN_END_EVENT
 
-__all__ = ["Monitor"]
+__all__ = ["STATE_FORMAT", "Monitor"]
+
+STATE_FORMAT = 1
+"""Version of ``Monitor.state_dict()``'s layout."""
 
 log = logging.getLogger("trainvitals")
 
@@ -62,6 +65,7 @@ class Monitor:
         self._pending_events: list[tuple[str, str, dict[str, str]]] = []
         self._warned: set[str] = set()
         self._latest: PendingReport | None = None
+        self._saved_signals: dict[str, Any] = {}
         self._closed = False
         self._reporting = False
         self._pre_steps = 0
@@ -147,6 +151,36 @@ class Monitor:
         self._softmax_signal().observe_distillation(
             self, student_logits, teacher_logits, temperature=temperature, mask=mask, task=task)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to keep measuring from the original references: the
+        step count, counters, each watched 1D parameter's reference value and drift
+        window (keyed by parameter name). Save it with the checkpoint (``torch.save``);
+        under FSDP each rank saves its own (references are rank-local shards)."""
+        return {"format": STATE_FORMAT, "run": self.run, "step": self.step,
+                "signals": {type(s).__name__: s.state_dict() for s in self.signals if not s.broken}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s output: step numbering, counters and drift
+        references carry on. Call it after ``attach`` (before or after the optimizer's
+        own ``load_state_dict``). Parameters are matched by name; what no longer matches
+        (renamed, reshaped) starts afresh."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError("load_state_dict needs the dict Monitor.state_dict() returned "
+                             f"(format {STATE_FORMAT}); got {type(state).__name__}"
+                             + (f" with format {state.get('format')!r}" if isinstance(state, dict) else ""))
+        if not isinstance(state.get("step"), int) or not isinstance(state.get("signals"), dict):
+            raise ValueError("load_state_dict: the state has no 'step' and 'signals'; pass what "
+                             "Monitor.state_dict() returned")
+        self.step = state["step"]
+        self._saved_signals = dict(state["signals"])
+        for s in self.signals:
+            self._restore(s)
+
+    def _restore(self, signal: Signal) -> None:
+        saved = self._saved_signals.pop(type(signal).__name__, None)
+        if saved:
+            signal.run_guarded("load_state_dict", signal.load_state_dict, saved)
+
     def latest(self) -> list[dict[str, Any]]:
         """The most recent report's samples: dicts with ``name``, ``labels``, ``value``."""
         return list(self._latest.materialize()["samples"]) if self._latest else []
@@ -212,6 +246,7 @@ class Monitor:
         s = cls()
         self.signals.append(s)
         self._handles.extend(s.run_guarded("bind", s.bind, self) or [])
+        self._restore(s)  # a state loaded before this signal started
         return s
 
     def _loss_signal(self) -> Any:

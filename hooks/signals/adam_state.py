@@ -8,6 +8,8 @@ happened between reports is seen and nothing here needs every step.
 
 from __future__ import annotations
 
+from typing import Any
+
 from trainvitals.hooks.signals.adam_moments import AdamMoments
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
 from trainvitals.hooks.signals.optimizer_state import Anchors, StateWalk, stack_steps
@@ -41,6 +43,17 @@ class AdamState(Signal):
         self._resets.observe(monitor, ctx, walk, now)
         if walk.entries and now is not None:
             self._moments.collect(monitor, ctx, key, walk, now)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._resets is None:
+            return {}
+        return {"resets": self._resets.count.cpu(), "report_step": self._resets.report_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._resets is not None and state.get("resets") is not None:
+            self._resets.count = state["resets"].to(self._resets.count.device)
+            # Steps elapsed since the last report are counted from the saved one.
+            self._resets.report_step = int(state.get("report_step", self._resets.report_step))
 
     def close(self) -> None:
         self._moments.close()

@@ -94,6 +94,14 @@ class Signal:
     def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
         """On report steps, after ``after_step``: emit this step's statistics."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to keep measuring from the same references (counters,
+        references, windows); plain Python values and CPU tensors. Empty by default."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (what no longer matches is skipped)."""
+
     def reset(self) -> None:
         """Drop what the current step accumulated (the signal is being turned off)."""
 

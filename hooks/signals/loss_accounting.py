@@ -140,6 +140,13 @@ class LossAccounting(Signal):
                 "track_loss was called but its per-token loss received no gradient before "
                 "optimizer.step(); pass the tensor the loss is reduced from, before its backward")
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"nonfinite": self._nonfinite.cpu() if self._nonfinite is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("nonfinite") is not None:
+            self._nonfinite = state["nonfinite"].clone()
+
     def reset(self) -> None:
         self._step = self._final = None  # drops the probe's gradient buffers too
 
@@ -205,6 +212,8 @@ class LossAccounting(Signal):
             bad &= label
         if self._nonfinite is None:
             self._nonfinite = torch.zeros((), dtype=torch.float32, device=loss.device)
+        elif self._nonfinite.device != loss.device:  # restored from a checkpoint on the CPU
+            self._nonfinite = self._nonfinite.to(loss.device)
         self._nonfinite += bad.any()
 
     # -- hooks: during the user's backward ---------------------------------------

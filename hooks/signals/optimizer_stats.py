@@ -17,6 +17,8 @@ total to its parts.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from trainvitals.hooks.indices import IndexCache
@@ -86,6 +88,7 @@ class OptimizerStats(Signal):
 
         if self._nonfinite is None:
             self._nonfinite = torch.zeros((), device=dev)
+        self._nonfinite = self._nonfinite.to(dev)
         history = self._history.take()
         parts: list[torch.Tensor] = []
         if self._grad_norms is not None:
@@ -135,6 +138,13 @@ class OptimizerStats(Signal):
         if history is not None:
             parts_to_combine.append((history, "sum"))
         ctx.combine(parts_to_combine, finish, across_ranks=monitor.sharded)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"nonfinite": self._nonfinite.cpu() if self._nonfinite is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("nonfinite") is not None:
+            self._nonfinite = state["nonfinite"].clone()
 
     def reset(self) -> None:
         self._grad_norms = self._before = None

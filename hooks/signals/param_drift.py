@@ -2,6 +2,15 @@
 end, the reference each drift is measured from, and the ring of change signs behind
 ``param_drift_consistency_ratio`` (docs/signals.md, "1D parameters").
 
+Drift: ``param_drift_log2 = log2(1 + max_i |x_i - ref_i| / scale)``, the bits of
+range a parameter's largest displacement from its reference amounts to. ``ref`` is
+the parameter at attach (for one that is all zeros then, a zero-initialized bias:
+its value at the first report where it is not) and ``scale`` that reference's
+absmax. A walk 1.0 -> 56 reads log2(56) = 5.8 bits; a walk through zero that
+changes sign, 1.0 -> -0.34, reads log2(2.34) = 1.2 bits (a ratio of absmax would
+read it as shrinking). The reference survives checkpoints through
+``Monitor.state_dict()``, so drift keeps counting across resumes.
+
 Consistency: per element, the signs of its changes between consecutive reports
 (+1, -1, 0 when unchanged) over the last ``drift_window`` reports; |mean sign| per
 element, averaged over the elements (at most :data:`CONSISTENCY_SAMPLE` per
@@ -11,40 +20,52 @@ running int32 sums on the device: one subtraction and one add per report.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from trainvitals.hooks.sampling import StridedSample, owner_index
 from trainvitals.hooks.signals.base import MonitorView
 from trainvitals.hooks.signals.param_series import Series
-from trainvitals.hooks.tensors import flat, local
+from trainvitals.hooks.tensors import flat, group_amax, local
 
 CONSISTENCY_SAMPLE = 1024
 """Elements per parameter whose change signs are kept."""
 
 
-def absmax_reference(p: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A parameter's absmax as a 0-d float32 tensor on ``device`` (0 for an empty one)."""
-    v = flat(local(p).detach())
-    return v.abs().amax().to(device, torch.float32) if v.numel() else torch.zeros((), device=device)
+@dataclass
+class Reference:
+    """What a parameter's drift is measured from (rank-local elements)."""
+
+    values: torch.Tensor  # flat float32, on the monitor's device
+    scale: torch.Tensor  # 0-d: absmax of ``values`` (combined across shards at reports); 0 until non-zero
+
+    @staticmethod
+    def of(p: torch.Tensor, device: torch.device) -> Reference:
+        v = flat(local(p).detach()).to(device, torch.float32).clone()
+        return Reference(v, v.abs().amax() if v.numel() else torch.zeros((), device=device))
 
 
 class DriftTracker:
-    """One arrangement of the series' 1D parameters and their change-sign ring."""
+    """One arrangement of the series' 1D parameters: references and change-sign ring."""
 
-    def __init__(self, monitor: MonitorView, series: list[Series], refs: dict[int, torch.Tensor]):
+    def __init__(self, monitor: MonitorView, series: list[Series], refs: dict[int, Reference]):
         dev = monitor.device
         self.series = series
         self.one_d = [s for s in series if s.param.ndim <= 1]
         self.labels = [{"param": s.name} for s in self.one_d]
         self.n = len(self.one_d)
         # Complex parameters count as (real, imaginary) pairs, as Adam treats them.
-        counts = [flat(local(s.param).detach()).numel() for s in self.one_d]
-        self.owner = owner_index(counts, dev)  # element -> parameter
-        self.consistency = StridedSample(counts, CONSISTENCY_SAMPLE)
+        self.counts = [flat(local(s.param).detach()).numel() for s in self.one_d]
+        self.owner = owner_index(self.counts, dev)  # element -> parameter
+        self.consistency = StridedSample(self.counts, CONSISTENCY_SAMPLE)
         self.sampled_owner = self.owner if self.consistency.dense else self.consistency.owners(dev)
         self.sampled = torch.tensor(self.consistency.sizes, dtype=torch.float32).to(dev)
-        self.ref = (torch.stack([refs[id(s.param)] for s in self.one_d]).to(dev, torch.float32)
-                    if self.one_d else torch.zeros(0, device=dev))
+        self.refs = refs
+        chosen = [refs[id(s.param)] for s in self.one_d]
+        self.ref_values = torch.cat([r.values for r in chosen]) if chosen else torch.zeros(0, device=dev)
+        self.scale = torch.stack([r.scale for r in chosen]) if chosen else torch.zeros(0, device=dev)
         self.window = monitor.config.drift_window
         self.prev = self.consistency.take_from(self.values(dev)).clone()
         self.ring = torch.zeros(self.window, self.prev.numel(), dtype=torch.int8, device=dev)
@@ -58,6 +79,26 @@ class DriftTracker:
         return torch.cat([flat(local(s.param).detach()).to(dev, torch.float32, non_blocking=True)
                           for s in self.one_d])
 
+    def displacement(self, values: torch.Tensor) -> torch.Tensor:
+        """Per parameter, the largest |x - ref| over its local elements."""
+        return group_amax((values - self.ref_values).abs(), self.owner, self.n)
+
+    def drift_bits(self, values: torch.Tensor, absmax: torch.Tensor, scale: torch.Tensor,
+                   moved: torch.Tensor) -> torch.Tensor:
+        """``param_drift_log2`` from the combined absmax, reference scale and displacement.
+        A parameter still all zeros at its reference takes, at the first report where it
+        is not, its values then as its reference (drift 0 there)."""
+        fresh = (scale <= 0) & (absmax > 0)
+        self.scale = torch.where(fresh, absmax, scale)
+        self.ref_values = torch.where(fresh[self.owner], values, self.ref_values)
+        moved = torch.where(fresh, 0.0, moved)
+        return torch.where(self.scale > 0, torch.log2(1 + moved / self.scale.clamp_min(1e-38)), 0.0)
+
+    def save_references(self) -> None:
+        """Write the (possibly updated) references back to the per-parameter table."""
+        for s, ref_values, scale in zip(self.one_d, self.ref_values.split(self.counts), self.scale.unbind()):
+            self.refs[id(s.param)] = Reference(ref_values, scale)
+
     def record_change(self, now: torch.Tensor) -> None:
         """Push sign(now - prev) of the sampled elements into the ring (NaN: no change)."""
         sign = (now > self.prev).to(torch.int8) - (now < self.prev).to(torch.int8)
@@ -70,3 +111,42 @@ class DriftTracker:
     def mean_abs_sign(self) -> torch.Tensor:
         """Per sampled element, |mean sign| over the changes in the window."""
         return self.sums.abs().to(torch.float32) / min(self.changes, self.window)
+
+    # -- checkpoints -------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """References, sign ring and change count per parameter name (CPU tensors)."""
+        self.save_references()
+        per_param: dict[str, Any] = {}
+        sizes = self.consistency.sizes
+        for s, prev, ring in zip(self.one_d, self.prev.split(sizes), self.ring.split(sizes, dim=1)):
+            ref = self.refs[id(s.param)]
+            per_param[s.name] = {"ref": ref.values.cpu(), "scale": ref.scale.cpu(), "prev": prev.cpu(),
+                                 "ring": ring.cpu()}
+        return {"changes": self.changes, "window": self.window, "params": per_param}
+
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        """Restore what matches by name and shape; return the names restored."""
+        saved = state.get("params", {})
+        same_window = state.get("window") == self.window
+        restored = []
+        sizes = self.consistency.sizes
+        start = 0
+        for s, count, size in zip(self.one_d, self.counts, sizes):
+            entry = saved.get(s.name)
+            if entry is not None and entry["ref"].numel() == count:
+                dev = self.prev.device
+                ref = Reference(entry["ref"].to(dev, torch.float32), entry["scale"].to(dev, torch.float32))
+                self.refs[id(s.param)] = ref
+                if same_window and entry["ring"].shape == (self.window, size):
+                    self.prev[start : start + size] = entry["prev"].to(dev)
+                    self.ring[:, start : start + size] = entry["ring"].to(dev)
+                restored.append(s.name)
+            start += size
+        chosen = [self.refs[id(s.param)] for s in self.one_d]
+        if chosen:
+            self.ref_values = torch.cat([r.values for r in chosen])
+            self.scale = torch.stack([r.scale for r in chosen])
+        if same_window:
+            self.changes = int(state.get("changes", 0))
+            self.sums = self.ring.to(torch.int32).sum(0)
+        return restored

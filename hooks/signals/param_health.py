@@ -6,13 +6,13 @@ Per 1D parameter of the optimizer (``ndim <= 1``, scalars included; chosen and
 capped by :mod:`~trainvitals.hooks.signals.param_series`), label ``param``:
 
 - ``param_min`` / ``param_max`` / ``param_absmax``: its range after the step.
-- ``param_drift_log2`` = log2(absmax / absmax at attach), the bits of dynamic range
-  gained (docs/incidents.md, I4: 1.0 -> 56 is 5.8 bits). The reference is taken in
-  ``bind`` (for a parameter the optimizer gains later: when the monitor first sees
-  it, before its first step). A parameter that is all zeros at attach (a
-  zero-initialized bias) takes as reference its absmax at the first report where
-  it is non-zero, so it counts the bits gained since it started to move; while it
-  stays 0 it reads 0.
+- ``param_drift_log2`` = log2(1 + max |x - x_ref| / absmax(x_ref)): the bits of range
+  its largest displacement from the reference amounts to (docs/incidents.md, I4:
+  1.0 -> 56 is 5.8 bits; a walk through zero, 1.0 -> -0.34, is 1.2). The reference
+  is taken in ``bind`` (for a parameter the optimizer gains later: when the monitor
+  first sees it); a parameter that is all zeros then (a zero-initialized bias) takes
+  as reference its value at the first report where it is non-zero; while it stays
+  0 it reads 0. ``Monitor.state_dict()`` carries references across resumes.
 - ``param_drift_consistency_ratio``: per element, the signs of its changes between
   consecutive reports (+1, -1, 0 when unchanged) over the last ``drift_window``
   reports; |mean sign| per element, averaged over the elements (at most 1024 per
@@ -40,12 +40,13 @@ are combined in the report's one collective.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
 from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
-from trainvitals.hooks.signals.param_drift import DriftTracker, absmax_reference
+from trainvitals.hooks.signals.param_drift import DriftTracker, Reference
 from trainvitals.hooks.signals.param_series import choose, groups_key
 from trainvitals.hooks.signals.weight_decay_audit import audit_weight_decay
 from trainvitals.hooks.step import ReduceOp, StepContext
@@ -58,7 +59,8 @@ _TINY = torch.finfo(torch.float32).tiny
 
 class ParamHealth(Signal):
     def __init__(self) -> None:
-        self._refs: dict[int, torch.Tensor] = {}
+        self._refs: dict[int, Reference] = {}
+        self._restore: dict[str, Any] | None = None  # a loaded state waiting for its tracker
         self._key: tuple | None = None
         self._drift: DriftTracker | None = None
         self._fresh = False  # tracker rebuilt at this report: no change to record yet
@@ -76,13 +78,34 @@ class ParamHealth(Signal):
         return []
 
     def _build(self, monitor: MonitorView) -> None:
+        if self._drift is not None:
+            self._drift.save_references()
         self._key = groups_key(monitor)
         series = choose(monitor)
         for s in series:
             if s.param.ndim <= 1 and id(s.param) not in self._refs:
-                self._refs[id(s.param)] = absmax_reference(s.param, monitor.device)
+                self._refs[id(s.param)] = Reference.of(s.param, monitor.device)
         self._drift = DriftTracker(monitor, series, self._refs)
         self._fresh = True
+        if self._restore is not None:
+            self._apply(self._restore)
+
+    # -- checkpoints -----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self._drift.state_dict() if self._drift is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._restore = state
+        if self._drift is not None:
+            self._apply(state)
+
+    def _apply(self, state: dict[str, Any]) -> None:
+        assert self._drift is not None
+        restored = self._drift.load_state_dict(state)
+        if restored:
+            self._fresh = False  # the saved previous values are the baseline of the next change
+        log.info("trainvitals: 1D drift continues from the checkpoint for %d of %d parameters",
+                 len(restored), self._drift.n)
 
     # -- step ------------------------------------------------------------------
     def _tracker(self, monitor: MonitorView) -> DriftTracker:
@@ -126,7 +149,8 @@ class ParamHealth(Signal):
         if n:
             values = drift.values(dev)
             parts.append((group_amin(values, drift.owner, n), "min"))
-            parts.append((torch.cat([group_amax(values, drift.owner, n), drift.ref]), "max"))
+            parts.append((torch.cat([group_amax(values, drift.owner, n), drift.scale,
+                                     drift.displacement(values)]), "max"))
             now = drift.consistency.take_from(values)
             if not self._fresh:
                 drift.record_change(now)
@@ -148,18 +172,13 @@ class ParamHealth(Signal):
             rest = list(combined)
             if n:
                 pmin = rest.pop(0)
-                mx = rest.pop(0)
-                pmax, ref = mx[:n], mx[n:]
+                pmax, scale, moved = rest.pop(0).view(3, n).unbind()
                 absmax = torch.maximum(pmax, -pmin)
-                # All-zero at attach: the first non-zero absmax becomes the reference. The
-                # combined values are the same on every rank, so every rank keeps the same.
-                ref = torch.where(ref > 0, ref, absmax)
-                drift.ref = ref
                 ctx.emit("param_min", pmin, drift.labels)
                 ctx.emit("param_max", pmax, drift.labels)
                 ctx.emit("param_absmax", absmax, drift.labels)
-                ctx.emit("param_drift_log2", torch.log2(absmax.clamp_min(_TINY) / ref.clamp_min(_TINY)),
-                         drift.labels)
+                # The combined scale is the same on every rank, so every rank keeps the same.
+                ctx.emit("param_drift_log2", drift.drift_bits(values, absmax, scale, moved), drift.labels)
                 if consistency:
                     sums = rest.pop(0)
                     ctx.emit("param_drift_consistency_ratio", sums[:n] / sums[n:].clamp_min(1), drift.labels)

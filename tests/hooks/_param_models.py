@@ -126,11 +126,15 @@ def param_reference(model: nn.Module, opt: torch.optim.Optimizer, history: Histo
         out["param_max"][name] = max(float(x) for x in v)
         absmax = max(abs(float(x)) for x in v)
         out["param_absmax"][name] = absmax
-        ref = max(abs(float(x)) for x in history.attach[name].reshape(-1))
-        if ref == 0.0:  # all zeros at attach: the first non-zero absmax is the reference
-            ref = next((a for a in (max(abs(float(x)) for x in h[name].reshape(-1))
-                                    for h in history.values[: report + 1]) if a > 0), 0.0)
-        out["param_drift_log2"][name] = 0.0 if absmax == ref == 0.0 else math.log2(absmax / ref)
+        # Reference: the values at attach; all zeros then, the values at the first report
+        # where they are not. Drift: bits of the largest displacement from it.
+        ref = [float(x) for x in history.attach[name].reshape(-1)]
+        if max(abs(x) for x in ref) == 0.0:
+            ref = next(([float(x) for x in h[name].reshape(-1)] for h in history.values[: report + 1]
+                        if max(abs(float(x)) for x in h[name].reshape(-1)) > 0), ref)
+        scale = max(abs(x) for x in ref)
+        moved = max(abs(float(x) - r) for x, r in zip(v, ref))
+        out["param_drift_log2"][name] = 0.0 if scale == 0.0 else math.log2(1 + moved / scale)
         signs = []
         for before, after in zip(chain[:-1], chain[1:]):
             b, a = before[name].reshape(-1).tolist(), after[name].reshape(-1).tolist()

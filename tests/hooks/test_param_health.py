@@ -171,12 +171,12 @@ def test_added_param_group_restarts_consistency_and_reports_new_parameters():
     train(model, opt, mon, 2)
     assert "lin2.bias" not in series(mon.latest(), "param_min")
     opt.add_param_group({"params": list(model.lin2.parameters()), "weight_decay": 0.5})
-    first_seen = float(model.lin2.bias.detach().abs().max())  # its reference: before its first step
+    first_seen = model.lin2.bias.detach().clone()  # its reference: before its first step
     train(model, opt, mon, 1, start=2)
     assert series(mon.latest(), "param_weight_decay")["lin2.bias"] == 0.5
-    now = float(model.lin2.bias.detach().abs().max())
-    assert series(mon.latest(), "param_drift_log2")["lin2.bias"] == pytest.approx(math.log2(now / first_seen),
-                                                                                 rel=1e-5)
+    moved = float((model.lin2.bias.detach() - first_seen).abs().max())
+    want = math.log2(1 + moved / float(first_seen.abs().max()))
+    assert series(mon.latest(), "param_drift_log2")["lin2.bias"] == pytest.approx(want, rel=1e-5)
     assert "param_drift_consistency_ratio" not in {s["name"] for s in mon.latest()}
     train(model, opt, mon, 1, start=3)
     assert "lin2.bias" in series(mon.latest(), "param_drift_consistency_ratio")

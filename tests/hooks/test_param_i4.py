@@ -1,4 +1,4 @@
-"""INCIDENTS.md I4 reproduced on a tiny CPU model: a learnable output scale whose
+"""I4 (docs/incidents.md) reproduced on a tiny CPU model: a learnable output scale whose
 gradient is tiny but consistently signed (scaled by 1e-9, plus small biased noise
 standing in for low-precision rounding), no weight decay, Adam(eps=1e-8). Adam's
 normalization turns that gradient into full-size steps and the scale walks away.
@@ -36,9 +36,9 @@ def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def param_drift(mon, param: str) -> bool:
-    """DESIGN.md's ParamDrift rule on one report."""
+    """The default ParamDrift rule's conditions on one report."""
     v = lambda name: mon.value(name, param=param)  # noqa: E731
-    return (v("param_drift_log2") > 1 and v("param_drift_consistency_ratio") > 0.8
+    return (v("param_drift_log2") > 1 and v("param_drift_consistency_ratio") > 0.6
             and v("param_weight_decay") < 1e-12 and v("param_grad_relative_rms") < 0.01)
 
 
