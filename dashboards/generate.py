@@ -113,6 +113,14 @@ def m(metric: str, *matchers: str) -> str:
     return f"{PREFIX}{metric}{{{', '.join(matchers)}}}" if matchers else f"{PREFIX}{metric}"
 
 
+def lg(metric: str, suffix: str = "") -> str:
+    """The legend of a catalogue metric's series: its run and every label the
+    catalogue gives it (so a label added there shows up here), then ``suffix``."""
+    if metric not in METRICS:
+        raise ValueError(f"{metric!r} is not in trainvitals.wire.METRICS")
+    return "{{run}}" + "".join(f" {{{{{label}}}}}" for label in METRICS[metric].labels) + suffix
+
+
 RUN = 'run=~"$run"'
 MODALITY = 'modality=~"$modality"'
 PARAM = 'param=~"$param"'
@@ -294,7 +302,7 @@ def overview() -> Dashboard:
             P("Alerts firing (collector)", [(f"sum({m('alerts_firing')})", "firing")],
               "Alerts the collectors' own rule engines have firing now, all runs.",
               metric="alerts_firing", kind="stat", width=4, height=5),
-            P("Last step", [(m("step", RUN), "{{run}}")],
+            P("Last step", [(m("step", RUN), lg("step"))],
               "Last optimizer step each run reported.", metric="step", kind="bargauge",
               width=6, height=5),
             P("Last report age", [(age, "{{run}}")],
@@ -315,23 +323,23 @@ def overview() -> Dashboard:
               unit="short", width=12),
         ]),
         ("Training", [
-            P("Loss", [(m("loss", RUN), "{{run}}")],
+            P("Loss", [(m("loss", RUN), lg("loss"))],
               "Mean per-token loss of the last optimizer step over every label token "
               "(per modality: the loss accounting dashboard).", metric="loss"),
             P("Gradient norm", [(m(n, RUN), f"{{{{run}}}} {label}") for n, label in GRAD_NORMS],
               "Whole model. " + " ".join(f"{label}: {METRICS[n].help}" for n, label in GRAD_NORMS)
               + " GradNormSpike compares the norm with its own recent median.",
               metric="grad_norm"),
-            P("Update ratio", [(m("update_ratio", RUN), "{{run}}")],
+            P("Update ratio", [(m("update_ratio", RUN), lg("update_ratio"))],
               "RMS(update) / RMS(parameter) of the last step, whole model; ~1e-3 is typical "
               "for Adam.", metric="update_ratio"),
-            P("Parameter norm", [(m("param_norm", RUN), "{{run}}")],
+            P("Parameter norm", [(m("param_norm", RUN), lg("param_norm"))],
               "Whole-model parameter L2 norm after the optimizer step.", metric="param_norm"),
             P("Non-finite values", [(f"increase({m('nonfinite_total', RUN)}[$__rate_interval])",
                                      "{{run}} {{what}}")],
               "Non-finite losses (what=loss: NonFiniteLoss pages) and gradients (what=grad: "
               "routine under fp16 loss scaling) in each interval.", metric="nonfinite_total"),
-            P("Reports dropped by the hooks", [(m("client_dropped_reports_total", RUN), "{{run}}")],
+            P("Reports dropped by the hooks", [(m("client_dropped_reports_total", RUN), lg("client_dropped_reports_total"))],
               "Reports a job dropped since attach (queue full or collector unreachable): the "
               "dashboards miss those steps.", metric="client_dropped_reports_total"),
         ]),
@@ -367,22 +375,22 @@ def loss_accounting() -> Dashboard:
     rows = [
         ("Where the gradient goes (I1)", [
             P("Sample vs gradient share",
-              [(m("modality_sample_share_ratio", *mod), "{{run}} {{modality}} samples"),
-               (m("modality_grad_share_ratio", *mod), "{{run}} {{modality}} gradient")],
+              [(m("modality_sample_share_ratio", *mod), lg("modality_sample_share_ratio", " samples")),
+               (m("modality_grad_share_ratio", *mod), lg("modality_grad_share_ratio", " gradient"))],
               "Each modality's share of the step's samples against its share of the loss "
               "weight sum(dL/dl). Per-sample normalization keeps them equal.",
               metric="modality_sample_share_ratio", width=12, min=0, max=1),
-            P("Dilution", [(m("modality_dilution_ratio", *mod), "{{run}} {{modality}}")],
+            P("Dilution", [(m("modality_dilution_ratio", *mod), lg("modality_dilution_ratio"))],
               "Sample share / gradient share: how many times less gradient a modality gets "
               "than its samples' share (1: none). GradientDilution pages past the line.",
               metric="modality_dilution_ratio", lines=["GradientDilution"], width=12),
-            P("Token share", [(m("modality_token_share_ratio", *mod), "{{run}} {{modality}}")],
+            P("Token share", [(m("modality_token_share_ratio", *mod), lg("modality_token_share_ratio"))],
               "Each modality's share of the step's label tokens.",
               metric="modality_token_share_ratio", min=0, max=1),
-            P("Loss per modality", [(m("modality_loss", *mod), "{{run}} {{modality}}")],
+            P("Loss per modality", [(m("modality_loss", *mod), lg("modality_loss"))],
               "Mean per-token loss over each modality's label tokens.", metric="modality_loss"),
             P("Gradient norm per modality",
-              [(m("modality_grad_norm", *mod), "{{run}} {{modality}} {{scope}}")],
+              [(m("modality_grad_norm", *mod), lg("modality_grad_norm"))],
               "Per-modality gradient norm at the output (scope=output) and, on probe steps, "
               "in parameter space (scope=params).", metric="modality_grad_norm"),
             P("Gradient cosine between modalities",
@@ -392,18 +400,18 @@ def loss_accounting() -> Dashboard:
               metric="modality_grad_cosine", min=-1, max=1),
         ]),
         ("Normalization (I2, I3)", [
-            P("Normalization exponent", [(m("loss_norm_exponent", RUN), "{{run}}")],
+            P("Normalization exponent", [(m("loss_norm_exponent", RUN), lg("loss_norm_exponent"))],
               "Fitted beta in w ~ n^beta over the step's samples: 1 per-token, 0.5 sqrt, "
               "0 per-sample normalization.", metric="loss_norm_exponent"),
-            P("Loss weight mass", [(m("loss_weight_mass", RUN), "{{run}}")],
+            P("Loss weight mass", [(m("loss_weight_mass", RUN), lg("loss_weight_mass"))],
               "Sum of the step's loss weights: 1 when normalized; N when the loss is not "
               "divided by N accumulation steps (LossNotAccumNormalized, upper line); under "
               "the lower line it is divided twice or averaged over non-label tokens "
               "(LossWeightMassLow).", metric="loss_weight_mass",
               lines=["LossNotAccumNormalized", "LossWeightMassLow"]),
-            P("Micro-batches per step", [(m("microbatches", RUN), "{{run}}")],
+            P("Micro-batches per step", [(m("microbatches", RUN), lg("microbatches"))],
               "track_loss calls in the last optimizer step.", metric="microbatches"),
-            P("Token weight spread", [(m("token_weight_spread_ratio", RUN), "{{run}}")],
+            P("Token weight spread", [(m("token_weight_spread_ratio", RUN), lg("token_weight_spread_ratio"))],
               "Max/min per-token weight across the step's micro-batches: 1 for a global "
               "per-token normalization; above the line, a mean of means (MeanOfMeansLoss).",
               metric="token_weight_spread_ratio", lines=["MeanOfMeansLoss"]),
@@ -428,7 +436,7 @@ def parameter_drift() -> Dashboard:
             P("Drift over time", [(f"topk(10, {drift})", "{{run}} {{param}}")],
               "The same drift over time, largest ten at each point.",
               metric="param_drift_log2", lines=["ParamDrift"], width=12),
-            P("Drift consistency", [(m("param_drift_consistency_ratio", *sel), "{{run}} {{param}}")],
+            P("Drift consistency", [(m("param_drift_consistency_ratio", *sel), lg("param_drift_consistency_ratio"))],
               "|mean sign| of each parameter's recent changes: 0 for a random walk, 1 when it "
               "only moves one way.", metric="param_drift_consistency_ratio", min=0, max=1),
             P("Drift of parameters without weight decay",
@@ -436,16 +444,16 @@ def parameter_drift() -> Dashboard:
               "Only the 1D parameters the optimizer applies no weight decay to: nothing "
               "pulls them back when Adam walks them.", metric="param_drift_log2",
               lines=["ParamDrift"]),
-            P("Weight decay per parameter", [(m("param_weight_decay", *sel), "{{run}} {{param}}")],
+            P("Weight decay per parameter", [(m("param_weight_decay", *sel), lg("param_weight_decay"))],
               "Weight decay the optimizer applies to each 1D parameter (0: none).",
               metric="param_weight_decay", kind="table"),
-            P("Relative gradient RMS", [(m("param_grad_relative_rms", *sel), "{{run}} {{param}}")],
+            P("Relative gradient RMS", [(m("param_grad_relative_rms", *sel), lg("param_grad_relative_rms"))],
               "Gradient RMS over the model's median per-parameter gradient RMS: far below "
               "0.01, the parameter has no real gradient.", metric="param_grad_relative_rms"),
-            P("Largest absolute element", [(m("param_absmax", *sel), "{{run}} {{param}}")],
+            P("Largest absolute element", [(m("param_absmax", *sel), lg("param_absmax"))],
               "absmax of each 1D parameter.", metric="param_absmax"),
-            P("Range", [(m("param_min", *sel), "{{run}} {{param}} min"),
-                        (m("param_max", *sel), "{{run}} {{param}} max")],
+            P("Range", [(m("param_min", *sel), lg("param_min", " min")),
+                        (m("param_max", *sel), lg("param_max", " max"))],
               "Smallest and largest element of each 1D parameter.", metric="param_min"),
         ]),
         ("Adam state (I4)", [
@@ -460,17 +468,17 @@ def parameter_drift() -> Dashboard:
               "L2 norm of Adam's exp_avg per parameter.", metric="adam_exp_avg_norm"),
             P("Second moment norm", [(m("adam_exp_avg_sq_norm", *sel), "{{run}} {{param}}")],
               "L2 norm of Adam's exp_avg_sq per parameter.", metric="adam_exp_avg_sq_norm"),
-            P("Optimizer state resets", [(m("optimizer_state_resets_total", RUN), "{{run}}")],
+            P("Optimizer state resets", [(m("optimizer_state_resets_total", RUN), lg("optimizer_state_resets_total"))],
               "Optimizer state resets seen since attach: each restarts the period where v is "
               "near zero (OptimizerStateReset).", metric="optimizer_state_resets_total"),
         ]),
         ("Param groups", [
-            P("Gradient norm per group", [(m("group_grad_norm", RUN), "{{run}} {{group}}")],
+            P("Gradient norm per group", [(m("group_grad_norm", RUN), lg("group_grad_norm"))],
               "Gradient L2 norm of each optimizer param group.", metric="group_grad_norm"),
-            P("Parameter norm per group", [(m("group_param_norm", RUN), "{{run}} {{group}}")],
+            P("Parameter norm per group", [(m("group_param_norm", RUN), lg("group_param_norm"))],
               "Parameter L2 norm of each param group after the step.",
               metric="group_param_norm"),
-            P("Update ratio per group", [(m("group_update_ratio", RUN), "{{run}} {{group}}")],
+            P("Update ratio per group", [(m("group_update_ratio", RUN), lg("group_update_ratio"))],
               "RMS(update) / RMS(parameter) of each param group.", metric="group_update_ratio"),
         ]),
     ]
@@ -504,10 +512,10 @@ def softmax() -> Dashboard:
         ]),
         ("Distillation", [
             P("KL gradient at the teacher's top-1",
-              [(m("distill_top1_grad_share_ratio", *sel), "{{run}} {{task}}")],
+              [(m("distill_top1_grad_share_ratio", *sel), lg("distill_top1_grad_share_ratio"))],
               "Share of the KL gradient on the student's logits at the teacher's top-1 class.",
               metric="distill_top1_grad_share_ratio", width=12, min=0, max=1),
-            P("Dark knowledge", [(m("distill_dark_knowledge_mass", *sel), "{{run}} {{task}}")],
+            P("Dark knowledge", [(m("distill_dark_knowledge_mass", *sel), lg("distill_dark_knowledge_mass"))],
               "Mean teacher probability outside its top-1: what distillation can teach "
               "beyond the label.", metric="distill_dark_knowledge_mass", width=12, min=0, max=1),
         ]),
