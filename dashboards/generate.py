@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,7 +90,8 @@ UNITS = {
 RATE_UNIT = "cps"  # counts per second, for rate() of a counter
 
 # Metrics the dashboards show on purpose nowhere, with why. Every other metric of
-# the catalogue needs a panel (tests/integration/test_dashboards.py).
+# the catalogue that no curated panel shows gets a generated one in a last row of
+# its group's dashboard (boards()), until someone curates it.
 NOT_ON_DASHBOARDS: dict[str, str] = {}
 
 
@@ -258,27 +260,67 @@ VARIABLES = {
 }
 
 
-def build_dashboard(uid: str, title: str, description: str, variables: list[str],
-                    rows: list[tuple[str, list[P]]]) -> Dashboard:
-    d = (Dashboard(title).uid(uid).description(description).tags([TAG]).editable()
-         .tooltip(DashboardCursorSync.CROSSHAIR).time("now-6h", "now").refresh("30s")
-         .timezone("browser")
-         .annotation(AnnotationQuery().name("Annotations & Alerts").built_in(1).enable(True)
-                     .hide(True).icon_color("rgba(0, 211, 255, 1)").type("dashboard")
-                     .datasource(DataSourceRef(type_val="grafana", uid="-- Grafana --")))
-         .link(DashboardLink("trainvitals").type(DashboardLinkType.DASHBOARDS).tags([TAG])
-               .as_dropdown(True).include_vars(True).keep_time(True))
-         .with_variable(DatasourceVariable("datasource").label("Data source").type("prometheus")))
-    for name in ["run", *variables]:
-        d = d.with_variable(VARIABLES[name])
-    panel_id = 1
-    for row_title, panels in rows:
-        d = d.with_row(Row(row_title).id(panel_id))
-        panel_id += 1
-        for p in panels:
-            d = d.with_panel(build_panel(p, panel_id))
+@dataclass
+class Board:
+    """One dashboard before it is built: its curated rows, then (``auto``) a panel
+    for each catalogue metric no curated panel shows (:func:`render` adds them)."""
+
+    uid: str
+    title: str
+    description: str
+    variables: list[str]
+    rows: list[tuple[str, list[P]]]
+    auto: list[P] = field(default_factory=list)
+
+    def build(self) -> Dashboard:
+        d = (Dashboard(self.title).uid(self.uid).description(self.description).tags([TAG])
+             .editable().tooltip(DashboardCursorSync.CROSSHAIR).time("now-6h", "now")
+             .refresh("30s").timezone("browser")
+             .annotation(AnnotationQuery().name("Annotations & Alerts").built_in(1).enable(True)
+                         .hide(True).icon_color("rgba(0, 211, 255, 1)").type("dashboard")
+                         .datasource(DataSourceRef(type_val="grafana", uid="-- Grafana --")))
+             .link(DashboardLink("trainvitals").type(DashboardLinkType.DASHBOARDS).tags([TAG])
+                   .as_dropdown(True).include_vars(True).keep_time(True))
+             .with_variable(DatasourceVariable("datasource").label("Data source")
+                            .type("prometheus")))
+        for name in ["run", *self.variables]:
+            d = d.with_variable(VARIABLES[name])
+        rows = list(self.rows)
+        if self.auto:
+            rows.append((AUTO_ROW, self.auto))
+        panel_id = 1
+        for row_title, panels in rows:
+            d = d.with_row(Row(row_title).id(panel_id))
             panel_id += 1
-    return d
+            for p in panels:
+                d = d.with_panel(build_panel(p, panel_id))
+                panel_id += 1
+        return d
+
+
+def build_dashboard(uid: str, title: str, description: str, variables: list[str],
+                    rows: list[tuple[str, list[P]]]) -> Board:
+    return Board(uid, title, description, variables, rows)
+
+
+# -- metrics no curated panel shows ----------------------------------------------------------
+AUTO_ROW = "More signals (one panel per metric, generated from the catalogue)"
+# Which dashboard a catalogue group belongs on; other groups go on the overview.
+GROUP_HOME = {"loss": "trainvitals-loss.json", "params": "trainvitals-params.json",
+              "adam": "trainvitals-params.json", "softmax": "trainvitals-softmax.json"}
+# A dashboard variable narrows the metrics that carry its label.
+VARIABLE_MATCHERS = {"modality": MODALITY, "param": PARAM, "task": TASK}
+_SHOWN = re.compile(rf"\b{PREFIX}(\w+)")
+
+
+def auto_panel(metric: str, board: Board) -> P:
+    """A plain time series of a catalogue metric, narrowed by the board's variables."""
+    spec = METRICS[metric]
+    matchers = [RUN] if spec.owner == "hooks" or spec.group == "run" else []
+    matchers += [VARIABLE_MATCHERS[v] for v in board.variables if v in spec.labels]
+    return P(metric, [(m(metric, *matchers), lg(metric) if matchers[:1] == [RUN] else
+                       " ".join(f"{{{{{label}}}}}" for label in spec.labels) or metric)],
+             spec.help, metric=metric)
 
 
 # -- the dashboards ------------------------------------------------------------------------------
@@ -288,7 +330,7 @@ GRAD_NORMS = [("grad_norm", "last step")] + [
     (n, n.removeprefix("grad_norm_")) for n in METRICS if n.startswith("grad_norm_")]
 
 
-def overview() -> Dashboard:
+def overview() -> Board:
     age = f"time() - {m('last_report_timestamp_seconds', RUN)}"
     silent = rule_line("RunSilent")[0]
     rows = [
@@ -370,7 +412,7 @@ def overview() -> Dashboard:
         [], rows)
 
 
-def loss_accounting() -> Dashboard:
+def loss_accounting() -> Board:
     mod = (RUN, MODALITY)
     rows = [
         ("Where the gradient goes (I1)", [
@@ -423,7 +465,7 @@ def loss_accounting() -> Dashboard:
         "across micro-batches (I3).", ["modality"], rows)
 
 
-def parameter_drift() -> Dashboard:
+def parameter_drift() -> Board:
     sel = (RUN, PARAM)
     drift = m("param_drift_log2", *sel)
     rows = [
@@ -488,7 +530,7 @@ def parameter_drift() -> Dashboard:
         "param groups.", ["param"], rows)
 
 
-def softmax() -> Dashboard:
+def softmax() -> Board:
     sel = (RUN, TASK)
     by = "{{run}} {{task}} {{role}}"
     rows = [
@@ -534,12 +576,24 @@ DASHBOARDS = {
 }
 
 
+def boards() -> dict[str, Board]:
+    """File name -> every dashboard, with a panel added for each catalogue metric
+    that no curated panel shows (on the dashboard of its catalogue group)."""
+    out = {name: make() for name, make in DASHBOARDS.items()}
+    shown = {name for b in out.values() for _, panels in b.rows for p in panels
+             for expr, _ in p.queries for name in _SHOWN.findall(expr)}
+    for metric, spec in METRICS.items():
+        if metric not in shown and metric not in NOT_ON_DASHBOARDS:
+            board = out[GROUP_HOME.get(spec.group, "trainvitals-overview.json")]
+            board.auto.append(auto_panel(metric, board))
+    return out
+
+
 def render() -> dict[str, str]:
     """File name -> JSON text of every dashboard."""
     out = {}
-    for name, make in DASHBOARDS.items():
-        built = make().build()
-        text = JSONEncoder(sort_keys=True, indent=2).encode(built)
+    for name, board in boards().items():
+        text = JSONEncoder(sort_keys=True, indent=2).encode(board.build().build())
         out[name] = json.dumps(json.loads(text), indent=2, sort_keys=True) + "\n"
     return out
 

@@ -154,3 +154,24 @@ def test_a_threshold_line_sits_where_its_rule_fires() -> None:
     mass = next(p for p in panels(d) if p["title"] == "Loss weight mass")
     steps = mass["fieldConfig"]["defaults"]["thresholds"]["steps"]
     assert [(s["value"], s["color"]) for s in steps] == [(None, "orange"), (0.5, "green"), (1.5, "red")]
+
+
+def test_a_metric_without_a_curated_panel_gets_one_on_its_groups_dashboard(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainvitals.wire import MetricSpec
+
+    spec = MetricSpec("probe_share_ratio", "gauge", "Share of something per modality.", "ratio",
+                      ("modality",), "hooks", "loss")
+    monkeypatch.setitem(METRICS, spec.name, spec)
+    boards = GENERATE.boards()
+    auto = {p.title: p for b in boards.values() for p in b.auto}
+    curated = {name for b in boards.values() for _, panels in b.rows for p in panels
+               for expr, _ in p.queries for name in re.findall(rf"\b{PREFIX}(\w+)", expr)}
+    assert "probe_share_ratio" in auto and not set(auto) & curated
+    assert auto["probe_share_ratio"] in boards["trainvitals-loss.json"].auto
+    (expr, legend), = auto["probe_share_ratio"].queries
+    assert expr == f'{PREFIX}probe_share_ratio{{run=~"$run", modality=~"$modality"}}'
+    assert legend == "{{run}} {{modality}}"
+    assert auto["probe_share_ratio"].grafana_unit() == "percentunit"
+    built = boards["trainvitals-loss.json"].build().build()
+    assert built.panels[-2].title == GENERATE.AUTO_ROW
