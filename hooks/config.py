@@ -21,6 +21,13 @@ class Config:
     later, as in Megatron's per-token path); the weight mass is reported relative to
     ``loss_scale``."""
 
+    loss_normalization: Literal["token", "sqrt", "sample"] | None = None
+    """How the job intends to weight samples in its loss: "token" (each label token
+    the same: long samples weigh more), "sqrt" (a sample by the square root of its
+    tokens, as Qwen3-VL), "sample" (each sample the same, a mean of sample means).
+    The dilution alert then judges the measured weighting against this intent.
+    ``track_loss(normalization=...)`` overrides it for a step. None: undeclared."""
+
     loss_scale: float | None = None
     """With loss_reduction="sum": the scale the job divides by later (e.g. the global
     token count). None: the step's label-token count."""
@@ -79,6 +86,9 @@ class Config:
         positive_int("probe_every", allow_none=True)
         if self.loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        if self.loss_normalization not in (None, "token", "sqrt", "sample"):
+            raise ValueError(f"loss_normalization must be 'token', 'sqrt', 'sample' or None, "
+                             f"got {self.loss_normalization!r}")
         if self.loss_scale is not None and not (isinstance(self.loss_scale, (int, float)) and self.loss_scale > 0):
             raise ValueError(f"loss_scale must be a positive number or None, got {self.loss_scale!r}")
         if self.loss_scale is not None and self.loss_reduction != "sum":

@@ -126,7 +126,9 @@ class Monitor:
 
     # -- user API ------------------------------------------------------------
     def track_loss(self, per_token: torch.Tensor, *, modality: Any, mask: torch.Tensor | None = None,
-                   segments: torch.Tensor | None = None, output: torch.Tensor | None = None) -> None:
+                   segments: torch.Tensor | None = None, output: torch.Tensor | None = None,
+                   objective: str = "main", weight: float | None = None,
+                   normalization: str | None = None) -> None:
         """Account the loss weights of one micro-batch; call once per micro-batch,
         before its backward (definitions: docs/signals.md, "Loss accounting").
 
@@ -135,10 +137,17 @@ class Monitor:
         per token [B, T], integer codes or names from ``attach(modalities=...)``.
         ``mask``: [B, T] bool, the label tokens (default: all). ``segments``: [B, T]
         sample ids of packed rows. ``output``: logits or last hidden states
-        [B, T, ...], for per-modality output-gradient norms. Wrong types, shapes and
-        unknown names raise here; problems in the values become events.
+        [B, T, ...], for per-modality output-gradient norms. ``objective``: which term of
+        the loss this is (a mixture, hard labels + distillation, is judged per term);
+        ``weight``: the coefficient it carries in the loss you call backward on (2.0,
+        tau**2), so its weight mass is judged against it; ``normalization``: how the job
+        intends to weight samples ("token", "sqrt", "sample"; default
+        ``attach(loss_normalization=...)``). Wrong types, shapes and unknown names raise
+        here; problems in the values become events.
         """
-        self._loss_signal().track(self, per_token, modality=modality, mask=mask, segments=segments, output=output)
+        self._loss_signal().track(self, per_token, modality=modality, mask=mask, segments=segments,
+                                  output=output, objective=objective, weight=weight,
+                                  normalization=normalization)
 
     def observe_logits(self, logits: torch.Tensor, *, mask: torch.Tensor | None = None, task: str = "all",
                        role: str = "student", temperature: float = 1.0) -> None:

@@ -19,36 +19,56 @@ Definitions (per optimizer step, over all its ``track_loss`` calls and all ranks
   the code of its label tokens. A sample whose label tokens mix codes counts under
   the highest one and is reported once as an event and a log line (a value
   problem, never raised). Codes outside ``attach(modalities=...)`` count toward the
-  totals only (event + log once).
+  totals only (event + log once). A declared modality that marks positions but none
+  of the label tokens (a VLM's image *input* positions) would read as absent: an
+  event ``modality_without_label_tokens`` and a log line say so; pass one code per
+  sample ([B]) to class samples by their inputs.
+- Objectives: each ``track_loss`` call belongs to an ``objective`` (default
+  ``"main"``; a hard-label term and a distillation term on the same logits are two),
+  optionally with the ``weight`` it carries in the total loss (2.0, tau**2) and the
+  ``normalization`` the job intends (``token``, ``sqrt``, ``sample``; or
+  ``attach(loss_normalization=...)``).
 - ``w_s`` = sum of the sample's label-token weights, ``n_s`` = its label tokens.
 - ``modality_sample_share_ratio`` / ``_token_share_ratio`` / ``_grad_share_ratio``:
   the modality's share of samples, label tokens, and weight ``sum w`` (I1).
   ``modality_dilution_ratio`` = sample share / grad share (1 when every sample
-  weighs the same; 17 in I1).
+  weighs the same; 17 in I1). ``modality_excess_dilution_ratio`` = the grad share
+  the intended normalization gives the modality / the grad share it gets: the
+  declared scheme; undeclared, sqrt when the fitted exponent is within 0.15 of 0.5,
+  else per sample. 1 when the job does what it intends, the dilution itself for an
+  undeclared per-token loss (I1), about 1 for a deliberate sqrt.
 - ``loss``: mean per-token loss over every label token; ``modality_loss{modality}``
   over the modality's label tokens.
 - ``loss_norm_exponent``: least-squares slope of ``log w_s`` on ``log n_s`` over
   the samples with ``w_s > 0``: 1 per-token, 0.5 sqrt, 0 per-sample normalization.
   Absent when the lengths do not vary (no slope to fit).
-- ``loss_weight_mass``: ``sum w`` over the step (I2): 1 for a loss normalized over
-  the step, N when the division by N accumulation steps is missing. Under data
+- ``loss_weight_mass{objective}``: the objective's ``sum w`` over the step divided
+  by its declared ``weight`` (I2): 1 for a loss normalized over the step, N when the
+  division by N accumulation steps is missing, the coefficient when one is carried
+  but not declared. ``loss_accumulation_exponent{objective}`` = log(mass) / log(N)
+  for the objective's N >= 2 micro-batches of the step: 1 when their losses were not
+  divided by N, 0 when normalized, -1 when divided twice (a coefficient c shifts it
+  by log c / log N, so one micro-batch never reads as a missing division). Under data
   parallelism DDP averages gradients, so a token's effective weight is
   ``w / world``: the mass is the sum over ranks divided by the world size.
   With ``attach(loss_reduction="sum")`` the job sums on purpose and divides later
   (across ranks too, as Megatron's per-token path does): the mass is the sum over
   ranks divided by ``loss_scale`` (default: the step's label tokens over all
   ranks), so 1 is still healthy.
-- ``token_weight_spread_ratio``: max over the step's micro-batches (and ranks) of
-  their per-token weight over the min (I3): 1 for a globally normalized per-token
-  loss, the token-count ratio for a mean of per-micro-batch means. Present only
-  when every micro-batch is per-token normalized, i.e. its label tokens' weights
-  are equal within a relative 1e-3.
+- ``token_weight_spread_ratio{objective}``: max over the step's micro-batches (and
+  ranks) of the objective's per-token weight over the min (I3): 1 for a globally
+  normalized per-token loss, the token-count ratio for a mean of per-micro-batch
+  means. Present only when every micro-batch is per-token normalized, i.e. its label
+  tokens' weights are equal within a relative 1e-3, and the job has not declared
+  per-sample weighting (one sample per micro-batch, each averaged over its own
+  tokens, is then the intent).
 - ``modality_grad_norm{scope="output"}``: with ``output`` (logits or last hidden
   states), the gradient of the step's loss w.r.t. that tensor restricted to the
   modality's samples: sqrt of the sum over the modality's samples (and the step's
   micro-batches and ranks) of squared per-sample output-gradient norms, scaled like
   the mass (``/ world``, or ``/ loss_scale`` with "sum").
-- ``microbatches``: ``track_loss`` calls in the step (this rank).
+- ``microbatches``: micro-batches in the step (this rank): the most ``track_loss``
+  calls of one objective.
 - ``nonfinite_total{what="loss"}``: micro-batches since attach with a non-finite
   per-token loss on a label token, counted every step, summed over ranks.
 
@@ -70,15 +90,22 @@ opt-in parameter-space probe (``attach(probe_every=N)``) in
 
 from __future__ import annotations
 
+import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.late_warnings import LateWarnings
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
-from trainvitals.hooks.signals.loss_arguments import check_track_loss
+from trainvitals.hooks.signals.loss_arguments import (
+    MAX_OBJECTIVES,
+    NORMALIZATIONS,
+    check_declarations,
+    check_track_loss,
+)
 from trainvitals.hooks.signals.loss_binning import (
     Batch,
     SumsLayout,
@@ -93,6 +120,10 @@ from trainvitals.hooks.tensors import float_dtype
 MIN_LOG_LENGTH_VAR = 1e-6
 """Below this variance of log(label tokens per sample) there is no slope to fit."""
 
+SQRT_TOLERANCE = 0.15
+"""Undeclared, a fitted exponent within this of 0.5 is taken as a deliberate sqrt
+normalization (it is 0 per sample, 1 per token: far from either)."""
+
 
 @dataclass
 class _Step:
@@ -101,12 +132,15 @@ class _Step:
     token: tuple[int, Any]
     reporting: bool
     probe: bool
+    calls: list[int] = field(default_factory=lambda: [0] * MAX_OBJECTIVES)  # micro-batches per objective
+    weights: dict[int, float] = field(default_factory=dict)  # declared weight per objective slot
+    normalization: str | None = None  # declared by a track_loss call of the step
     tracked: int = 0
     fired: int = 0
     outputs: int = 0
     sums: torch.Tensor | None = None  # [layout.size], float64 (float32 on mps)
-    wmax: torch.Tensor | None = None  # [1] largest label-token weight
-    wmin: torch.Tensor | None = None  # [1] smallest label-token weight
+    wmax: torch.Tensor | None = None  # [objectives] largest label-token weight
+    wmin: torch.Tensor | None = None  # [objectives] smallest label-token weight
     probe_grads: torch.Tensor | None = None  # [M, P] per-modality parameter gradients
 
 
@@ -122,10 +156,12 @@ class LossAccounting(Signal):
         self._layout: SumsLayout | None = None
         self._probe: ModalityProbe | None = None
         self._closed = False
+        self._objectives: dict[str, int] = {}  # name -> slot in the per-objective sums
+        self._indices = IndexCache()
 
     # -- lifecycle -------------------------------------------------------------
     def bind(self, monitor: MonitorView) -> list[Removable]:
-        self._layout = SumsLayout(len(monitor.modalities))
+        self._layout = SumsLayout(len(monitor.modalities), MAX_OBJECTIVES)
         if monitor.config.probe_every is not None:
             self._probe = ModalityProbe(monitor)
         return []
@@ -157,22 +193,37 @@ class LossAccounting(Signal):
     # -- the user call -----------------------------------------------------------
     def track(self, monitor: MonitorView, per_token: torch.Tensor, *, modality: Any,
               mask: torch.Tensor | None = None, segments: torch.Tensor | None = None,
-              output: torch.Tensor | None = None) -> None:
+              output: torch.Tensor | None = None, objective: str = "main", weight: float | None = None,
+              normalization: str | None = None) -> None:
         """Account one micro-batch's per-token losses; see ``Monitor.track_loss``.
         Wrong types, shapes and unknown names raise here; past the checks nothing does."""
         rows, cols, codes = check_track_loss(monitor.modalities, per_token, modality, mask, segments, output)
+        check_declarations(objective, weight, normalization)
+        slot = self._objectives.get(objective)
+        if slot is None:
+            if len(self._objectives) >= MAX_OBJECTIVES:
+                raise ValueError(f"track_loss: objective {objective!r} would be the {MAX_OBJECTIVES + 1}th; "
+                                 f"at most {MAX_OBJECTIVES} are accounted ({sorted(self._objectives)})")
+            slot = self._objectives[objective] = len(self._objectives)
         if self._layout is None:  # created outside Monitor._signal: bind ourselves
             self.bind(monitor)
         if self._closed or self.broken:
             return
         with self.guard("track_loss"):
-            self._track(monitor, per_token, rows, cols, codes, mask, segments, output)
+            self._track(monitor, per_token, rows, cols, codes, mask, segments, output, slot, weight,
+                        normalization)
 
     def _track(self, monitor: MonitorView, per_token: torch.Tensor, rows: int, cols: int, codes: Any,
-               mask: torch.Tensor | None, segments: torch.Tensor | None, output: torch.Tensor | None) -> None:
+               mask: torch.Tensor | None, segments: torch.Tensor | None, output: torch.Tensor | None,
+               slot: int, weight: float | None, normalization: str | None) -> None:
         self._late.poll(monitor)
         step = self._current(monitor)
         step.tracked += 1
+        step.calls[slot] += 1
+        if weight is not None:
+            step.weights[slot] = float(weight)
+        if normalization is not None:
+            step.normalization = normalization
         if per_token.numel() == 0:
             return
         loss = per_token.detach().reshape(rows, cols)
@@ -184,11 +235,11 @@ class LossAccounting(Signal):
         if step.sums is None:
             fdt = float_dtype(loss.device)
             step.sums = torch.zeros(self._layout.size, dtype=fdt, device=loss.device)
-            step.wmax = torch.full((1,), float("-inf"), dtype=fdt, device=loss.device)
-            step.wmin = torch.full((1,), float("inf"), dtype=fdt, device=loss.device)
+            step.wmax = torch.full((MAX_OBJECTIVES,), float("-inf"), dtype=fdt, device=loss.device)
+            step.wmin = torch.full((MAX_OBJECTIVES,), float("inf"), dtype=fdt, device=loss.device)
         seg = None if segments is None else segments.detach().reshape(rows, cols).to(loss.device)
         batch = bin_batch(self._layout, step.sums, loss, label, seg, codes, probe=step.probe)
-        per_token.register_hook(self._weight_hook(monitor, step, batch, per_token))
+        per_token.register_hook(self._weight_hook(monitor, step, batch, per_token, slot))
         if output is not None:
             step.outputs += 1
             lead = per_token.dim() if tuple(output.shape[: per_token.dim()]) == tuple(per_token.shape) else 1
@@ -243,7 +294,8 @@ class LossAccounting(Signal):
 
         return hook
 
-    def _weight_hook(self, monitor: MonitorView, step: _Step, b: Batch, per_token: torch.Tensor) -> Any:
+    def _weight_hook(self, monitor: MonitorView, step: _Step, b: Batch, per_token: torch.Tensor,
+                     slot: int) -> Any:
         layout = self._layout
         assert layout is not None
         # A weak reference: the hook lives in per_token's autograd node, so a strong one
@@ -257,11 +309,14 @@ class LossAccounting(Signal):
             inv = self._inv_scale(monitor, grad.device, b.fdt)
             if inv is not None:
                 w = w * inv
-            block, wmax, wmin = weight_sums(layout, b, w)
+            block, mass, nonuniform, wmax, wmin = weight_sums(layout, b, w)
             assert step.sums is not None and step.wmax is not None and step.wmin is not None
-            step.sums[layout.hooked].add_(block)
-            torch.maximum(step.wmax, wmax, out=step.wmax)
-            torch.minimum(step.wmin, wmin, out=step.wmin)
+            step.sums[layout.common].add_(block)
+            step.sums[layout.mass.start + slot].add_(mass)
+            step.sums[layout.nonuniform.start + slot].add_(nonuniform)
+            top, bottom = step.wmax[slot : slot + 1], step.wmin[slot : slot + 1]
+            torch.maximum(top, wmax, out=top)
+            torch.minimum(bottom, wmin, out=bottom)
             source = per_token_ref()
             if step.probe and self._probe is not None and source is not None and b.probe_masks is not None:
                 self._probing = True
@@ -303,8 +358,8 @@ class LossAccounting(Signal):
             dev = ctx.device
             fdt = float_dtype(dev)
             sums = torch.zeros(lay.size, dtype=fdt, device=dev)
-            wmax = torch.full((1,), float("-inf"), dtype=fdt, device=dev)
-            wmin = torch.full((1,), float("inf"), dtype=fdt, device=dev)
+            wmax = torch.full((MAX_OBJECTIVES,), float("-inf"), dtype=fdt, device=dev)
+            wmin = torch.full((MAX_OBJECTIVES,), float("inf"), dtype=fdt, device=dev)
         else:
             assert step.wmax is not None and step.wmin is not None
             sums, wmax, wmin = step.sums, step.wmax, step.wmin
@@ -322,7 +377,7 @@ class LossAccounting(Signal):
         if self._nonfinite is not None:
             self._late.add("loss_nonfinite", "%d micro-batch(es) had a non-finite per-token loss on a "
                            "label token", self._nonfinite)
-        info = {"microbatches": 0 if step is None else step.tracked,
+        info = {"step": step,
                 "fired": step is not None and step.fired > 0,
                 "output": step is not None and step.outputs > 0,
                 "probe": probe}
@@ -332,12 +387,15 @@ class LossAccounting(Signal):
     def _emit(self, monitor: MonitorView, ctx: StepContext, sums: torch.Tensor, wmax: torch.Tensor,
               wmin: torch.Tensor, info: dict[str, Any]) -> None:
         lay = self._layout
+        assert lay is not None
+        step: _Step | None = info["step"]
         names = list(monitor.modalities)
         m = len(names)
         mod_labels = [{"modality": n} for n in names]
         if self._nonfinite is not None or monitor.world_size > 1:
             ctx.emit("nonfinite_total", sums[lay.nonfinite], {"what": "loss"})
-        ctx.emit("microbatches", torch.tensor(float(info["microbatches"])))
+        calls = step.calls if step is not None else [0] * MAX_OBJECTIVES
+        ctx.emit("microbatches", self._indices.get([float(max(calls))], ctx.device, sums.dtype)[0])
         samples, tokens = sums[lay.samples], sums[lay.tokens]
         weight, loss_sum = sums[lay.weight], sums[lay.loss]
         total_samples, total_tokens, total_weight = samples.sum(), tokens.sum(), weight.sum()
@@ -353,6 +411,19 @@ class LossAccounting(Signal):
                   when=sums[lay.mixed])
         ctx.event("loss_unknown_modality_code", "label tokens with a modality code outside attach(modalities=...)",
                   when=sums[lay.unknown])
+        # A declared modality that marks positions (inputs) but none of the label tokens:
+        # its samples are classed by their label tokens, so it reads as absent.
+        unlabeled = (sums[lay.positions][:m] > 0) & (tokens[:m] == 0)
+        for k, name in enumerate(names):
+            ctx.event("modality_without_label_tokens",
+                      f"modality {name!r} marks positions but none of the label tokens: samples are classed "
+                      "by their label tokens; to class them by their inputs pass one modality code per "
+                      "sample ([B]) (docs/signals.md, 'Loss accounting')", {"modality": name},
+                      when=unlabeled[k])
+        self._late.add("loss_modality_without_labels",
+                       "%d declared modality(ies) mark positions but none of the label tokens, so they read "
+                       "as absent from the shares; pass one modality code per sample ([B]) to class "
+                       "samples by their inputs (docs/signals.md, 'Loss accounting')", unlabeled.sum())
         if not info["fired"] and monitor.world_size == 1:
             return  # no weights arrived on this step: nothing honest to say about them
 
@@ -368,15 +439,62 @@ class LossAccounting(Signal):
         ctx.emit("modality_grad_share_ratio", grad_share, mod_labels, present=has_weight.expand(m))
         ctx.emit("modality_dilution_ratio", sample_share / grad_share, mod_labels,
                  present=samples[:m] * has_weight)
-        ctx.emit("loss_weight_mass", total_weight / scale, present=some)
         n, sx, sy, sxx, sxy = sums[lay.fit].unbind()
         var_x = sxx / n - (sx / n) ** 2
         fit_ok = (n >= 2) & (var_x > MIN_LOG_LENGTH_VAR)
-        ctx.emit("loss_norm_exponent", (n * sxy - sx * sy) / (n * sxx - sx * sx), present=fit_ok.float())
-        spread_ok = (sums[lay.nonuniform] == 0) & (wmin > 0).squeeze(0) & torch.isfinite(wmax).squeeze(0)
-        ctx.emit("token_weight_spread_ratio", (wmax / wmin).squeeze(0), present=spread_ok.float())
+        exponent = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+        ctx.emit("loss_norm_exponent", exponent, present=fit_ok.float())
+        declared = (step.normalization if step is not None else None) or monitor.config.loss_normalization
+        expected = self._expected_share(sums, exponent, fit_ok, declared)
+        ctx.emit("modality_excess_dilution_ratio", expected[:m] / grad_share, mod_labels,
+                 present=samples[:m] * has_weight)
+        self._emit_objectives(ctx, sums, wmax, wmin, calls, step, scale, some, declared)
         if info["output"]:
             ctx.emit("modality_grad_norm", sums[lay.output][:m].sqrt() / scale,
                      [{"modality": n, "scope": "output"} for n in names], present=samples[:m])
         if info["probe"] is not None:
+            assert self._probe is not None
             self._probe.emit(ctx, info["probe"], names, scale)
+
+    def _expected_share(self, sums: torch.Tensor, exponent: torch.Tensor, fit_ok: torch.Tensor,
+                        declared: str | None) -> torch.Tensor:
+        """Each bin's share of the gradient weight under the intended normalization: the
+        declared one; undeclared, sqrt when the fitted exponent is 0.5 (a known deliberate
+        choice), else per sample (every sample weighs the same)."""
+        lay = self._layout
+        assert lay is not None
+        by_beta = {0.0: sums[lay.samples], 0.5: sums[lay.sqrt_tokens], 1.0: sums[lay.tokens]}
+        if declared is not None:
+            weights = by_beta[NORMALIZATIONS[declared]]
+        else:
+            sqrt_like = fit_ok & ((exponent - 0.5).abs() < SQRT_TOLERANCE)
+            weights = torch.where(sqrt_like, by_beta[0.5], by_beta[0.0])
+        return weights / weights.sum()
+
+    def _emit_objectives(self, ctx: StepContext, sums: torch.Tensor, wmax: torch.Tensor, wmin: torch.Tensor,
+                         calls: list[int], step: _Step | None, scale: float | torch.Tensor,
+                         some: torch.Tensor, declared: str | None) -> None:
+        """Per objective: its weight mass relative to its declared weight, how that mass
+        scales with the step's micro-batches, and its token-weight spread (I2, I3)."""
+        lay = self._layout
+        assert lay is not None
+        active = [(name, k) for name, k in sorted(self._objectives.items(), key=lambda kv: kv[1]) if calls[k]]
+        if not active:
+            return
+        dev = sums.device
+        slots = self._indices.get([k for _, k in active], dev)
+        labels = [{"objective": name} for name, _ in active]
+        weights = step.weights if step is not None else {}
+        declared_weight = self._indices.get([weights.get(k, 1.0) for _, k in active], dev, sums.dtype)
+        mass = sums[lay.mass].index_select(0, slots) / declared_weight / scale
+        ctx.emit("loss_weight_mass", mass, labels, present=some.expand(len(active)))
+        # mass = N^k for N micro-batches: k = 1 when their losses were not divided by N,
+        # 0 when normalized, -1 when divided twice (a coefficient shifts it by log c / log N).
+        log_n = self._indices.get([math.log(max(calls[k], 2)) for _, k in active], dev, sums.dtype)
+        several = self._indices.get([float(calls[k] >= 2) for _, k in active], dev, sums.dtype)
+        ctx.emit("loss_accumulation_exponent", torch.log(mass) / log_n, labels, present=several * (mass > 0))
+        top, bottom = wmax.index_select(0, slots), wmin.index_select(0, slots)
+        spread_ok = (sums[lay.nonuniform].index_select(0, slots) == 0) & (bottom > 0) & torch.isfinite(top)
+        if declared == "sample":  # per-sample weighting declared: unequal token weights are the intent
+            spread_ok = torch.zeros_like(spread_ok)
+        ctx.emit("token_weight_spread_ratio", top / bottom, labels, present=spread_ok.float())

@@ -3,11 +3,42 @@ with what to pass instead. Nothing here reads a tensor's values (no host sync)."
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 import torch
 
-__all__ = ["check_track_loss"]
+__all__ = ["MAX_OBJECTIVES", "NORMALIZATIONS", "check_declarations", "check_track_loss"]
+
+NORMALIZATIONS = {"token": 1.0, "sqrt": 0.5, "sample": 0.0}
+"""Declared loss normalizations and the exponent beta of ``w_sample ~ n_tokens^beta`` each gives."""
+
+MAX_OBJECTIVES = 8
+"""Distinct ``objective`` names one monitor accounts (each has its own sums)."""
+
+_OBJECTIVE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
+
+
+def check_declarations(objective: Any, weight: Any, normalization: Any) -> None:
+    """``track_loss``'s declarations of intent: what the objective is called, the
+    coefficient it carries in the total loss, and how it normalizes."""
+    if not isinstance(objective, str) or not _OBJECTIVE_RE.match(objective):
+        raise ValueError(f"track_loss: objective={objective!r} is not a usable name; pass a short "
+                         "identifier like 'lm' or 'kd' (letters, digits, _; up to 32)")
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                               or not math.isfinite(weight) or weight <= 0):
+        raise ValueError(f"track_loss: weight={weight!r} must be a positive number: the coefficient "
+                         "this objective carries in the loss you call backward on (e.g. 2.0, or tau**2 "
+                         "for a distillation loss), or None")
+    check_normalization("track_loss", normalization)
+
+
+def check_normalization(where: str, normalization: Any) -> None:
+    if normalization is not None and normalization not in NORMALIZATIONS:
+        raise ValueError(f"{where}: normalization={normalization!r}; declare one of "
+                         f"{sorted(NORMALIZATIONS)} (per label token, per sqrt of a sample's tokens, "
+                         "per sample) or None")
 
 
 def check_track_loss(modalities: tuple[str, ...], per_token: Any, modality: Any, mask: Any, segments: Any,

@@ -27,27 +27,35 @@ class SumsLayout:
     """Offsets into the per-step sums vector. Grouped by who writes them, so each
     writer adds one contiguous block."""
 
-    def __init__(self, modalities: int):
+    def __init__(self, modalities: int, objectives: int):
         b = modalities + 1  # the last bin holds codes outside the declared modalities
         self.bins = b
-        # written in track_loss (before the backward)
+        self.objectives = objectives
+        # written in track_loss (before the backward): per bin, samples with label
+        # tokens, label tokens, the sum of sqrt(label tokens) over samples, the loss over
+        # label tokens, and positions (label or not) carrying the bin's code
         self.samples = slice(0, b)
         self.tokens = slice(b, 2 * b)
-        self.loss = slice(2 * b, 3 * b)
-        self.mixed = 3 * b
-        self.unknown = 3 * b + 1
-        self.prepared = slice(0, 3 * b + 2)
-        # written by the per-token loss hook: weight per bin; the exponent fit's
-        # count, sum x, sum y, sum xx, sum xy (x = log n_s, y = log w_s); micro-batches
-        # whose token weights are not uniform
-        w0 = 3 * b + 2
+        self.sqrt_tokens = slice(2 * b, 3 * b)
+        self.loss = slice(3 * b, 4 * b)
+        self.positions = slice(4 * b, 5 * b)
+        self.mixed = 5 * b
+        self.unknown = 5 * b + 1
+        self.prepared = slice(0, 5 * b + 2)
+        # written by the per-token loss hook: weight per bin and the exponent fit's
+        # count, sum x, sum y, sum xx, sum xy (x = log n_s, y = log w_s), over every
+        # objective; then per objective its weight mass and its micro-batches whose
+        # token weights are not uniform
+        w0 = 5 * b + 2
         self.weight = slice(w0, w0 + b)
         self.fit = slice(w0 + b, w0 + b + 5)
-        self.nonuniform = w0 + b + 5
-        self.hooked = slice(w0, w0 + b + 6)
+        self.common = slice(w0, w0 + b + 5)
+        o0 = w0 + b + 5
+        self.mass = slice(o0, o0 + objectives)
+        self.nonuniform = slice(o0 + objectives, o0 + 2 * objectives)
         # written by the output hook
-        self.output = slice(w0 + b + 6, w0 + 2 * b + 6)
-        self.nonfinite = w0 + 2 * b + 6  # the cumulative counter rides along in reports
+        self.output = slice(o0 + 2 * objectives, o0 + 2 * objectives + b)
+        self.nonfinite = o0 + 2 * objectives + b  # the cumulative counter rides along in reports
         self.size = self.nonfinite + 1
 
 
@@ -119,13 +127,18 @@ def bin_batch(layout: SumsLayout, sums: torch.Tensor, loss: torch.Tensor, label:
         unknown = (lab & (tok_code == m)).sum().to(fdt)
     s_bin = torch.where(has, s_bin, m)
     tok_bin = s_bin[sid]
+    # Every position's code, label token or not: a declared modality that marks positions
+    # but never label tokens would otherwise vanish from the shares without a word.
+    pos_code = binned.reshape(-1) if codes.dim() == 2 else binned.repeat_interleave(cols)
 
     zeros = torch.zeros(layout.bins, dtype=fdt, device=dev)
     loss_lab = torch.where(lab, loss.reshape(-1).to(fdt), 0.0)
     sums[layout.prepared].add_(torch.cat([
         zeros.index_add(0, s_bin, has.to(fdt)),
         zeros.index_add(0, s_bin, n_s),
+        zeros.index_add(0, s_bin, n_s.sqrt()),
         zeros.index_add(0, tok_bin, loss_lab),
+        zeros.index_add(0, pos_code, torch.ones_like(pos_code, dtype=fdt)),
         mixed.to(fdt).reshape(1), unknown.to(fdt).reshape(1)]))
     batch = Batch(lab=lab, sid=sid, n_samples=n_samples, has=has, s_bin=s_bin, tok_bin=tok_bin,
                   log_n=torch.log(n_s.clamp_min(1.0)), fdt=fdt)
@@ -135,10 +148,12 @@ def bin_batch(layout: SumsLayout, sums: torch.Tensor, loss: torch.Tensor, label:
     return batch
 
 
-def weight_sums(layout: SumsLayout, b: Batch, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the token weights ``w`` [N] (``dL/dl``, unscaled) of one micro-batch: its
-    block of the sums (weight per bin, the exponent fit's sufficient statistics, whether
-    its token weights are non-uniform), and its largest and smallest label-token weight."""
+def weight_sums(layout: SumsLayout, b: Batch, w: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the token weights ``w`` [N] (``dL/dl``, unscaled) of one micro-batch of one
+    objective: its common block of the sums (weight per bin, the exponent fit's
+    sufficient statistics), its weight mass, whether its token weights are
+    non-uniform, and its largest and smallest label-token weight."""
     fdt, dev = b.fdt, w.device
     lab = b.lab
     w = torch.where(lab, w, 0.0)
@@ -151,11 +166,9 @@ def weight_sums(layout: SumsLayout, b: Batch, w: torch.Tensor) -> tuple[torch.Te
     wmax = torch.where(lab, w, float("-inf")).amax().reshape(1)
     wmin = torch.where(lab, w, float("inf")).amin().reshape(1)
     uniform = (wmin > 0) & (wmax <= wmin * (1 + UNIFORM_RTOL))
-    block = torch.cat([
-        torch.zeros(layout.bins, dtype=fdt, device=dev).index_add_(0, b.s_bin, w_s),
-        torch.stack([ok.to(fdt), x, y, x * x, x * y]).sum(1),
-        (torch.isfinite(wmin) & ~uniform).to(fdt)])
-    return block, wmax, wmin
+    per_bin = torch.zeros(layout.bins, dtype=fdt, device=dev).index_add_(0, b.s_bin, w_s)
+    block = torch.cat([per_bin, torch.stack([ok.to(fdt), x, y, x * x, x * y]).sum(1)])
+    return block, per_bin.sum(), (torch.isfinite(wmin) & ~uniform).to(fdt).reshape(()), wmax, wmin
 
 
 def output_sums(layout: SumsLayout, b: Batch, grad: torch.Tensor, lead_dims: int,

@@ -352,11 +352,20 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
         return fired
 
     p = {"param": "final_norm.weight"}
+    obj = {"objective": "main"}
     incident = {
         "GradientDilution": lambda s: [("modality_dilution_ratio", {"modality": "image"}, 17.0),
-                                       ("modality_dilution_ratio", {"modality": "text"}, 0.85)],
-        "LossNotAccumNormalized": lambda s: [("loss_weight_mass", {}, 4.0)],
-        "MeanOfMeansLoss": lambda s: [("token_weight_spread_ratio", {}, 1.8 + 0.3 * math.sin(s))],
+                                       ("modality_dilution_ratio", {"modality": "text"}, 0.85),
+                                       ("modality_excess_dilution_ratio", {"modality": "image"}, 17.0),
+                                       ("modality_excess_dilution_ratio", {"modality": "text"}, 0.85)],
+        # sqrt normalization with 2-8 token answers: 12x, as intended.
+        "LossNormalizationDilutes": lambda s: [("modality_dilution_ratio", {"modality": "image"}, 12.0),
+                                               ("modality_excess_dilution_ratio", {"modality": "image"}, 1.02)],
+        "LossNotAccumNormalized": lambda s: [("loss_weight_mass", obj, 4.0),
+                                             ("loss_accumulation_exponent", obj, 1.0)],
+        "LossWeightMassLow": lambda s: [("loss_weight_mass", obj, 0.25),
+                                        ("loss_accumulation_exponent", obj, -1.0)],
+        "MeanOfMeansLoss": lambda s: [("token_weight_spread_ratio", obj, 1.8 + 0.3 * math.sin(s))],
         "ParamDrift": lambda s: [("param_drift_log2", p, min(5.8, s / 40)),
                                  ("param_drift_consistency_ratio", p, 0.9),
                                  ("param_weight_decay", p, 0.0),
@@ -372,8 +381,17 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
     healthy = {
         "GradientDilution": lambda s: [("modality_dilution_ratio", {"modality": "image"}, 1.0),
                                        ("modality_dilution_ratio", {"modality": "text"}, 1.0)],
-        "LossNotAccumNormalized": lambda s: [("loss_weight_mass", {}, 1.0 + 1e-6)],
-        "MeanOfMeansLoss": lambda s: [("token_weight_spread_ratio", {}, 1.0)],
+        "LossNotAccumNormalized": lambda s: [("loss_weight_mass", obj, 1.0 + 1e-6),
+                                             ("loss_accumulation_exponent", obj, 0.0)],
+        # An undeclared coefficient: a hard-label term weighted 2 in one micro-batch (no
+        # exponent), a KD loss scaled by tau^2 = 16 over 4 micro-batches (exponent 2).
+        "LossNotAccumNormalized-weighted": lambda s: [("loss_weight_mass", obj, 2.0)],
+        "LossNotAccumNormalized-kd": lambda s: [("loss_weight_mass", obj, 16.0),
+                                                ("loss_accumulation_exponent", obj, 2.0)],
+        # A deliberate alpha = 0.1 over 2 micro-batches: log 0.1 / log 2 = -3.3.
+        "LossWeightMassLow-alpha": lambda s: [("loss_weight_mass", obj, 0.1),
+                                              ("loss_accumulation_exponent", obj, -3.32)],
+        "MeanOfMeansLoss": lambda s: [("token_weight_spread_ratio", obj, 1.0)],
         # A norm gain that grows with its gradient and is decayed: not Adam drift.
         "ParamDrift": lambda s: [("param_drift_log2", p, 1.5),
                                  ("param_drift_consistency_ratio", p, 0.9),
@@ -389,6 +407,7 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
                                     ("nonfinite_total", {"what": "grad"}, float(s))],
         "GradNormSpike": lambda s: [("grad_norm_max", {}, 1.0 + 0.5 * math.sin(s))],
     }
+    assert set(incident) | {"OptimizerStateReset", "RunSilent"} == {r.alert for r in load_rules("default")}
     for name, fn in incident.items():
         assert run_values(fn) == {name}, name
     for name, fn in healthy.items():

@@ -34,7 +34,7 @@ def test_export_structure_matches_the_rules(tmp_path):
     by = {r["alert"]: r for r in group["rules"]}
     assert set(by) == {r.alert for r in load_rules("default")}
     gd = by["GradientDilution"]
-    assert gd["expr"].startswith("(trainvitals_modality_dilution_ratio > 5 or (trainvitals_modality_dilution_ratio > 3 and ")
+    assert gd["expr"].startswith("(trainvitals_modality_excess_dilution_ratio > 5 or (trainvitals_modality_excess_dilution_ratio > 3 and ")
     assert 'ALERTS{alertname="GradientDilution", alertstate="firing"}' in gd["expr"]
     assert gd["for"] == "20s" and gd["labels"] == {"severity": "page"}
     assert gd["annotations"]["runbook_url"] == "RUNBOOKS.md#gradientdilution"
@@ -98,7 +98,7 @@ def test_cli_check_lists_rules_and_fails_with_the_field(tmp_path):
     runner = CliRunner()
     ok = runner.invoke(rules_cli, ["check"])
     assert ok.exit_code == 0
-    assert "GradientDilution" in ok.output and "modality_dilution_ratio > 5 (clear at 3) for 20 steps" in ok.output
+    assert "GradientDilution" in ok.output and "modality_excess_dilution_ratio > 5 (clear at 3) for 20 steps" in ok.output
     assert ok.output.rstrip().endswith("rules OK in the default rules")
     bad = tmp_path / "x.yaml"
     bad.write_text("- alert: GradientDilution\n  metric: modality_dilution_ratio\n  above: lots\n  summary: s\n")

@@ -48,7 +48,7 @@ def test_default_rules_cover_every_incident_name():
     names = {r.alert for r in rules}
     assert REQUIRED <= names
     by = {r.alert: r for r in rules}
-    assert by["GradientDilution"].metric == "modality_dilution_ratio"
+    assert by["GradientDilution"].metric == "modality_excess_dilution_ratio"
     assert by["LossNotAccumNormalized"].metric == "loss_weight_mass"
     assert by["MeanOfMeansLoss"].metric == "token_weight_spread_ratio"
     assert {c.metric for c in by["ParamDrift"].and_} == {

@@ -30,8 +30,8 @@ def alertmanager(tmp_path):
 
 
 def _dilution(step: int, value: float):
-    return report(step, [("modality_dilution_ratio", {"modality": "image"}, value),
-                         ("modality_dilution_ratio", {"modality": "text"}, 0.85)],
+    return report(step, [("modality_excess_dilution_ratio", {"modality": "image"}, value),
+                         ("modality_excess_dilution_ratio", {"modality": "text"}, 0.85)],
                   run="mm-pt1", time_=time.time())
 
 
@@ -54,7 +54,7 @@ def test_alertmanager_delivers_firing_then_resolved(alertmanager):
         assert alert["labels"] == {"alertname": "GradientDilution", "severity": "page",
                                    "run": "mm-pt1", "modality": "image"}
         assert alert["annotations"]["summary"] == (
-            "image gets 17.0x less gradient than its sample share in run mm-pt1")
+            "image gets 17.0x less gradient than the intended loss normalization gives it in run mm-pt1")
         assert alert["annotations"]["runbook_url"] == "RUNBOOKS.md#gradientdilution"
 
         service.observe(_dilution(30, 1.0))

@@ -148,6 +148,49 @@ class DilutionJob(Job):
         self.finish_step()
 
 
+class SqrtDilutionJob(Job):
+    """A deliberate sqrt normalization (Qwen3-VL) with very short answers: 21 text
+    samples of 400 label tokens, 4 image answers of 2. Each sample weighs sqrt(n):
+    image share 4 sqrt(2) / (21 sqrt(400) + 4 sqrt(2)) = 1.33%, dilution 12x, fitted
+    exponent 0.5. Undeclared, the fitted sqrt is taken as the intent: only the info
+    note LossNormalizationDilutes, no page. Fix: per sample (dilution 1, nothing)."""
+
+    modalities = ("text", "image")
+    TEXT, IMAGE, TEXT_TOKENS, IMAGE_TOKENS = 21, 4, 400, 2
+    SHARE = IMAGE * 2**0.5 / (TEXT * 400**0.5 + IMAGE * 2**0.5)
+
+    def step(self, mon: Monitor) -> None:
+        ids, labels, mask = token_batch(self.gen, [self.TEXT_TOKENS] * self.TEXT + [self.IMAGE_TOKENS] * self.IMAGE)
+        modality = torch.tensor([0] * self.TEXT + [1] * self.IMAGE)
+        per_token = per_token_loss(self.model(ids), labels)
+        mon.track_loss(per_token, modality=modality, mask=mask)
+        n = mask.sum(1)
+        per_sample = sample_mean(per_token, mask)
+        if self.fixed:
+            loss = per_sample.mean()
+        else:  # sum_s sqrt(n_s) * mean_s / sum_s sqrt(n_s): w_s ~ sqrt(n_s)
+            loss = (per_sample * n.sqrt()).sum() / n.sqrt().sum()
+        loss.backward()
+        self.finish_step()
+
+
+class DeclaredSampleJob(DilutionJob):
+    """The job declares per-sample weighting but its loss is per token (I1's 17x):
+    the measured scheme differs from the declared one, so GradientDilution pages.
+    Fix: the per-sample loss it declares."""
+
+    def attach(self, url: str, run: str, **options: Any) -> Monitor:
+        return super().attach(url, run, loss_normalization="sample", **options)
+
+
+class DeclaredTokenJob(DilutionJob):
+    """A deliberate per-token loss, declared: the 17x is the intent, noted (info)
+    as LossNormalizationDilutes, no page. Fix: per sample (nothing to note)."""
+
+    def attach(self, url: str, run: str, **options: Any) -> Monitor:
+        return super().attach(url, run, loss_normalization="token", **options)
+
+
 # -- I2 --------------------------------------------------------------------------------
 class AccumulationJob(Job):
     """I2: gradient accumulation over 4 micro-batches of a mean-normalized loss.
@@ -182,6 +225,35 @@ class DoubleDivisionJob(AccumulationJob):
             mon.track_loss(per_token, modality="text", mask=mask)
             loss = (per_token * mask).sum() / mask.sum() / self.ACCUM
             (loss if self.fixed else loss / self.ACCUM).backward()
+        self.finish_step()
+
+
+class DistillationMixtureJob(Job):
+    """Hard labels plus distillation on the same logits, 4 micro-batches a step: the hard
+    term normalized, the KD term scaled by tau^2 = 16 (declared: weight=16).
+
+    Bug: the KD term of each micro-batch is not divided by the 4 micro-batches: its
+    mass over its declared weight is 4 (LossNotAccumNormalized for objective kd only;
+    the hard term stays at 1). Fix: divided: both at 1, and tau^2 = 16 does not page.
+    """
+
+    ACCUM, TAU = 4, 4.0
+
+    def step(self, mon: Monitor) -> None:
+        for _ in range(self.ACCUM):
+            ids, labels, mask = token_batch(self.gen, [16, 12, 14, 10])
+            logits = self.model(ids)
+            hard = per_token_loss(logits, labels)
+            with torch.no_grad():
+                teacher = torch.roll(logits.detach(), 1, dims=-1) * 2.0
+            soft = F.kl_div(F.log_softmax(logits / self.TAU, -1), F.softmax(teacher / self.TAU, -1),
+                            reduction="none").sum(-1)
+            mon.track_loss(hard, modality="text", mask=mask, objective="hard")
+            mon.track_loss(soft, modality="text", mask=mask, objective="kd", weight=self.TAU**2)
+            tokens = mask.sum()
+            hard_loss = (hard * mask).sum() / tokens / self.ACCUM
+            kd_loss = self.TAU**2 * (soft * mask).sum() / tokens
+            (hard_loss + (kd_loss / self.ACCUM if self.fixed else kd_loss)).backward()
         self.finish_step()
 
 

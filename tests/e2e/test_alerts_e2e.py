@@ -26,7 +26,10 @@ import pytest
 from _jobs import (
     AccumulationJob,
     ClippedSpikeJob,
+    DeclaredSampleJob,
+    DeclaredTokenJob,
     DilutionJob,
+    DistillationMixtureJob,
     DistillJob,
     DoubleDivisionJob,
     DriftJob,
@@ -35,6 +38,7 @@ from _jobs import (
     MeanOfMeansJob,
     NonFiniteLossJob,
     SpikeJob,
+    SqrtDilutionJob,
     StateResetJob,
     run_job,
 )
@@ -84,9 +88,18 @@ DRIFT_QUIET = ({"param": "head.bias"}, {"param": "norm.weight"})
 CASES = [
     Case("I1-GradientDilution", "GradientDilution", DilutionJob, 24, {"modality": "image"},
          value=0.16 / (8 / 848)),
-    Case("I2-LossNotAccumNormalized", "LossNotAccumNormalized", AccumulationJob, 24, {}, value=4.0),
-    Case("I2-LossWeightMassLow", "LossWeightMassLow", DoubleDivisionJob, 54, {}, value=0.25),
-    Case("I3-MeanOfMeansLoss", "MeanOfMeansLoss", MeanOfMeansJob, 54, {}, value=3.0),
+    Case("I1-declared-sample-GradientDilution", "GradientDilution", DeclaredSampleJob, 24, {"modality": "image"},
+         value=0.16 / (8 / 848)),
+    Case("I1-sqrt-deliberate-LossNormalizationDilutes", "LossNormalizationDilutes", SqrtDilutionJob, 24,
+         {"modality": "image"}, value=0.16 / SqrtDilutionJob.SHARE),
+    Case("I1-declared-token-LossNormalizationDilutes", "LossNormalizationDilutes", DeclaredTokenJob, 24,
+         {"modality": "image"}, value=0.16 / (8 / 848)),
+    Case("I2-LossNotAccumNormalized", "LossNotAccumNormalized", AccumulationJob, 24, {"objective": "main"},
+         value=4.0),
+    Case("I2-mixture-LossNotAccumNormalized", "LossNotAccumNormalized", DistillationMixtureJob, 24,
+         {"objective": "kd"}, value=4.0),
+    Case("I2-LossWeightMassLow", "LossWeightMassLow", DoubleDivisionJob, 54, {"objective": "main"}, value=0.25),
+    Case("I3-MeanOfMeansLoss", "MeanOfMeansLoss", MeanOfMeansJob, 54, {"objective": "main"}, value=3.0),
     Case("I4-ParamDrift-fix-zero-grad", "ParamDrift", DriftJob, 56, {"param": "scale"},
          also=frozenset({"AdamEpsilonDominated"}), quiet=DRIFT_QUIET),
     Case("I4-ParamDrift-fix-weight-decay", "ParamDrift", DRIFT_BY_WEIGHT_DECAY, 56, {"param": "scale"},
@@ -178,7 +191,7 @@ def test_a_healthy_run_with_every_signal_fires_nothing():
                     "param_drift_consistency_ratio", "param_weight_decay", "param_grad_relative_rms",
                     "adam_eps_dominated_ratio", "adam_normalized_update_rms", "softmax_saturated_ratio",
                     "grad_norm", "nonfinite_total"} <= names
-            assert mon.value("loss_weight_mass") == pytest.approx(1.0)
+            assert mon.value("loss_weight_mass", objective="main") == pytest.approx(1.0)
             assert mon.value("modality_dilution_ratio", modality="image") == pytest.approx(1.0)
             assert mon.value("microbatches") == 2
             assert mon.value("loss_norm_exponent") == pytest.approx(0.0, abs=1e-6)  # per-sample
@@ -215,7 +228,7 @@ def test_alertmanager_delivers_the_collectors_alert_and_its_resolution(tmp_path)
             assert alert["labels"] == {"alertname": "GradientDilution", "severity": "page", "run": run,
                                        "modality": "image"}
             assert alert["annotations"]["summary"] == (
-                f"image gets 17.0x less gradient than its sample share in run {run}")
+                f"image gets 17.0x less gradient than the intended loss normalization gives it in run {run}")
             assert alert["annotations"]["runbook_url"] == "RUNBOOKS.md#gradientdilution"
             assert _webhook_alerts(webhook, "GradientDilution", "resolved") == []
 

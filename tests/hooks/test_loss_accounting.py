@@ -92,7 +92,7 @@ def test_i1_grad_shares_reproduce_the_writeup(scheme):
     assert text_share == pytest.approx(1 - share, rel=1e-5)
     assert mon.value("modality_dilution_ratio", modality="image") == pytest.approx(0.16 / share, rel=1e-5)
     assert mon.value("loss_norm_exponent") == pytest.approx(exponent, abs=0.05)
-    assert mon.value("loss_weight_mass") == pytest.approx(1.0, rel=1e-5)
+    assert mon.value("loss_weight_mass", objective="main") == pytest.approx(1.0, rel=1e-5)
     assert mon.value("microbatches") == 1
     mon.close()
     # The write-up's rounded figures.
@@ -128,7 +128,7 @@ def test_i1_statistics_equal_a_plain_torch_reference(scheme):
     for key in ("sample_share", "token_share", "grad_share", "dilution"):
         got = by_modality(mon, f"modality_{key}_ratio")
         assert got == pytest.approx(ref[key], rel=1e-5), key
-    assert mon.value("loss_weight_mass") == pytest.approx(ref["mass"], rel=1e-5)
+    assert mon.value("loss_weight_mass", objective="main") == pytest.approx(ref["mass"], rel=1e-5)
     assert mon.value("loss_norm_exponent") == pytest.approx(ref["exponent"], abs=1e-4)
     assert mon.value("microbatches") == 2
     mon.close()
@@ -191,9 +191,9 @@ def test_weight_mass_shows_a_missing_accumulation_division(divide, mass, caplog)
         return loss / 4 if divide else loss
 
     train_step(model, opt, mon, batches, reduce)
-    assert mon.value("loss_weight_mass") == pytest.approx(mass, rel=1e-6)
+    assert mon.value("loss_weight_mass", objective="main") == pytest.approx(mass, rel=1e-6)
     assert mon.value("microbatches") == 4
-    assert mon.value("token_weight_spread_ratio") == pytest.approx(1.0)  # equal token counts
+    assert mon.value("token_weight_spread_ratio", objective="main") == pytest.approx(1.0)  # equal token counts
     mon.close()
     assert not caplog.records, [r.getMessage() for r in caplog.records]
 
@@ -204,8 +204,8 @@ def test_mean_of_means_spread_equals_the_token_count_ratio():
     big = padded(samples([300, 300], [0, 0], seed=20), 0)     # 600 label tokens
     small = padded(samples([100, 50], [0, 1], seed=21), 2)    # 150 label tokens
     train_step(model, opt, mon, [big, small], lambda pt, r, k: reduce_loss(pt, r, "token") / 2)
-    assert mon.value("token_weight_spread_ratio") == pytest.approx(600 / 150, rel=1e-6)
-    assert mon.value("loss_weight_mass") == pytest.approx(1.0, rel=1e-6)
+    assert mon.value("token_weight_spread_ratio", objective="main") == pytest.approx(600 / 150, rel=1e-6)
+    assert mon.value("loss_weight_mass", objective="main") == pytest.approx(1.0, rel=1e-6)
     mon.close()
 
 
@@ -214,8 +214,8 @@ def test_globally_normalized_per_token_loss_has_spread_one_and_mass_one():
     big = padded(samples([300, 300], [0, 0], seed=20), 0)
     small = padded(samples([100, 50], [0, 1], seed=21), 2)
     train_step(model, opt, mon, [big, small], lambda pt, r, k: reduce_loss(pt, r, "token", total_tokens=750))
-    assert mon.value("token_weight_spread_ratio") == pytest.approx(1.0, rel=1e-6)
-    assert mon.value("loss_weight_mass") == pytest.approx(1.0, rel=1e-6)
+    assert mon.value("token_weight_spread_ratio", objective="main") == pytest.approx(1.0, rel=1e-6)
+    assert mon.value("loss_weight_mass", objective="main") == pytest.approx(1.0, rel=1e-6)
     mon.close()
 
 
@@ -224,7 +224,7 @@ def test_healthy_per_sample_loss_dilution_one_and_no_spread():
     rows = padded(samples([400, 380, 20, 25], [0, 0, 1, 1], seed=22))
     train_step(model, opt, mon, [rows], lambda pt, r, k: reduce_loss(pt, r, "sample"))
     assert by_modality(mon, "modality_dilution_ratio") == pytest.approx([1.0, 1.0], rel=1e-6)
-    assert mon.value("token_weight_spread_ratio") is None  # token weights not uniform: absent
+    assert mon.value("token_weight_spread_ratio", objective="main") is None  # token weights not uniform: absent
     assert mon.value("loss_norm_exponent") == pytest.approx(0.0, abs=1e-6)
     mon.close()
 
@@ -273,7 +273,7 @@ def test_flat_per_token_is_one_sample_per_element_without_segments():
     opt.step()
     assert by_modality(mon, "modality_sample_share_ratio") == pytest.approx([4 / 6, 2 / 6])
     assert by_modality(mon, "modality_grad_share_ratio") == pytest.approx([0.5, 0.5])
-    assert mon.value("loss_weight_mass") == pytest.approx(8.0)
+    assert mon.value("loss_weight_mass", objective="main") == pytest.approx(8.0)
     mon.close()
 
 
@@ -307,7 +307,7 @@ def test_a_step_the_scaler_skips_is_not_merged_into_the_next():
     train_step(model, opt, mon, batches, reduce, scaler=scaler)
     assert mon.step == 2
     assert mon.value("microbatches") == 2
-    assert mon.value("loss_weight_mass") == pytest.approx(1.0, rel=1e-6)
+    assert mon.value("loss_weight_mass", objective="main") == pytest.approx(1.0, rel=1e-6)
     mon.close()
 
 
@@ -317,8 +317,8 @@ def test_sum_reduction_reports_mass_relative_to_the_declared_scale(scale, mass):
     model, opt, mon = monitored(loss_reduction="sum", loss_scale=scale)
     batches = [padded(samples([100, 50], [0, 1], seed=50), 0), padded(samples([60, 40], [0, 1], seed=51), 2)]
     train_step(model, opt, mon, batches, lambda pt, r, k: torch.where(r.mask, pt, 0.0).sum())  # 250 tokens
-    assert mon.value("loss_weight_mass") == pytest.approx(mass, rel=1e-6)
-    assert mon.value("token_weight_spread_ratio") == pytest.approx(1.0)
+    assert mon.value("loss_weight_mass", objective="main") == pytest.approx(mass, rel=1e-6)
+    assert mon.value("token_weight_spread_ratio", objective="main") == pytest.approx(1.0)
     mon.close()
 
 
@@ -382,7 +382,7 @@ def test_unknown_modality_codes_are_an_event_not_an_error(caplog):
     assert any("outside" in r.getMessage() for r in caplog.records)
     # Totals include the unknown sample: shares of the known ones do not add up to 1.
     assert by_modality(mon, "modality_sample_share_ratio") == pytest.approx([1 / 3, 1 / 3])
-    assert mon.value("loss_weight_mass") == pytest.approx(1.0, rel=1e-6)
+    assert mon.value("loss_weight_mass", objective="main") == pytest.approx(1.0, rel=1e-6)
     mon.close()
 
 
@@ -431,6 +431,6 @@ def test_a_tracked_loss_that_gets_no_gradient_is_logged(caplog):
         reduce_loss(per_token, rows, "token").backward()
         opt.step()
     assert any("received no gradient" in r.getMessage() for r in caplog.records)
-    assert mon.value("loss_weight_mass") is None
+    assert mon.value("loss_weight_mass", objective="main") is None
     assert mon.value("modality_sample_share_ratio", modality="text") == 0.5
     mon.close()

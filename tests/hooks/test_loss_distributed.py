@@ -68,11 +68,11 @@ def test_two_ranks_report_the_union_of_their_samples(tmp_path):
     for key in ("sample_share", "token_share", "grad_share", "dilution"):
         values = [value(got, f"modality_{key}_ratio", modality=m) for m in MODALITIES]
         assert values == pytest.approx(ref[key], rel=1e-5), key
-    assert value(got, "loss_weight_mass") == pytest.approx(ref["mass"], rel=1e-5)
+    assert value(got, "loss_weight_mass", objective="main") == pytest.approx(ref["mass"], rel=1e-5)
     assert ref["mass"] == pytest.approx(1.0)  # each rank normalized: DDP's mean keeps the mass at 1
     assert value(got, "loss_norm_exponent") == pytest.approx(ref["exponent"], abs=1e-4)
     # Each rank normalizes by its own tokens: the I3 pattern across ranks (940 vs 520 tokens).
-    assert value(got, "token_weight_spread_ratio") == pytest.approx(940 / 520, rel=1e-6)
+    assert value(got, "token_weight_spread_ratio", objective="main") == pytest.approx(940 / 520, rel=1e-6)
     assert [value(got, "modality_grad_norm", modality=m, scope="output") for m in MODALITIES] == pytest.approx(
         out_norms, rel=1e-5)
     # The probe combines the ranks' parameter gradients (DDP's mean).

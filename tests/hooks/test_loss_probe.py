@@ -72,7 +72,7 @@ def test_probe_norms_and_cosine_equal_separate_backward_passes(how, scaled, capl
     # The probe's extra backward passes leave the user's gradients as they were.
     assert user_grads == pytest.approx(ref[0] + ref[1], rel=1e-5, abs=1e-9)
     # The output-gradient norms were not disturbed by the probe's backward passes either.
-    assert mon.value("loss_weight_mass") == pytest.approx(1.0, rel=1e-6)
+    assert mon.value("loss_weight_mass", objective="main") == pytest.approx(1.0, rel=1e-6)
     mon.close()
     assert not caplog.records, [r.getMessage() for r in caplog.records]  # nothing failed, nothing to warn
 
