@@ -1,5 +1,7 @@
-"""Test helpers shared across the suites: a free port, bounded polling, and Debian's
-Alertmanager on loopback."""
+"""Test helpers shared across the suites: free ports, bounded polling, a server process
+waited for and stopped, Debian's Alertmanager on loopback, a real collector in this
+process and its /metrics read back, data-parallel ranks, a host-sync spy. The recording
+HTTP server is in ``tests.http_recorder``, wire report builders in ``tests.reports``."""
 
 from __future__ import annotations
 
@@ -12,12 +14,20 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
+
+from trainvitals.monitor.app import create_app
+from trainvitals.monitor.server import serve_in_thread
+from trainvitals.monitor.settings import Settings
+from trainvitals.monitor.store import SeriesStore
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager")
 
@@ -27,6 +37,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def dead_url() -> str:
+    """An http:// URL on loopback that nothing listens on (connections are refused)."""
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "",
@@ -40,6 +55,55 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, what: str = 
         if time.monotonic() > deadline:
             raise AssertionError(f"{what or 'condition'}: not seen within {timeout} s")
         time.sleep(interval)
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch on one intra-op thread inside the block (tiny CPU jobs gain nothing from more,
+    the machine is shared, and one thread sums matmuls in the order other ranks do)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+# -- server processes -----------------------------------------------------------------------
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, 10 s to exit, then SIGKILL."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+@contextmanager
+def running_process(args: list[str], *, log: Path, ready_url: str, what: str, timeout: float = 30,
+                    env: dict[str, str] | None = None, cwd: Path | None = None
+                    ) -> Iterator[subprocess.Popen]:
+    """Start ``args`` with stdout and stderr in the file ``log``; yield the process once
+    ``ready_url`` answers 200 (failing, with the log's tail, if it exits first or is not
+    ready within ``timeout`` s); stop it when the block exits."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        try:
+            with httpx.Client(timeout=5.0) as client:
+                def ready() -> bool:
+                    if proc.poll() is not None:
+                        raise AssertionError(f"{what} exited with {proc.returncode}: "
+                                             f"{log.read_text()[-3000:]}")
+                    try:
+                        return client.get(ready_url).status_code == 200
+                    except httpx.TransportError:
+                        return False
+
+                wait_until(ready, timeout, f"{what} ready")
+            yield proc
+        finally:
+            stop_process(proc)
 
 
 ALERTMANAGER_CONFIG = """\
@@ -69,34 +133,99 @@ def running_alertmanager(folder: Path, receiver_url: str,
     config = folder / "alertmanager.yml"
     config.write_text(ALERTMANAGER_CONFIG.format(url=receiver_url, group_by=", ".join(group_by)))
     port = free_port()
-    log_path = folder / "alertmanager.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [ALERTMANAGER, f"--config.file={config}", f"--storage.path={folder / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-            stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{port}"
+    with running_process([ALERTMANAGER, f"--config.file={config}", f"--storage.path={folder / 'data'}",
+                          f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+                         log=folder / "alertmanager.log", ready_url=f"{url}/-/ready", what="alertmanager"):
+        yield url
+
+
+# -- the collector, in this process ----------------------------------------------------------
+@dataclass
+class Collector:
+    """A running collector: its URL, its app (``app.state`` holds the store, settings,
+    alert service) and an httpx client bound to it."""
+
+    url: str
+    app: FastAPI
+    client: httpx.Client
+
+    def metrics(self) -> str:
+        """The text of GET /metrics."""
+        response = self.client.get("/metrics")
+        response.raise_for_status()
+        return response.text
+
+    def alerts(self, run: str | None = None) -> list[dict[str, Any]]:
+        """GET /v1/alerts, optionally only the alerts of one run."""
+        response = self.client.get("/v1/alerts")
+        response.raise_for_status()
+        return [a for a in response.json() if run is None or a["labels"].get("run") == run]
+
+    def firing(self, run: str | None = None) -> list[dict[str, Any]]:
+        return [a for a in self.alerts(run) if a["state"] == "firing"]
+
+    def wait_for(self, alertname: str, run: str, state: str = "firing", timeout: float = 15.0) -> dict[str, Any]:
+        """The alert ``alertname`` of ``run`` once it is in ``state`` (bounded poll)."""
+
+        def found() -> dict[str, Any] | None:
+            for a in self.alerts(run):
+                if a["alertname"] == alertname and a["state"] == state:
+                    return a
+            return None
+
         try:
-            with httpx.Client(timeout=1.0) as client:
-                def ready() -> bool:
-                    if proc.poll() is not None:
-                        raise AssertionError(f"alertmanager exited: {log_path.read_text()}")
-                    try:
-                        return client.get(f"{url}/-/ready").status_code == 200
-                    except httpx.TransportError:
-                        return False
-
-                wait_until(ready, 30, "alertmanager ready")
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+            return wait_until(found, timeout, f"{alertname} {state} for run {run}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; alerts of the run: {self.alerts(run)}") from None
 
 
+@contextmanager
+def running_collector(settings: Settings | None = None, *, store: SeriesStore | None = None,
+                      **fields: Any) -> Iterator[Collector]:
+    """A real collector: ``create_app`` served by uvicorn on a thread of this process,
+    127.0.0.1, port 0. Its settings are ``settings``, else ``Settings(**fields)`` (the
+    environment fills the rest: the suite removes developers' TRAINVITALS_* variables)."""
+    if settings is not None and fields:
+        raise TypeError(f"give settings or settings fields, not both (fields: {sorted(fields)})")
+    app = create_app(settings if settings is not None else Settings(**fields), store=store)
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=10) as client:
+        yield Collector(url, app, client)
+
+
+# -- /metrics read back ---------------------------------------------------------------------
+Series = tuple[str, frozenset[tuple[str, str]]]  # (sample name, label items)
+
+
+def parse_metrics(text: str) -> dict[Series, float]:
+    """Every sample of a Prometheus text exposition, parsed by prometheus_client:
+    (sample name, frozenset of label items) -> value. Fails on a series listed twice."""
+    out: dict[Series, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.name, frozenset(s.labels.items()))
+            assert key not in out, f"duplicate series {key}"
+            out[key] = s.value
+    return out
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """The value of the series ``name`` with exactly ``labels``; None when absent."""
+    return parse_metrics(text).get((name, frozenset(labels.items())))
+
+
+def metric_series(text: str, name: str) -> dict[frozenset[tuple[str, str]], float]:
+    """Every series of the sample ``name``: label items -> value."""
+    return {labels: v for (n, labels), v in parse_metrics(text).items() if n == name}
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum over the series of ``name`` that carry ``labels`` (among others)."""
+    want = set(labels.items())
+    return sum(v for labels_, v in metric_series(text, name).items() if want <= labels_)
+
+
+# -- data-parallel ranks, host syncs ----------------------------------------------------------
 def run_ranks(script: Path, out: Path, *extra: str, world: int = 2, timeout: float = 180) -> Any:
     """Run ``script RANK WORLD PORT OUT *extra`` as ``world`` processes (a gloo group on a
     free loopback port); fail the test on a non-zero exit or after ``timeout`` seconds

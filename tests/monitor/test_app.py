@@ -11,19 +11,14 @@ import sys
 import httpx
 import pytest
 
-from tests.reports import make_body, make_report
-from trainvitals.monitor.app import create_app
-from trainvitals.monitor.server import serve_in_thread
+from tests.reports import make_body, make_report, make_sample
+from tests.support import metric_value, running_collector
 from trainvitals.monitor.settings import Settings
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 JSON = {"Content-Type": "application/json", **AUTH}
 GZIP = {**JSON, "Content-Encoding": "gzip"}
-
-
-def sample(name: str, value: float, **labels: str) -> dict:
-    return {"name": name, "labels": labels, "value": value}
 
 
 def encode(obj: object) -> bytes:
@@ -37,8 +32,8 @@ def test_accepted_report_shows_in_metrics_and_runs(client):
     resp = client.post(
         "/v1/reports",
         json=make_body(
-            make_report("mm-pt1", 120, [sample("modality_dilution_ratio", 17.0, modality="image")]),
-            make_report("mm-pt1", 120, [sample("grad_norm", 1.5, group="all")], rank=1),
+            make_report("mm-pt1", 120, [make_sample("modality_dilution_ratio", 17.0, modality="image")]),
+            make_report("mm-pt1", 120, [make_sample("grad_norm", 1.5, group="all")], rank=1),
         ),
     )
     assert resp.status_code == 202
@@ -93,7 +88,7 @@ def test_metrics_endpoint_is_a_plain_route_with_prometheus_content_type(client):
 
 
 def test_large_metrics_response_is_gzipped_when_asked(client):
-    samples = [sample("param_absmax", 1.0, param=f"layers.{i}.norm.weight") for i in range(2000)]
+    samples = [make_sample("param_absmax", 1.0, param=f"layers.{i}.norm.weight") for i in range(2000)]
     assert (
         client.post("/v1/reports", json=make_body(make_report("big", 1, samples))).status_code
         == 202
@@ -112,7 +107,7 @@ def test_health_and_readiness(client):
 
 
 def test_app_state_exposes_store_and_settings(collector):
-    _, app = collector
+    app = collector.app
     assert app.state.store is not None and isinstance(app.state.settings, Settings)
 
 
@@ -124,9 +119,9 @@ def test_promtool_check_metrics_passes_on_the_endpoint(client):
             make_report(
                 "a",
                 1,
-                [sample("loss", 1.0, modality="text"), sample("nonfinite_total", 2.0, what="loss")],
+                [make_sample("loss", 1.0, modality="text"), make_sample("nonfinite_total", 2.0, what="loss")],
             ),
-            make_report("a", 1, [sample("grad_norm", 1.0, group="all")], rank=2),
+            make_report("a", 1, [make_sample("grad_norm", 1.0, group="all")], rank=2),
         ),
     )
     client.post("/v1/reports", content=b"nope", headers={"Content-Type": "application/json"})
@@ -147,8 +142,8 @@ LIMITS = dict(
 @pytest.fixture(scope="module")
 def guarded():
     """A collector with a token and small limits, holding one accepted report."""
-    app = create_app(Settings(**LIMITS))
-    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=10) as c:
+    with running_collector(Settings(**LIMITS)) as collector:
+        c = collector.client
         seeded = c.post(
             "/v1/reports", content=encode(make_body(make_report("seed", 7))), headers=JSON
         )
@@ -167,10 +162,10 @@ def _state(c: httpx.Client) -> tuple[list, str]:
 
 
 def _outcome(c: httpx.Client, outcome: str) -> float:
-    for line in c.get("/metrics").text.splitlines():
-        if line.startswith(f'trainvitals_collector_reports_total{{outcome="{outcome}"}}'):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no outcome {outcome}")
+    value = metric_value(c.get("/metrics").text, "trainvitals_collector_reports_total", outcome=outcome)
+    if value is None:
+        raise AssertionError(f"no outcome {outcome}")
+    return value
 
 
 def _bomb() -> bytes:
@@ -206,7 +201,7 @@ BAD = {
                 make_report(
                     "new-run",
                     1,
-                    [sample("loss", 1.0)] * 3 + [{"name": "loss", "labels": {}, "value": "high"}],
+                    [make_sample("loss", 1.0)] * 3 + [{"name": "loss", "labels": {}, "value": "high"}],
                 )
             )
         ),
@@ -216,7 +211,7 @@ BAD = {
         "reports.0.samples.3.value: Input should be a valid number",
     ),
     "reserved_label": (
-        encode(make_body(make_report("new-run", 1, [sample("loss", 1.0, job="x")]))),
+        encode(make_body(make_report("new-run", 1, [make_sample("loss", 1.0, job="x")]))),
         JSON,
         422,
         "invalid",
@@ -230,7 +225,7 @@ BAD = {
         "reports: List should have at least 1 item",
     ),
     "collector_owned_name": (
-        encode(make_body(make_report("new-run", 1, [sample("step", 1.0)]))),
+        encode(make_body(make_report("new-run", 1, [make_sample("step", 1.0)]))),
         JSON,
         422,
         "invalid",
@@ -240,7 +235,7 @@ BAD = {
         encode(
             make_body(
                 make_report(
-                    "new-run", 1, [sample("param_max", 1.0, param=f"p{i}") for i in range(30)]
+                    "new-run", 1, [make_sample("param_max", 1.0, param=f"p{i}") for i in range(30)]
                 )
             )
         ),

@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 from click.testing import CliRunner
 
-from tests.reports import make_body, make_report
+from tests.reports import make_body, make_report, make_sample
+from tests.support import dead_url, free_port, running_collector, running_process
 from trainvitals.monitor.cli import main
 from trainvitals.monitor.settings import Settings
-
-
-def sample(name: str, value: float, **labels: str) -> dict:
-    return {"name": name, "labels": labels, "value": value}
 
 
 def write_jsonl(path, lines) -> str:
@@ -44,32 +37,34 @@ def test_serve_with_a_bad_config_names_the_file_and_field(tmp_path):
     assert "Traceback" not in result.output
 
 
-def test_replay_sends_both_line_forms(tmp_path, running_collector):
+def test_replay_sends_both_line_forms(tmp_path):
     lines = [
-        make_report("replayed", 10, [sample("loss", 2.0, modality="text")]),
+        make_report("replayed", 10, [make_sample("loss", 2.0, modality="text")]),
         make_body(
-            make_report("replayed", 20, [sample("grad_norm", math.nan, group="all")]),
-            make_report("replayed", 30, [sample("loss", 1.0, modality="text")]),
+            make_report("replayed", 20, [make_sample("grad_norm", math.nan, group="all")]),
+            make_report("replayed", 30, [make_sample("loss", 1.0, modality="text")]),
         ),
     ]
     path = tmp_path / "run.jsonl"
     path.write_text(json.dumps(lines[0]) + "\n\n" + json.dumps(lines[1]) + "\n")  # NaN as JSON NaN
-    with running_collector() as (url, app):
+    with running_collector() as collector:
         result = CliRunner().invoke(
-            main, ["replay", str(path), "--collector", url, "--batch-size", "2"]
+            main, ["replay", str(path), "--collector", collector.url, "--batch-size", "2"]
         )
         assert result.exit_code == 0, result.output
         assert "3 reports" in result.output
-        [run] = app.state.store.runs()
+        store = collector.app.state.store
+        [run] = store.runs()
         assert run.step == 30
-        assert math.isnan(app.state.store.get("replayed", "grad_norm", {"group": "all"}))
+        assert math.isnan(store.get("replayed", "grad_norm", {"group": "all"}))
 
 
-def test_replay_with_token(tmp_path, running_collector):
+def test_replay_with_token(tmp_path):
     path = write_jsonl(tmp_path / "run.jsonl", [make_report("a", 1)])
     token_file = tmp_path / "token"
     token_file.write_text("tok\n")
-    with running_collector(Settings(token="tok")) as (url, _):
+    with running_collector(Settings(token="tok")) as collector:
+        url = collector.url
         refused = CliRunner().invoke(main, ["replay", path, "--collector", url])
         assert refused.exit_code == 1
         assert "HTTP 401: missing bearer token" in refused.output
@@ -82,11 +77,11 @@ def test_replay_with_token(tmp_path, running_collector):
         assert ok.exit_code == 0, ok.output
 
 
-def test_replay_reports_a_refusal_with_lines_and_detail(tmp_path, running_collector):
-    reports = [make_report("a", i, [sample("param_max", 1.0, param=f"p{i}")]) for i in range(6)]
+def test_replay_reports_a_refusal_with_lines_and_detail(tmp_path):
+    reports = [make_report("a", i, [make_sample("param_max", 1.0, param=f"p{i}")]) for i in range(6)]
     path = write_jsonl(tmp_path / "run.jsonl", reports)
-    with running_collector(Settings(max_series=5)) as (url, _):
-        result = CliRunner().invoke(main, ["replay", path, "--collector", url, "--batch-size", "2"])
+    with running_collector(Settings(max_series=5)) as collector:
+        result = CliRunner().invoke(main, ["replay", path, "--collector", collector.url, "--batch-size", "2"])
     assert result.exit_code == 1
     assert "refused lines 3-4" in result.output and "series limit" in result.output
     assert "(2 reports accepted before)" in result.output
@@ -102,15 +97,9 @@ def test_replay_names_a_bad_line(tmp_path):
     assert f"{path}:2: step: Input should be greater than or equal to 0" in result.output
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_replay_connection_error_is_a_clear_message(tmp_path):
     path = write_jsonl(tmp_path / "run.jsonl", [make_report("a", 1)])
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = dead_url()
     result = CliRunner().invoke(main, ["replay", path, "--collector", url])
     assert result.exit_code == 1
     assert f"cannot reach the collector at {url}/v1/reports" in result.output
@@ -119,35 +108,19 @@ def test_replay_connection_error_is_a_clear_message(tmp_path):
 
 @pytest.mark.slow
 def test_serve_runs_the_collector(tmp_path):
-    port = _free_port()
+    port = free_port()
     token_file = tmp_path / "token"
     token_file.write_text("tok-5f3a9c")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINVITALS_")}
+    log = tmp_path / "serve.log"
     cmd = [sys.executable, "-c", "from trainvitals.monitor.cli import main; main()"]
-    proc = subprocess.Popen(
-        [*cmd, "serve", "--port", str(port), "--token-file", str(token_file)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as c:
-            while True:
-                try:
-                    if c.get("/readyz").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert proc.poll() is None and time.monotonic() < deadline, "serve did not come up"
-                time.sleep(0.1)
-            assert c.post("/v1/reports", json=make_body()).status_code == 401
-            ok = c.post(
-                "/v1/reports", json=make_body(), headers={"Authorization": "Bearer tok-5f3a9c"}
-            )
-            assert ok.status_code == 202
-    finally:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=30)
-    assert f"http://127.0.0.1:{port}" in out.decode()
-    assert "tok-5f3a9c" not in out.decode()
+    with running_process([*cmd, "serve", "--port", str(port), "--token-file", str(token_file)], log=log,
+                         ready_url=f"http://127.0.0.1:{port}/readyz", what="trainvitals serve", timeout=60), \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as c:
+        assert c.post("/v1/reports", json=make_body()).status_code == 401
+        ok = c.post(
+            "/v1/reports", json=make_body(), headers={"Authorization": "Bearer tok-5f3a9c"}
+        )
+        assert ok.status_code == 202
+    out = log.read_text()
+    assert f"http://127.0.0.1:{port}" in out
+    assert "tok-5f3a9c" not in out

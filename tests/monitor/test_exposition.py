@@ -13,20 +13,16 @@ import pytest
 from prometheus_client.metrics_core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.reports import make_body, make_report
+from tests.reports import make_batch, make_report, make_sample
 from trainvitals.monitor.exposition import REPORT_OUTCOMES, ReportCounter, StoreCollector
 from trainvitals.monitor.store import SeriesStore
-from trainvitals.wire import METRICS, ReportBatch
+from trainvitals.wire import METRICS
 
 RUN_END = {"kind": "run_end", "detail": "Monitor.close() after 1 optimizer steps"}
 
 
 def ingest(store: SeriesStore, *reports: dict, now: float | None = None) -> None:
-    store.ingest(ReportBatch.model_validate(make_body(*reports)), now)
-
-
-def sample(name: str, value: float, **labels: str) -> dict:
-    return {"name": name, "labels": labels, "value": value}
+    store.ingest(make_batch(*reports), now)
 
 
 def scrape(exporter: StoreCollector) -> dict[tuple[str, frozenset], float]:
@@ -58,9 +54,9 @@ def test_store_series_appear_with_run_label_and_per_run_series(store, exporter):
     now = time.time()
     ingest(
         store,
-        make_report("mm-pt1", 120, [sample("modality_grad_share_ratio", 0.0094, modality="image")]),
-        make_report("mm-pt1", 120, [sample("grad_norm", 2.0)], rank=3),
-        make_report("mm-pt1", 120, [sample("grad_norm", 1.0)]),
+        make_report("mm-pt1", 120, [make_sample("modality_grad_share_ratio", 0.0094, modality="image")]),
+        make_report("mm-pt1", 120, [make_sample("grad_norm", 2.0)], rank=3),
+        make_report("mm-pt1", 120, [make_sample("grad_norm", 1.0)]),
         now=now,
     )
     got = scrape(exporter)
@@ -87,7 +83,7 @@ def test_run_ended_is_exposed_while_the_last_report_says_so(store, exporter):
 
 
 def test_counters_are_exposed_with_total_suffix_and_no_created(store, exporter):
-    ingest(store, make_report("a", 1, [sample("optimizer_state_resets_total", 2.0)]))
+    ingest(store, make_report("a", 1, [make_sample("optimizer_state_resets_total", 2.0)]))
     assert value(exporter, "trainvitals_optimizer_state_resets_total", run="a") == 2.0
     text = exporter.render().decode()
     assert "# TYPE trainvitals_optimizer_state_resets_total counter" in text
@@ -97,7 +93,7 @@ def test_counters_are_exposed_with_total_suffix_and_no_created(store, exporter):
 def test_help_and_type_come_from_the_wire_table(store, exporter):
     ingest(
         store,
-        make_report("a", 1, [sample("loss", 1.0), sample("brand_new", 1.0)], events=[RUN_END]),
+        make_report("a", 1, [make_sample("loss", 1.0), make_sample("brand_new", 1.0)], events=[RUN_END]),
     )
     families = {f.name: f for f in text_string_to_metric_families(exporter.render().decode())}
     own = ["step", "last_report_timestamp_seconds", "run_ended", "collector_reports",
@@ -154,7 +150,7 @@ def test_family_sources_extend_the_scrape_and_can_be_removed(exporter, caplog):
 def test_nan_and_inf_render(store, exporter):
     ingest(
         store,
-        make_report("a", 1, [sample("grad_norm", math.nan), sample("modality_loss", -math.inf, modality="x")]),
+        make_report("a", 1, [make_sample("grad_norm", math.nan), make_sample("modality_loss", -math.inf, modality="x")]),
     )
     text = exporter.render().decode()
     assert 'trainvitals_grad_norm{run="a"} NaN' in text
@@ -167,26 +163,26 @@ def test_render_parses_back_to_exactly_what_the_store_holds(store, exporter):
     now = time.time()
     ingest(
         store,
-        make_report("b-run", 3, [sample("loss", 1.25), sample("grad_norm", 1e300)]),
+        make_report("b-run", 3, [make_sample("loss", 1.25), make_sample("grad_norm", 1e300)]),
         make_report(
             "a.run/x",
             1_000_000,
-            [sample("nonfinite_total", 4.0, what="grad"), sample("modality_loss", 0.5, modality=tricky)],
+            [make_sample("nonfinite_total", 4.0, what="grad"), make_sample("modality_loss", 0.5, modality=tricky)],
             events=[RUN_END],
         ),
         make_report(
             "a.run/x",
             7,
             [
-                sample("softmax_saturated_ratio", -math.inf, task="ie", role="s", threshold="0.99"),
-                sample("brand_new", 0.1),
+                make_sample("softmax_saturated_ratio", -math.inf, task="ie", role="s", threshold="0.99"),
+                make_sample("brand_new", 0.1),
             ],
             rank=3,
         ),
         make_report(
             "a.run/x",
             7,
-            [sample("param_min", -1e-9, param="w"), sample("param_min", 12345678.0, param="v")],
+            [make_sample("param_min", -1e-9, param="w"), make_sample("param_min", 12345678.0, param="v")],
             rank=1,
         ),
         now=now,
@@ -221,7 +217,7 @@ def test_render_parses_back_to_exactly_what_the_store_holds(store, exporter):
 def test_promtool_check_metrics_passes(store, exporter, populated):
     if populated:
         samples = [
-            sample(name, 0.5, **labels)
+            make_sample(name, 0.5, **labels)
             for name, labels in [
                 ("loss", {}),
                 ("modality_loss", {"modality": "text"}),

@@ -8,19 +8,10 @@ import threading
 
 import pytest
 
-from tests.reports import make_body, make_report
+from tests.reports import make_batch, make_report, make_sample
 from trainvitals.monitor.store import IngestRefused, SeriesLimitExceeded, SeriesStore
-from trainvitals.wire import ReportBatch
 
 T0 = 1_000_000.0
-
-
-def batch(*reports: dict) -> ReportBatch:
-    return ReportBatch.model_validate(make_body(*reports))
-
-
-def sample(name: str, value: float, **labels: str) -> dict:
-    return {"name": name, "labels": labels, "value": value}
 
 
 def series(store: SeriesStore, now: float = T0) -> dict[tuple[str, int, str], list]:
@@ -35,8 +26,8 @@ def series(store: SeriesStore, now: float = T0) -> dict[tuple[str, int, str], li
 
 def test_ingest_keeps_latest_value_per_series_and_run_state():
     store = SeriesStore()
-    store.ingest(batch(make_report("a", 10, [sample("loss", 2.0, modality="text")])), T0)
-    store.ingest(batch(make_report("a", 20, [sample("loss", 1.5, modality="text")])), T0 + 1)
+    store.ingest(make_batch(make_report("a", 10, [make_sample("loss", 2.0, modality="text")])), T0)
+    store.ingest(make_batch(make_report("a", 20, [make_sample("loss", 1.5, modality="text")])), T0 + 1)
 
     assert store.get("a", "loss", {"modality": "text"}) == 1.5
     [run] = store.runs(T0 + 1)
@@ -46,10 +37,10 @@ def test_ingest_keeps_latest_value_per_series_and_run_state():
 
 def test_label_order_does_not_make_a_new_series():
     store = SeriesStore()
-    s1 = sample("softmax_saturated_ratio", 0.1, task="ie", role="teacher", threshold="0.99")
+    s1 = make_sample("softmax_saturated_ratio", 0.1, task="ie", role="teacher", threshold="0.99")
     s2 = {"name": s1["name"], "labels": dict(reversed(list(s1["labels"].items()))), "value": 0.2}
-    store.ingest(batch(make_report("a", 1, [s1])), T0)
-    store.ingest(batch(make_report("a", 2, [s2])), T0)
+    store.ingest(make_batch(make_report("a", 1, [s1])), T0)
+    store.ingest(make_batch(make_report("a", 2, [s2])), T0)
     assert len(store) == 3
     assert store.get("a", s1["name"], s1["labels"]) == 0.2
 
@@ -57,9 +48,9 @@ def test_label_order_does_not_make_a_new_series():
 def test_ranks_keep_distinct_series():
     store = SeriesStore()
     store.ingest(
-        batch(
-            make_report("a", 5, [sample("grad_norm", 3.0, group="all")]),
-            make_report("a", 5, [sample("grad_norm", 4.0, group="all")], rank=2),
+        make_batch(
+            make_report("a", 5, [make_sample("grad_norm", 3.0, group="all")]),
+            make_report("a", 5, [make_sample("grad_norm", 4.0, group="all")], rank=2),
         ),
         T0,
     )
@@ -76,27 +67,27 @@ def test_counters_store_the_latest_cumulative_value():
     store = SeriesStore()
     for step, total in [(1, 1.0), (2, 3.0)]:
         store.ingest(
-            batch(make_report("a", step, [sample("nonfinite_total", total, what="loss")])), T0
+            make_batch(make_report("a", step, [make_sample("nonfinite_total", total, what="loss")])), T0
         )
     assert series(store) == {("a", 0, "nonfinite_total"): [((("what", "loss"),), 3.0)]}
 
 
 def test_nonfinite_values_are_kept():
     store = SeriesStore()
-    store.ingest(batch(make_report("a", 1, [sample("grad_norm", math.inf, group="all")])), T0)
+    store.ingest(make_batch(make_report("a", 1, [make_sample("grad_norm", math.inf, group="all")])), T0)
     assert store.get("a", "grad_norm", {"group": "all"}) == math.inf
 
 
 def test_series_limit_refuses_the_whole_batch_and_changes_nothing():
     store = SeriesStore(max_series=6)
-    store.ingest(batch(make_report("a", 1, [sample("loss", 1.0, modality="text")])), T0)
+    store.ingest(make_batch(make_report("a", 1, [make_sample("loss", 1.0, modality="text")])), T0)
     before = series(store)
 
-    too_many = batch(
+    too_many = make_batch(
         make_report(
-            "a", 2, [sample("loss", 9.0, modality="text"), sample("loss", 9.0, modality="x")]
+            "a", 2, [make_sample("loss", 9.0, modality="text"), make_sample("loss", 9.0, modality="x")]
         ),
-        make_report("b", 2, [sample("loss", 9.0, modality="text")]),  # +3 with step/timestamp
+        make_report("b", 2, [make_sample("loss", 9.0, modality="text")]),  # +3 with step/timestamp
     )
     with pytest.raises(SeriesLimitExceeded, match="series limit"):
         store.ingest(too_many, T0 + 5)
@@ -109,16 +100,16 @@ def test_series_limit_refuses_the_whole_batch_and_changes_nothing():
 def test_series_limit_counts_updates_as_free():
     store = SeriesStore(max_series=3)
     for step in range(5):
-        store.ingest(batch(make_report("a", step, [sample("loss", step, modality="text")])), T0)
+        store.ingest(make_batch(make_report("a", step, [make_sample("loss", step, modality="text")])), T0)
     assert len(store) == 3
     with pytest.raises(SeriesLimitExceeded):
-        store.ingest(batch(make_report("a", 9, [sample("loss", 1.0, modality="image")])), T0)
+        store.ingest(make_batch(make_report("a", 9, [make_sample("loss", 1.0, modality="image")])), T0)
 
 
 def test_duplicate_series_within_a_batch_count_once():
     store = SeriesStore(max_series=3)
-    s = [sample("loss", 1.0, modality="text"), sample("loss", 2.0, modality="text")]
-    store.ingest(batch(make_report("a", 1, s), make_report("a", 2, s[:1])), T0)
+    s = [make_sample("loss", 1.0, modality="text"), make_sample("loss", 2.0, modality="text")]
+    store.ingest(make_batch(make_report("a", 1, s), make_report("a", 2, s[:1])), T0)
     assert store.get("a", "loss", {"modality": "text"}) == 1.0  # later report wins
     assert store.runs(T0)[0].step == 2
 
@@ -127,25 +118,25 @@ def test_duplicate_series_within_a_batch_count_once():
 def test_collector_owned_names_are_refused(name):
     store = SeriesStore()
     with pytest.raises(IngestRefused, match="produced by the collector"):
-        store.ingest(batch(make_report("a", 1, [sample(name, 1.0)])), T0)
+        store.ingest(make_batch(make_report("a", 1, [make_sample(name, 1.0)])), T0)
     assert store.runs(T0) == [] and len(store) == 0
 
 
 def test_gauge_counter_name_clash_is_refused_atomically():
     store = SeriesStore()
-    store.ingest(batch(make_report("a", 1, [sample("widgets", 1.0)])), T0)
+    store.ingest(make_batch(make_report("a", 1, [make_sample("widgets", 1.0)])), T0)
     with pytest.raises(IngestRefused, match="both be exposed as trainvitals_widgets"):
-        store.ingest(batch(make_report("a", 2, [sample("widgets_total", 1.0)])), T0)
+        store.ingest(make_batch(make_report("a", 2, [make_sample("widgets_total", 1.0)])), T0)
     assert store.runs(T0)[0].step == 1
     with pytest.raises(IngestRefused):
-        store.ingest(batch(make_report("b", 1, [sample("x", 1.0), sample("x_total", 1.0)])), T0)
+        store.ingest(make_batch(make_report("b", 1, [make_sample("x", 1.0), make_sample("x_total", 1.0)])), T0)
     assert [r.run for r in store.runs(T0)] == ["a"]
 
 
 def test_runs_expire_after_ttl_with_all_their_series():
     store = SeriesStore(ttl_seconds=60)
-    store.ingest(batch(make_report("old", 1)), T0)
-    store.ingest(batch(make_report("new", 1)), T0 + 50)
+    store.ingest(make_batch(make_report("old", 1)), T0)
+    store.ingest(make_batch(make_report("new", 1)), T0 + 50)
     assert [r.run for r in store.runs(T0 + 59)] == ["new", "old"]
 
     assert store.expire(T0 + 60) == ["old"]
@@ -156,10 +147,10 @@ def test_runs_expire_after_ttl_with_all_their_series():
 
 def test_copy_and_ingest_expire_silent_runs():
     store = SeriesStore(ttl_seconds=10)
-    store.ingest(batch(make_report("old", 1)), T0)
+    store.ingest(make_batch(make_report("old", 1)), T0)
     assert store.copy_runs(T0 + 10) == []
-    store.ingest(batch(make_report("old", 1)), T0)
-    store.ingest(batch(make_report("new", 1)), T0 + 11)
+    store.ingest(make_batch(make_report("old", 1)), T0)
+    store.ingest(make_batch(make_report("new", 1)), T0 + 11)
     assert [r.run for r in store.runs(T0 + 11)] == ["new"]
 
 
@@ -168,33 +159,33 @@ RUN_END = {"kind": "run_end", "detail": "Monitor.close() after 5 optimizer steps
 
 def test_run_end_marks_the_run_ended_until_a_later_report_without_it():
     store = SeriesStore()
-    store.ingest(batch(make_report("a", 4)), T0)
+    store.ingest(make_batch(make_report("a", 4)), T0)
     assert store.runs(T0)[0].ended is False
     assert len(store) == 3
 
-    store.ingest(batch(make_report("a", 5, events=[RUN_END])), T0 + 1)
+    store.ingest(make_batch(make_report("a", 5, events=[RUN_END])), T0 + 1)
     [run] = store.runs(T0 + 1)
     assert (run.step, run.ended) == (5, True)
     assert store.copy_runs(T0 + 1)[0][3] is True
     assert len(store) == 4  # trainvitals_run_ended{run} is one more series
 
     other = {"kind": "optimizer_state_reset", "detail": ""}
-    store.ingest(batch(make_report("a", 6, events=[other])), T0 + 2)  # the same run resumed
+    store.ingest(make_batch(make_report("a", 6, events=[other])), T0 + 2)  # the same run resumed
     assert store.runs(T0 + 2)[0].ended is False
     assert len(store) == 3
 
 
 def test_run_end_counts_against_the_series_cap():
     store = SeriesStore(max_series=3)
-    store.ingest(batch(make_report("a", 1)), T0)
+    store.ingest(make_batch(make_report("a", 1)), T0)
     with pytest.raises(SeriesLimitExceeded, match="would add 1 series"):
-        store.ingest(batch(make_report("a", 2, events=[RUN_END])), T0)
+        store.ingest(make_batch(make_report("a", 2, events=[RUN_END])), T0)
     assert store.runs(T0)[0].ended is False
 
     roomy = SeriesStore(max_series=4)
-    roomy.ingest(batch(make_report("a", 1), make_report("a", 2, events=[RUN_END])), T0)
+    roomy.ingest(make_batch(make_report("a", 1), make_report("a", 2, events=[RUN_END])), T0)
     # Already ended, and a batch whose last report ends it again: no new series.
-    roomy.ingest(batch(make_report("a", 3), make_report("a", 4, events=[RUN_END])), T0)
+    roomy.ingest(make_batch(make_report("a", 3), make_report("a", 4, events=[RUN_END])), T0)
     assert roomy.runs(T0)[0].ended is True and len(roomy) == 4
 
 
@@ -208,14 +199,14 @@ def test_on_ingest_callbacks_see_the_batch_and_cannot_break_ingest(caplog):
     store.on_ingest(bad)
     handle = store.on_ingest(lambda b, now: seen.append((b.reports[0].step, now)))
     with caplog.at_level(logging.ERROR, logger="trainvitals.monitor.store"):
-        assert store.ingest(batch(make_report("a", 7)), T0) == 1
+        assert store.ingest(make_batch(make_report("a", 7)), T0) == 1
     assert seen == [(7, T0)]
     assert "on_ingest callback" in caplog.text
     assert store.runs(T0)[0].step == 7
 
     handle.remove()
     handle.remove()
-    store.ingest(batch(make_report("a", 8)), T0)
+    store.ingest(make_batch(make_report("a", 8)), T0)
     assert seen == [(7, T0)]
 
 
@@ -224,7 +215,7 @@ def test_refused_batch_does_not_call_callbacks():
     seen = []
     store.on_ingest(lambda b, now: seen.append(b))
     with pytest.raises(SeriesLimitExceeded):
-        store.ingest(batch(make_report("a", 1)), T0)
+        store.ingest(make_batch(make_report("a", 1)), T0)
     assert seen == []
 
 
@@ -233,8 +224,8 @@ def test_concurrent_ingest_keeps_counts_consistent():
 
     def worker(i: int) -> None:
         for step in range(50):
-            samples = [sample("param_absmax", float(step), param=f"p{j}") for j in range(20)]
-            store.ingest(batch(make_report(f"run{i}", step, samples)), T0)
+            samples = [make_sample("param_absmax", float(step), param=f"p{j}") for j in range(20)]
+            store.ingest(make_batch(make_report(f"run{i}", step, samples)), T0)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in threads:
