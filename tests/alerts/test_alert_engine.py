@@ -7,10 +7,10 @@ import math
 
 import pytest
 import yaml
-from alerting_support import report
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.reports import wire_report
 from trainvitals.alerts.engine import Engine
 from trainvitals.alerts.loading import load_rules, parse_rules
 from trainvitals.alerts.local import LocalEvaluator
@@ -35,7 +35,7 @@ def engine(text: str) -> Engine:
 
 
 def dil(step: int, value: float, modality: str = "image", **kw):
-    return report(step, [("modality_dilution_ratio", {"modality": modality}, value)], **kw)
+    return wire_report(step, [("modality_dilution_ratio", {"modality": modality}, value)], **kw)
 
 
 def feed(eng: Engine, values, *, every: int = 10, modality: str = "image", start: int = 0, **kw):
@@ -81,8 +81,8 @@ def test_series_are_independent():
     out = []
     for i, (img, aud) in enumerate([(17, 1), (17, 17), (17, 17), (1, 17), (1, 17)]):
         step = i * 10
-        r = report(step, [("modality_dilution_ratio", {"modality": "image"}, img),
-                          ("modality_dilution_ratio", {"modality": "audio"}, aud)])
+        r = wire_report(step, [("modality_dilution_ratio", {"modality": "image"}, img),
+                               ("modality_dilution_ratio", {"modality": "audio"}, aud)])
         out += [(step, t.labels["modality"], t.state) for t in eng.observe(r, now=step)]
     assert out == [(0, "image", P), (10, "audio", P), (20, "image", F),
                    (30, "image", R), (30, "audio", F)]
@@ -132,7 +132,7 @@ def test_missing_series_holds_state():
     eng = engine(DILUTION)
     feed(eng, [17, 17, 17])
     for step in (30, 40, 50):
-        assert eng.observe(report(step, [("loss", {}, 1.0)]), now=step) == []
+        assert eng.observe(wire_report(step, [("loss", {}, 1.0)]), now=step) == []
     assert eng.firing()
 
 
@@ -148,7 +148,7 @@ def test_below_rule_and_hold_steps():
     trans = []
     for step, v in enumerate([0.25, 0.7, 0.9, 0.9, 0.6, 0.9, 0.9, 0.9, 0.9]):
         trans += [(step * 10, t.state) for t in
-                  eng.observe(report(step * 10, [("loss_weight_mass", {}, v)]), now=step)]
+                  eng.observe(wire_report(step * 10, [("loss_weight_mass", {}, v)]), now=step)]
     # 0.6 at step 40 is inside the band: the clear streak restarts at 50.
     assert trans == [(0, F), (80, R)]
 
@@ -173,21 +173,21 @@ def drift_report(step, drift, consistency=0.9, decay=0.0, param="norm.weight", e
         samples.append(("param_drift_consistency_ratio", lb, consistency))
     if decay is not None:
         samples.append(("param_weight_decay", lb, decay))
-    return report(step, [*samples, *extra])
+    return wire_report(step, [*samples, *extra])
 
 
 def test_and_conditions_match_series_by_labels():
     eng = engine(PARAM_DRIFT)
     # Another parameter's consistency must not satisfy this one's condition.
-    r = report(0, [("param_drift_log2", {"param": "a"}, 3.0),
-                   ("param_drift_consistency_ratio", {"param": "a"}, 0.1),
-                   ("param_drift_consistency_ratio", {"param": "b"}, 0.9),
-                   ("param_weight_decay", {"param": "a"}, 0.0)])
+    r = wire_report(0, [("param_drift_log2", {"param": "a"}, 3.0),
+                        ("param_drift_consistency_ratio", {"param": "a"}, 0.1),
+                        ("param_drift_consistency_ratio", {"param": "b"}, 0.9),
+                        ("param_weight_decay", {"param": "a"}, 0.0)])
     assert eng.observe(r, now=0) == []
     # Conditions are looked up across the whole report, in any order.
-    r = report(10, [("param_weight_decay", {"param": "a"}, 0.0),
-                    ("param_drift_consistency_ratio", {"param": "a"}, 0.9),
-                    ("param_drift_log2", {"param": "a"}, 3.0)])
+    r = wire_report(10, [("param_weight_decay", {"param": "a"}, 0.0),
+                         ("param_drift_consistency_ratio", {"param": "a"}, 0.9),
+                         ("param_drift_log2", {"param": "a"}, 3.0)])
     (t,) = eng.observe(r, now=1)
     assert t.state is F and t.labels == {"run": "r1", "param": "a"}
 
@@ -215,8 +215,8 @@ def test_and_condition_with_fewer_labels_matches_by_restriction():
   and: [{metric: loss_weight_mass, above: 1.5}]
   summary: "{modality} {scope}"
 """)
-    r = report(0, [("modality_grad_norm", {"modality": "image", "scope": "output"}, 3.0),
-                   ("loss_weight_mass", {}, 4.0)])
+    r = wire_report(0, [("modality_grad_norm", {"modality": "image", "scope": "output"}, 3.0),
+                        ("loss_weight_mass", {}, 4.0)])
     (t,) = eng.observe(r, now=0)
     assert t.state is F and t.summary == "image output"
 
@@ -232,23 +232,23 @@ EVENT = """
 
 def test_event_rule_fires_on_the_report_and_resolves_after_hold():
     eng = engine(EVENT)
-    (t,) = eng.observe(report(60, events=[("optimizer_state_reset", "rebuilt")]), now=0)
+    (t,) = eng.observe(wire_report(60, events=[("optimizer_state_reset", "rebuilt")]), now=0)
     assert (t.old, t.state, t.summary) == (IN, F, "reset at 60: rebuilt")
     for step in range(70, 160, 10):
-        assert eng.observe(report(step), now=step) == []
+        assert eng.observe(wire_report(step), now=step) == []
     # A second reset while firing extends the hold without a new notification.
-    assert eng.observe(report(150, events=["optimizer_state_reset"]), now=0) == []
+    assert eng.observe(wire_report(150, events=["optimizer_state_reset"]), now=0) == []
     assert eng.firing()[0].value == 2
-    assert eng.observe(report(240), now=0) == []
-    assert [t.state for t in eng.observe(report(250), now=0)] == [R]
+    assert eng.observe(wire_report(240), now=0) == []
+    assert [t.state for t in eng.observe(wire_report(250), now=0)] == [R]
     # Another run's reports do not resolve it; a new event fires it again.
-    (t,) = eng.observe(report(300, events=["optimizer_state_reset"]), now=0)
+    (t,) = eng.observe(wire_report(300, events=["optimizer_state_reset"]), now=0)
     assert (t.old, t.state) == (R, F)
 
 
 def test_event_hold_by_time_resolves_on_tick():
     eng = engine(EVENT.replace("hold_steps: 100", "hold: 5m"))
-    eng.observe(report(10, events=["optimizer_state_reset"]), now=1000)
+    eng.observe(wire_report(10, events=["optimizer_state_reset"]), now=1000)
     assert eng.tick(1299) == []
     assert [t.state for t in eng.tick(1300)] == [R]
 
@@ -262,20 +262,20 @@ SILENT = """
 
 def test_run_silent_timer():
     eng = engine(SILENT)
-    eng.observe(report(10, run="a"), now=1000)
-    eng.observe(report(10, run="b"), now=1300)
+    eng.observe(wire_report(10, run="a"), now=1000)
+    eng.observe(wire_report(10, run="b"), now=1300)
     assert eng.tick(1599) == []
     (t,) = eng.tick(1600)
     assert (t.state, t.labels, t.summary) == (F, {"run": "a"}, "a silent 600 s")
     assert eng.tick(1700) == []  # fires once
-    (t,) = eng.observe(report(20, run="a"), now=1800)
+    (t,) = eng.observe(wire_report(20, run="a"), now=1800)
     assert (t.old, t.state) == (F, R)
     assert [t.labels["run"] for t in eng.tick(1900)] == ["b"]
 
 
 def test_run_end_event_silences_run_silent_and_old_runs_are_forgotten():
     eng = Engine(parse_rules(yaml.safe_load(SILENT + DILUTION)), run_ttl=3600)
-    eng.observe(report(10, run="a", events=["run_end"]), now=0)
+    eng.observe(wire_report(10, run="a", events=["run_end"]), now=0)
     assert eng.tick(700) == []
     feed(eng, [17, 17, 17], run="b")  # firing GradientDilution, now=1000..1020
     assert {a.alertname for a in eng.firing()} == {"GradientDilution"}
@@ -308,7 +308,7 @@ def test_counter_increase_transform():
 
     def nf(step, v, what="loss"):
         return [(t.state, t.summary) for t in
-                eng.observe(report(step, [("nonfinite_total", {"what": what}, v)]), now=step)]
+                eng.observe(wire_report(step, [("nonfinite_total", {"what": what}, v)]), now=step)]
 
     assert nf(0, 3) == []  # the first report is the baseline
     assert nf(10, 3) == []
@@ -333,7 +333,7 @@ def test_ratio_to_median_transform():
     values = [100, 50, 20, 30, 25, 24, 26, 400, 150, 70, 26, 25]
     for i, v in enumerate(values):
         out += [(i, t.state, t.summary) for t in
-                eng.observe(report(i, [("grad_norm", {}, v)]), now=i)]
+                eng.observe(wire_report(i, [("grad_norm", {}, v)]), now=i)]
     # No verdict for the first 5 reports (warm-up norms fall); then 400 / median(20,30,25,24,26)
     # = 16x; 150 is 5.8x (inside the band: still firing); 70 is 2.7x: back under clear.
     assert out == [(7, F, "16x"), (9, R, "3x")]
@@ -346,7 +346,7 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
         fired = set()
         for step in steps:
             ev = events_at(step) if events_at else ()
-            for t in eng.observe(report(step, samples_at(step), events=ev), now=1000.0 + step):
+            for t in eng.observe(wire_report(step, samples_at(step), events=ev), now=1000.0 + step):
                 if t.state is F:
                     fired.add(t.alertname)
         return fired
@@ -505,7 +505,7 @@ def test_independent_series_equal_single_series(n_series):
     per: dict[str, list] = {}
     for i, v in enumerate(values):
         step = i * 10
-        r = report(step, [("modality_dilution_ratio", {"modality": f"m{k}"}, v) for k in range(n_series)])
+        r = wire_report(step, [("modality_dilution_ratio", {"modality": f"m{k}"}, v) for k in range(n_series)])
         for t in eng.observe(r, now=1000.0 + step):
             per.setdefault(t.labels["modality"], []).append((step, t.old, t.state))
     assert all(v == alone for v in per.values()) and len(per) == n_series

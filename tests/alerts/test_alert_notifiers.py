@@ -7,9 +7,11 @@ import threading
 
 import pytest
 import yaml
-from alerting_support import RecordingServer, free_port, report, wait_until
 from prometheus_client import CollectorRegistry
 
+from tests.http_recorder import RecordingServer
+from tests.reports import wire_report
+from tests.support import dead_url, wait_until
 from trainvitals.alerts.dispatch import Dispatcher, RetryPolicy
 from trainvitals.alerts.engine import Engine
 from trainvitals.alerts.loading import parse_rules
@@ -38,7 +40,7 @@ RULES = parse_rules(yaml.safe_load("""
 
 def fire(svc: AlertService, step: int, value: float, modality: str = "image", run: str = "r1",
          now: float = 1_764_400_000.0):
-    r = report(step, [("modality_dilution_ratio", {"modality": modality}, value)], run=run)
+    r = wire_report(step, [("modality_dilution_ratio", {"modality": modality}, value)], run=run)
     return svc.observe(r, now=now)
 
 
@@ -65,7 +67,7 @@ def test_alertmanager_payload_resend_and_resolve():
         finally:
             svc.stop()
         first, repeat, resolved = server.bodies()
-        assert {r.path for r in server.requests} == {"/api/v2/alerts"}
+        assert {r.path for r in server.received()} == {"/api/v2/alerts"}
         (a,) = first
         assert a == {
             "labels": {"alertname": "GradientDilution", "severity": "page", "run": "r1", "modality": "image"},
@@ -110,7 +112,7 @@ def test_dead_receiver_does_not_slow_observe_and_counts_failures(receiver):
         with svc:
             baseline = _observe_many(svc, n)
     dead = RecordingServer(hang=True)
-    url = dead.url if receiver == "hangs" else f"http://127.0.0.1:{free_port()}"
+    url = dead.url if receiver == "hangs" else dead_url()
     try:
         svc = service([{"type": "webhook", "url": url, "timeout": 0.2}], queue_size=20,
                       retry=RetryPolicy(attempts=2, initial=0.01, maximum=0.02))
@@ -135,14 +137,14 @@ def test_dead_receiver_does_not_slow_observe_and_counts_failures(receiver):
 
 def test_pagerduty_trigger_resolve_and_dedup_key(monkeypatch, tmp_path):
     monkeypatch.setenv("PD_KEY", "R0UT1NGKEY")
-    with RecordingServer(default=202, default_body=b'{"status":"success"}') as server:
+    with RecordingServer(default=202, body=b'{"status":"success"}') as server:
         svc = service([{"type": "pagerduty", "url": server.url, "routing_key_env": "PD_KEY"}])
         with svc:
             fire(svc, 0, 17.0, run="mm-pt1")
             fire(svc, 10, 1.0, run="mm-pt1")
             wait_until(lambda: server.count() == 2)
         trigger, resolve = server.bodies()
-        assert {r.path for r in server.requests} == {"/v2/enqueue"}
+        assert {r.path for r in server.received()} == {"/v2/enqueue"}
         key = 'GradientDilution{modality="image",run="mm-pt1"}'
         assert trigger["routing_key"] == "R0UT1NGKEY" and trigger["event_action"] == "trigger"
         assert trigger["dedup_key"] == key
@@ -209,7 +211,7 @@ def test_webhook_headers_and_body(monkeypatch):
         with svc:
             fire(svc, 0, 17.0)
             wait_until(lambda: server.count() == 1)
-        req = server.requests[0]
+        req = server.received()[0]
         assert req.headers["Authorization"] == "Bearer t0ken" and req.headers["X-Team"] == "ml"
         body = req.json()
         assert body["status"] == "firing" and body["version"] == "1"
@@ -222,7 +224,7 @@ def test_secrets_never_in_repr_or_logs(caplog, monkeypatch):
         secret_url = server.url + "/services/T000/B000/SECRETPART"
         monkeypatch.setenv("SLACK_URL", secret_url)
         configs = [{"type": "slack", "webhook_url_env": "SLACK_URL"},
-                   {"type": "pagerduty", "routing_key": "SECRETKEY", "url": f"http://127.0.0.1:{free_port()}"},
+                   {"type": "pagerduty", "routing_key": "SECRETKEY", "url": dead_url()},
                    {"type": "webhook", "url": server.url, "headers": {"Authorization": "SECRETTOKEN"}}]
         parsed = parse_notifier_configs(configs)
         svc = service(configs, retry=RetryPolicy(attempts=2, initial=0.01, maximum=0.01))
@@ -304,8 +306,8 @@ def test_dedup_key_is_stable_and_bounded():
 def test_observe_batch_takes_a_whole_ingest_body():
     svc = service([])
     batch = ReportBatch(schema=1, reports=[
-        report(0, [("modality_dilution_ratio", {"modality": "image"}, 17.0)], run="a"),
-        report(0, [("modality_dilution_ratio", {"modality": "image"}, 17.0)], run="b")])
+        wire_report(0, [("modality_dilution_ratio", {"modality": "image"}, 17.0)], run="a"),
+        wire_report(0, [("modality_dilution_ratio", {"modality": "image"}, 17.0)], run="b")])
     assert sorted(t.labels["run"] for t in svc.observe_batch(batch, 10.0)) == ["a", "b"]
     assert [f.name for f in svc.metric_families()] == ["trainvitals_alerts_firing"]  # no notifiers
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from alerting_support import ALERTMANAGER, RecordingServer, report, running_alertmanager, wait_until
 
+from tests.http_recorder import RecordingServer
+from tests.reports import wire_report
+from tests.support import ALERTMANAGER, running_alertmanager, wait_until
 from trainvitals.alerts.service import AlertService
 
 pytestmark = [
@@ -30,9 +32,9 @@ def alertmanager(tmp_path):
 
 
 def _dilution(step: int, value: float):
-    return report(step, [("modality_excess_dilution_ratio", {"modality": "image"}, value),
-                         ("modality_excess_dilution_ratio", {"modality": "text"}, 0.85)],
-                  run="mm-pt1", time_=time.time())
+    return wire_report(step, [("modality_excess_dilution_ratio", {"modality": "image"}, value),
+                              ("modality_excess_dilution_ratio", {"modality": "text"}, 0.85)],
+                       run="mm-pt1", time=time.time())
 
 
 def _webhooks(receiver: RecordingServer, status: str) -> list[dict]:
