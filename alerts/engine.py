@@ -88,6 +88,7 @@ class _Instance:
     clear_step: int | None = None
     clear_time: float | None = None
     detail: str = ""
+    fired_value: float = math.nan
 
     def since(self) -> float:
         if self.state is AlertState.FIRING and self.fired_at is not None:
@@ -99,7 +100,8 @@ class _Instance:
     def snapshot(self, cls: type[Alert] = Alert, **extra: Any) -> Any:
         return cls(rule=self.rule, labels=dict(self.labels), state=self.state, value=self.value,
                    step=self.step, since=self.since(), fired_at=self.fired_at,
-                   resolved_at=self.resolved_at, detail=self.detail, **extra)
+                   resolved_at=self.resolved_at, detail=self.detail,
+                   fired_value=self.fired_value, **extra)
 
 
 @dataclass(eq=False)
@@ -150,6 +152,37 @@ def _rule_objects(rules: Iterable[Rule]) -> list[Rule]:
             raise TypeError(f"Engine rule #{i} is a {type(rule).__name__}, not a rule object "
                             "(ThresholdRule, EventRule or SilenceRule); see resolve_rules()")
     return out
+
+
+_EXPORTED = ("step", "pending_step", "pending_time", "fired_at", "resolved_at", "clear_step",
+             "clear_time", "detail")
+
+
+def _float(v: Any) -> float:
+    return math.nan if v is None else float(v)
+
+
+def _export(key: tuple, inst: _Instance) -> dict[str, Any]:
+    """One instance as a JSON-ready dict (NaN as None)."""
+    out: dict[str, Any] = {
+        "alertname": inst.rule.alert, "rule_index": key[0], "run": key[1], "rank": key[2],
+        "items": [list(kv) for kv in key[3]], "labels": dict(inst.labels),
+        "state": inst.state.value,
+        "value": inst.value if math.isfinite(inst.value) else None,
+        "fired_value": inst.fired_value if math.isfinite(inst.fired_value) else None,
+    }
+    for name in _EXPORTED:
+        out[name] = getattr(inst, name)
+    return out
+
+
+def _rule_index(rules: list[Rule], by_name: Mapping[str, list[int]], row: Mapping[str, Any]) -> int | None:
+    """The rule a persisted alert belongs to now: same name (and index, when rules were reordered)."""
+    candidates = by_name.get(row["alertname"], [])
+    if not candidates:
+        return None
+    index = row.get("rule_index")
+    return index if index in candidates else candidates[0]
 
 
 class Engine:
@@ -203,6 +236,8 @@ class Engine:
         self._history = SeriesHistory()
         self._runs: dict[str, _Run] = {}
         self._next_sweep = 0.0
+        # Runs whose state changed since export_runs(dirty=True) last took them.
+        self._dirty_runs: set[str] = set()
 
     # ------------------------------------------------------------------ observe
 
@@ -218,6 +253,7 @@ class Engine:
             else:
                 info.last_seen = max(info.last_seen, now)
                 info.last_step = step
+            self._dirty_runs.add(run)
             ended = any(ev.kind == RUN_END_EVENT for ev in report.events)
             info.closed = ended
             for i, _rule in self._silence:
@@ -326,6 +362,7 @@ class Engine:
         if step - inst.pending_step >= rule.for_steps and (
                 rule.for_ <= 0 or now - inst.pending_time >= rule.for_):
             inst.state, inst.fired_at = AlertState.FIRING, now
+            inst.fired_value = inst.value
             inst.clear_step = inst.clear_time = None
 
     def _observe_events(self, report: Report, now: float) -> list[Transition]:
@@ -350,7 +387,7 @@ class Engine:
                 if old is AlertState.FIRING:
                     inst.value += 1
                     continue
-                inst.value = 1.0
+                inst.value = inst.fired_value = 1.0
                 inst.state, inst.pending_step, inst.pending_time = AlertState.FIRING, step, now
                 inst.fired_at, inst.resolved_at = now, None
                 per_run[key] = inst
@@ -389,6 +426,7 @@ class Engine:
                     inst.value, inst.step = silent, info.last_step
                     if inst.state is not AlertState.FIRING:
                         old = inst.state
+                        inst.fired_value = silent
                         inst.state, inst.pending_time = AlertState.FIRING, now
                         inst.fired_at, inst.resolved_at = now, None
                         out.append(inst.snapshot(Transition, old=old))
@@ -433,7 +471,71 @@ class Engine:
         for key in [k for k in self._event_instances if k[0] == run]:
             del self._event_instances[key]
         del self._runs[run]
+        self._dirty_runs.add(run)
         return out
+
+    # ------------------------------------------------------------- persistence
+
+    def export_runs(self, dirty: bool = False) -> list[tuple[str, float, int, bool] | tuple[str, None, None, None]]:
+        """``(run, last_seen, last_step, closed)`` per run; ``dirty``: only the runs changed
+        since the last such call, a forgotten run as ``(run, None, None, None)``."""
+        with self._lock:
+            names = list(self._dirty_runs) if dirty else list(self._runs)
+            if dirty:
+                self._dirty_runs.clear()
+            out: list = []
+            for name in names:
+                info = self._runs.get(name)
+                out.append((name, None, None, None) if info is None
+                           else (name, info.last_seen, info.last_step, info.closed))
+            return out
+
+    def export_alerts(self) -> list[dict[str, Any]]:
+        """Every pending, firing and recently resolved alert as a JSON-ready dict
+        (what :meth:`restore` takes after a restart)."""
+        with self._lock:
+            return [_export(key, inst) for key, inst in self._instances.items()
+                    if inst.state is not AlertState.INACTIVE]
+
+    def restore(self, runs: Iterable[tuple[str, float, int, bool]],
+                alerts: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """Bring back runs and alerts from before a restart; return the alerts whose rule
+        is gone (their state cannot go on; the caller resolves them downstream).
+
+        A run comes back with its last report time, so RunSilent covers a run that
+        went silent across the restart; an alert with its state, so a firing one
+        resolves when its series clears and does not fire (page) again while it holds.
+        """
+        gone = []
+        with self._lock:
+            for run, last_seen, last_step, closed in runs:
+                if run not in self._runs:
+                    self._runs[run] = _Run(last_seen, last_step, bool(closed))
+            by_name: dict[str, list[int]] = {}
+            for i, rule in enumerate(self.rules):
+                by_name.setdefault(rule.alert, []).append(i)
+            for row in alerts:
+                index = _rule_index(self.rules, by_name, row)
+                if index is None:
+                    gone.append(row)
+                    continue
+                items = tuple((str(k), str(v)) for k, v in row["items"])
+                key = (index, row["run"], int(row["rank"]), items)
+                if key in self._instances:
+                    continue
+                rule = self.rules[index]
+                inst = self._new_instance(key, rule, dict(row["labels"]), row["run"])
+                for name in _EXPORTED:
+                    if name in row:
+                        setattr(inst, name, row[name])
+                inst.state = AlertState(row["state"])
+                inst.value = _float(row.get("value"))
+                inst.fired_value = _float(row.get("fired_value"))
+                if isinstance(rule, EventRule):
+                    self._event_instances.setdefault((row["run"], int(row["rank"])), {})[key] = inst
+                if row["run"] not in self._runs:
+                    self._runs[row["run"]] = _Run(inst.since(), inst.step or 0)
+        return gone
 
     # ---------------------------------------------------------------- snapshots
 

@@ -50,6 +50,9 @@ class Alert:
     fired_at: float | None
     resolved_at: float | None
     detail: str = ""
+    fired_value: float = float("nan")
+    """The value when it fired: what a resolved alert's text is rendered with (the value
+    at resolution would read "image gets 1.0x less gradient")."""
 
     @property
     def alertname(self) -> str:
@@ -71,7 +74,10 @@ class Alert:
     def fields(self) -> dict[str, Any]:
         """Template namespace: the series labels plus the rule's numbers."""
         out: dict[str, Any] = dict(self.labels)
-        out.update(alertname=self.rule.alert, severity=self.rule.severity, value=self.value,
+        value = self.value
+        if self.state is AlertState.RESOLVED and self.fired_value == self.fired_value:
+            value = self.fired_value
+        out.update(alertname=self.rule.alert, severity=self.rule.severity, value=value,
                    step=self.step if self.step is not None else -1, detail=self.detail)
         if isinstance(self.rule, ThresholdRule):
             out.update(above=self.rule.above, below=self.rule.below, clear=self.rule.clear_at)

@@ -38,6 +38,8 @@ REPORT_OUTCOMES = (
     "unauthorized",
     "bad_gzip",
     "series_limit",
+    "run_series_limit",
+    "duplicate",
 )
 # HELP of a metric a client sent that the wire table does not know (not one of ours).
 _UNKNOWN_HELP = "Sent by a trainvitals client; not in this collector's metric catalogue."

@@ -1,8 +1,10 @@
 """Reading a ``POST /v1/reports`` body: token, content type, bounded read, bounded
 gzip inflate, JSON parse, and an error description that names the field.
 
-No routing here: :func:`read_batch` either returns a validated
-:class:`~trainvitals.wire.ReportBatch` or raises :class:`BodyRefused`, which
+No routing here: :func:`read_body` returns the body's JSON bytes (inflated) and
+:func:`parse_batch` validates them into a :class:`~trainvitals.monitor.decode.WireBatch`
+(the wire schema's rules, :mod:`~trainvitals.monitor.decode`); both raise
+:class:`BodyRefused`, which
 carries the HTTP status, the ``outcome`` label counted in
 ``trainvitals_collector_reports_total`` and the ``detail`` shown to the client.
 The wire format is described in ``docs/wire.md``.
@@ -10,19 +12,17 @@ The wire format is described in ``docs/wire.md``.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import zlib
-from typing import Any
 
-from pydantic import ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
+from trainvitals.monitor.decode import BodyInvalid, WireBatch, decode_batch
 from trainvitals.monitor.settings import Settings
-from trainvitals.wire import SCHEMA_VERSION, ReportBatch
 
-__all__ = ["BodyRefused", "describe_errors", "parse_batch", "read_batch"]
+__all__ = ["BodyRefused", "check_bearer", "parse_batch", "read_batch", "read_body"]
 
-_MAX_ERRORS_SHOWN = 10
 _REALM = 'Bearer realm="trainvitals"'
 
 
@@ -39,24 +39,43 @@ class BodyRefused(Exception):
         self.headers = headers
 
 
-async def read_batch(request: Request, settings: Settings) -> ReportBatch:
-    """Check, read, inflate and validate the request's body; raise :class:`BodyRefused`.
+async def read_batch(request: Request, settings: Settings) -> WireBatch:
+    """Check, read, inflate and validate the request's body; raise :class:`BodyRefused`."""
+    return parse_batch(await read_body(request, settings))
+
+
+async def read_body(request: Request, settings: Settings) -> bytes:
+    """Check, read and inflate the request's body (JSON bytes); raise :class:`BodyRefused`.
 
     Limits from ``settings``: ``max_body_bytes`` (as sent) and
-    ``max_decompressed_bytes`` (after gzip), both in bytes.
+    ``max_decompressed_bytes`` (after gzip), both in bytes; the body must arrive
+    within ``body_timeout_seconds`` (408 otherwise: a trickling client does not
+    hold a connection for ever).
     """
     check_token(request, settings)
     check_content_type(request)
-    body = await read_bounded(request, settings.max_body_bytes)
-    body = inflate(request, body, settings.max_decompressed_bytes)
-    return parse_batch(body)
+    try:
+        body = await asyncio.wait_for(
+            read_bounded(request, settings.max_body_bytes), settings.body_timeout_seconds
+        )
+    except asyncio.TimeoutError:
+        raise BodyRefused(
+            408, "invalid", f"body not received within {settings.body_timeout_seconds:g} s"
+        ) from None
+    except ClientDisconnect:
+        raise BodyRefused(400, "invalid", "the client disconnected before sending the body") from None
+    return inflate(request, body, settings.max_decompressed_bytes)
 
 
 def check_token(request: Request, settings: Settings) -> None:
     """Refuse (401) a request without the configured bearer token; no token set: pass."""
     if settings.token is None:
         return
-    header = request.headers.get("authorization")
+    check_bearer(request.headers.get("authorization"), settings.token.get_secret_value())
+
+
+def check_bearer(header: str | None, expected: str) -> None:
+    """Refuse (401) unless ``header`` is ``Bearer <expected>``."""
     if header is None:
         raise BodyRefused(
             401,
@@ -65,7 +84,7 @@ def check_token(request: Request, settings: Settings) -> None:
             {"WWW-Authenticate": _REALM},
         )
     scheme, _, given = header.partition(" ")
-    token = settings.token.get_secret_value().encode()
+    token = expected.encode()
     # compare_digest: the time taken does not tell how much of the token matched.
     if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token):
         raise BodyRefused(
@@ -146,34 +165,9 @@ def inflate(request: Request, body: bytes, limit: int) -> bytes:
     return out
 
 
-def parse_batch(body: bytes) -> ReportBatch:
-    """Validate JSON bytes as a wire body: 400 for bad JSON, 422 naming the bad fields."""
+def parse_batch(body: bytes) -> WireBatch:
+    """Validate JSON bytes as a wire body: 400 for bad JSON, 422 naming the bad field."""
     try:
-        return ReportBatch.model_validate_json(body)
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False, include_context=False)
-        if any(e["type"] == "json_invalid" for e in errors):
-            msg = errors[0]["msg"].removeprefix("Invalid JSON: ")
-            raise BodyRefused(400, "invalid", f"body is not valid JSON: {msg}") from None
-        raise BodyRefused(422, "invalid", describe_errors(errors)) from None
-
-
-def describe_errors(errors: list[Any]) -> str:
-    """``path: message`` for the first ten validation errors, ``; ``-joined."""
-    parts = []
-    for err in errors[:_MAX_ERRORS_SHOWN]:
-        loc = err["loc"]
-        path = ".".join(str(p) for p in loc) if loc else "body"
-        msg = err["msg"].removeprefix("Value error, ")
-        if loc == ("schema",):
-            if err["type"] == "missing":
-                msg = f"missing; this collector supports schema version {SCHEMA_VERSION}"
-            else:
-                msg = (
-                    f"unsupported schema version {err.get('input')!r}; "
-                    f"this collector supports version {SCHEMA_VERSION}"
-                )
-        parts.append(f"{path}: {msg}")
-    if len(errors) > _MAX_ERRORS_SHOWN:
-        parts.append(f"... and {len(errors) - _MAX_ERRORS_SHOWN} more errors")
-    return "; ".join(parts)
+        return decode_batch(body)
+    except BodyInvalid as exc:
+        raise BodyRefused(422 if exc.json_ok else 400, "invalid", str(exc)) from None

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
+from starlette.concurrency import run_in_threadpool
 
 from trainvitals.monitor.deps import ReportsDep, SettingsDep, StoreDep
-from trainvitals.monitor.request_body import BodyRefused, read_batch
-from trainvitals.monitor.store import IngestRefused, SeriesLimitExceeded
+from trainvitals.monitor.request_body import BodyRefused, parse_batch, read_body
+from trainvitals.monitor.store import (
+    IngestRefused,
+    IngestResult,
+    RunSeriesLimitExceeded,
+    SeriesLimitExceeded,
+    SeriesStore,
+)
 
 __all__ = ["router"]
 
@@ -17,28 +25,51 @@ log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["ingest"])
 
+# Bodies above this (JSON bytes) are decoded and applied on a worker thread: a
+# 10^6-sample body takes about a second of CPU, which must not stall the event
+# loop (other requests, /metrics, /healthz). Smaller ones are cheaper inline.
+_INLINE_BYTES = 256 * 1024
+# Seconds a client should wait before retrying when the collector is full.
+_FULL_RETRY_AFTER = 30
+
 
 @router.post("/v1/reports", status_code=202)
 async def ingest_reports(
     request: Request, settings: SettingsDep, store: StoreDep, reports: ReportsDep
-) -> dict[str, int]:
-    """Ingest a batch of reports; ``{"accepted": n}``, or a 4xx whose detail names the problem.
+) -> dict[str, Any]:
+    """Ingest a batch of reports: ``{"accepted": n, "duplicates": [i, ...]}``, or a 4xx/503
+    whose detail names the problem.
 
-    A refused body changes nothing and is counted in
-    ``trainvitals_collector_reports_total{outcome}``.
+    ``duplicates`` are the indices of reports applied before (a retry: same run,
+    rank, ``sender`` and ``seq``), skipped this time. A refused body changes
+    nothing and is counted in ``trainvitals_collector_reports_total{outcome}``.
     """
     try:
-        batch = await read_batch(request, settings)
-        try:
-            n = store.ingest(batch, time.time())
-        except SeriesLimitExceeded as exc:
-            raise BodyRefused(422, "series_limit", str(exc)) from None
-        except IngestRefused as exc:
-            raise BodyRefused(422, "invalid", str(exc)) from None
+        body = await read_body(request, settings)
+        if len(body) > _INLINE_BYTES:
+            result = await run_in_threadpool(_apply, store, body)
+        else:
+            result = _apply(store, body)
     except BodyRefused as exc:
         reports.inc(exc.outcome)
         client = request.client.host if request.client else "?"
         log.info("refused a report body from %s: %d %s", client, exc.status, exc.detail)
         raise HTTPException(exc.status, exc.detail, exc.headers) from None
-    reports.inc("accepted", n)
-    return {"accepted": n}
+    reports.inc("accepted", result.accepted)
+    if result.duplicates:
+        reports.inc("duplicate", len(result.duplicates))
+    return {"accepted": result.accepted, "duplicates": list(result.duplicates)}
+
+
+def _apply(store: SeriesStore, body: bytes) -> IngestResult:
+    batch = parse_batch(body)
+    try:
+        return store.apply(batch, time.time())
+    except RunSeriesLimitExceeded as exc:
+        raise BodyRefused(422, "run_series_limit", str(exc)) from None
+    except SeriesLimitExceeded as exc:
+        # The collector is full, not the data wrong: the client keeps it and retries.
+        raise BodyRefused(503, "series_limit", str(exc),
+                          {"Retry-After": str(_FULL_RETRY_AFTER)}) from None
+    except IngestRefused as exc:
+        raise BodyRefused(422, "invalid", str(exc)) from None

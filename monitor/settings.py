@@ -64,8 +64,42 @@ class Settings(BaseSettings):
         3600.0, gt=0, description="A run silent this long is dropped with its series."
     )
     max_series: int = Field(
-        1_000_000, ge=1, description="Series cap; a batch that would pass it is refused."
+        1_000_000, ge=1, description="Series cap; a batch that would pass it is refused (503)."
     )
+    max_series_per_run: int = Field(
+        200_000, ge=4, description="Series budget of one run; a batch that would pass it is "
+        "refused (422) and counted, other runs unaffected."
+    )
+    stale_reports: int = Field(
+        100, ge=0, description="A series its rank left out of this many consecutive reports is "
+        "dropped (0: kept while the run lives)."
+    )
+    read_token: SecretStr | None = Field(
+        None, description="Bearer token for GET /metrics, /v1/* and the API docs; none: open."
+    )
+    read_token_file: Path | None = Field(
+        None, description="File holding the read token (surrounding whitespace stripped)."
+    )
+    state_path: Path | None = Field(
+        None, description="SQLite file for alert state, notifications sent and runs, so a "
+        "restart resolves what cleared and does not page twice; none: kept in memory only."
+    )
+    body_timeout_seconds: float = Field(
+        30.0, gt=0, description="A request body must arrive within this many seconds (408)."
+    )
+    header_timeout_seconds: float = Field(
+        10.0, gt=0, description="A connection must send its request headers within this many "
+        "seconds (half-open connections are closed)."
+    )
+    keepalive_seconds: float = Field(
+        5.0, gt=0, description="An idle keep-alive connection is closed after this many seconds."
+    )
+    max_connections: int = Field(
+        1000, ge=1, description="Connections served at once; beyond it requests get 503."
+    )
+    tls_certfile: Path | None = Field(None, description="PEM certificate: serve HTTPS.")
+    tls_keyfile: Path | None = Field(None, description="PEM private key for tls_certfile.")
+    access_log: bool = Field(False, description="Log every request (uvicorn access log).")
     log_level: str = Field("info", description="uvicorn / logging level.")
     # Passed through to the alert engine, which validates them.
     rules: list[str] | str | None = Field(
@@ -75,6 +109,18 @@ class Settings(BaseSettings):
     notifiers: list[dict[str, Any]] | None = Field(None, description="Notifier configs.")
 
     @model_validator(mode="after")
+    def _read_token_files(self) -> Settings:
+        self._read_token_file()
+        if self.read_token_file is not None:
+            if self.read_token is not None:
+                raise ValueError("set read_token or read_token_file, not both")
+            self.read_token = SecretStr(_read_secret(self.read_token_file, "read_token_file"))
+        elif self.read_token is not None and not self.read_token.get_secret_value().strip():
+            raise ValueError("read_token is empty; unset it to leave the read endpoints open")
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("set tls_certfile and tls_keyfile together")
+        return self
+
     def _read_token_file(self) -> Settings:
         if self.token_file is None:
             if self.token is not None and not self.token.get_secret_value().strip():
@@ -82,13 +128,7 @@ class Settings(BaseSettings):
             return self
         if self.token is not None:
             raise ValueError("set token or token_file, not both")
-        try:
-            text = self.token_file.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ValueError(f"token_file {str(self.token_file)!r}: {exc.strerror}") from None
-        if not text:
-            raise ValueError(f"token_file {str(self.token_file)!r} is empty")
-        self.token = SecretStr(text)
+        self.token = SecretStr(_read_secret(self.token_file, "token_file"))
         return self
 
     @classmethod
@@ -141,9 +181,24 @@ class Settings(BaseSettings):
             _FILE_DATA.reset(token)
 
     @property
+    def read_auth_required(self) -> bool:
+        """True when GET /metrics, /v1/* and the API docs need the read token."""
+        return self.read_token is not None
+
+    @property
     def auth_required(self) -> bool:
         """True when clients must send the bearer token."""
         return self.token is not None
+
+
+def _read_secret(path: Path, what: str) -> str:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ValueError(f"{what} {str(path)!r}: {exc.strerror}") from None
+    if not text:
+        raise ValueError(f"{what} {str(path)!r} is empty")
+    return text
 
 
 def _describe(

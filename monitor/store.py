@@ -17,6 +17,14 @@ Series identity (what ``/metrics`` shows; the wire format is ``docs/wire.md``):
 
 Counters (``*_total``) are cumulative on the client; the store keeps the latest
 value like any gauge.
+
+Limits and hygiene: a batch that would take one run past ``max_series_per_run``
+is refused (:class:`RunSeriesLimitExceeded`; other runs are unaffected) and one
+that would take the store past ``max_series`` too (:class:`SeriesLimitExceeded`,
+answered as retryable); a series that a rank has left out of its last
+``stale_reports`` reports is dropped (a run churning label values does not keep
+every value it ever sent). Reports that carry ``sender``/``seq`` are applied once:
+a retried report is recognised and skipped (:class:`IngestResult` lists them).
 """
 
 from __future__ import annotations
@@ -35,7 +43,9 @@ __all__ = [
     "IngestRefused",
     "RemovableHandle",
     "RunCopy",
+    "IngestResult",
     "RunInfo",
+    "RunSeriesLimitExceeded",
     "SeriesLimitExceeded",
     "SeriesStore",
 ]
@@ -60,7 +70,57 @@ class IngestRefused(ValueError):
 
 
 class SeriesLimitExceeded(IngestRefused):
-    """Applying the batch would take the store past its series cap."""
+    """Applying the batch would take the store past its series cap (the collector is full)."""
+
+
+class RunSeriesLimitExceeded(IngestRefused):
+    """Applying the batch would take one run past its series budget (the run churns labels)."""
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """What one ingest did: reports applied, and the indices of the duplicates skipped."""
+
+    accepted: int
+    duplicates: tuple[int, ...] = ()
+
+
+class _Applied:
+    """The reports of a batch that were applied (what on_ingest callbacks get)."""
+
+    __slots__ = ("reports",)
+
+    def __init__(self, reports: list) -> None:
+        self.reports = reports
+
+
+_SEQ_WINDOW = 4096  # sequence numbers remembered per (run, rank, sender)
+
+
+class _Seqs:
+    """The sequence numbers seen from one sender of one run and rank.
+
+    Senders number reports in order and retry the oldest first, so everything
+    below ``floor`` (the window's forgotten tail) was seen: treated as a duplicate.
+    """
+
+    __slots__ = ("floor", "seen")
+
+    def __init__(self) -> None:
+        self.floor = -1
+        self.seen: dict[int, None] = {}
+
+    def duplicate(self, seq: int) -> bool:
+        return seq <= self.floor or seq in self.seen
+
+    def add(self, seq: int) -> None:
+        seen = self.seen
+        seen[seq] = None
+        if len(seen) > _SEQ_WINDOW:
+            for old in list(seen)[: _SEQ_WINDOW // 2]:
+                del seen[old]
+                if old > self.floor:
+                    self.floor = old
 
 
 @dataclass(frozen=True)
@@ -85,6 +145,12 @@ class _Run:
     ended: bool = False
     # series held, the per-run step, last-report-timestamp and run_ended series included
     n_series: int = 2
+    # rank -> {wire name -> {label key: number of that rank's report that last set it}}
+    gens: dict[int, dict[str, dict[LabelKey, int]]] = field(default_factory=dict)
+    # rank -> reports received from it
+    reports: dict[int, int] = field(default_factory=dict)
+    # (rank, sender) -> sequence numbers seen
+    seqs: dict[tuple[int, str], _Seqs] = field(default_factory=dict)
 
     def count(self) -> int:
         samples = sum(len(fam) for fams in self.by_rank.values() for fam in fams.values())
@@ -111,6 +177,24 @@ def _label_key(labels: dict[str, str]) -> LabelKey:
     return tuple(labels.items()) if len(labels) < 2 else tuple(sorted(labels.items()))
 
 
+def _drop_stale(fams: Families, gens: dict[str, dict[LabelKey, int]], before: int) -> int:
+    """Drop the series of one rank last set by a report numbered ``before`` or earlier."""
+    dropped = 0
+    for name in list(gens):
+        fam_gen = gens[name]
+        old = [key for key, g in fam_gen.items() if g <= before]
+        if not old:
+            continue
+        fam = fams[name]
+        for key in old:
+            del fam_gen[key]
+            del fam[key]
+        dropped += len(old)
+        if not fam:
+            del fams[name], gens[name]
+    return dropped
+
+
 def _ends(report: Report) -> bool:
     """The report says its run ended (``Monitor.close()`` sent it)."""
     return any(ev.kind == RUN_END_EVENT for ev in report.events)
@@ -121,33 +205,49 @@ class SeriesStore:
 
     ``ttl_seconds``: a run with no report for this long is dropped with all its
     series. ``max_series``: a batch that would exceed it is refused whole.
+    ``max_series_per_run``: the same, for one run's series (default: ``max_series``).
+    ``stale_reports``: a series its rank left out of this many consecutive
+    reports is dropped (0: never).
     """
 
     def __init__(
-        self, *, ttl_seconds: float = 3600.0, max_series: int = DEFAULT_MAX_SERIES
+        self,
+        *,
+        ttl_seconds: float = 3600.0,
+        max_series: int = DEFAULT_MAX_SERIES,
+        max_series_per_run: int | None = None,
+        stale_reports: int = 0,
     ) -> None:
         if ttl_seconds <= 0:
             raise ValueError(f"ttl_seconds must be > 0, got {ttl_seconds}")
         if max_series < 1:
             raise ValueError(f"max_series must be >= 1, got {max_series}")
+        if max_series_per_run is not None and max_series_per_run < 4:
+            raise ValueError(f"max_series_per_run must be >= 4, got {max_series_per_run}")
+        if stale_reports < 0:
+            raise ValueError(f"stale_reports must be >= 0, got {stale_reports}")
         self.ttl_seconds = float(ttl_seconds)
         self.max_series = int(max_series)
+        self.max_series_per_run = int(max_series_per_run or max_series)
+        self.stale_reports = int(stale_reports)
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}
         self._series_count = 0
         self._callbacks: list[IngestCallback] = []
-        # Sample names already checked (reserved, type clash): skip on the hot path.
+        # Sample names already checked (type clash): skip on the hot path.
         self._known_names: set[str] = set()
+        self.stale_dropped = 0
+        """Series dropped because their rank stopped sending them (``stale_reports``)."""
 
     # -- subscriptions -----------------------------------------------------
 
     def on_ingest(self, callback: IngestCallback) -> RemovableHandle:
         """Call ``callback(batch, now)`` after each successful ingest.
 
-        Runs on the ingesting thread (in the app: the event loop), after the
-        store lock is released, so it may read the store; keep it quick and hand
-        slow work (notifications) to another thread. An exception in a callback
-        is logged and never fails the ingest.
+        ``batch.reports`` holds the reports applied (duplicates left out). Runs
+        on the ingesting thread, after the store lock is released, so it may read
+        the store; keep it quick and hand slow work (notifications) to another
+        thread. An exception in a callback is logged and never fails the ingest.
         """
         with self._lock:
             self._callbacks.append(callback)
@@ -163,50 +263,73 @@ class SeriesStore:
 
     # -- writes ------------------------------------------------------------
 
-    def ingest(self, batch: ReportBatch, now: float | None = None) -> int:
-        """Apply a validated batch atomically; return the number of reports.
+    def restore_run(self, run: str, step: int, last_report_time: float, ended: bool) -> None:
+        """Bring back a run known before a restart (no series: they come with its next report)."""
+        with self._lock:
+            if run in self._runs:
+                return
+            self._runs[run] = _Run(step=step, last_report_time=last_report_time, ended=ended,
+                                   n_series=2 + ended)
+            self._series_count += 2 + ended
 
-        Raises :class:`IngestRefused` (or :class:`SeriesLimitExceeded`) before
-        changing anything.
+    def ingest(self, batch: ReportBatch, now: float | None = None) -> int:
+        """Apply a validated batch atomically; return the number of reports applied.
+
+        Raises :class:`IngestRefused` (or one of its subclasses) before changing
+        anything. :meth:`apply` also says which reports were duplicates.
+        """
+        return self.apply(batch, now).accepted
+
+    def apply(self, batch: ReportBatch, now: float | None = None) -> IngestResult:
+        """Apply a validated batch atomically, skipping reports already applied.
+
+        A report with ``sender``/``seq`` whose (run, rank, sender, seq) was applied
+        before (a client's retry) is skipped and listed in ``duplicates`` (indices
+        into ``batch.reports``). Raises :class:`IngestRefused` before changing anything.
         """
         if now is None:
             now = time.time()
         with self._lock:
             self._expire_locked(now)
-            fresh_names = self._check_names_locked(batch)
-            # At most one new series per sample, plus three per run (step, last
-            # report time, run_ended): when even that fits, skip counting (the hot
-            # path); otherwise count first.
-            bound = sum(len(r.samples) + 3 for r in batch.reports)
-            if self._series_count + bound > self.max_series:
-                added = self._count_new_locked(batch)
-                if self._series_count + added > self.max_series:
-                    raise SeriesLimitExceeded(
-                        f"series limit: this batch would add {added} series to the "
-                        f"{self._series_count} stored, over the collector's cap of "
-                        f"{self.max_series}"
-                    )
+            reports, duplicates = self._fresh_locked(batch.reports)
+            fresh_names = self._check_names_locked(reports)
+            self._check_limits_locked(reports)
             runs = self._runs
-            for report in batch.reports:
+            stale = self.stale_reports
+            for report in reports:
                 run = runs.get(report.run)
                 if run is None:
                     run = runs[report.run] = _Run(step=report.step, last_report_time=now)
                     self._series_count += 2
                 run.step = report.step
                 run.last_report_time = now
-                fams = run.by_rank.get(report.rank)
+                rank = report.rank
+                if report.seq is not None:
+                    seqs = run.seqs.get((rank, report.sender))
+                    if seqs is None:
+                        seqs = run.seqs[(rank, report.sender)] = _Seqs()
+                    seqs.add(report.seq)
+                fams = run.by_rank.get(rank)
                 if fams is None:
-                    fams = run.by_rank[report.rank] = {}
+                    fams = run.by_rank[rank] = {}
+                    run.gens[rank] = {}
+                gens = run.gens[rank]
+                gen = run.reports[rank] = run.reports.get(rank, 0) + 1
                 # Hot loop: no function calls beyond the builtins.
                 for s in report.samples:
                     labels = s.labels
-                    fam = fams.get(s.name)
+                    name = s.name
+                    fam = fams.get(name)
                     if fam is None:
-                        fam = fams[s.name] = {}
-                    if len(labels) < 2:
-                        fam[tuple(labels.items())] = s.value
+                        fam = fams[name] = {}
+                        fam_gen = gens[name] = {}
                     else:
-                        fam[tuple(sorted(labels.items()))] = s.value
+                        fam_gen = gens[name]
+                    key = tuple(labels.items()) if len(labels) < 2 else tuple(sorted(labels.items()))
+                    fam[key] = s.value
+                    fam_gen[key] = gen
+                if stale and gen % stale == 0:
+                    self.stale_dropped += _drop_stale(fams, gens, gen - stale)
                 # A later report without run_end (any rank) means the run goes on.
                 run.ended = _ends(report) if report.events else False
                 count = run.count()
@@ -214,47 +337,102 @@ class SeriesStore:
                 run.n_series = count
             self._known_names.update(fresh_names)
             callbacks = list(self._callbacks)
-        for cb in callbacks:
-            try:
-                cb(batch, now)
-            except Exception:
-                log.exception("on_ingest callback %r failed; the batch was still ingested", cb)
-        return len(batch.reports)
+        if reports:
+            applied = batch if len(reports) == len(batch.reports) else _Applied(reports)
+            for cb in callbacks:
+                try:
+                    cb(applied, now)  # type: ignore[arg-type]
+                except Exception:
+                    log.exception("on_ingest callback %r failed; the batch was still ingested", cb)
+        return IngestResult(len(reports), tuple(duplicates))
 
-    def _count_new_locked(self, batch: ReportBatch) -> int:
-        """Series the batch would add (duplicates within it counted once)."""
+    def _fresh_locked(self, reports: list) -> tuple[list, list[int]]:
+        """The reports not applied before (nor earlier in this batch), and the others' indices."""
+        if all(r.seq is None for r in reports):
+            return reports, []
+        fresh, dups = [], []
+        in_batch: set[tuple[str, int, str, int]] = set()
+        for i, r in enumerate(reports):
+            if r.seq is not None:
+                ident = (r.run, r.rank, r.sender, r.seq)
+                run = self._runs.get(r.run)
+                seqs = run.seqs.get((r.rank, r.sender)) if run is not None else None
+                if ident in in_batch or (seqs is not None and seqs.duplicate(r.seq)):
+                    dups.append(i)
+                    continue
+                in_batch.add(ident)
+            fresh.append(r)
+        return fresh, dups
+
+    def _check_limits_locked(self, reports: list) -> None:
+        """Refuse a batch that would pass a run's budget or the store's cap."""
+        # At most one new series per sample, plus three per run (step, last report
+        # time, run_ended): when even that fits, skip counting (the hot path).
+        bound: dict[str, int] = {}
+        for r in reports:
+            bound[r.run] = bound.get(r.run, 0) + len(r.samples) + 3
+        per_run = self.max_series_per_run
+        # A budget as large as the cap is no budget: the cap decides (and is retryable).
+        over_run = [] if per_run >= self.max_series else [
+            name for name, n in bound.items()
+            if n + (self._runs[name].n_series if name in self._runs else 0) > per_run]
+        if not over_run and self._series_count + sum(bound.values()) <= self.max_series:
+            return
+        added = self._count_new_locked(reports)
+        for name in over_run:
+            held = self._runs[name].n_series if name in self._runs else 0
+            if held + added.get(name, 0) > per_run:
+                raise RunSeriesLimitExceeded(
+                    f"run {name!r} would hold {held + added[name]} series, over the per-run budget of "
+                    f"{per_run} (max_series_per_run): it is creating new label values faster than "
+                    f"they expire; nothing of this batch was applied, other runs are unaffected"
+                )
+        total = sum(added.values())
+        if self._series_count + total > self.max_series:
+            raise SeriesLimitExceeded(
+                f"series limit: this batch would add {total} series to the "
+                f"{self._series_count} stored, over the collector's cap of "
+                f"{self.max_series} (max_series); retry later"
+            )
+
+    def _count_new_locked(self, reports: list) -> dict[str, int]:
+        """Series the reports would add per run (duplicates within them counted once)."""
         seen: set[tuple[str, int, str, LabelKey]] = set()
-        new_runs: set[str] = set()
+        added: dict[str, int] = {}
         ended: dict[str, bool] = {}  # run -> does its last report in the batch end it
-        for report in batch.reports:
+        for report in reports:
             run = self._runs.get(report.run)
             ended[report.run] = _ends(report)
-            if run is None:
-                new_runs.add(report.run)
+            if run is None and report.run not in added:
+                added[report.run] = 2
+            else:
+                added.setdefault(report.run, 0)
             fams = run.by_rank.get(report.rank, {}) if run is not None else {}
             for s in report.samples:
                 key = _label_key(s.labels)
                 fam = fams.get(s.name)
                 if fam is None or key not in fam:
-                    seen.add((report.run, report.rank, s.name, key))
-        newly_ended = sum(
-            1
-            for name, ends in ended.items()
-            if ends and (name not in self._runs or not self._runs[name].ended)
-        )
-        return len(seen) + 2 * len(new_runs) + newly_ended
+                    ident = (report.run, report.rank, s.name, key)
+                    if ident not in seen:
+                        seen.add(ident)
+                        added[report.run] += 1
+        for name, ends in ended.items():
+            if ends and (name not in self._runs or not self._runs[name].ended):
+                added[name] += 1
+        return added
 
-    def _check_names_locked(self, batch: ReportBatch) -> set[str]:
-        """Refuse collector-owned names and gauge/counter clashes; return new names.
+    def _check_names_locked(self, reports: list) -> set[str]:
+        """Refuse gauge/counter clashes; return the names not seen before.
 
         A gauge ``x`` and a counter ``x_total`` would both be exposed as family
         ``trainvitals_x``; the first one accepted keeps the name for the
-        collector's lifetime.
+        collector's lifetime. (Names the collector exports itself are refused by
+        the wire schema.)
         """
         known = self._known_names
-        fresh = {s.name for r in batch.reports for s in r.samples} - known
+        fresh = {s.name for r in reports for s in r.samples} - known
         for name in sorted(fresh):
-            if name in RESERVED_NAMES:
+            if name in RESERVED_NAMES:  # a batch built in process, not through the schema
                 raise IngestRefused(
                     f"metric name {name!r} is produced by the collector; samples may not use it"
                 )

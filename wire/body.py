@@ -14,7 +14,7 @@ _TAIL = b"]}"
 
 def encode_report(report: Report) -> bytes:
     """One report as wire JSON (non-finite values as ``NaN``/``Infinity``)."""
-    return report.model_dump_json().encode()
+    return report.model_dump_json(exclude_none=True).encode()
 
 
 def encode_body(reports: Iterable[bytes]) -> bytes:

@@ -1,49 +1,198 @@
 """The wire schema: a body is ``{"schema": 1, "reports": [...]}``; see ``docs/wire.md``.
 
 pydantic only (never torch, fastapi or uvicorn): the hooks validate what they
-send with it, the collector what it receives.
+send with it. The collector decodes with a faster decoder of its own
+(:mod:`trainvitals.monitor.decode`) that enforces the same rules: the limits
+below and :func:`report_problem`, shared by both (a test checks the two agree).
+
+Strict: a number is never read from a string (``"step": "7"``), a bool is not a
+number, ``step``/``rank`` are bounded integers, a label value is non-empty
+printable text, and event kinds and their labels come from :data:`EVENT_KINDS`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+import re
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StringConstraints,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, Strict, StringConstraints, model_validator
 
-from trainvitals.wire.metrics import PREFIX
+from trainvitals.wire.metrics import PREFIX, RESERVED_NAMES
 
-__all__ = ["MAX_LABELS", "MAX_LABEL_VALUE", "RESERVED_LABELS", "RUN_END_EVENT", "SCHEMA_VERSION", "Event", "Report",
-           "ReportBatch", "Sample"]
+__all__ = [
+    "EVENT_KINDS",
+    "MAX_EVENTS",
+    "MAX_LABELS",
+    "MAX_LABEL_NAME",
+    "MAX_LABEL_VALUE",
+    "MAX_RANK",
+    "MAX_REPORTS",
+    "MAX_SAMPLES",
+    "MAX_SEQ",
+    "MAX_STEP",
+    "MAX_TIME",
+    "RESERVED_LABELS",
+    "RUN_END_EVENT",
+    "SCHEMA_VERSION",
+    "Event",
+    "Report",
+    "ReportBatch",
+    "Sample",
+    "report_problem",
+]
 
 SCHEMA_VERSION = 1
 
 RUN_END_EVENT = "run_end"
 """The event ``Monitor.close()`` sends: the run ended on purpose (no RunSilent for it)."""
 
-# Labels a sample may not carry: Prometheus renames job/instance on scrape, and
-# run/rank come from the report itself.
-RESERVED_LABELS = frozenset({"job", "instance", "run", "rank"})
+EVENT_KINDS: Mapping[str, frozenset[str]] = {
+    RUN_END_EVENT: frozenset(),
+    "optimizer_state_reset": frozenset(),
+    "weight_decay_audit": frozenset(),
+    "loss_sample_mixed_modality": frozenset(),
+    "loss_unknown_modality_code": frozenset(),
+    "modality_without_label_tokens": frozenset({"modality"}),
+}
+"""The event kinds a report may carry, each with the label names it may have.
+
+Closed: event labels become alert labels, so an open set would let a report name
+its own ``alertname``/``severity``/``run`` or create one alert per label value."""
+
+# Labels a sample may not carry: Prometheus renames job/instance on scrape,
+# run/rank come from the report itself, alertname/severity identify an alert.
+RESERVED_LABELS = frozenset({"job", "instance", "run", "rank", "alertname", "severity"})
 MAX_LABELS = 8
+MAX_LABEL_NAME = 64
 MAX_LABEL_VALUE = 256
+MAX_NAME = 128
+MAX_REPORTS = 10_000
+MAX_SAMPLES = 100_000
+"""Samples in one report (the hooks send a few thousand at most)."""
+MAX_EVENTS = 64
+MAX_DETAIL = 4096
+MAX_STEP = 2**53
+"""Steps are below 2^53: Prometheus values are float64, exact for integers up to there."""
+MAX_RANK = 2**20 - 1
+MAX_SEQ = 2**63 - 1
+MAX_TIME = 1e11
+"""Unix seconds (year 5138): bounds ``time`` to what a float timestamp can mean."""
+RUN_PATTERN = r"^[A-Za-z0-9_.:\-/]+$"
+SENDER_PATTERN = r"^[A-Za-z0-9_\-]{1,64}$"
+
+_NAME = re.compile(r"[a-z_][a-z0-9_]*\Z")
+_LABEL_NAME = re.compile(r"(?:[a-zA-Z]|_[a-zA-Z0-9])[a-zA-Z0-9_]*\Z")
+# Names already checked and good (they repeat in every report): a set lookup on the
+# hot path instead of a regex. Bounded: cleared when full.
+_GOOD_NAMES: set[str] = set()
+_GOOD_LABEL_NAMES: set[str] = set()
+_CACHE_LIMIT = 100_000
+
+
+def _name_problem(name: str) -> str | None:
+    if not _NAME.match(name):
+        return f"{name!r} is not a metric name ([a-z_][a-z0-9_]*)"
+    if name.startswith(PREFIX):
+        return f"{name!r} must not carry the {PREFIX!r} prefix"
+    if name in RESERVED_NAMES:
+        return f"metric name {name!r} is produced by the collector; samples may not use it"
+    return None
+
+
+def _label_name_problem(name: str, allowed: frozenset[str] | None) -> str | None:
+    if allowed is not None:
+        if name not in allowed:
+            shown = ", ".join(sorted(allowed)) or "none"
+            return f"label {name!r} is not one this event kind carries (allowed: {shown})"
+        return None
+    if len(name) > MAX_LABEL_NAME or not _LABEL_NAME.match(name):
+        return (f"label name {name[:80]!r} is not a Prometheus label name (letters, digits, _, "
+                f"not starting with a digit or __, at most {MAX_LABEL_NAME} characters)")
+    if name in RESERVED_LABELS:
+        return (f"label {name!r} is reserved (run/rank come from the report; Prometheus renames "
+                "job/instance; alertname/severity identify alerts)")
+    return None
+
+
+def _value_problem(name: str, value: Any) -> str | None:
+    if not isinstance(value, str):
+        return f"label {name!r}: value must be a string, got {type(value).__name__}"
+    if not value:
+        return (f"label {name!r}: value is empty (Prometheus reads an empty value as no label, "
+                "which would make it another series' duplicate)")
+    if len(value) > MAX_LABEL_VALUE:
+        return f"label {name!r}: value is {len(value)} characters, over the limit of {MAX_LABEL_VALUE}"
+    if not value.isprintable():
+        return f"label {name!r}: value {value[:80]!r} contains control or non-printable characters"
+    return None
+
+
+def _labels_problem(labels: Mapping[str, Any], allowed: frozenset[str] | None) -> str | None:
+    if len(labels) > MAX_LABELS:
+        return f"{len(labels)} labels, over the limit of {MAX_LABELS}"
+    good = _GOOD_LABEL_NAMES
+    for k, v in labels.items():
+        if k not in good or allowed is not None:
+            why = _label_name_problem(k, allowed)
+            if why is not None:
+                return why
+            if allowed is None:
+                if len(good) >= _CACHE_LIMIT:
+                    good.clear()
+                good.add(k)
+        # Inline the common case (printable, within bounds) before the full check.
+        if not (v.__class__ is str and 0 < len(v) <= MAX_LABEL_VALUE and v.isprintable()):
+            return _value_problem(k, v)
+    return None
+
+
+def report_problem(samples: Iterable[Any], events: Iterable[Any]) -> str | None:
+    """What is wrong with a report's samples and events, as ``path: message``; None if nothing.
+
+    The checks that are not plain types and bounds: metric names (pattern, prefix,
+    names the collector exports itself), label names and values, event kinds and
+    event labels. Takes any objects with ``name``/``labels`` (samples) and
+    ``kind``/``labels`` (events) attributes: pydantic models or the collector's structs.
+    """
+    good = _GOOD_NAMES
+    for i, s in enumerate(samples):
+        name = s.name
+        if name not in good:
+            why = _name_problem(name)
+            if why is not None:
+                return f"samples.{i}.name: {why}"
+            if len(good) >= _CACHE_LIMIT:
+                good.clear()
+            good.add(name)
+        labels = s.labels
+        if labels:
+            why = _labels_problem(labels, None)
+            if why is not None:
+                return f"samples.{i}.labels: {why}"
+    for i, ev in enumerate(events):
+        allowed = EVENT_KINDS.get(ev.kind)
+        if allowed is None:
+            return (f"events.{i}.kind: unknown event kind {ev.kind[:80]!r}; "
+                    f"known: {', '.join(sorted(EVENT_KINDS))}")
+        if ev.labels:
+            why = _labels_problem(ev.labels, allowed)
+            if why is not None:
+                return f"events.{i}.labels: {why}"
+    return None
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
 
 
-# Checked by pydantic-core itself (no per-sample Python): a Prometheus label name
-# that does not start with "__", and bounded sizes.
-LabelName = Annotated[str, StringConstraints(pattern=r"^(?:[a-zA-Z]|_[a-zA-Z0-9])[a-zA-Z0-9_]*$", max_length=64)]
-LabelValue = Annotated[str, StringConstraints(max_length=MAX_LABEL_VALUE)]
-MetricName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[a-z_][a-z0-9_]*$")]
+# Types and bounds are checked by pydantic-core; names, label names and values by
+# report_problem (once per report, cached), so the collector's decoder can share it.
+LabelValue = Annotated[str, StringConstraints(min_length=1, max_length=MAX_LABEL_VALUE)]
+LabelName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_LABEL_NAME)]
+MetricName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME)]
+StrictFloat = Annotated[float, Strict()]
 
 
 class Sample(_Strict):
@@ -51,45 +200,45 @@ class Sample(_Strict):
 
     name: MetricName
     labels: Annotated[dict[LabelName, LabelValue], Field(max_length=MAX_LABELS)] = Field(default_factory=dict)
-    # NaN/Inf are legal values (a non-finite grad norm is a signal, not an error).
-    value: float
+    # NaN/Inf are legal values (a non-finite grad norm is a signal, not an error);
+    # strings and bools are not numbers.
+    value: StrictFloat
 
 
 class Event(_Strict):
     """Something that happened once: an optimizer state reset, an audit finding."""
 
-    kind: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z_][a-z0-9_]*$")]
-    detail: Annotated[str, Field(max_length=4096)] = ""
-    labels: dict[str, str] = Field(default_factory=dict)
+    kind: Annotated[str, Field(min_length=1, max_length=64)]
+    detail: Annotated[str, Field(max_length=MAX_DETAIL)] = ""
+    labels: Annotated[dict[LabelName, LabelValue], Field(max_length=MAX_LABELS)] = Field(default_factory=dict)
 
 
 class Report(_Strict):
-    """What one rank knows after one reported optimizer step."""
+    """What one rank knows after one reported optimizer step.
 
-    run: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-/]+$")]
-    step: Annotated[int, Field(ge=0)]
-    time: float
-    rank: Annotated[int, Field(ge=0)] = 0
-    samples: list[Sample] = Field(default_factory=list)
-    events: list[Event] = Field(default_factory=list)
+    ``sender`` and ``seq`` (optional) identify the report for idempotent ingest: a
+    sender (one per ``Monitor``) numbers its reports, and the collector applies a
+    (run, rank, sender, seq) once however often it is retried.
+    """
 
-    @field_validator("time")
-    @classmethod
-    def _time(cls, v: float) -> float:
-        if not math.isfinite(v) or v < 0:
-            raise ValueError("time must be a finite Unix timestamp in seconds")
-        return v
+    run: Annotated[str, Field(min_length=1, max_length=128, pattern=RUN_PATTERN)]
+    step: Annotated[int, Strict(), Field(ge=0, lt=MAX_STEP)]
+    time: StrictFloat
+    rank: Annotated[int, Strict(), Field(ge=0, le=MAX_RANK)] = 0
+    samples: Annotated[list[Sample], Field(max_length=MAX_SAMPLES)] = Field(default_factory=list)
+    events: Annotated[list[Event], Field(max_length=MAX_EVENTS)] = Field(default_factory=list)
+    sender: Annotated[str, Field(pattern=SENDER_PATTERN)] | None = None
+    seq: Annotated[int, Strict(), Field(ge=0, le=MAX_SEQ)] | None = None
 
     @model_validator(mode="after")
-    def _sample_names(self) -> Report:
-        # One cheap pass per report (the per-field checks run in pydantic-core).
-        for i, s in enumerate(self.samples):
-            if s.name.startswith(PREFIX):
-                raise ValueError(f"samples.{i}.name: {s.name!r} must not carry the {PREFIX!r} prefix")
-            if s.labels and not RESERVED_LABELS.isdisjoint(s.labels):
-                bad = sorted(RESERVED_LABELS.intersection(s.labels))[0]
-                raise ValueError(f"samples.{i}.labels: label {bad!r} is reserved (run/rank come from "
-                                 "the report; Prometheus renames job/instance)")
+    def _checks(self) -> Report:
+        if not math.isfinite(self.time) or not 0 <= self.time <= MAX_TIME:
+            raise ValueError("time: must be a finite Unix timestamp in seconds (0 to 1e11)")
+        if (self.sender is None) != (self.seq is None):
+            raise ValueError("sender and seq: give both or neither")
+        problem = report_problem(self.samples, self.events)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
 
@@ -101,4 +250,4 @@ class ReportBatch(_Strict):
     )
 
     schema_version: Literal[1] = Field(alias="schema")
-    reports: Annotated[list[Report], Field(min_length=1, max_length=10_000)]
+    reports: Annotated[list[Report], Field(min_length=1, max_length=MAX_REPORTS)]

@@ -159,7 +159,7 @@ def test_nan_and_inf_render(store, exporter):
 
 def test_render_parses_back_to_exactly_what_the_store_holds(store, exporter):
     """Escaping, label order, number formatting and the prefix cache (second render)."""
-    tricky = 'a "quoted" \\ back\nslash'
+    tricky = 'a "quoted" \\ back\\nslash'
     now = time.time()
     ingest(
         store,
