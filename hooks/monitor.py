@@ -62,6 +62,14 @@ class Monitor:
         first = next(iter(self.model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.sharded = any(is_sharded(p) for p in self.model.parameters())
+        # Zero-code loss accounting: its module is found first, so a wrong name raises
+        # before anything is hooked or started.
+        logits_module = None
+        if config.loss_from_logits:
+            from trainvitals.hooks.logits_finder import find_logits_module
+
+            logits_module = find_logits_module(self.model, config.loss_from_logits)
+        self._ready = False  # gradients_ready() (or the pre-step hook) ran for this step
         self._pending_events: list[tuple[str, str, dict[str, str]]] = []
         self._warned: set[str] = set()
         self._latest: PendingReport | None = None
@@ -78,12 +86,13 @@ class Monitor:
         self._sender = Sender(sink, max_queue_bytes=config.queue_bytes,
                               on_report=evaluator.observe if evaluator is not None else None)
         self.signals: list[Signal] = _default_signals(config.signals)
-        self._handles: list[Removable] = [
-            optimizer.register_step_pre_hook(self._before_step),
-            optimizer.register_step_post_hook(self._after_step),
-        ]
+        self._handles: list[Removable] = [optimizer.register_step_post_hook(self._after_step)]
+        if config.step_boundary == "pre_step_hook":
+            self._handles.append(optimizer.register_step_pre_hook(self._before_step))
         for s in self.signals:
             self._handles.extend(s.run_guarded("bind", s.bind, self) or [])
+        if logits_module is not None:
+            self._handles.extend(self._loss_signal().watch_logits(self, logits_module))
         atexit.register(self.close)
 
     # -- what signals use ----------------------------------------------------
@@ -106,6 +115,11 @@ class Monitor:
             norms = (torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else [])
             self._grad_cache = (self._pre_steps, params, stack_on(norms, self.device))
         return self._grad_cache[1], self._grad_cache[2]
+
+    def offer_grad_norms(self, params: list[torch.Tensor], norms: torch.Tensor) -> None:
+        """Seed this step's :meth:`grad_norms` with norms already taken (same order:
+        the groups' parameters that have a gradient), so nobody takes them again."""
+        self._grad_cache = (self._pre_steps, params, norms)
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str:
         return self.param_names.get(id(p), fallback)
@@ -148,6 +162,24 @@ class Monitor:
         self._loss_signal().track(self, per_token, modality=modality, mask=mask, segments=segments,
                                   output=output, objective=objective, weight=weight,
                                   normalization=normalization)
+
+    def tag_batch(self, modality: Any = None, segments: torch.Tensor | None = None) -> None:
+        """With zero-code loss accounting (``attach(loss_from_logits=...)``): the modality
+        of the next forward's samples (codes or names per sample [B] or per token [B, T],
+        or one name for all) and, for packed rows, their segment ids [B, T]. Call it
+        before each micro-batch's forward; an untagged micro-batch counts toward the
+        totals only. Wrong types raise here, wrong shapes when the logits arrive."""
+        self._loss_signal().tag(self, modality, segments)
+
+    def gradients_ready(self) -> None:
+        """With ``attach(step_boundary="manual")``: the step's gradients are final (call
+        it where the last backward of the step has run and ``optimizer.step()`` is about
+        to update, e.g. Lightning's ``on_before_optimizer_step``)."""
+        if self.config.step_boundary != "manual":
+            raise RuntimeError("gradients_ready() is for attach(step_boundary='manual'); by default "
+                               "the optimizer's pre-step hook marks the end of a step's gradients")
+        if not self._closed:
+            self._before_step(self.optimizer, (), {})
 
     def observe_logits(self, logits: torch.Tensor, *, mask: torch.Tensor | None = None, task: str = "all",
                        role: str = "student", temperature: float = 1.0) -> None:
@@ -269,6 +301,7 @@ class Monitor:
         return self._signal(Softmax)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._ready = True
         self._pre_steps += 1
         self._grad_cache = None
         self._reporting = self.reporting_next
@@ -276,6 +309,9 @@ class Monitor:
             s.run_guarded("before_step", s.before_step, self, self._reporting)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._ready:  # step_boundary="manual" and gradients_ready() was not called
+            self._before_step(optimizer, args, kwargs)
+        self._ready = False
         self.step += 1
         reporting = self._reporting
         for s in self.signals:

@@ -8,13 +8,19 @@ hook on each parameter queues one autograd end-of-backward callback per backward
 and that callback queues itself once more so it runs after the callbacks DDP and
 FSDP queue during the backward (their gradient reductions are done by then).
 
-Each backward overwrites the step's value (with gradient accumulation the last
-backward holds the whole step's gradient); after ``optimizer.step()`` the value
-goes into a small ring on the device, one slot per step since the previous report.
+With gradient accumulation only the step's last backward holds its whole gradient:
+the callback counts the step's backward passes and computes from the count the
+previous step had (a step with more computes again on each extra one and keeps the
+last; a shorter step, the last of an epoch, is measured after ``optimizer.step()``,
+after any clipping). The per-parameter norms of that computation are offered to the
+monitor's shared gradient-norm cache, so the report step's statistics (per-group
+norms, relative gradient RMS) need no second pass over the gradients. After
+``optimizer.step()`` the value goes into a small ring on the device, one slot per
+step since the previous report.
 At the report: the last step's norm, the max and the mean over the steps since the
 previous report (non-finite steps left out of both and counted), so a spike on any
 step reaches the next report without a host sync. Cost: one foreach norm over the
-gradients per backward; with a GradScaler the norm is unscaled by its scale tensor.
+gradients per optimizer step; with a GradScaler the norm is unscaled by its scale tensor.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
 from trainvitals.hooks.signals.param_series import groups_key
 from trainvitals.hooks.step import StepContext
-from trainvitals.hooks.tensors import local, real
+from trainvitals.hooks.tensors import local, real, stack_on
 
 log = logging.getLogger("trainvitals")
 
@@ -53,6 +59,9 @@ class BackwardGradNorms:
         self._queued = False
         self._monitor: MonitorView | None = None
         self._current: torch.Tensor | None = None  # this step's squared norm so far
+        self._per_param: tuple[list[torch.Tensor], torch.Tensor] | None = None  # and per parameter
+        self._backwards = 0  # backward passes seen in the current step
+        self._expected = 1  # ... in the previous step: the one that completes the gradient
         self._ring: torch.Tensor | None = None
         self._count = 0  # steps recorded since the last take()
 
@@ -88,17 +97,33 @@ class BackwardGradNorms:
 
     def _end_of_backward(self) -> None:
         self._queued = False
+        self._backwards += 1
+        if self._backwards < self._expected:
+            return  # an earlier micro-batch: its gradient is not the step's yet
+        self._measure()
+
+    def _measure(self) -> None:
         monitor = self._monitor
         if monitor is None or self._signal.broken:
             return
         with self._signal.guard("the end-of-backward gradient norm"):
-            grads = [real(local(p.grad)) for p in self._params if p.grad is not None]
-            if not grads:
+            params = [p for p in self._params if p.grad is not None]
+            if not params:
                 return
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
-            sq = torch.stack([n.to(monitor.device, non_blocking=True) for n in norms]).square().sum()
+            norms = stack_on(torch._foreach_norm([real(local(p.grad)) for p in params], 2,
+                                                 dtype=torch.float32), monitor.device)
             scale = self._scale(monitor)
-            self._current = sq if scale is None else sq / scale.square()
+            if scale is not None:
+                norms = norms / scale
+            self._per_param = (params, norms)
+            self._current = norms.square().sum()
+
+    def fresh(self) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+        """This step's per-parameter gradient norms (unscaled, before clipping), once the
+        backward that completes the step's gradient has run; else None."""
+        if self._current is None or self._backwards < self._expected:
+            return None
+        return self._per_param
 
     @staticmethod
     def _scale(monitor: MonitorView) -> torch.Tensor | None:
@@ -117,6 +142,12 @@ class BackwardGradNorms:
             return
         if groups_key(monitor) != self._key:
             self._hook_params(monitor)  # parameters added or replaced: hook the new ones
+        if self._backwards and self._current is None:
+            self._measure()  # fewer backward passes than the step before: measure now
+        if self._backwards:
+            self._expected = self._backwards
+        self._backwards = 0
+        self._per_param = None
         current, self._current = self._current, None
         if current is None:
             return
@@ -144,8 +175,8 @@ class BackwardGradNorms:
         self._params.clear()
 
     def reset(self) -> None:
-        self._current = None
-        self._count = 0
+        self._current = self._per_param = None
+        self._count = self._backwards = 0
 
 
 def emit_norm_history(ctx: StepContext, sq: torch.Tensor) -> torch.Tensor:

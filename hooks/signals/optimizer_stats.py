@@ -5,9 +5,10 @@ update-to-weight ratio, non-finite gradients (docs/signals.md, "Optimizer step")
 every backward (:mod:`~trainvitals.hooks.signals.backward_grad_norm`), with
 ``grad_norm_max`` / ``grad_norm_mean`` over the steps since the previous report, and
 ``nonfinite_total{what="grad"}`` the steps whose gradient was not finite.
-``group_grad_norm{group}`` is the L2 norm of one param group's gradients as the
-optimizer is about to use them (after unscaling by a GradScaler and after any
-clipping).
+``group_grad_norm{group}`` is the L2 norm of one param group's gradients, from the
+same measurement (before clipping, unscaled by a GradScaler); when no backward was
+seen completing the step's gradient (gradients set by hand, the short last step of
+an epoch), both are taken as the optimizer is about to use them.
 ``param_norm`` is taken after the step. ``update_ratio`` = RMS(p_after - p_before) /
 RMS(p_after), on a strided sample of at most ``update_sample`` elements per tensor
 (exact for smaller tensors), so no copy of the model is ever made. The whole model
@@ -70,6 +71,9 @@ class OptimizerStats(Signal):
         if not reporting:
             return
         params, group_of = self._params(monitor)
+        fresh = self._history.fresh()
+        if fresh is not None:  # taken at the end of the backward: no second pass
+            monitor.offer_grad_norms(*fresh)
         _, self._grad_norms = monitor.grad_norms()  # same order: the groups' params with a grad
         self._grad_group = self._indices.get([g for p, g in zip(params, group_of) if p.grad is not None],
                                              monitor.device)

@@ -68,7 +68,7 @@ def packed(step: int, pad: int = 0) -> PendingReport:
     """A packed report of ``step`` (an event's detail pads it by ``pad`` bytes)."""
     ctx = StepContext(step=step, device=torch.device("cpu"))
     if pad:
-        ctx.event("padding", "x" * pad)
+        ctx.event("weight_decay_audit", "x" * pad)
     return pack(ctx, run="r", rank=0)
 
 
