@@ -77,7 +77,7 @@ _SPECS: tuple[MetricSpec, ...] = (
     _m("grad_norm_mean", "gauge", "norm", (), "optimizer",
        "Mean global gradient norm (before clipping) of the steps since the previous report."),
     _m("group_grad_norm", "gauge", "norm", ("group",), "optimizer",
-       "Gradient L2 norm of one param group as the optimizer applies it (after any clipping)."),
+       "Gradient L2 norm of one param group, before clipping (as grad_norm)."),
     _m("param_norm", "gauge", "norm", (), "optimizer", "Global parameter L2 norm after the optimizer step."),
     _m("group_param_norm", "gauge", "norm", ("group",), "optimizer",
        "Parameter L2 norm of one param group after the optimizer step."),
