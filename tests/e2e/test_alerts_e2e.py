@@ -10,16 +10,19 @@ evaluates the rules as reports arrive; ``GET /v1/alerts`` shows what fired.
 - Notifiers: a failing receiver gets the alert once after a retry; a hanging one
   does not slow ingestion, and the failure is counted in /metrics.
 
-The jobs are in ``_jobs.py`` (what each makes the signals read), the servers in
-``_servers.py``.
+The jobs are in ``_jobs.py`` (what each makes the signals read); the collector,
+Alertmanager and the recording receiver come from ``tests.support`` and
+``tests.http_recorder``.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
@@ -42,19 +45,20 @@ from _jobs import (
     StateResetJob,
     run_job,
 )
-from _servers import (
+
+from tests.http_recorder import RecordingServer
+from tests.reports import make_body, make_report
+from tests.support import (
     ALERTMANAGER,
-    Receiver,
-    metric_values,
+    Collector,
+    metric_series,
+    metric_value,
     running_alertmanager,
     running_collector,
-    short_silence_rules,
     wait_until,
 )
-
-from tests.reports import make_body, make_report
 from trainvitals.alerts.dispatch import RetryPolicy
-from trainvitals.alerts.loading import load_rules
+from trainvitals.alerts.loading import default_rule_paths, load_rules
 
 DEFAULT_RULES = {r.alert: r for r in load_rules("default")}
 
@@ -149,8 +153,21 @@ def test_default_rule_fires_on_its_incident_and_not_on_the_fix(case: Case):
         assert collector.firing(fix) == []
 
 
+def _short_silence_rules(folder: Path, silent_for: str = "2s") -> Path:
+    """Copies of the default rule files with RunSilent's ``silent_for`` shortened."""
+    folder.mkdir(parents=True, exist_ok=True)
+    replaced = 0
+    for path in default_rule_paths():
+        text, n = re.subn(r"(?m)^(\s*silent_for:\s*)\S+", rf"\g<1>{silent_for}", path.read_text())
+        replaced += n
+        (folder / path.name).write_text(text)
+    if replaced != 1:
+        raise AssertionError(f"expected one silent_for in the default rules, found {replaced}")
+    return folder
+
+
 def test_run_silent_fires_for_a_run_that_stops_reporting_not_for_one_that_closed(tmp_path):
-    rules = short_silence_rules(tmp_path / "rules", "2s")
+    rules = _short_silence_rules(tmp_path / "rules", "2s")
     with running_collector(rules=str(rules), alerts={"tick_interval": 0.2}) as collector:
         # Closes its monitor (a run_end report): finished on purpose.
         run_job(SpikeJob(fixed=True), collector.url, "closed", 5)
@@ -199,13 +216,13 @@ def test_a_healthy_run_with_every_signal_fires_nothing():
             assert mon.value("softmax_saturated_ratio", task="lm", role="student", threshold="0.99") < 0.5
         assert job.steps == 150
         assert collector.firing() == []
-        firing = metric_values(collector.metrics(), "trainvitals_alerts_firing")
+        firing = metric_series(collector.metrics(), "trainvitals_alerts_firing")
         assert {dict(k)["alertname"] for k in firing} == set(DEFAULT_RULES)
         assert set(firing.values()) == {0.0}
 
 
 # -- 3. a real Alertmanager ------------------------------------------------------------------
-def _webhook_alerts(receiver: Receiver, alertname: str, status: str) -> list[dict]:
+def _webhook_alerts(receiver: RecordingServer, alertname: str, status: str) -> list[dict]:
     """Alerts named ``alertname`` in ``status`` among the bodies Alertmanager delivered."""
     return [a for r in receiver.received() for a in r.json().get("alerts", [])
             if a["labels"].get("alertname") == alertname and a["status"] == status]
@@ -215,7 +232,7 @@ def _webhook_alerts(receiver: Receiver, alertname: str, status: str) -> list[dic
 @pytest.mark.skipif(ALERTMANAGER is None, reason="prometheus-alertmanager not installed")
 def test_alertmanager_delivers_the_collectors_alert_and_its_resolution(tmp_path):
     run = "mm-pt1"
-    with Receiver() as webhook, running_alertmanager(tmp_path / "alertmanager", webhook.url) as am_url, \
+    with RecordingServer() as webhook, running_alertmanager(tmp_path / "alertmanager", webhook.url) as am_url, \
             running_collector(notifiers=[{"type": "alertmanager", "url": am_url, "timeout": 5}],
                               alerts={"resend_interval": 5}) as collector:
         job = DilutionJob()  # the I1 bug: per-token normalization
@@ -239,19 +256,21 @@ def test_alertmanager_delivers_the_collectors_alert_and_its_resolution(tmp_path)
             (resolved, *_) = wait_until(lambda: _webhook_alerts(webhook, "GradientDilution", "resolved"), 30,
                                         "the resolved alert at the webhook receiver")
             assert resolved["labels"] == alert["labels"]
-        metrics = metric_values(collector.metrics(), "trainvitals_notifications_total")
-        assert metrics[(("notifier", "alertmanager"), ("outcome", "sent"))] >= 2
-        assert metrics[(("notifier", "alertmanager"), ("outcome", "failed"))] == 0
+        metrics = collector.metrics()
+        assert metric_value(metrics, "trainvitals_notifications_total", notifier="alertmanager", outcome="sent") >= 2
+        assert metric_value(metrics, "trainvitals_notifications_total", notifier="alertmanager",
+                            outcome="failed") == 0
 
 
 # -- 4. notifier retries, through the collector ---------------------------------------------------
-def _notifications(collector, outcome: str, notifier: str = "webhook") -> float:
-    values = metric_values(collector.metrics(), "trainvitals_notifications_total")
-    return values.get((("notifier", notifier), ("outcome", outcome)), 0.0)
+def _notifications(collector: Collector, outcome: str, notifier: str = "webhook") -> float:
+    value = metric_value(collector.metrics(), "trainvitals_notifications_total", notifier=notifier,
+                         outcome=outcome)
+    return 0.0 if value is None else value
 
 
 def test_a_webhook_that_fails_once_gets_the_alert_once():
-    with Receiver(statuses=[500]) as webhook, \
+    with RecordingServer([500]) as webhook, \
             running_collector(notifiers=[{"type": "webhook", "url": f"{webhook.url}/hook"}]) as collector:
         run_job(NonFiniteLossJob(), collector.url, "nan", 10)
         collector.wait_for("NonFiniteLoss", "nan")
@@ -265,8 +284,8 @@ def test_a_webhook_that_fails_once_gets_the_alert_once():
         assert alert["labels"] == {"alertname": "NonFiniteLoss", "severity": "page", "run": "nan",
                                    "what": "loss"}
         assert _notifications(collector, "failed") == 0
-        retries = metric_values(collector.metrics(), "trainvitals_notification_retries_total")
-        assert retries == {(("notifier", "webhook"),): 1.0}
+        retries = metric_series(collector.metrics(), "trainvitals_notification_retries_total")
+        assert retries == {frozenset({("notifier", "webhook")}): 1.0}
 
 
 POSTS = 100
@@ -276,7 +295,7 @@ POST_BOUND_S = 5.0  # generous: a POST waits for rule evaluation, never for a no
 @pytest.mark.parametrize("receiver", ["answers", "hangs"])
 def test_a_hanging_webhook_does_not_slow_ingestion(receiver: str):
     hang = receiver == "hangs"
-    webhook = Receiver(hang=hang)
+    webhook = RecordingServer(hang=hang)
     try:
         with running_collector(
                 notifiers=[{"type": "webhook", "url": f"{webhook.url}/hook", "timeout": 2}],
@@ -296,8 +315,9 @@ def test_a_hanging_webhook_does_not_slow_ingestion(receiver: str):
             wait_until(lambda: webhook.received(), 10, "the first notification at the receiver")
             accepted = sum(post(i).json()["accepted"] for i in range(1, POSTS + 1))
             assert accepted == POSTS
-            reports = metric_values(collector.metrics(), "trainvitals_collector_reports_total")
-            assert reports[(("outcome", "accepted"),)] == POSTS + 1
+            reports = metric_value(collector.metrics(), "trainvitals_collector_reports_total",
+                                   outcome="accepted")
+            assert reports == POSTS + 1
             assert len(collector.firing()) == POSTS + 1
             if hang:
                 assert webhook.received()[0].answered is None

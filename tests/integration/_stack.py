@@ -1,30 +1,24 @@
 """Real pieces of the deployed stack for the integration tests: Debian's Prometheus
-on loopback, configured from ``deploy/prometheus.yml``; a collector in this process;
-a webhook receiver that records what it is sent. Alertmanager and bounded polling
-come from ``tests.support``."""
+on loopback, configured from ``deploy/prometheus.yml``, and Grafana's side of a
+panel query. The collector, Alertmanager, bounded polling and the recording webhook
+receiver come from ``tests.support`` and ``tests.http_recorder``."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
-import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
-from tests.support import free_port, wait_until
-from trainvitals.monitor.app import create_app
-from trainvitals.monitor.server import serve_in_thread
-from trainvitals.monitor.settings import Settings
+from tests.support import free_port, running_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -104,97 +98,14 @@ def running_prometheus(folder: Path, config: dict[str, Any]) -> Iterator[Prometh
     path = folder / "prometheus.yml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     port = free_port()
-    log_path = folder / "prometheus.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={path}", f"--storage.tsdb.path={folder / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            with httpx.Client(base_url=url, timeout=5.0) as client:
-                def ready() -> bool:
-                    if proc.poll() is not None:
-                        raise AssertionError(f"prometheus exited: {log_path.read_text()[-3000:]}")
-                    try:
-                        return client.get("/-/ready").status_code == 200
-                    except httpx.TransportError:
-                        return False
-
-                wait_until(ready, 30, "prometheus ready")
-                prom = Prometheus(url, client)
-                wait_until(lambda: prom.query('up{job="trainvitals"} == 1'), 15,
-                           "prometheus scraping the collector")
-                yield prom
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-
-
-@contextmanager
-def running_collector(**settings: Any) -> Iterator[str]:
-    """A real collector (uvicorn in a thread, 127.0.0.1, a free port) with
-    ``Settings(**settings)``; yields its URL."""
-    settings.setdefault("log_level", "warning")
-    with serve_in_thread(create_app(Settings(**settings))) as url:
-        yield url
-
-
-@dataclass
-class Received:
-    path: str
-    body: bytes
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-class Recorder:
-    """A local HTTP server (port 0) that answers 200 to every POST and records it:
-    the stand-in for a webhook, PagerDuty or Slack receiver."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._received: list[Received] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with outer._lock:
-                    outer._received.append(Received(self.path, body))
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="recorder", daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def received(self) -> list[Received]:
-        with self._lock:
-            return list(self._received)
-
-    def __enter__(self) -> Recorder:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5)
+    url = f"http://127.0.0.1:{port}"
+    with running_process([PROMETHEUS, f"--config.file={path}", f"--storage.tsdb.path={folder / 'data'}",
+                          f"--web.listen-address=127.0.0.1:{port}"],
+                         log=folder / "prometheus.log", ready_url=f"{url}/-/ready", what="prometheus"), \
+            httpx.Client(base_url=url, timeout=5.0) as client:
+        prom = Prometheus(url, client)
+        wait_until(lambda: prom.query('up{job="trainvitals"} == 1'), 15, "prometheus scraping the collector")
+        yield prom
 
 
 # -- Grafana's side of a panel query ------------------------------------------------------

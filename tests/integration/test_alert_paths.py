@@ -10,10 +10,8 @@ with Monitor.close() (its run_end report) while it fires for one that just stopp
 
 from __future__ import annotations
 
-import os
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +19,10 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration._stack import (
-    DEPLOY,
-    Prometheus,
-    Recorder,
-    prometheus_config,
-    running_collector,
-    running_prometheus,
-)
-from tests.support import running_alertmanager, wait_until
+from tests.http_recorder import RecordingServer
+from tests.integration._stack import DEPLOY, Prometheus, prometheus_config, running_prometheus
+from tests.reports import make_body, make_report
+from tests.support import metric_sum, running_alertmanager, running_collector, wait_until
 from trainvitals.wire import PREFIX
 
 pytestmark = pytest.mark.integration
@@ -37,18 +30,10 @@ pytestmark = pytest.mark.integration
 RULES = DEPLOY / "rules" / "trainvitals.rules.yml"
 
 
-@pytest.fixture(autouse=True)
-def _no_developer_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for key in [k for k in os.environ if k.startswith("TRAINVITALS_")]:
-        monkeypatch.delenv(key)
-    yield
-
-
 def _post(client: httpx.Client, run: str, step: int, samples: list[dict[str, Any]],
           events: list[dict[str, Any]] | None = None) -> None:
     """One wire report, as the hooks send it."""
-    body = {"schema": 1, "reports": [{"run": run, "step": step, "time": time.time(), "rank": 0,
-                                      "samples": samples, "events": events or []}]}
+    body = make_body(make_report(run, step, samples, events=events, time=time.time()))
     response = client.post("/v1/reports", json=body)
     assert response.status_code == 202, response.text
 
@@ -60,16 +45,12 @@ def _nonfinite(value: float) -> list[dict[str, Any]]:
 
 def _received_firing(am: httpx.Client) -> float:
     """Firing alerts Alertmanager has been sent, over every client and API version."""
-    text = am.get("/metrics").text
-    return sum(float(v) for v in re.findall(
-        r'^alertmanager_alerts_received_total\{[^}]*status="firing"[^}]*\} (\S+)$', text, re.M))
+    return metric_sum(am.get("/metrics").text, "alertmanager_alerts_received_total", status="firing")
 
 
 def _prometheus_sent(prom: Prometheus) -> float:
     """Alerts Prometheus has sent to Alertmanager (its own metric)."""
-    text = prom.client.get("/metrics").text
-    return sum(float(v) for v in re.findall(r"^prometheus_notifications_sent_total\{[^}]*\} (\S+)$",
-                                            text, re.M))
+    return metric_sum(prom.client.get("/metrics").text, "prometheus_notifications_sent_total")
 
 
 @pytest.mark.parametrize("relabel,expected", [(True, 1), (False, 2)],
@@ -77,13 +58,13 @@ def _prometheus_sent(prom: Prometheus) -> float:
 def test_one_incident_through_both_paths_is_one_alert(tmp_path: Path, relabel: bool,
                                                       expected: int) -> None:
     run = "dedup"
-    with Recorder() as receiver, \
+    with RecordingServer() as receiver, \
             running_alertmanager(tmp_path / "am", receiver.url, group_by=("alertname", "run")) as am_url, \
-            running_collector(notifiers=[{"type": "alertmanager", "url": am_url}]) as url, \
+            running_collector(notifiers=[{"type": "alertmanager", "url": am_url}]) as running, \
             running_prometheus(tmp_path / "prom", prometheus_config(
-                url, rule_files=[RULES], alertmanager_url=am_url, relabel=relabel)) as prom, \
-            httpx.Client(base_url=url, timeout=10) as collector, \
+                running.url, rule_files=[RULES], alertmanager_url=am_url, relabel=relabel)) as prom, \
             httpx.Client(base_url=am_url, timeout=10) as am:
+        collector = running.client
         # The incident: a non-finite loss (NonFiniteLoss pages on the counter's increase).
         # Prometheus needs the counter at 0 in one scrape before it moves.
         _post(collector, run, 1, _nonfinite(0))
@@ -144,9 +125,9 @@ def _silent_runs(prom: Prometheus) -> dict[str, str]:
 
 def test_exported_run_silent_spares_a_run_that_ended_cleanly(tmp_path: Path) -> None:
     rules = _short_silence_rules(tmp_path / "rules", 2)
-    with running_collector() as url, \
-            running_prometheus(tmp_path / "prom", prometheus_config(url, rule_files=[rules])) as prom, \
-            httpx.Client(base_url=url, timeout=10) as collector:
+    with running_collector() as running, \
+            running_prometheus(tmp_path / "prom", prometheus_config(running.url, rule_files=[rules])) as prom:
+        collector = running.client
         # The finished run reports first, so it is at least as silent as the crashed one.
         _post(collector, "finished", 1, [{"name": "loss", "labels": {}, "value": 2.0}])
         _post(collector, "finished", 1, [],  # what Monitor.close() sends last

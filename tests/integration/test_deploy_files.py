@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from tests.integration._stack import DASHBOARDS, DEPLOY, ROOT
-from tests.support import free_port, wait_until
+from tests.reports import make_body, make_report, make_sample
+from tests.support import free_port, running_process
 from trainvitals.monitor.app import create_app
 from trainvitals.monitor.cli import main as trainvitals_cli
 from trainvitals.monitor.cli import serve
@@ -127,10 +128,7 @@ def _collector_configs() -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("name,text", _collector_configs(), ids=[n for n, _ in _collector_configs()])
-def test_collector_settings_build_a_collector(name: str, text: str, tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in [k for k in os.environ if k.startswith("TRAINVITALS_")]:
-        monkeypatch.delenv(key)
+def test_collector_settings_build_a_collector(name: str, text: str, tmp_path: Path) -> None:
     path = tmp_path / "collector.yaml"
     path.write_text(text)
     settings = Settings.from_file(path)
@@ -314,36 +312,21 @@ def test_entrypoint_serves_without_torch_and_the_healthcheck_sees_it(tmp_path: P
     with torch absent (the image does not install it); then the HEALTHCHECK command
     itself, passing while the collector answers and failing once it is gone."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINVITALS_")}
-    env.update(TRAINVITALS_HOST="127.0.0.1", TRAINVITALS_PORT=str(port), TRAINVITALS_LOG_LEVEL="warning")
+    env = {**os.environ, "TRAINVITALS_HOST": "127.0.0.1", "TRAINVITALS_PORT": str(port),
+           "TRAINVITALS_LOG_LEVEL": "warning"}
     no_torch = ("import sys; sys.modules['torch'] = None; "
                 "from trainvitals.monitor.cli import main; main()")
     log = tmp_path / "collector.log"
     healthcheck = json.loads(next(a for i, a in _dockerfile() if i == "HEALTHCHECK").split("CMD", 1)[1])
     assert healthcheck[0] == "python"
     check = [sys.executable, *healthcheck[1:]]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", no_torch, "serve", "--config",
-                                 str(DEPLOY / "collector.yaml")], stdout=out, stderr=subprocess.STDOUT,
-                                env=env, cwd=tmp_path)
-        try:
-            def up() -> bool:
-                assert proc.poll() is None, log.read_text()
-                try:
-                    return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_until(up, 30, "the collector without torch")
-            body = {"schema": 1, "reports": [{"run": "img", "step": 1, "time": time.time(), "rank": 0,
-                                              "samples": [{"name": "loss", "labels": {}, "value": 1.5}],
-                                              "events": []}]}
-            assert httpx.post(f"http://127.0.0.1:{port}/v1/reports", json=body).status_code == 202
-            assert 'trainvitals_loss{run="img"} 1.5' in httpx.get(f"http://127.0.0.1:{port}/metrics").text
-            assert subprocess.run(check, env=env, timeout=10).returncode == 0
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    with running_process([sys.executable, "-c", no_torch, "serve", "--config", str(DEPLOY / "collector.yaml")],
+                         log=log, ready_url=f"http://127.0.0.1:{port}/readyz", what="the collector without torch",
+                         env=env, cwd=tmp_path):
+        body = make_body(make_report("img", 1, [make_sample("loss", 1.5)], time=time.time()))
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/reports", json=body).status_code == 202
+        assert 'trainvitals_loss{run="img"} 1.5' in httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert subprocess.run(check, env=env, timeout=10).returncode == 0
     assert "No module named 'torch'" not in log.read_text()
     failed = subprocess.run(check, env=env, timeout=10, capture_output=True)
     assert failed.returncode != 0

@@ -7,29 +7,26 @@ must reach Prometheus with the labels the catalogue gives it."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import torch
 
+from tests.http_recorder import RecordingServer
 from tests.integration import _job
 from tests.integration._stack import (
     DEPLOY,
     Prometheus,
-    Recorder,
     load_dashboards,
     panels,
     prometheus_config,
     resolve_variables,
-    running_collector,
     running_prometheus,
     substitute,
 )
-from tests.support import wait_until
+from tests.support import one_torch_thread, running_collector, wait_until
 from trainvitals.hooks import Monitor
 from trainvitals.wire import METRICS, PREFIX
 
@@ -46,7 +43,7 @@ RUN_LABELS = {"run", "rank"}
 class Stack:
     prom: Prometheus
     start: float  # unix time before the job's first report
-    notified: Recorder
+    notified: RecordingServer
 
 
 @pytest.fixture(scope="module")
@@ -54,31 +51,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The collector (default rules, a webhook notifier), Prometheus with the shipped
     config and rules, and the job's 12 reported steps, all delivered and scraped."""
     folder = tmp_path_factory.mktemp("prometheus")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        for key in [k for k in os.environ if k.startswith("TRAINVITALS_")]:
-            mp.delenv(key)
-        with Recorder() as notified, \
-                running_collector(notifiers=[{"type": "webhook", "url": f"{notified.url}/hook"}]) as url, \
-                running_prometheus(folder, prometheus_config(
-                    url, rule_files=sorted((DEPLOY / "rules").glob("*.yml")))) as prom:
-            start = time.time() - 1
+    with one_torch_thread(), RecordingServer() as notified, \
+            running_collector(notifiers=[{"type": "webhook", "url": f"{notified.url}/hook"}]) as collector, \
+            running_prometheus(folder, prometheus_config(
+                collector.url, rule_files=sorted((DEPLOY / "rules").glob("*.yml")))) as prom:
+        start = time.time() - 1
 
-            def scraped_before_nonfinite(mon: Monitor, step: int) -> None:
-                # increase() needs the loss counter scraped once before it moves, at
-                # 0; the job is faster than the 1 s scrape, so wait for that scrape.
-                if step == _job.NONFINITE_AT:
-                    assert mon.flush(10), "reports not delivered"
-                    wait_until(lambda: prom.query(
-                        f'{PREFIX}nonfinite_total{{run="{RUN}", what="loss"}} == 0'),
-                        10, "the loss counter at 0 in Prometheus")
+        def scraped_before_nonfinite(mon: Monitor, step: int) -> None:
+            # increase() needs the loss counter scraped once before it moves, at
+            # 0; the job is faster than the 1 s scrape, so wait for that scrape.
+            if step == _job.NONFINITE_AT:
+                assert mon.flush(10), "reports not delivered"
+                wait_until(lambda: prom.query(
+                    f'{PREFIX}nonfinite_total{{run="{RUN}", what="loss"}} == 0'),
+                    10, "the loss counter at 0 in Prometheus")
 
-            _job.run_job(url, RUN, STEPS, before_step=scraped_before_nonfinite)
-            wait_until(lambda: prom.query(f'{PREFIX}step{{run="{RUN}"}} == {STEPS}'), 10,
-                       "the last step scraped")
-            yield Stack(prom, start, notified)
-    torch.set_num_threads(threads)
+        _job.run_job(collector.url, RUN, STEPS, before_step=scraped_before_nonfinite)
+        wait_until(lambda: prom.query(f'{PREFIX}step{{run="{RUN}"}} == {STEPS}'), 10,
+                   "the last step scraped")
+        yield Stack(prom, start, notified)
 
 
 def _empty_panels(prom: Prometheus, start: float, dashboards: list[dict[str, Any]]) -> list[str]:
