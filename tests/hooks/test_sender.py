@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
-import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 from torch import nn
 
+from tests.http_recorder import RecordingServer
+from tests.support import dead_url
 from trainvitals.hooks import attach
 from trainvitals.hooks.pack import PendingReport, pack
 from trainvitals.hooks.sender import Sender
@@ -21,47 +18,21 @@ from trainvitals.hooks.sinks import HttpSink
 from trainvitals.hooks.step import StepContext
 
 
-class Recorder:
-    """A local HTTP server that answers with scripted status codes and keeps bodies."""
+def collector_stub(*statuses: int) -> RecordingServer:
+    """A stand-in collector: answers ``statuses`` in order, the last one from then on,
+    each with a JSON detail as the collector's refusals carry."""
+    *first, last = statuses
+    return RecordingServer(first, default=last, body=b'{"detail": "scripted"}',
+                           headers={"Content-Type": "application/json"})
 
-    def __init__(self, statuses=(202,)):
-        self.statuses = list(statuses)
-        self.bodies: list[dict] = []
-        self.headers: list[dict] = []
-        rec = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                raw = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    raw = gzip.decompress(raw)
-                status = rec.statuses.pop(0) if len(rec.statuses) > 1 else rec.statuses[0]
-                if status < 300:
-                    rec.bodies.append(json.loads(raw))
-                rec.headers.append(dict(self.headers))
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.end_headers()
-                self.wfile.write(b'{"detail": "scripted"}')
+def accepted_bodies(rec: RecordingServer) -> list[dict]:
+    """The bodies the stub answered with a 2xx."""
+    return [r.json() for r in rec.received() if r.answered is not None and r.answered < 300]
 
-            def log_message(self, *a):
-                pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-
-    @property
-    def reports(self) -> list[dict]:
-        return [r for b in self.bodies for r in b["reports"]]
+def accepted_reports(rec: RecordingServer) -> list[dict]:
+    return [r for b in accepted_bodies(rec) for r in b["reports"]]
 
 
 def packed(step: int, pad: int = 0) -> PendingReport:
@@ -73,51 +44,44 @@ def packed(step: int, pad: int = 0) -> PendingReport:
 
 
 def test_retries_transient_failures_and_delivers_once():
-    with Recorder([503, 429, 202]) as rec:
+    with collector_stub(503, 429, 202) as rec:
         sender = Sender(HttpSink(rec.url), backoff=(0.01, 0.05))
         sender.put(packed(1))
         assert sender.flush(5)
         sender.close(1)
-    assert [r["step"] for r in rec.reports] == [1]
-    assert len(rec.headers) == 3 and sender.dropped == 0
+    assert [r["step"] for r in accepted_reports(rec)] == [1]
+    assert rec.count() == 3 and sender.dropped == 0
 
 
 def test_a_refused_batch_is_dropped_counted_and_logged(caplog):
-    with Recorder([422, 202]) as rec:
+    with collector_stub(422, 202) as rec:
         sender = Sender(HttpSink(rec.url), backoff=(0.01, 0.05))
         sender.put(packed(1))
         assert sender.flush(5)
         sender.put(packed(2))
         assert sender.flush(5)
         sender.close(1)
-    assert [r["step"] for r in rec.reports] == [2]
+    assert [r["step"] for r in accepted_reports(rec)] == [2]
     assert sender.dropped == 1
-    assert rec.reports[0]["samples"][-1] == {"name": "client_dropped_reports_total", "labels": {}, "value": 1.0}
+    assert accepted_reports(rec)[0]["samples"][-1] == {"name": "client_dropped_reports_total", "labels": {}, "value": 1.0}
     assert any("refused" in r.getMessage() and "422" in r.getMessage() for r in caplog.records)
 
 
 def test_batches_are_gzipped_and_carry_the_token():
-    with Recorder([202]) as rec:
+    with collector_stub(202) as rec:
         sender = Sender(HttpSink(rec.url, token="s3cret", gzip_min_bytes=10))
         for i in range(5):
             sender.put(packed(i))
         assert sender.flush(5)
         sender.close(1)
-    assert sorted(r["step"] for r in rec.reports) == list(range(5))
-    assert all(h["Content-Encoding"] == "gzip" and h["Authorization"] == "Bearer s3cret" for h in rec.headers)
-    assert all(b["schema"] == 1 for b in rec.bodies)
-
-
-def _dead_url() -> str:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"http://127.0.0.1:{port}"
+    assert sorted(r["step"] for r in accepted_reports(rec)) == list(range(5))
+    assert all(r.headers["Content-Encoding"] == "gzip" and r.headers["Authorization"] == "Bearer s3cret"
+               for r in rec.received())
+    assert all(b["schema"] == 1 for b in accepted_bodies(rec))
 
 
 def test_queue_is_bounded_in_bytes_and_drops_the_oldest():
-    sender = Sender(HttpSink(_dead_url()), max_queue_bytes=10_000, backoff=(5, 5))
+    sender = Sender(HttpSink(dead_url()), max_queue_bytes=10_000, backoff=(5, 5))
     for i in range(50):
         sender.put(packed(i, pad=900))
     assert not sender.flush(1.0)
@@ -134,7 +98,7 @@ def test_training_survives_a_dead_collector(caplog, capsys):
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = attach(model, opt, run="down", collector=_dead_url(), every=1, flush_timeout=0.5)
+    mon = attach(model, opt, run="down", collector=dead_url(), every=1, flush_timeout=0.5)
     for _ in range(5):
         model(torch.randn(3, 4)).sum().backward()
         opt.step()
@@ -154,7 +118,7 @@ def test_training_survives_a_dead_collector(caplog, capsys):
 
 @pytest.mark.parametrize("statuses", [[202], [500, 202]], ids=["ok", "retry"])
 def test_monitor_streams_to_http(statuses):
-    with Recorder(statuses) as rec:
+    with collector_stub(*statuses) as rec:
         torch.manual_seed(0)
         model = nn.Linear(4, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -164,14 +128,14 @@ def test_monitor_streams_to_http(statuses):
                 model(torch.randn(3, 4)).sum().backward()
                 opt.step()
                 opt.zero_grad()
-        assert [r["step"] for r in rec.reports] == [1, 2, 4, 4]
-        assert rec.reports[-1]["events"][0]["kind"] == "run_end"
-        names = {s["name"] for s in rec.reports[-2]["samples"]}
+        assert [r["step"] for r in accepted_reports(rec)] == [1, 2, 4, 4]
+        assert accepted_reports(rec)[-1]["events"][0]["kind"] == "run_end"
+        names = {s["name"] for s in accepted_reports(rec)[-2]["samples"]}
         assert {"grad_norm", "client_dropped_reports_total"} <= names
 
 
 def test_attach_queue_bytes_bounds_the_http_queue():
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with attach(model, opt, run="q", collector=_dead_url(), queue_bytes=12345, flush_timeout=0.1) as mon:
+    with attach(model, opt, run="q", collector=dead_url(), queue_bytes=12345, flush_timeout=0.1) as mon:
         assert mon._sender.max_queue_bytes == 12345
