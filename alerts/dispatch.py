@@ -16,7 +16,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from trainvitals.alerts.notifiers.base import Notification, Notifier, NotifyError
@@ -56,8 +56,10 @@ class RetryPolicy:
 class _Channel:
     """One notifier's queue, worker and counters."""
 
-    def __init__(self, notifier: Notifier, size: int, policy: RetryPolicy, rng: random.Random) -> None:
+    def __init__(self, notifier: Notifier, size: int, policy: RetryPolicy, rng: random.Random,
+                 on_delivered: Callable[[str, list[Notification]], None] | None = None) -> None:
         self.notifier = notifier
+        self.on_delivered = on_delivered
         self.queue: queue.Queue[Notification] = queue.Queue(maxsize=size)
         self.policy = policy
         self.rng = rng
@@ -114,6 +116,11 @@ class _Channel:
                 return
             else:
                 self.count("sent", len(batch))
+                if self.on_delivered is not None:
+                    try:
+                        self.on_delivered(name, batch)
+                    except Exception:
+                        log.exception("notifier %s: recording the delivery failed", name)
                 return
 
 
@@ -121,12 +128,16 @@ class Dispatcher:
     """Fans notifications out to notifiers without blocking the caller."""
 
     def __init__(self, notifiers: Iterable[Notifier], *, queue_size: int = 1000,
-                 retry: RetryPolicy | None = None, seed: int | None = None) -> None:
+                 retry: RetryPolicy | None = None, seed: int | None = None,
+                 on_delivered: Callable[[str, list[Notification]], None] | None = None) -> None:
+        """``on_delivered(notifier name, batch)`` is called after each successful send
+        (on that notifier's worker thread): the service records it for restarts."""
         if queue_size < 1:
             raise ValueError("queue_size must be at least 1")
         rng = random.Random(seed)
         policy = retry or RetryPolicy()
-        self._channels = [_Channel(n, queue_size, policy, random.Random(rng.random())) for n in notifiers]
+        self._channels = [_Channel(n, queue_size, policy, random.Random(rng.random()), on_delivered)
+                          for n in notifiers]
         self._started = False
         self._lock = threading.Lock()
 
@@ -143,6 +154,15 @@ class Dispatcher:
                 ch.queue.put_nowait(notification)
             except queue.Full:
                 ch.count("dropped")
+
+    def enqueue_to(self, name: str, notification: Notification) -> None:
+        """Queue for the notifier called ``name`` only (restart reconciliation)."""
+        for ch in self._channels:
+            if ch.notifier.name == name:
+                try:
+                    ch.queue.put_nowait(notification)
+                except queue.Full:
+                    ch.count("dropped")
 
     def start(self) -> None:
         """Start one worker thread per notifier (idempotent)."""

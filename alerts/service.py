@@ -14,6 +14,12 @@ notifications. Firing alerts are re-sent to Alertmanager every
 ``resend_interval`` with ``endsAt = now + 4 * resend_interval`` (as Prometheus
 does), so Alertmanager keeps them while the collector lives and expires them if
 it dies.
+
+With ``persistence`` (the collector's :class:`~trainvitals.monitor.state_db.StateDB`,
+or any object with its methods) alert states, runs and the notifications
+delivered survive a restart: :meth:`start` restores them, resends a resolve that
+a crash lost (or for a rule that is gone), and pages for a firing alert only
+where it was not delivered yet; a still-firing alert does not page again.
 """
 
 from __future__ import annotations
@@ -47,11 +53,16 @@ class AlertService:
     def __init__(self, engine: Engine, notifiers: Sequence[Notifier] = (), *,
                  resend_interval: float = 60.0, tick_interval: float = 1.0,
                  queue_size: int = 1000, retry: RetryPolicy | None = None,
-                 external_url: str | None = None, runbook_base_url: str | None = None) -> None:
+                 external_url: str | None = None, runbook_base_url: str | None = None,
+                 persistence: Any = None) -> None:
         if resend_interval <= 0 or tick_interval <= 0:
             raise ValueError("resend_interval and tick_interval must be positive seconds")
         self.engine = engine
-        self.dispatcher = Dispatcher(notifiers, queue_size=queue_size, retry=retry)
+        self.persistence = persistence
+        self.dispatcher = Dispatcher(notifiers, queue_size=queue_size, retry=retry,
+                                     on_delivered=self._delivered if persistence is not None else None)
+        self._alerts_dirty = False
+        self._restored = False
         self.resend_interval = resend_interval
         self.tick_interval = tick_interval
         self.external_url = external_url.rstrip("/") if external_url else ""
@@ -96,11 +107,12 @@ class AlertService:
         return out
 
     def tick(self, now: float | None = None) -> list[Transition]:
-        """Timers (RunSilent, holds, expiry) and Alertmanager re-sends."""
+        """Timers (RunSilent, holds, expiry), Alertmanager re-sends, saving state."""
         now = time.time() if now is None else now
         transitions = self.engine.tick(now)
         if transitions:
             self._notify(transitions, now)
+        self.save()
         if self._resends:
             with self._lock:
                 due = [a for a in self.engine.firing()
@@ -112,6 +124,10 @@ class AlertService:
         return transitions
 
     def _notify(self, transitions: list[Transition], now: float) -> None:
+        self._alerts_dirty = True
+        if self.persistence is not None and any(
+                t.state in (AlertState.FIRING, AlertState.RESOLVED) for t in transitions):
+            self._save_alerts()  # at once: a crash right after a page must not page again
         for t in transitions:
             if t.state is AlertState.FIRING:
                 log.info("alert %s", format_transition(t))
@@ -140,10 +156,73 @@ class AlertService:
             repeat=repeat,
         )
 
+    # ------------------------------------------------------------ persistence
+
+    def save(self) -> None:
+        """Write changed runs and, when any changed, the alerts (no-op without persistence)."""
+        if self.persistence is None:
+            return
+        self.persistence.save_runs(self.engine.export_runs(dirty=True))
+        if self._alerts_dirty:
+            self._save_alerts()
+
+    def _save_alerts(self) -> None:
+        self._alerts_dirty = False
+        self.persistence.replace_alerts(self.engine.export_alerts())
+
+    def _delivered(self, notifier: str, batch: list[Notification]) -> None:
+        self.persistence.record_sent(notifier, batch)
+
+    def restore(self, now: float | None = None) -> None:
+        """Bring back what the persistence holds and reconcile the notifiers with it.
+
+        Called by :meth:`start` (once). For each notifier: an alert it was last told
+        is firing that is no longer firing (it resolved, its run expired or its rule
+        is gone) gets its resolve; a firing alert it was not told about gets its page.
+        """
+        if self.persistence is None or self._restored:
+            return
+        self._restored = True
+        now = time.time() if now is None else now
+        from trainvitals.monitor.state_db import alert_id  # the id format lives with the DB
+
+        gone = self.engine.restore(self.persistence.load_runs(), self.persistence.load_alerts())
+        for row in gone:
+            log.info("alert %s%s: its rule is gone; resolving it downstream", row["alertname"], row["labels"])
+        ledger = self.persistence.load_notified()
+        current = {alert_id(a.alertname, a.labels): a for a in self.engine.alerts()}
+        names = {n.name for n in self.dispatcher.notifiers}
+        resolves = pages = 0
+        for (notifier, aid), (status, sent) in ledger.items():
+            a = current.get(aid)
+            if notifier not in names or status != "firing" or (a is not None and a.state is AlertState.FIRING):
+                continue
+            ended = a.resolved_at if a is not None and a.resolved_at is not None else now
+            value = sent.get("value")
+            self.dispatcher.enqueue_to(notifier, Notification(
+                status="resolved", labels=sent["labels"], annotations=sent["annotations"],
+                starts_at=sent["starts_at"], ends_at=ended,
+                value=math.nan if value is None else value, generator_url=sent.get("generator_url", "")))
+            resolves += 1
+        for aid, a in current.items():
+            if a.state is not AlertState.FIRING:
+                continue
+            for name in names:
+                last = ledger.get((name, aid))
+                if last is None or last[0] != "firing":
+                    self.dispatcher.enqueue_to(name, self._notification(a, now))
+                    pages += 1
+            with self._lock:
+                self._last_sent.setdefault(a.key, now - self.resend_interval)
+        log.info("restored %d run(s) and %d alert(s) from the state file; %d resolve(s) and %d "
+                 "page(s) owed to notifiers", len(self.engine.export_runs()), len(current), resolves, pages)
+
     # --------------------------------------------------------------- threads
 
     def start(self) -> None:
-        """Start the notifier workers and the ticker (every ``tick_interval`` s)."""
+        """Restore persisted state, start the notifier workers and the ticker (every
+        ``tick_interval`` s)."""
+        self.restore()
         self.dispatcher.start()
         if self._ticker is None:
             self._stop.clear()
@@ -164,6 +243,8 @@ class AlertService:
             self._ticker.join(timeout)
             self._ticker = None
         self.dispatcher.stop(timeout)
+        if self.persistence is not None:
+            self.save()
 
     def __enter__(self) -> AlertService:
         self.start()

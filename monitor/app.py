@@ -21,6 +21,7 @@ Other components hook in after :func:`create_app`::
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -35,11 +36,15 @@ from trainvitals.monitor import (
     routes_metrics,
     routes_runs,
 )
+from trainvitals.monitor.auth import ReadAuthMiddleware
 from trainvitals.monitor.exposition import ReportCounter, StoreCollector
 from trainvitals.monitor.settings import Settings, SettingsError
+from trainvitals.monitor.state_db import StateDB
 from trainvitals.monitor.store import SeriesStore
 
 __all__ = ["create_app", "tune_gc"]
+
+log = logging.getLogger("trainvitals.monitor")
 
 
 def create_app(
@@ -59,11 +64,21 @@ def create_app(
     if settings is None:
         settings = Settings()
     if store is None:
-        store = SeriesStore(ttl_seconds=settings.run_ttl_seconds, max_series=settings.max_series)
+        store = SeriesStore(ttl_seconds=settings.run_ttl_seconds, max_series=settings.max_series,
+                            max_series_per_run=settings.max_series_per_run,
+                            stale_reports=settings.stale_reports)
     reports = ReportCounter()
     exporter = StoreCollector(store, reports)
+    state: StateDB | None = None
+    if settings.state_path is not None:
+        try:
+            state = StateDB(settings.state_path)
+        except OSError as exc:
+            raise SettingsError(str(exc)) from None
+        for run, seen, step, ended in state.load_runs():
+            store.restore_run(run, step, seen, ended)
     if alerts is None:
-        alerts = _alert_service(settings)
+        alerts = _alert_service(settings, state)
     # Rules are evaluated as reports arrive (cheap, no I/O); notifiers send from their own threads.
     store.on_ingest(alerts.observe_batch)
     exporter.register_family_source(alerts.metric_families)
@@ -77,6 +92,8 @@ def create_app(
         finally:
             app.state.ready = False
             await run_in_threadpool(alerts.stop)
+            if state is not None:
+                state.close()
 
     app = FastAPI(
         title="trainvitals collector",
@@ -89,18 +106,25 @@ def create_app(
     app.state.reports = reports
     app.state.alerts = alerts
     app.state.ready = False
+    app.state.state_db = state
     for module in (routes_ingest, routes_metrics, routes_runs, routes_alerts, routes_health):
         app.include_router(module.router)
+    if settings.read_token is not None:
+        app.add_middleware(ReadAuthMiddleware, token=settings.read_token.get_secret_value())
     return app
 
 
-def _alert_service(settings: Settings) -> AlertService:
+def _alert_service(settings: Settings, state: StateDB | None = None) -> AlertService:
     """The alert service the settings describe; a bad rule or notifier raises SettingsError."""
     options = dict(settings.alerts or {})
     options.setdefault("run_ttl", settings.run_ttl_seconds)
     rules = "default" if settings.rules is None else settings.rules
+    if settings.notifiers and not options.get("runbook_base_url"):
+        log.warning("alerts.runbook_base_url is not set: notifications carry runbook links relative "
+                    "to the repository (e.g. RUNBOOKS.md#paramdrift); see docs/collector.md")
     try:
-        return AlertService.from_config(rules=rules, notifiers=settings.notifiers, **options)
+        return AlertService.from_config(rules=rules, notifiers=settings.notifiers,
+                                        persistence=state, **options)
     except (RuleError, NotifierConfigError) as exc:
         raise SettingsError(str(exc)) from None
     except TypeError as exc:

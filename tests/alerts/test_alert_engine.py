@@ -314,7 +314,7 @@ def test_counter_increase_transform():
     assert nf(10, 3) == []
     assert nf(20, 5) == [(F, "2")]
     assert nf(30, 5) == [] and nf(40, 5) == []
-    assert nf(50, 5) == [(R, "0")]
+    assert nf(50, 5) == [(R, "2")]  # a resolve is rendered with the value it fired with
     assert nf(60, 1) == [(F, "1")]  # counter reset (restart): the new value is the increase
     assert nf(70, 100, what="grad") == []
 
@@ -336,7 +336,7 @@ def test_ratio_to_median_transform():
                 eng.observe(wire_report(i, [("grad_norm", {}, v)]), now=i)]
     # No verdict for the first 5 reports (warm-up norms fall); then 400 / median(20,30,25,24,26)
     # = 16x; 150 is 5.8x (inside the band: still firing); 70 is 2.7x: back under clear.
-    assert out == [(7, F, "16x"), (9, R, "3x")]
+    assert out == [(7, F, "16x"), (9, R, "16x")]  # a resolve renders the value it fired with
 
 
 def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
@@ -430,7 +430,7 @@ def test_local_evaluator_logs_fire_and_resolve(caplog):
     recs = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "trainvitals"]
     assert recs == [
         ("WARNING", "trainvitals alert GradientDilution firing: image 17.0x in r1 {run=r1, modality=image}"),
-        ("INFO", "trainvitals alert GradientDilution resolved: image 1.0x in r1 {run=r1, modality=image}"),
+        ("INFO", "trainvitals alert GradientDilution resolved: image 17.0x in r1 {run=r1, modality=image}"),
     ]
     assert LocalEvaluator("default").engine.rules
 

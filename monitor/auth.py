@@ -1,0 +1,58 @@
+"""Optional bearer token on the read endpoints (setting ``read_token``).
+
+``GET /metrics``, ``/v1/runs``, ``/v1/alerts`` and the API docs (``/docs``,
+``/redoc``, ``/openapi.json``) then need ``Authorization: Bearer <read_token>``
+(Prometheus: ``authorization: {credentials_file: ...}`` in the scrape config).
+``/healthz`` and ``/readyz`` stay open for probes; ``POST /v1/reports`` has its
+own ``token``. A pure ASGI middleware: nothing is read or parsed before the check.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+__all__ = ["ReadAuthMiddleware", "read_protected"]
+
+_OPEN = ("/healthz", "/readyz")
+_REALM = 'Bearer realm="trainvitals"'
+
+
+def read_protected(method: str, path: str) -> bool:
+    """True for the requests the read token guards (everything but health and ingest)."""
+    if path in _OPEN:
+        return False
+    return not (method == "POST" and path == "/v1/reports")
+
+
+class ReadAuthMiddleware:
+    """Answers 401 to a read request without the right bearer token."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self._token = token.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not read_protected(scope["method"], scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        header = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                header = value
+                break
+        scheme, _, given = header.partition(b" ")
+        # compare_digest: the time taken does not tell how much of the token matched.
+        if scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self._token):
+            await self.app(scope, receive, send)
+            return
+        detail = "invalid bearer token" if header else (
+            "missing bearer token: this collector requires its read_token for "
+            f"{scope['path']}; send 'Authorization: Bearer <read_token>'")
+        body = json.dumps({"detail": detail}).encode()
+        challenge = _REALM + (', error="invalid_token"' if header else "")
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", challenge.encode())]})
+        await send({"type": "http.response.body", "body": body})
