@@ -302,14 +302,11 @@ def _rank_main(rank: int, world: int, port: int, out: str, mode: str) -> None:
 def dp_single_process(mode: str) -> list[list[dict]]:
     """The same run in one process, for comparison with rank 0 (one thread, as the
     ranks use: another thread count sums the matmuls in another order)."""
+    from tests.support import one_torch_thread  # here: the ranks run this file as a script
     from trainvitals.hooks import attach
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         return _dp_single_process(mode, attach)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _dp_single_process(mode: str, attach) -> list[list[dict]]:

@@ -23,17 +23,11 @@ from _loss_models import (
 
 from trainvitals.hooks import attach
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
 LOSS_METRICS = ("modality_sample_share_ratio", "modality_token_share_ratio", "modality_grad_share_ratio",
                 "modality_dilution_ratio", "loss_weight_mass", "loss_norm_exponent", "microbatches",
                 "token_weight_spread_ratio", "loss", "modality_grad_norm")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def monitored(every: int = 1, **options):
