@@ -14,6 +14,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.reports import make_batch, make_report, make_sample
+from tests.support import Series, parse_metrics
 from trainvitals.monitor.exposition import REPORT_OUTCOMES, ReportCounter, StoreCollector
 from trainvitals.monitor.store import SeriesStore
 from trainvitals.wire import METRICS
@@ -25,15 +26,9 @@ def ingest(store: SeriesStore, *reports: dict, now: float | None = None) -> None
     store.ingest(make_batch(*reports), now)
 
 
-def scrape(exporter: StoreCollector) -> dict[tuple[str, frozenset], float]:
+def scrape(exporter: StoreCollector) -> dict[Series, float]:
     """Every sample of one render, parsed: (sample name, label items) -> value."""
-    out = {}
-    for family in text_string_to_metric_families(exporter.render().decode()):
-        for s in family.samples:
-            key = (s.name, frozenset(s.labels.items()))
-            assert key not in out, f"duplicate series {key}"
-            out[key] = s.value
-    return out
+    return parse_metrics(exporter.render().decode())
 
 
 def value(exporter: StoreCollector, name: str, **labels: str) -> float | None:
