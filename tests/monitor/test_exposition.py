@@ -14,7 +14,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.reports import make_batch, make_report, make_sample
-from tests.support import Series, parse_metrics
+from tests.support import Series, metric_value, parse_metrics
 from trainvitals.monitor.exposition import REPORT_OUTCOMES, ReportCounter, StoreCollector
 from trainvitals.monitor.store import SeriesStore
 from trainvitals.wire import METRICS
@@ -32,7 +32,7 @@ def scrape(exporter: StoreCollector) -> dict[Series, float]:
 
 
 def value(exporter: StoreCollector, name: str, **labels: str) -> float | None:
-    return scrape(exporter).get((name, frozenset(labels.items())))
+    return metric_value(exporter.render().decode(), name, **labels)
 
 
 @pytest.fixture
