@@ -55,14 +55,21 @@ def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
 
     from trainvitals.hooks import attach
     from trainvitals.monitor.app import create_app
-    from trainvitals.monitor.server import serve_in_thread
+    from trainvitals.monitor.server import PortInUse, serve_in_thread
     from trainvitals.monitor.settings import Settings
 
     torch.set_num_threads(1)
     settings = Settings(port=port, rules="default", log_level="warning")
     app = create_app(settings)
     result: dict = {"fired_at": None, "resolved_at": None, "rows": []}
-    with serve_in_thread(app, port=port) as url:
+    try:
+        server = serve_in_thread(app, port=port)
+        url = server.__enter__()
+    except PortInUse as exc:
+        raise click.ClickException(
+            f"{exc.strerror}. The demo runs its own collector: `trainvitals demo --port 0` "
+            "picks a free port.") from None
+    try:
         echo(f"collector: {url}  (metrics: {url}/metrics, alerts: {url}/v1/alerts)")
         torch.manual_seed(0)
         model = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.RMSNorm(DIM), nn.Linear(DIM, VOCAB))
@@ -139,6 +146,8 @@ def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
                     time.sleep(1)
             except KeyboardInterrupt:
                 echo("bye")
+    finally:
+        server.__exit__(None, None, None)
     return result
 
 

@@ -50,28 +50,49 @@ def serve(
     config_file: Path | None, host: str | None, port: int | None, token_file: Path | None
 ) -> None:
     """Run the collector: ingest reports, serve /metrics."""
+    import resource
+
     import uvicorn
 
+    from trainvitals.monitor import logs
     from trainvitals.monitor.app import create_app, tune_gc
+    from trainvitals.monitor.server import bind, uvicorn_config
 
     try:
         settings = Settings.from_file(config_file, host=host, port=port, token_file=token_file)
-        app = create_app(settings)
     except SettingsError as exc:
         raise click.ClickException(str(exc)) from None
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logs.install()
+    # Bind before anything else, so a taken port is one clear line, not a banner then a traceback.
+    try:
+        sock = bind(settings.host, settings.port)
+    except OSError as exc:
+        raise click.ClickException(exc.strerror or str(exc)) from None
+    try:
+        app = create_app(settings)
+    except SettingsError as exc:
+        sock.close()
+        raise click.ClickException(str(exc)) from None
+    # Each connection is a file: use the hard limit, not the (often 1024) soft one.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     tune_gc()
     shown = f"[{settings.host}]" if ":" in settings.host else settings.host
+    bound = sock.getsockname()[1]
+    scheme = "https" if settings.tls_certfile is not None else "http"
     auth = "bearer token required" if settings.auth_required else "no authentication"
+    reads = "read token required" if settings.read_auth_required else "open"
+    state = f"state in {settings.state_path}" if settings.state_path else (
+        "state in memory only: set state_path to keep alerts across restarts")
     click.echo(
-        f"trainvitals collector on http://{shown}:{settings.port} "
-        f"(POST /v1/reports, GET /metrics; {auth})"
+        f"trainvitals collector on {scheme}://{shown}:{bound} "
+        f"(POST /v1/reports: {auth}; GET /metrics, /v1/*: {reads}; {state})"
     )
-    uvicorn.run(
-        app, host=settings.host, port=settings.port, workers=1, log_level=settings.log_level
-    )
+    uvicorn.Server(uvicorn_config(app, settings)).run(sockets=[sock])
 
 
 @main.command()

@@ -1,12 +1,22 @@
-"""Serve the collector app with uvicorn on a background thread of this process.
+"""Running the collector app with uvicorn: the settings that bound connections, and a
+background-thread server for callers that own their main thread.
 
-For callers that own their main thread: the ``trainvitals demo`` command (which
-trains a model while the collector runs) and tests that need a real collector
-on a loopback port. ``trainvitals serve`` runs uvicorn in the foreground instead.
+:func:`uvicorn_config` is what ``trainvitals serve`` runs: one worker; at most
+``max_connections`` served at once (beyond: 503); a connection that has not sent
+its request headers within ``header_timeout_seconds`` is closed (uvicorn itself
+waits for ever, so 1,000 half-open connections used to exhaust the process's
+files); idle keep-alive closed after ``keepalive_seconds``; no access log unless
+``access_log``; HTTPS with ``tls_certfile``/``tls_keyfile``.
+
+:func:`serve_in_thread` serves in a thread of this process (``trainvitals demo``
+and tests that need a real collector on a loopback port).
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,38 +24,120 @@ from contextlib import contextmanager
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["serve_in_thread"]
+from trainvitals.monitor.settings import Settings
+
+__all__ = ["PortInUse", "bind", "serve_in_thread", "uvicorn_config"]
 
 _POLL_S = 0.005  # seconds between checks that uvicorn is listening
 
 
+class PortInUse(OSError):
+    """The port is taken (another collector, ``trainvitals serve &``, or any other process)."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``; :class:`PortInUse` (naming both) when taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        shown = f"[{host}]" if ":" in host else host
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(exc.errno, f"{shown}:{port} is already in use (another collector, or "
+                            "`trainvitals serve &` still running?); stop it or pick another port "
+                            "(--port, 0 for any free one)") from None
+        raise OSError(exc.errno, f"cannot listen on {shown}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _protocol(header_timeout: float) -> type[H11Protocol]:
+    class GuardedH11Protocol(H11Protocol):
+        """h11 with a deadline for the first request's headers."""
+
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._header_timer is not None and self.cycle is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
+def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
+    """The uvicorn configuration for ``settings`` (connection limits, timeouts, TLS, logs)."""
+    options: dict[str, Any] = dict(
+        host=settings.host, port=settings.port, workers=1, lifespan="on",
+        http=_protocol(settings.header_timeout_seconds),
+        limit_concurrency=settings.max_connections,
+        timeout_keep_alive=max(1, round(settings.keepalive_seconds)),
+        h11_max_incomplete_event_size=64 * 1024,  # request line + headers, bytes
+        access_log=settings.access_log, log_level=settings.log_level,
+    )
+    if settings.tls_certfile is not None:
+        options.update(ssl_certfile=str(settings.tls_certfile), ssl_keyfile=str(settings.tls_keyfile))
+    options.update(overrides)
+    return uvicorn.Config(app, **options)
+
+
 @contextmanager
 def serve_in_thread(
-    app: Any, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 10.0
+    app: Any, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 10.0,
+    settings: Settings | None = None,
 ) -> Iterator[str]:
     """Serve ``app`` with uvicorn in a thread (``port`` 0: a free one); yield its base URL.
 
-    Waits up to ``timeout`` seconds for the server to listen (RuntimeError
-    otherwise). The server stops, running the app's lifespan shutdown, and the
-    thread is joined when the block exits.
+    Binds first (:class:`PortInUse` when the port is taken), then waits up to
+    ``timeout`` seconds for the server to start (RuntimeError otherwise). The
+    server stops, running the app's lifespan shutdown, and the thread is joined
+    when the block exits. ``settings`` (default: the app's) set the connection limits.
     """
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+    if settings is None:
+        settings = getattr(getattr(app, "state", None), "settings", None) or Settings()
+    sock = bind(host, port)
+    config = uvicorn_config(app, settings, host=host, port=port, log_level="warning")
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="trainvitals-collector", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                              name="trainvitals-collector", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the collector failed to start (see the log above)")
-        if time.monotonic() > deadline:
-            server.should_exit = True
-            thread.join(timeout)
-            raise RuntimeError(f"the collector did not start within {timeout} s")
-        time.sleep(_POLL_S)
     try:
-        bound = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://{host}:{bound}"
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError("the collector failed to start (see the log above)")
+            if time.monotonic() > deadline:
+                server.should_exit = True
+                thread.join(timeout)
+                raise RuntimeError(f"the collector did not start within {timeout} s")
+            time.sleep(_POLL_S)
+        bound = sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        scheme = "https" if settings.tls_certfile is not None else "http"
+        yield f"{scheme}://{shown}:{bound}"
     finally:
         server.should_exit = True
         thread.join(timeout)
+        sock.close()

@@ -22,12 +22,15 @@ from typing import Any, Literal
 
 import httpx
 
+from trainvitals.wire.redact import redact
+
 __all__ = [
     "HttpNotifier",
     "Notification",
     "Notifier",
     "NotifyError",
     "dedup_key",
+    "redact_secrets",
     "register_secret",
     "rfc3339",
 ]
@@ -36,7 +39,8 @@ _USER_AGENT = "trainvitals-alerts/0.1"
 
 
 class _Redactor(logging.Filter):
-    """Hides registered secrets in httpx's log lines (it logs every request URL at INFO)."""
+    """Hides registered secrets and URL credentials/tokens in httpx's log lines (it logs
+    every request URL at INFO)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,20 +48,28 @@ class _Redactor(logging.Filter):
         self.lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not self.secrets:
-            return True
         message = record.getMessage()
-        with self.lock:
-            secrets = list(self.secrets)
-        if any(s in message for s in secrets):
-            for s in secrets:
-                message = message.replace(s, "***")
-            record.msg, record.args = message, ()
+        clean = self.redact(redact(message))
+        if clean != message:
+            record.msg, record.args = clean, ()
         return True
+
+    def redact(self, message: str) -> str:
+        with self.lock:
+            secrets = sorted(self.secrets, key=len, reverse=True)  # a URL before its token
+        for s in secrets:
+            if s in message:
+                message = message.replace(s, "***")
+        return message
 
 
 _REDACTOR = _Redactor()
 logging.getLogger("httpx").addFilter(_REDACTOR)
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` with every registered secret replaced by ``***``."""
+    return _REDACTOR.redact(text)
 
 
 def register_secret(value: str) -> None:

@@ -20,6 +20,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -94,6 +95,16 @@ def _registered(value: str) -> str:
     return value
 
 
+def _url_secrets(url: str) -> str:
+    """Register what a plain ``url`` setting may hide (a query string, a password): never logged."""
+    parts = urlsplit(url)
+    if parts.query:
+        register_secret(parts.query)
+    if parts.password:
+        register_secret(parts.password)
+    return url
+
+
 class _Field(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
@@ -113,7 +124,7 @@ class AlertmanagerConfig(_Base):
     url: HttpURL
 
     def build(self, name: str) -> Notifier:
-        return AlertmanagerNotifier(name, self.url, timeout=self.timeout)
+        return AlertmanagerNotifier(name, _url_secrets(self.url), timeout=self.timeout)
 
 
 class PagerDutyConfig(_Base):
@@ -171,7 +182,7 @@ class WebhookConfig(_Base):
             if not value:
                 raise _Field("headers_env", f"environment variable {env} (header {header}) is not set")
             headers[header] = _registered(value)
-        return WebhookNotifier(name, self.url, headers=headers, timeout=self.timeout)
+        return WebhookNotifier(name, _url_secrets(self.url), headers=headers, timeout=self.timeout)
 
 
 NotifierConfig = Annotated[

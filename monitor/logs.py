@@ -1,0 +1,75 @@
+"""The collector's log hygiene: secrets redacted, repeated errors bounded.
+
+:func:`install` puts two filters on the root handlers ``serve`` configures:
+
+- :class:`RedactFilter`: every line passes through :func:`trainvitals.wire.redact.redact`
+  (URL passwords, ``?token=`` values) and the secrets the notifiers registered;
+- :class:`RepeatFilter`: the same message (by logger and format string) at most
+  ``burst`` times per ``window`` seconds, then one line saying how many were
+  suppressed. A flood of half-open connections or accept errors ("Too many open
+  files") writes a few lines, not hundreds of MiB.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from trainvitals.alerts.notifiers.base import redact_secrets
+from trainvitals.wire.redact import redact
+
+__all__ = ["RedactFilter", "RepeatFilter", "install"]
+
+
+class RedactFilter(logging.Filter):
+    """Rewrites a record's message with secrets replaced by ``***``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format string: leave it to the handler
+            return True
+        clean = redact_secrets(redact(message))
+        if record.exc_info and record.exc_text is None:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact_secrets(redact(record.exc_text))
+        if clean != message:
+            record.msg, record.args = clean, ()
+        return True
+
+
+class RepeatFilter(logging.Filter):
+    """Lets the same message through at most ``burst`` times per ``window`` seconds."""
+
+    def __init__(self, burst: int = 5, window: float = 60.0) -> None:
+        super().__init__()
+        self.burst, self.window = burst, window
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, str], list] = {}  # key -> [window start, count]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key = (record.name, str(record.msg))
+        now = time.monotonic()
+        with self._lock:
+            slot = self._seen.get(key)
+            if slot is None or now - slot[0] >= self.window:
+                suppressed = slot[1] - self.burst if slot is not None and slot[1] > self.burst else 0
+                self._seen[key] = [now, 1]
+                if len(self._seen) > 10_000:
+                    self._seen.clear()
+                if suppressed:
+                    record.msg = f"{record.msg} (and {suppressed} more like it in the last {self.window:.0f} s)"
+                return True
+            slot[1] += 1
+            return slot[1] <= self.burst
+
+
+def install(burst: int = 5, window: float = 60.0) -> None:
+    """Add the filters to every handler of the root logger (call after basicConfig)."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactFilter())
+        handler.addFilter(RepeatFilter(burst, window))
