@@ -9,12 +9,19 @@ exponential backoff and jitter; a refusal drops the batch. Every report that is
 not delivered, for whatever reason (outbox full, refused, invalid, still queued
 at close), is counted once in :attr:`Sender.dropped` and reported as
 ``client_dropped_reports_total``. Nothing here raises into the training loop.
+
+Each report carries ``sender`` (random, one per Sender) and ``seq`` (its number
+from this sender): the collector applies a retried report once, so a retry after
+a timeout (the collector got it, the answer did not arrive) cannot double it.
+A report in flight when :meth:`close` stops waiting is counted as dropped, and
+taken back off that count if its delivery completes after all.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import secrets
 import threading
 import time
 from collections import deque
@@ -52,6 +59,9 @@ class Sender:
         self.on_report = on_report
         self.dropped = 0
         self.sent = 0
+        self.sender_id = secrets.token_hex(8)
+        self._seq = 0
+        self._closed = False  # close() has counted what was left
         self._pending: deque[PendingReport] = deque()
         self._outbox: deque[bytes] = deque()
         self._outbox_bytes = 0
@@ -101,11 +111,19 @@ class Sender:
             self._cond.notify_all()
         self._thread.join(timeout=max(0.1, min(timeout, 10.0)))
         with self._cond:
-            # Still queued, or in flight when we gave up waiting: not delivered.
-            self.dropped += len(self._pending) + len(self._outbox) + self._busy
+            # Still queued, or in flight when we gave up waiting: not delivered (an
+            # in-flight batch that does arrive later is taken back off, see _run).
+            left = len(self._pending) + len(self._outbox) + self._busy
+            self.dropped += left
             self._pending.clear()
             self._outbox.clear()
-            self._outbox_bytes = self._busy = 0
+            self._outbox_bytes = 0
+            self._closed = True
+        if left:
+            # A warning, unless the sink already warned that the collector is unreachable.
+            level = logging.INFO if getattr(self.sink, "healthy", True) is False else logging.WARNING
+            log.log(level, "trainvitals: %d report(s) not delivered when the monitor closed "
+                    "(counted in client_dropped_reports_total)", left)
         try:
             self.sink.close()
         except Exception as exc:  # noqa: BLE001
@@ -135,6 +153,13 @@ class Sender:
                 self._busy = len(batch)
             outcome = self._deliver(batch)
             with self._cond:
+                if self._closed:  # close() gave up on this batch and counted it as dropped
+                    if outcome == "sent":
+                        self.dropped -= len(batch)
+                        self.sent += len(batch)
+                    self._busy = 0
+                    self._cond.notify_all()
+                    return
                 self._busy = 0
                 if outcome == "sent":
                     self.sent += len(batch)
@@ -154,7 +179,9 @@ class Sender:
         try:
             report = item.materialize()
             dropped = {"name": "client_dropped_reports_total", "labels": {}, "value": float(self.dropped)}
-            validated = Report.model_validate({**report, "samples": [*report["samples"], dropped]})
+            self._seq += 1
+            validated = Report.model_validate({**report, "samples": [*report["samples"], dropped],
+                                               "sender": self.sender_id, "seq": self._seq})
             data = encode_report(validated)
         except Exception as exc:  # never let a bad report kill the thread
             with self._cond:

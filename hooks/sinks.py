@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from trainvitals.wire.body import encode_body
+from trainvitals.wire.redact import redact
 
 __all__ = ["ENV_COLLECTOR", "ENV_TOKEN", "Delivery", "FileSink", "HttpSink", "NullSink", "Sink",
            "make_sink", "parse_sink"]
@@ -93,20 +94,29 @@ class HttpSink:
 
     Connection errors, timeouts and 408/429/5xx are ``retry``; other 4xx mean the
     collector refuses the data (``refused``, the answer's detail logged once per
-    state change)."""
+    state change).
+
+    A slow collector cannot starve it: each timeout doubles the request timeout
+    (up to ``max_timeout`` seconds) and halves the batch (down to one report), so
+    the next try asks for less and waits longer; each success halves the timeout
+    back towards ``timeout`` and doubles the batch back. Retried reports are
+    applied once (the sender numbers them). The URL is logged without its password."""
 
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 5.0,
-                 max_batch_bytes: int = 4 * 1024 * 1024, gzip_min_bytes: int = 2048):
+                 max_batch_bytes: int = 4 * 1024 * 1024, gzip_min_bytes: int = 2048,
+                 max_timeout: float = 120.0):
         self.url = url.rstrip("/") + "/v1/reports"
+        self._shown = redact(self.url)
         self._token = token if token is not None else os.environ.get(ENV_TOKEN)
-        self.timeout = timeout
-        self.max_batch_bytes = max_batch_bytes
+        self.base_timeout = self.timeout = timeout
+        self.max_timeout = max(max_timeout, timeout)
+        self.base_batch_bytes = self.max_batch_bytes = max_batch_bytes
         self.gzip_min_bytes = gzip_min_bytes
         self._client: Any = None
         self._healthy = True
 
     def __repr__(self) -> str:
-        return f"HttpSink({self.url!r})"
+        return f"HttpSink({self._shown!r})"
 
     def _http(self) -> Any:
         if self._client is None:
@@ -116,6 +126,8 @@ class HttpSink:
             if self._token:
                 headers["Authorization"] = f"Bearer {self._token}"
             self._client = httpx.Client(timeout=self.timeout, headers=headers)
+            # httpx logs each request's URL: never with the password in it.
+            logging.getLogger("httpx").addFilter(_REDACT)
         return self._client
 
     def deliver(self, batch: list[bytes]) -> Delivery:
@@ -125,19 +137,39 @@ class HttpSink:
             body = gzip.compress(body, compresslevel=1)
             headers["Content-Encoding"] = "gzip"
         try:
-            resp = self._http().post(self.url, content=body, headers=headers)
+            resp = self._http().post(self.url, content=body, headers=headers, timeout=self.timeout)
         except Exception as exc:  # connection refused, timeout, DNS: all transient
-            self._set_health(False, f"collector {self.url} unreachable ({type(exc).__name__}: {exc})")
+            import httpx
+
+            if isinstance(exc, httpx.TimeoutException):
+                self._slower()
+            self._set_health(False, f"collector {self._shown} unreachable "
+                                    f"({type(exc).__name__}: {redact(str(exc))})")
             return "retry"
         if resp.status_code < 300:
-            self._set_health(True, f"collector {self.url} reachable again")
+            self._faster()
+            self._set_health(True, f"collector {self._shown} reachable again")
             return "sent"
         if resp.status_code in (408, 429) or resp.status_code >= 500:
-            self._set_health(False, f"collector {self.url} answered {resp.status_code}")
+            self._set_health(False, f"collector {self._shown} answered {resp.status_code}")
             return "retry"
         log.warning("trainvitals: collector refused %d report(s) with %d: %s", len(batch), resp.status_code,
-                    resp.text[:500])
+                    redact(resp.text[:500]))
         return "refused"
+
+    @property
+    def healthy(self) -> bool:
+        """False while the collector is unreachable or failing (after one warning)."""
+        return self._healthy
+
+    def _slower(self) -> None:
+        """After a timeout: wait twice as long, send half as much (the collector is slow)."""
+        self.timeout = min(self.timeout * 2, self.max_timeout)
+        self.max_batch_bytes = max(1, self.max_batch_bytes // 2)
+
+    def _faster(self) -> None:
+        self.timeout = max(self.base_timeout, self.timeout / 2)
+        self.max_batch_bytes = min(self.base_batch_bytes, self.max_batch_bytes * 2)
 
     def _set_health(self, healthy: bool, message: str) -> None:
         if healthy != self._healthy:
@@ -151,6 +183,18 @@ class HttpSink:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+class _RedactFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        return True
+
+
+_REDACT = _RedactFilter()
 
 
 class _SubmitSink:
