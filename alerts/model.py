@@ -41,12 +41,14 @@ labels a metric's series carry comes from the wire's metric table
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -210,8 +212,19 @@ def _metric_name(value: str) -> str:
     return value
 
 
+def _known_metric(value: str) -> str:
+    # A rule on a name no report carries would never fire: refuse it at load time.
+    if value not in METRIC_LABELS:
+        close = difflib.get_close_matches(value, list(METRIC_LABELS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown metric {value!r}: no report carries it, so the rule would "
+                         f"never fire{hint} (metrics: docs/metrics.md)")
+    return value
+
+
 MetricName = Annotated[
-    str, BeforeValidator(_metric_name), Field(min_length=1, max_length=128, pattern=_NAME)
+    str, BeforeValidator(_metric_name), Field(min_length=1, max_length=128, pattern=_NAME),
+    AfterValidator(_known_metric),
 ]
 
 
