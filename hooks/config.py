@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 BUILTIN_SIGNALS = ("optimizer", "params", "adam")
 
@@ -62,6 +62,24 @@ class Config:
     cache). The extra peak of an observe call is at most about two chunks plus ~4 MiB
     (measured on [4, 512, 131072] float32 logits: 4.6-14 MiB for a 6.2 MiB chunk)."""
 
+    loss_from_logits: Any = False
+    """Zero-code loss accounting: read every token's loss weight from the gradient that
+    reaches the logits during the job's own backward, with no ``track_loss`` call (plain
+    cross-entropy losses only; others are detected and reported as such, docs/integrations.md).
+    True: find the LM head (``get_output_embeddings()``, else the last linear layer sized
+    like the vocabulary); a name from ``model.named_modules()`` or the module itself
+    names it. Tag micro-batches with ``Monitor.tag_batch(modality=..., segments=...)``."""
+
+    logits_max_positions: int = 256
+    """Positions per micro-batch at which zero-code accounting checks that the logits'
+    gradient is a plain cross-entropy one (a softmax over the vocabulary at each: the
+    cost is linear in it). Weights are read at every position regardless."""
+
+    step_boundary: Literal["pre_step_hook", "manual"] = "pre_step_hook"
+    """When a step's gradients are final: at the optimizer's pre-step hook, or
+    ``"manual"``: when the job calls ``Monitor.gradients_ready()`` (an optimizer stepped
+    with a closure that runs the last backward inside ``step()``, as Lightning does)."""
+
     signals: tuple[str, ...] | None = None
     """Which built-in signals run: any of "optimizer", "params", "adam" (the loss and
     softmax signals start with the first track_loss / observe call). None: all."""
@@ -81,7 +99,8 @@ class Config:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
         for name in ("every", "drift_window", "max_param_series", "update_sample",
-                     "softmax_max_positions", "softmax_chunk_bytes", "queue_bytes"):
+                     "softmax_max_positions", "softmax_chunk_bytes", "queue_bytes",
+                     "logits_max_positions"):
             positive_int(name)
         positive_int("probe_every", allow_none=True)
         if self.loss_reduction not in ("mean", "sum"):
@@ -98,6 +117,13 @@ class Config:
         if not (isinstance(self.flush_timeout, (int, float)) and self.flush_timeout >= 0):
             raise ValueError(f"flush_timeout must be >= 0 seconds, got {self.flush_timeout!r}")
 
+        if not (isinstance(self.loss_from_logits, bool) or (isinstance(self.loss_from_logits, str)
+                                                             and self.loss_from_logits)
+                or hasattr(self.loss_from_logits, "register_forward_hook")):
+            raise ValueError(f"loss_from_logits must be True/False, a module name or a module, "
+                             f"got {self.loss_from_logits!r}")
+        if self.step_boundary not in ("pre_step_hook", "manual"):
+            raise ValueError(f"step_boundary must be 'pre_step_hook' or 'manual', got {self.step_boundary!r}")
         if self.signals is not None:
             self.signals = tuple(self.signals)
             bad = sorted(set(self.signals) - set(BUILTIN_SIGNALS))

@@ -82,6 +82,15 @@ step whose ``optimizer.step`` the job skips is merged into the next one.
 and dropped on the sender thread where the condition is false (a modality without
 samples has no dilution or loss either).
 
+Zero-code accounting (``attach(loss_from_logits=True)``) reads the same weights from
+the gradient at the logits instead of a per-token loss tensor
+(:mod:`~trainvitals.hooks.signals.logits_accounting`): a forward hook on the LM head
+places, on report steps only, a tensor hook on its output; during the backward that
+hook recovers every position's weight, loss and label flag and feeds them to the same
+binning and sums as ``track_loss``. Micro-batches are tagged with
+``Monitor.tag_batch``. When the gradient is not a plain cross-entropy one the step's
+figures are left out and a log line says so.
+
 The binning arithmetic lives in :mod:`~trainvitals.hooks.signals.loss_binning`,
 the argument checks in :mod:`~trainvitals.hooks.signals.loss_arguments`, the
 opt-in parameter-space probe (``attach(probe_every=N)``) in
@@ -99,14 +108,23 @@ import torch
 
 from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.late_warnings import LateWarnings
+from trainvitals.hooks.logits_finder import logits_of
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
+from trainvitals.hooks.signals.logits_accounting import (
+    cross_entropy_residual,
+    recover,
+    residual_tolerance,
+    uniform_tolerance,
+)
 from trainvitals.hooks.signals.loss_arguments import (
     MAX_OBJECTIVES,
     NORMALIZATIONS,
+    _modality_codes,
     check_declarations,
     check_track_loss,
 )
 from trainvitals.hooks.signals.loss_binning import (
+    UNIFORM_RTOL,
     Batch,
     SumsLayout,
     bin_batch,
@@ -158,6 +176,8 @@ class LossAccounting(Signal):
         self._closed = False
         self._objectives: dict[str, int] = {}  # name -> slot in the per-objective sums
         self._indices = IndexCache()
+        self._zero_code = False  # weights read from the logits' gradient (watch_logits)
+        self._tags: tuple[Any, Any] | None = None  # (modality, segments) for the next logits
 
     # -- lifecycle -------------------------------------------------------------
     def bind(self, monitor: MonitorView) -> list[Removable]:
@@ -197,14 +217,13 @@ class LossAccounting(Signal):
               normalization: str | None = None) -> None:
         """Account one micro-batch's per-token losses; see ``Monitor.track_loss``.
         Wrong types, shapes and unknown names raise here; past the checks nothing does."""
+        if self._zero_code:
+            raise ValueError("track_loss: zero-code loss accounting is on (attach(loss_from_logits=...)); "
+                             "it already accounts every token from the logits' gradient, so track_loss "
+                             "would count them twice. Use one or the other")
         rows, cols, codes = check_track_loss(monitor.modalities, per_token, modality, mask, segments, output)
         check_declarations(objective, weight, normalization)
-        slot = self._objectives.get(objective)
-        if slot is None:
-            if len(self._objectives) >= MAX_OBJECTIVES:
-                raise ValueError(f"track_loss: objective {objective!r} would be the {MAX_OBJECTIVES + 1}th; "
-                                 f"at most {MAX_OBJECTIVES} are accounted ({sorted(self._objectives)})")
-            slot = self._objectives[objective] = len(self._objectives)
+        slot = self._slot(objective)
         if self._layout is None:  # created outside Monitor._signal: bind ourselves
             self.bind(monitor)
         if self._closed or self.broken:
@@ -212,6 +231,15 @@ class LossAccounting(Signal):
         with self.guard("track_loss"):
             self._track(monitor, per_token, rows, cols, codes, mask, segments, output, slot, weight,
                         normalization)
+
+    def _slot(self, objective: str) -> int:
+        slot = self._objectives.get(objective)
+        if slot is None:
+            if len(self._objectives) >= MAX_OBJECTIVES:
+                raise ValueError(f"track_loss: objective {objective!r} would be the {MAX_OBJECTIVES + 1}th; "
+                                 f"at most {MAX_OBJECTIVES} are accounted ({sorted(self._objectives)})")
+            slot = self._objectives[objective] = len(self._objectives)
+        return slot
 
     def _track(self, monitor: MonitorView, per_token: torch.Tensor, rows: int, cols: int, codes: Any,
                mask: torch.Tensor | None, segments: torch.Tensor | None, output: torch.Tensor | None,
@@ -231,12 +259,8 @@ class LossAccounting(Signal):
         self._count_nonfinite(loss, label)
         if not step.reporting:
             return
-        assert self._layout is not None
-        if step.sums is None:
-            fdt = float_dtype(loss.device)
-            step.sums = torch.zeros(self._layout.size, dtype=fdt, device=loss.device)
-            step.wmax = torch.full((MAX_OBJECTIVES,), float("-inf"), dtype=fdt, device=loss.device)
-            step.wmin = torch.full((MAX_OBJECTIVES,), float("inf"), dtype=fdt, device=loss.device)
+        self._ensure_sums(step, loss.device)
+        assert self._layout is not None and step.sums is not None
         seg = None if segments is None else segments.detach().reshape(rows, cols).to(loss.device)
         batch = bin_batch(self._layout, step.sums, loss, label, seg, codes, probe=step.probe)
         per_token.register_hook(self._weight_hook(monitor, step, batch, per_token, slot))
@@ -245,7 +269,132 @@ class LossAccounting(Signal):
             lead = per_token.dim() if tuple(output.shape[: per_token.dim()]) == tuple(per_token.shape) else 1
             output.register_hook(self._output_hook(monitor, step, batch, lead))
 
+    # -- zero-code: weights read from the logits' gradient -----------------------
+    def watch_logits(self, monitor: MonitorView, module: torch.nn.Module) -> list[Removable]:
+        """Account every micro-batch from the gradient at ``module``'s output (the
+        logits), objective ``main``; returns the forward hook's handle."""
+        if self._layout is None:
+            self.bind(monitor)
+        self._zero_code = True
+        slot = self._slot("main")
+
+        def forward(mod: Any, args: Any, output: Any) -> None:
+            tags, self._tags = self._tags, None  # one tag per forward, never carried over
+            if self._closed or self.broken or not torch.is_grad_enabled() or not monitor.reporting_next:
+                return
+            logits = logits_of(output)
+            if logits is None or not logits.requires_grad or logits.dim() not in (2, 3):
+                return
+            with self.guard("the logits forward hook"):
+                self._watch(monitor, logits, tags, slot)
+
+        return [module.register_forward_hook(forward)]
+
+    def tag(self, monitor: MonitorView, modality: Any, segments: Any) -> None:
+        """Modality codes and packed-row segment ids of the next logits (checked against
+        their shape when the logits arrive)."""
+        if not self._zero_code:
+            raise ValueError("tag_batch needs zero-code loss accounting: attach(..., loss_from_logits=True); "
+                             "with track_loss pass modality= and segments= to it instead")
+        if modality is not None and not monitor.modalities:
+            raise ValueError("tag_batch: modality tags need modality names: attach(..., modalities=('text', "
+                             "'image')), then pass codes or names per sample")
+        if segments is not None and (not isinstance(segments, torch.Tensor) or segments.is_floating_point()
+                                     or segments.dtype == torch.bool):
+            raise TypeError(f"tag_batch: segments must be an integer tensor of sample ids [B, T], got "
+                            f"{getattr(segments, 'dtype', type(segments).__name__)}")
+        self._tags = (modality, segments)
+
+    def _watch(self, monitor: MonitorView, logits: torch.Tensor, tags: tuple[Any, Any] | None,
+               slot: int) -> None:
+        self._late.poll(monitor)
+        step = self._current(monitor)
+        step.calls[slot] += 1
+        if not step.reporting:
+            return
+        modality, segments = tags if tags is not None else (None, None)
+        shape = tuple(logits.shape[:-1])
+        if len(shape) == 2:
+            rows, cols = shape
+        else:
+            rows, cols = (1, shape[0]) if segments is not None else (shape[0], 1)
+        positions = logits.detach()[..., 0]  # a view: the positions' shape and device
+        if modality is None:
+            if monitor.modalities:
+                monitor.warn_once("logits_untagged",
+                                  "loss_from_logits: modalities are declared but a micro-batch came without "
+                                  "a modality tag (Monitor.tag_batch, or the callback's modality field); its "
+                                  "tokens count toward the totals only")
+            codes: Any = -1
+        else:
+            try:
+                codes = _modality_codes(monitor.modalities, modality, positions, rows, cols)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(str(exc).replace("track_loss", "tag_batch")) from None
+        seg = None
+        if segments is not None:
+            if tuple(segments.shape) != shape:
+                raise ValueError(f"tag_batch: segments have shape {tuple(segments.shape)}, the logits' "
+                                 f"positions {shape}")
+            seg = segments.detach().reshape(rows, cols).to(logits.device, non_blocking=True)
+        self._ensure_sums(step, logits.device)
+        logits.register_hook(self._logits_hook(monitor, step, logits.detach(), codes, seg, slot,
+                                               rows, cols))
+
+    def _logits_hook(self, monitor: MonitorView, step: _Step, logits: torch.Tensor, codes: Any,
+                     seg: torch.Tensor | None, slot: int, rows: int, cols: int) -> Any:
+        # ``logits`` is detached: the hook holds the values, never the autograd graph.
+        layout = self._layout
+        assert layout is not None
+        config = monitor.config
+        m = len(monitor.modalities)
+
+        def weights(grad: torch.Tensor) -> None:
+            step.fired += 1
+            assert step.sums is not None
+            fdt = step.sums.dtype
+            vocab = grad.shape[-1]
+            g = grad.detach().reshape(-1, vocab)
+            z = logits.reshape(-1, vocab)
+            rec = recover(g, z, fdt)
+            residual, scale = cross_entropy_residual(
+                g, z, rec, cap=config.logits_max_positions, period=cols,
+                chunk_bytes=config.softmax_chunk_bytes)
+            step.sums[layout.not_ce].add_((residual > scale * residual_tolerance(grad.dtype)).to(fdt))
+            inv = self._inv_scale(monitor, grad.device, fdt)
+            w = rec.weight if inv is None else rec.weight * inv
+            loss, label = rec.loss.view(rows, cols), rec.label.view(rows, cols)
+            self._count_nonfinite(loss, label)
+            batch = bin_batch(layout, step.sums, loss, label, seg, codes, probe=False, count_unknown=m > 0)
+            self._add_weights(step, slot, *weight_sums(layout, batch, w,
+                                                       uniform_tolerance(grad.dtype, UNIFORM_RTOL)))
+            if m:
+                step.outputs += 1
+                step.sums[layout.output].add_(output_sums(layout, batch, g, 1, inv))
+
+        return self._hook("the logits hook", weights)
+
     # -- per-step state ---------------------------------------------------------
+    def _ensure_sums(self, step: _Step, device: torch.device) -> None:
+        if step.sums is None:
+            assert self._layout is not None
+            fdt = float_dtype(device)
+            step.sums = torch.zeros(self._layout.size, dtype=fdt, device=device)
+            step.wmax = torch.full((MAX_OBJECTIVES,), float("-inf"), dtype=fdt, device=device)
+            step.wmin = torch.full((MAX_OBJECTIVES,), float("inf"), dtype=fdt, device=device)
+
+    def _add_weights(self, step: _Step, slot: int, block: torch.Tensor, mass: torch.Tensor,
+                     nonuniform: torch.Tensor, wmax: torch.Tensor, wmin: torch.Tensor) -> None:
+        layout = self._layout
+        assert layout is not None and step.sums is not None
+        assert step.wmax is not None and step.wmin is not None
+        step.sums[layout.common].add_(block)
+        step.sums[layout.mass.start + slot].add_(mass)
+        step.sums[layout.nonuniform.start + slot].add_(nonuniform)
+        top, bottom = step.wmax[slot : slot + 1], step.wmin[slot : slot + 1]
+        torch.maximum(top, wmax, out=top)
+        torch.minimum(bottom, wmin, out=bottom)
+
     def _current(self, monitor: MonitorView) -> _Step:
         # The scaler replaces its per-optimizer state in update(): a new object with
         # the optimizer step count unchanged means the scaler skipped the step.
@@ -309,14 +458,7 @@ class LossAccounting(Signal):
             inv = self._inv_scale(monitor, grad.device, b.fdt)
             if inv is not None:
                 w = w * inv
-            block, mass, nonuniform, wmax, wmin = weight_sums(layout, b, w)
-            assert step.sums is not None and step.wmax is not None and step.wmin is not None
-            step.sums[layout.common].add_(block)
-            step.sums[layout.mass.start + slot].add_(mass)
-            step.sums[layout.nonuniform.start + slot].add_(nonuniform)
-            top, bottom = step.wmax[slot : slot + 1], step.wmin[slot : slot + 1]
-            torch.maximum(top, wmax, out=top)
-            torch.minimum(bottom, wmin, out=bottom)
+            self._add_weights(step, slot, *weight_sums(layout, b, w))
             source = per_token_ref()
             if step.probe and self._probe is not None and source is not None and b.probe_masks is not None:
                 self._probing = True
@@ -374,6 +516,14 @@ class LossAccounting(Signal):
                        f"%d label token(s) carry a modality code outside 0..{lay.bins - 2} "
                        f"(attach(modalities={list(monitor.modalities)})); they count toward totals only",
                        sums[lay.unknown])
+        if self._zero_code:
+            self._late.add("loss_not_cross_entropy",
+                           "loss_from_logits: %d micro-batch(es) of a reported step had a logits gradient that "
+                           "is not a plain cross-entropy one (label smoothing, a distillation or z-loss term on "
+                           "the same logits, logit soft-capping after the hooked module); their token weights "
+                           "cannot be read from it, so that step's loss-accounting figures are left out. Use "
+                           "track_loss with the per-token cross-entropy (docs/integrations.md)",
+                           sums[lay.not_ce])
         if self._nonfinite is not None:
             self._late.add("loss_nonfinite", "%d micro-batch(es) had a non-finite per-token loss on a "
                            "label token", self._nonfinite)
@@ -394,6 +544,10 @@ class LossAccounting(Signal):
         mod_labels = [{"modality": n} for n in names]
         if self._nonfinite is not None or monitor.world_size > 1:
             ctx.emit("nonfinite_total", sums[lay.nonfinite], {"what": "loss"})
+        if self._zero_code:
+            # Weights read from a gradient that is not a plain cross-entropy one are wrong:
+            # say so (collect's log line) and leave the step's figures out.
+            ctx = _Gated(ctx, (sums[lay.not_ce] == 0).to(sums.dtype))  # type: ignore[assignment]
         calls = step.calls if step is not None else [0] * MAX_OBJECTIVES
         ctx.emit("microbatches", self._indices.get([float(max(calls))], ctx.device, sums.dtype)[0])
         samples, tokens = sums[lay.samples], sums[lay.tokens]
@@ -498,3 +652,22 @@ class LossAccounting(Signal):
         if declared == "sample":  # per-sample weighting declared: unequal token weights are the intent
             spread_ok = torch.zeros_like(spread_ok)
         ctx.emit("token_weight_spread_ratio", top / bottom, labels, present=spread_ok.float())
+
+
+class _Gated:
+    """A StepContext whose samples are present only where ``ok`` > 0 (a 0-d tensor)."""
+
+    def __init__(self, ctx: StepContext, ok: torch.Tensor) -> None:
+        self._ctx = ctx
+        self._ok = ok.reshape(())
+        self.device = ctx.device
+        self.step = ctx.step
+
+    def emit(self, name: str, values: torch.Tensor, labels: Any = None, *,
+             present: torch.Tensor | None = None) -> None:
+        n = values.numel()
+        gate = self._ok.expand(n) if present is None else present.reshape(-1).to(self._ok.dtype) * self._ok
+        self._ctx.emit(name, values, labels, present=gate)
+
+    def event(self, *args: Any, **kwargs: Any) -> None:
+        self._ctx.event(*args, **kwargs)

@@ -55,7 +55,10 @@ class SumsLayout:
         self.nonuniform = slice(o0 + objectives, o0 + 2 * objectives)
         # written by the output hook
         self.output = slice(o0 + 2 * objectives, o0 + 2 * objectives + b)
-        self.nonfinite = o0 + 2 * objectives + b  # the cumulative counter rides along in reports
+        # zero-code accounting: micro-batches whose logits gradient is not a plain
+        # cross-entropy one (their weights cannot be read from it)
+        self.not_ce = o0 + 2 * objectives + b
+        self.nonfinite = self.not_ce + 1  # the cumulative counter rides along in reports
         self.size = self.nonfinite + 1
 
 
@@ -86,9 +89,11 @@ class Batch:
 
 
 def bin_batch(layout: SumsLayout, sums: torch.Tensor, loss: torch.Tensor, label: torch.Tensor | None,
-              seg: torch.Tensor | None, codes: Any, *, probe: bool) -> Batch:
+              seg: torch.Tensor | None, codes: Any, *, probe: bool, count_unknown: bool = True) -> Batch:
     """Samples and modality bins of one micro-batch ``loss`` [R, C]; adds its sample,
-    token and loss sums (and the mixed / unknown counts) into ``sums``."""
+    token and loss sums (and the mixed / unknown counts) into ``sums``. With
+    ``count_unknown=False`` codes outside the declared modalities are not counted as
+    unknown (untagged zero-code micro-batches: they count toward the totals only)."""
     m = layout.bins - 1
     rows, cols = loss.shape
     dev = loss.device
@@ -125,6 +130,8 @@ def bin_batch(layout: SumsLayout, sums: torch.Tensor, loss: torch.Tensor, label:
         s_bin = hi.clamp(0, m)
         mixed = (has & (hi != lo)).sum().to(fdt)
         unknown = (lab & (tok_code == m)).sum().to(fdt)
+    if not count_unknown:
+        unknown = torch.zeros((), dtype=fdt, device=dev)
     s_bin = torch.where(has, s_bin, m)
     tok_bin = s_bin[sid]
     # Every position's code, label token or not: a declared modality that marks positions
@@ -148,12 +155,13 @@ def bin_batch(layout: SumsLayout, sums: torch.Tensor, loss: torch.Tensor, label:
     return batch
 
 
-def weight_sums(layout: SumsLayout, b: Batch, w: torch.Tensor
+def weight_sums(layout: SumsLayout, b: Batch, w: torch.Tensor, rtol: float = UNIFORM_RTOL
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the token weights ``w`` [N] (``dL/dl``, unscaled) of one micro-batch of one
     objective: its common block of the sums (weight per bin, the exponent fit's
     sufficient statistics), its weight mass, whether its token weights are
-    non-uniform, and its largest and smallest label-token weight."""
+    non-uniform (beyond ``rtol``: weights read from a bfloat16 gradient need more
+    than float rounding), and its largest and smallest label-token weight."""
     fdt, dev = b.fdt, w.device
     lab = b.lab
     w = torch.where(lab, w, 0.0)
@@ -165,7 +173,7 @@ def weight_sums(layout: SumsLayout, b: Batch, w: torch.Tensor
     # Token-weight uniformity within the micro-batch, and its extremes (I3).
     wmax = torch.where(lab, w, float("-inf")).amax().reshape(1)
     wmin = torch.where(lab, w, float("inf")).amin().reshape(1)
-    uniform = (wmin > 0) & (wmax <= wmin * (1 + UNIFORM_RTOL))
+    uniform = (wmin > 0) & (wmax <= wmin * (1 + rtol))
     per_bin = torch.zeros(layout.bins, dtype=fdt, device=dev).index_add_(0, b.s_bin, w_s)
     block = torch.cat([per_bin, torch.stack([ok.to(fdt), x, y, x * x, x * y]).sum(1)])
     return block, per_bin.sum(), (torch.isfinite(wmin) & ~uniform).to(fdt).reshape(()), wmax, wmin
