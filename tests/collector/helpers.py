@@ -1,0 +1,70 @@
+"""Small helpers of the collector-hardening tests: a recording webhook, promtool, bodies."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+PROMTOOL = shutil.which("promtool")
+
+
+def body(*reports: dict[str, Any]) -> bytes:
+    return json.dumps({"schema": 1, "reports": list(reports)}).encode()
+
+
+def report(run: str = "r1", step: int = 1, samples: list | None = None, **extra: Any) -> dict[str, Any]:
+    if samples is None:
+        samples = [{"name": "loss", "labels": {"modality": "text"}, "value": 2.5}]
+    return {"run": run, "step": step, "time": 1_764_400_000.0, "samples": samples, **extra}
+
+
+def promtool_clean(text: bytes) -> None:
+    """Fail unless ``promtool check metrics`` takes the exposition without a word."""
+    assert PROMTOOL is not None, "promtool is not installed (apt-get install prometheus)"
+    proc = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, timeout=30)
+    assert (proc.returncode, proc.stdout + proc.stderr) == (0, b""), (proc.stdout + proc.stderr).decode()
+
+
+class Recorder:
+    """A local webhook receiver: keeps every JSON body POSTed to it (PagerDuty/Slack stand-in)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[Any] = []
+        self.paths: list[str] = []
+        self.lock = threading.Lock()
+        rec = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with rec.lock:
+                    rec.bodies.append(json.loads(raw))
+                    rec.paths.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Recorder:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def alerts(self) -> list[tuple[str, str, dict]]:
+        """(status, alertname, labels) of every alert received, in order."""
+        with self.lock:
+            return [(a["status"], a["labels"]["alertname"], a["labels"])
+                    for b in self.bodies for a in b["alerts"]]

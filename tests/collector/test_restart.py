@@ -1,0 +1,161 @@
+"""Issue items 4-5: idempotent ingest, a slow collector, and a SIGKILL + restart of
+``trainvitals serve`` with its SQLite state (a recording webhook sees the sequence)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import torch
+
+from tests.collector.helpers import Recorder, body, report
+from tests.support import free_port, wait_until
+from trainvitals.hooks.pack import pack
+from trainvitals.hooks.sender import Sender
+from trainvitals.hooks.sinks import HttpSink
+from trainvitals.hooks.step import StepContext
+from trainvitals.monitor.app import create_app
+from trainvitals.monitor.server import serve_in_thread
+from trainvitals.monitor.settings import Settings
+
+JSON = {"Content-Type": "application/json"}
+
+RULES = """\
+- alert: LossHigh
+  metric: modality_loss
+  above: 10
+  clear: 5
+  severity: page
+  summary: "loss {value:.0f} on {modality} in {run}"
+"""
+
+
+def test_a_retried_body_is_applied_once_and_the_answer_names_the_duplicates():
+    event = {"kind": "optimizer_state_reset", "detail": "test"}
+    one = report("idem", 5, events=[event], sender="s1", seq=7)
+    with serve_in_thread(create_app(Settings())) as url, httpx.Client(base_url=url) as c:
+        first = c.post("/v1/reports", content=body(one), headers=JSON).json()
+        again = c.post("/v1/reports", content=body(one, {**one, "seq": 8}), headers=JSON).json()
+        [alert] = [a for a in c.get("/v1/alerts").json() if a["alertname"] == "OptimizerStateReset"]
+        text = c.get("/metrics").text
+    assert first == {"accepted": 1, "duplicates": []}
+    assert again == {"accepted": 1, "duplicates": [0]}
+    assert alert["value"] == 2  # seq 7 once, seq 8 once: not three events
+    assert 'trainvitals_collector_reports_total{outcome="duplicate"} 1.0' in text
+
+
+class _Slow:
+    """ASGI middleware: every ingest answers only after ``delay`` seconds (the work is done)."""
+
+    def __init__(self, app, delay: float) -> None:
+        self.app, self.delay = app, delay
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/reports":
+            return await self.app(scope, receive, send)
+        import asyncio
+
+        held = []
+
+        async def later(message):
+            held.append(message)
+
+        await self.app(scope, receive, later)
+        await asyncio.sleep(self.delay)
+        for m in held:
+            await send(m)
+
+
+def test_a_collector_answering_in_5s_still_receives_every_report_once():
+    """The client's timeout is 5 s: it used to time out for ever, resending growing batches."""
+    app = create_app(Settings())
+    with serve_in_thread(_Slow(app, 5.0), settings=app.state.settings) as url:
+        sender = Sender(HttpSink(url), backoff=(0.05, 0.5))
+        for step in range(1, 41):
+            sender.put(pack(StepContext(step=step, device=torch.device("cpu")), run="slow", rank=0))
+            time.sleep(0.05)
+        assert sender.flush(90), "not everything delivered within 90 s"
+        sender.close(1)
+        counts = app.state.reports.values()
+    assert sender.dropped == 0 and sender.sent == 40
+    assert counts["accepted"] == 40  # each report applied once, retries recognised
+    assert app.state.store.runs()[0].step == 40
+
+
+def _serve(config, port: int, log) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", "from trainvitals.monitor.cli import main; main()", "serve", "--config", str(config),
+                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, "the collector exited"
+        try:
+            return httpx.get(url + "/readyz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(ready, 60, "collector ready")
+    return proc
+
+
+def test_sigkill_and_restart_resolve_a_cleared_alert_once_and_do_not_repage(tmp_path):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(RULES)
+    with Recorder() as hook:
+        config = tmp_path / "collector.yaml"
+        config.write_text(f"state_path: {tmp_path / 'state.sqlite3'}\nrules: [{rules}]\n"
+                          f"notifiers: [{{type: webhook, url: '{hook.url}'}}]\n"
+                          "alerts: {tick_interval: 0.2}\n")
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+
+        def send(step: int, image: float, text: float) -> None:
+            samples = [{"name": "modality_loss", "labels": {"modality": "image"}, "value": image},
+                       {"name": "modality_loss", "labels": {"modality": "text"}, "value": text}]
+            r = httpx.post(url + "/v1/reports", content=body(report("job", step, samples)), headers=JSON)
+            assert r.status_code == 202, r.text
+
+        with open(tmp_path / "serve.log", "wb") as log:
+            proc = _serve(config, port, log)
+            send(1, 50.0, 40.0)
+            wait_until(lambda: len(hook.alerts()) == 2, 20, "two pages")
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            proc = _serve(config, port, log)
+            try:
+                send(2, 1.0, 45.0)  # image cleared, text still high
+                wait_until(lambda: len(hook.alerts()) == 3, 20, "the resolve")
+                time.sleep(2)  # ten ticks: anything else owed would have gone out
+                alerts = httpx.get(url + "/v1/alerts").json()
+            finally:
+                proc.terminate()
+                proc.wait(10)
+    got = [(status, labels["modality"]) for status, _, labels in hook.alerts()]
+    assert sorted(got[:2]) == [("firing", "image"), ("firing", "text")]
+    assert got[2:] == [("resolved", "image")]
+    [resolved] = [a for b in hook.bodies for a in b["alerts"] if a["status"] == "resolved"]
+    assert resolved["annotations"]["summary"] == "loss 50 on image in job"  # the value it fired with
+    assert {(a["labels"]["modality"], a["state"]) for a in alerts} == {("image", "resolved"), ("text", "firing")}
+
+
+def test_a_run_silent_across_a_restart_gets_run_silent(tmp_path):
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("- alert: RunSilent\n  silent_for: 1s\n  severity: warning\n  summary: '{run}'\n")
+    settings = Settings(state_path=tmp_path / "s.sqlite3", rules=[str(rules)],
+                        alerts={"tick_interval": 0.1})
+    app = create_app(settings)
+    with serve_in_thread(app) as url:
+        httpx.post(url + "/v1/reports", content=body(report("died", 9)), headers=JSON)
+        ended = report("done", 9, events=[{"kind": "run_end"}])
+        httpx.post(url + "/v1/reports", content=body(ended), headers=JSON)
+    app = create_app(settings)
+    with serve_in_thread(app) as url:
+        runs = {r["run"]: r for r in httpx.get(url + "/v1/runs").json()}
+        firing = wait_until(lambda: [a for a in httpx.get(url + "/v1/alerts").json() if a["state"] == "firing"],
+                            10, "RunSilent")
+    assert runs["died"]["step"] == 9 and runs["done"]["ended"] is True
+    assert [(a["alertname"], a["labels"]["run"]) for a in firing] == [("RunSilent", "died")]
