@@ -311,13 +311,17 @@ class Engine:
             verdict = _BAD if value > rule.above else (_CLEAR if value <= rule.clear_at else _BAND)
         else:
             verdict = _BAD if value < rule.below else (_CLEAR if value >= rule.clear_at else _BAND)  # type: ignore[operator]
+        inst = self._instances.get(key)
         if c.conditions and verdict != _UNKNOWN:
+            if inst is None and not self._latest.seen_all(c.conditions, run, rank):
+                # No state, and a condition's metric not reported yet: the conditions cannot
+                # all hold, so nothing can start (the cheap path of a healthy run).
+                return None
             holds = self._latest.verdict(c.conditions, run, rank, labels)
             if holds is False:  # a condition clearly false counts as cleared
                 verdict = _CLEAR
             elif holds is None and verdict == _BAD:
                 verdict = _UNKNOWN
-        inst = self._instances.get(key)
         if verdict == _UNKNOWN or (inst is None and verdict != _BAD):
             if inst is not None and value is not None and value == value:
                 inst.value = value

@@ -31,10 +31,12 @@ SAMPLES_PER_REPORT = 2000
 SERVER = """
 import sys, uvicorn
 from trainvitals.monitor.app import create_app, tune_gc
+from trainvitals.monitor.server import uvicorn_config
 from trainvitals.monitor.settings import Settings
-app = create_app(Settings())
+settings = Settings(port=int(sys.argv[1]), log_level="warning")
+app = create_app(settings)
 tune_gc()
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", workers=1)
+uvicorn.Server(uvicorn_config(app, settings)).run()
 """
 _PARAM_METRICS = (
     "param_min",
@@ -100,7 +102,7 @@ def start_server(cpu: int | None) -> tuple[subprocess.Popen, str]:
 
 def ingest_rate(
     url: str, pid: int, reports_per_body: int, seconds: float, threads: int, gz: bool = False
-) -> None:
+) -> float:
     bodies = [
         body([report(f"bench-{t}-{k}", step) for k in range(reports_per_body)])
         for t in range(threads)
@@ -144,9 +146,10 @@ def ingest_rate(
         f"{samples / wall:,.0f} samples/s wall, {samples / cpu:,.0f} samples per server CPU-second "
         f"(server CPU {100 * cpu / wall:.0f}% of one core)"
     )
+    return samples / cpu
 
 
-def scrape_time(url: str, n_series: int, repeats: int) -> None:
+def scrape_time(url: str, n_series: int, repeats: int) -> float:
     runs = n_series // SAMPLES_PER_REPORT
     with httpx.Client(base_url=url, headers={"Content-Type": "application/json"}, timeout=120) as c:
         for k in range(runs):
@@ -168,29 +171,39 @@ def scrape_time(url: str, n_series: int, repeats: int) -> None:
         f"median {statistics.median(times):.3f} s, min {min(times):.3f} s; "
         f"gzipped median {statistics.median(gz):.3f} s"
     )
+    return statistics.median(times)
 
 
-def in_process_breakdown() -> None:
+def in_process_breakdown() -> dict[str, float]:
+    from trainvitals.alerts import AlertService
+    from trainvitals.monitor.decode import decode_batch
     from trainvitals.monitor.store import SeriesStore
-    from trainvitals.wire import ReportBatch
 
     raw = body([report("breakdown", 1)])
     store = SeriesStore()
-    batch = ReportBatch.model_validate_json(raw)
+    batch = decode_batch(raw)
     store.ingest(batch)
+    alerts = AlertService.from_config("default")
+    alerts.observe_batch(batch)
     n = 30
     t0 = time.perf_counter()
     for _ in range(n):
-        ReportBatch.model_validate_json(raw)
+        decode_batch(raw)
     t1 = time.perf_counter()
     for _ in range(n):
         store.ingest(batch)
     t2 = time.perf_counter()
+    for _ in range(n):
+        alerts.observe_batch(batch)
+    t3 = time.perf_counter()
     per = n * SAMPLES_PER_REPORT
+    out = {"decode_us": 1e6 * (t1 - t0) / per, "store_us": 1e6 * (t2 - t1) / per,
+           "rules_us": 1e6 * (t3 - t2) / per}
     print(
-        f"in process, per sample: wire validation {1e6 * (t1 - t0) / per:.2f} us, "
-        f"store ingest {1e6 * (t2 - t1) / per:.2f} us"
+        f"in process, per sample: wire decode+validation {out['decode_us']:.2f} us, "
+        f"store ingest {out['store_us']:.2f} us, default rules {out['rules_us']:.2f} us"
     )
+    return out
 
 
 def main() -> None:
@@ -198,6 +211,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0, help="measuring time per ingest case")
     ap.add_argument("--series", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=3, help="ingest measurements per case (median taken)")
     args = ap.parse_args()
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -205,21 +219,32 @@ def main() -> None:
     if server_cpu is not None:
         os.sched_setaffinity(0, set(cpus[1:]))
     print(f"{len(cpus)} CPUs; server pinned to {server_cpu}; load average {os.getloadavg()}")
-    in_process_breakdown()
+    parts = in_process_breakdown()
+    cases = {"plain": (1, False), "gzip": (1, True), "4_reports": (4, False)}
+    rates: dict[str, list[float]] = {k: [] for k in cases}
     proc, url = start_server(server_cpu)
     try:
-        ingest_rate(url, proc.pid, 1, args.seconds, threads=2)
-        ingest_rate(url, proc.pid, 1, args.seconds, threads=2, gz=True)
-        ingest_rate(url, proc.pid, 4, args.seconds, threads=2)
+        for _ in range(args.runs):
+            for name, (per_body, gz) in cases.items():
+                rates[name].append(ingest_rate(url, proc.pid, per_body, args.seconds, threads=2, gz=gz))
     finally:
         proc.terminate()
         proc.wait(30)
     proc, url = start_server(server_cpu)
     try:
-        scrape_time(url, args.series, args.repeats)
+        scrape = scrape_time(url, args.series, args.repeats)
     finally:
         proc.terminate()
         proc.wait(30)
+    medians = {k: statistics.median(v) for k, v in rates.items()}
+    print()
+    print("| case (2,000 samples per report, default rules) | samples per server CPU-second (median) |")
+    print("|---|---|")
+    for name, value in medians.items():
+        print(f"| {name} | {value:,.0f} |")
+    print()
+    print(" ".join([f"{k}_samples_per_cpu_s={v:.0f}" for k, v in medians.items()]
+                   + [f"{k}={v:.3f}" for k, v in parts.items()] + [f"scrape_s={scrape:.3f}"]))
 
 
 if __name__ == "__main__":
