@@ -1,0 +1,67 @@
+"""What the Trainer and Lightning callbacks share: run names, state files, batch tags."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["STATE_FILE", "batch_value", "run_name", "segments_from_positions", "state_file", "torch_optimizer"]
+
+STATE_FILE = "trainvitals-rank{rank}.pt"
+"""The monitor's state in a checkpoint folder, one file per rank (Monitor.state_dict())."""
+
+_BAD = re.compile(r"[^A-Za-z0-9_.:\-/]+")
+
+
+def run_name(*candidates: Any, default: str) -> str:
+    """The first non-empty candidate made into a valid run name (characters outside
+    letters, digits and ``_ . : - /`` become ``_``; at most 128), else ``default``."""
+    for c in candidates:
+        if c is None:
+            continue
+        name = _BAD.sub("_", str(c)).strip("/")[-128:]
+        if name:
+            return name
+    return default
+
+
+def state_file(folder: str, rank: int) -> str:
+    import os
+
+    return os.path.join(folder, STATE_FILE.format(rank=rank))
+
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside wrappers (accelerate's AcceleratedOptimizer,
+    Lightning's LightningOptimizer): the one whose ``step`` runs the hooks."""
+    seen = set()
+    while id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            optimizer = inner
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"trainvitals: cannot find the torch optimizer inside {type(optimizer).__name__}")
+    return optimizer
+
+
+def segments_from_positions(position_ids: Any) -> torch.Tensor | None:
+    """Sample ids of packed rows from their position ids [B, T] (each sample restarts
+    at 0, as DataCollatorWithFlattening makes them); None for other shapes."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
+        return None
+    return (position_ids == 0).cumsum(dim=1)
+
+
+def batch_value(batch: Any, field: str | Callable[[Any], Any] | None) -> Any:
+    """``field`` of a batch: a key of a dict-like batch, an attribute, or a callable's result."""
+    if field is None:
+        return None
+    if callable(field):
+        return field(batch)
+    if isinstance(batch, Mapping):
+        return batch.get(field)
+    return getattr(batch, field, None)

@@ -1,0 +1,135 @@
+"""Hugging Face Trainer integration: ``Trainer(callbacks=[TrainvitalsCallback()])``.
+
+The callback attaches a :class:`~trainvitals.hooks.Monitor` to the Trainer's model
+and optimizer when training begins, with zero-code loss accounting (every token's
+loss weight read from the gradient at the LM head's output: no change to the loss,
+docs/integrations.md), and closes it when training ends. Gradient accumulation needs
+nothing: a step is an optimizer step. The monitor's state is saved into each
+checkpoint folder and restored when training resumes from one. Under DDP every rank
+attaches; rank 0 sends.
+
+Modality tags come from a batch field (``modality_field``), removed from the inputs
+before the model's forward; keep it through the Trainer's column pruning with
+``TrainingArguments(label_names=["labels", "modality"])`` (or
+``remove_unused_columns=False``). Packed rows (``DataCollatorWithFlattening``) are
+split into their samples by their ``position_ids``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from trainvitals.hooks.attach import attach
+from trainvitals.hooks.integration_support import (
+    run_name,
+    segments_from_positions,
+    state_file,
+    torch_optimizer,
+)
+from trainvitals.hooks.monitor import Monitor
+from trainvitals.hooks.naming import unwrap
+
+__all__ = ["TrainvitalsCallback"]
+
+log = logging.getLogger("trainvitals")
+
+
+class TrainvitalsCallback(TrainerCallback):
+    """Training-health monitoring for a ``transformers.Trainer``.
+
+    ``run``: the run name (default: ``args.run_name``, else the output folder's
+    name). ``collector``: a collector URL (default: ``$TRAINVITALS_COLLECTOR``, else a
+    JSONL file ``./trainvitals-<run>.jsonl``); or ``sink=``. ``every``: report every N
+    optimizer steps. ``modalities``: names of the integer codes found in the batch
+    field ``modality_field`` (one per sample [B], or per token [B, T]).
+    ``loss_from_logits``: zero-code loss accounting (True: find the LM head; a module
+    name; False: off). Other keywords go to :func:`~trainvitals.hooks.attach` (e.g.
+    ``rules="default"``, ``loss_normalization="token"``). ``monitor`` is the attached
+    :class:`~trainvitals.hooks.Monitor` while training runs.
+    """
+
+    def __init__(self, run: str | None = None, collector: str | None = None, every: int = 10, *,
+                 modalities: Sequence[str] = (), modality_field: str | None = None,
+                 loss_from_logits: Any = True, **options: Any) -> None:
+        if modality_field is not None and not modalities:
+            raise ValueError("TrainvitalsCallback: modality_field needs modalities=('text', 'image', ...), "
+                             "the names of its integer codes")
+        self.run = run
+        self.collector = collector
+        self.every = every
+        self.modalities = tuple(modalities)
+        self.modality_field = modality_field
+        self.loss_from_logits = loss_from_logits
+        self.options = options
+        self.monitor: Monitor | None = None
+        self._pre_hook: Any = None
+
+    # -- Trainer events ---------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       **kwargs: Any) -> None:
+        self._close()  # a second train() on the same Trainer
+        if model is None or optimizer is None:
+            raise ValueError("TrainvitalsCallback: the Trainer passed no model or optimizer to on_train_begin")
+        name = run_name(self.run, args.run_name, os.path.basename(os.path.normpath(str(args.output_dir))),
+                        default="hf-trainer")
+        opts = dict(self.options)
+        if self.loss_from_logits:
+            opts["loss_from_logits"] = self.loss_from_logits
+        self.monitor = attach(model, torch_optimizer(optimizer), run=name, collector=self.collector,
+                              every=self.every, modalities=self.modalities,
+                              scaler=getattr(optimizer, "scaler", None), **opts)
+        if self.loss_from_logits:
+            self._pre_hook = unwrap(model).register_forward_pre_hook(self._tag_inputs, with_kwargs=True)
+        if state.global_step > 0:
+            self._restore(args, state)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.monitor is None:
+            return
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            torch.save(self.monitor.state_dict(), state_file(folder, self.monitor.rank))
+        except OSError as exc:
+            log.warning("trainvitals: could not save the monitor's state into %s: %s", folder, exc)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._close()
+
+    # -- internals -----------------------------------------------------------------------
+    def _tag_inputs(self, module: Any, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+        monitor = self.monitor
+        if monitor is None:
+            return None
+        modality = None
+        if self.modality_field is not None and self.modality_field in kwargs:
+            kwargs = dict(kwargs)
+            modality = kwargs.pop(self.modality_field)  # never reaches the model's forward
+        segments = segments_from_positions(kwargs.get("position_ids"))
+        if modality is not None or segments is not None:
+            monitor.tag_batch(modality=modality, segments=segments)
+        return args, kwargs
+
+    def _restore(self, args: Any, state: Any) -> None:
+        assert self.monitor is not None
+        path = state_file(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), self.monitor.rank)
+        if not os.path.isfile(path):
+            log.warning("trainvitals: resuming at step %d without the monitor's state (%s not found): step "
+                        "numbers continue from the Trainer's, drift references start afresh",
+                        state.global_step, path)
+            self.monitor.step = state.global_step
+            return
+        self.monitor.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+
+    def _close(self) -> None:
+        if self._pre_hook is not None:
+            self._pre_hook.remove()
+            self._pre_hook = None
+        if self.monitor is not None:
+            self.monitor.close()  # kept: its latest report stays readable after training

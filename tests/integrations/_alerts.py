@@ -1,0 +1,30 @@
+"""Reports a run wrote (JSONL, the default sink) read back and judged by the default rules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trainvitals.alerts import Engine, resolve_rules
+from trainvitals.wire.schema import Report
+
+
+def read_reports(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def figures(reports: list[dict], name: str, **labels: str) -> dict[int, float]:
+    """Step -> value of one series over the reports."""
+    return {r["step"]: s["value"] for r in reports for s in r.get("samples", [])
+            if s["name"] == name and s["labels"] == labels}
+
+
+def firing(reports: list[dict]) -> set[str]:
+    """Names of the default rules firing after every report was evaluated in order."""
+    engine = Engine(resolve_rules("default"))
+    for i, r in enumerate(reports):
+        engine.observe(Report.model_validate(r), now=1000.0 + i)
+    return {a.rule.alert for a in engine.firing()}
+
+
+LOSS_RULES = {"MeanOfMeansLoss", "LossNotAccumNormalized", "LossWeightMassLow", "GradientDilution"}
