@@ -46,7 +46,8 @@ class Config:
     """Cap on parameters reported individually (1D and, with per_param, 2D)."""
 
     update_sample: int = 4096
-    """Elements per tensor sampled (strided) for update_ratio; exact below this size."""
+    """Elements per tensor sampled for update_ratio and the Adam ratios (evenly spaced runs of
+    16 contiguous elements); exact below this size."""
 
     softmax_target: float = 0.7
     """Mean top-1 probability the recommended temperature aims for (q(1-q) = 0.21)."""

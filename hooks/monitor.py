@@ -31,7 +31,7 @@ from trainvitals.hooks.sender import Sender
 from trainvitals.hooks.signals.base import Removable, Signal
 from trainvitals.hooks.sinks import Sink
 from trainvitals.hooks.step import StepContext
-from trainvitals.hooks.tensors import is_sharded, local, real, stack_on
+from trainvitals.hooks.tensors import foreach_norm32, is_sharded, local, real, stack_on
 from trainvitals.wire.schema import RUN_END_EVENT
 
 __all__ = ["STATE_FORMAT", "Monitor"]
@@ -112,7 +112,7 @@ class Monitor:
         if self._grad_cache is None or self._grad_cache[0] != self._pre_steps:
             params = [p for _, g in self.groups() for p in g["params"] if p.grad is not None]
             grads = [real(local(p.grad)) for p in params]
-            norms = (torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else [])
+            norms = foreach_norm32(grads) if grads else []
             self._grad_cache = (self._pre_steps, params, stack_on(norms, self.device))
         return self._grad_cache[1], self._grad_cache[2]
 
@@ -300,6 +300,7 @@ class Monitor:
 
         return self._signal(Softmax)
 
+    @torch.no_grad()  # statistics only: no autograd bookkeeping
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._ready = True
         self._pre_steps += 1
@@ -314,23 +315,28 @@ class Monitor:
         self._ready = False
         self.step += 1
         reporting = self._reporting
-        for s in self.signals:
-            s.run_guarded("after_step", s.after_step, self, reporting)
+        with torch.no_grad():
+            for s in self.signals:
+                s.run_guarded("after_step", s.after_step, self, reporting)
         if not reporting:
             return
         try:
-            ctx = StepContext(step=self.step, device=self.device)
-            for s in self.signals:
-                s.run_guarded("collect", s.collect, self, ctx)
-            distributed.combine(ctx)
-            for kind, detail, labels in self._pending_events:
-                ctx.event(kind, detail, labels)
-            self._pending_events.clear()
-            pending = pack(ctx, run=self.run, rank=self.rank)
-            self._latest = pending
-            self._sender.put(pending)
+            self._report()
         except Exception as exc:  # noqa: BLE001
             self.warn_once("report", "could not assemble the report of step %d: %s", self.step, exc)
+
+    @torch.no_grad()  # statistics only: no autograd bookkeeping on any of it
+    def _report(self) -> None:
+        ctx = StepContext(step=self.step, device=self.device)
+        for s in self.signals:
+            s.run_guarded("collect", s.collect, self, ctx)
+        distributed.combine(ctx)
+        for kind, detail, labels in self._pending_events:
+            ctx.event(kind, detail, labels)
+        self._pending_events.clear()
+        pending = pack(ctx, run=self.run, rank=self.rank)
+        self._latest = pending
+        self._sender.put(pending)
 
 
 def _default_signals(names: tuple[str, ...] | None) -> list[Signal]:

@@ -71,10 +71,10 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
     gated: list[int] = []
     presence: list[torch.Tensor] = []
     for e in ctx.emits:
-        parts.append(e.values.to(device=device, dtype=dtype, non_blocking=True))
+        parts.append(e.values)
         if e.present is not None:
             gated.extend(range(len(layout), len(layout) + len(e.labels)))
-            presence.append(e.present.to(device=device, dtype=dtype, non_blocking=True))
+            presence.append(e.present)
         layout.extend((e.name, lab) for lab in e.labels)
     flags: list[tuple[str, str, dict[str, str]]] = []
     events: list[dict[str, Any]] = []
@@ -82,10 +82,15 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
         if ev.flag is None:
             events.append({"kind": ev.kind, "detail": ev.detail, "labels": ev.labels})
         else:
-            parts.append(ev.flag.to(device=device, dtype=dtype, non_blocking=True))
+            parts.append(ev.flag)
             flags.append((ev.kind, ev.detail, ev.labels))
     parts.extend(presence)  # after the flags: materialize reads them as the tail
-    flat = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
+    if not parts:
+        flat = torch.zeros(0, dtype=dtype, device=device)
+    elif all(p.device == device for p in parts):
+        flat = torch.cat(parts).to(dtype)  # one op: cat promotes the dtypes
+    else:  # a signal's tensors on another device (the loss on its own GPU)
+        flat = torch.cat([p.to(device=device, dtype=dtype, non_blocking=True) for p in parts])
     ready = None
     if flat.device.type == "cuda":
         host = torch.empty(flat.shape, dtype=dtype, pin_memory=True)

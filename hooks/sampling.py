@@ -4,10 +4,11 @@ Two shapes of sample, both fixed by the tensor's size alone (the same elements e
 report, so changes between reports compare like with like):
 
 - :class:`StridedSample`: every ``stride``-th element, at most ``cap`` per tensor
-  (``update_ratio``, the sign ring of the 1D drift consistency).
+  (the sign ring of the 1D drift consistency, over values already gathered).
 - :class:`BlockSample`: evenly spaced runs of ``width`` contiguous elements. A single
   strided element costs a cache miss each; a run of 16 float32 is one 64-byte line,
-  so Adam's moments are sampled this way.
+  so large tensors are sampled this way (Adam's moments; and, through
+  :class:`TensorsSample`, the parameters behind ``update_ratio``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from trainvitals.hooks.tensors import flat
 
-__all__ = ["BLOCK_WIDTH", "BlockSample", "StridedSample", "owner_index", "stride_for"]
+__all__ = ["BLOCK_WIDTH", "BlockSample", "StridedSample", "TensorsSample", "owner_index", "stride_for"]
 
 BLOCK_WIDTH = 16
 """Elements per sampled run: one 64-byte cache line of float32."""
@@ -89,3 +90,32 @@ class BlockSample:
         x = t if t.is_contiguous() and not t.is_complex() else flat(t)
         view = x.as_strided((self.blocks, self.width), (self.spacing, 1), x.storage_offset())
         out.view(-1, self.width).copy_(view[first // self.width : last // self.width])
+
+
+class TensorsSample:
+    """A sample of each of several tensors, laid end to end: every element of a tensor
+    of at most ``cap`` elements, a :class:`BlockSample` of ``cap`` elements of a larger
+    one. ``counts`` are the tensors' element counts (complex as pairs)."""
+
+    def __init__(self, counts: Sequence[int], cap: int) -> None:
+        self.blocks = [BlockSample.plan(c, cap) for c in counts]
+        self.sizes = [c if b is None else b.size for c, b in zip(counts, self.blocks)]
+
+    def views(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each tensor's sample as a view (no copy): ``[n]`` whole, or ``[blocks, width]``."""
+        out = []
+        for t, b in zip(tensors, self.blocks):
+            x = flat(t)  # callers run under no_grad (the report path)
+            out.append(x if b is None else x.as_strided((b.blocks, b.width), (b.spacing, 1), x.storage_offset()))
+        return out
+
+    def take(self, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The sampled elements, end to end, as float32 on ``device`` (one copy)."""
+        if not tensors:
+            return torch.zeros(0, device=device)
+        flat_views = [v.reshape(-1) for v in self.views(tensors)]
+        return torch.cat(flat_views).to(device, torch.float32, non_blocking=True)
+
+    def owners(self, device: torch.device, owner_of: Sequence[int] | None = None) -> torch.Tensor:
+        """Sampled element -> the index of the tensor it came from (or ``owner_of[tensor]``)."""
+        return owner_index(self.sizes, device, owner_of)

@@ -20,6 +20,14 @@ Labels = dict[str, str]
 ReduceOp = Literal["sum", "max", "min"]
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 1-D tensor outside autograd, with as few ops as it takes (the report
+    path makes dozens of these: each op is a few microseconds)."""
+    if t.requires_grad:
+        t = t.detach()
+    return t if t.dim() == 1 else t.reshape(-1)
+
+
 @dataclass
 class _Emit:
     name: str
@@ -61,14 +69,14 @@ class StepContext:
         undefined on this step is absent, decided on the sender thread (no host sync)."""
         if isinstance(labels, dict) or labels is None:
             labels = [labels or {}]
-        values = values.detach().reshape(-1)
+        values = _flat(values)
         if values.numel() != len(labels):
             raise ValueError(f"{name}: {values.numel()} values for {len(labels)} label sets")
         if present is not None:
-            present = present.detach().reshape(-1)
+            present = _flat(present)
             if present.numel() != values.numel():
                 raise ValueError(f"{name}: present has {present.numel()} elements for {values.numel()} values")
-        if values.numel():
+        if len(labels):
             self.emits.append(_Emit(name, values, list(labels), present))
 
     def reduce(self, tensor: torch.Tensor, op: ReduceOp, then: Callable[[torch.Tensor], None]) -> None:

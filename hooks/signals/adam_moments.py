@@ -40,7 +40,7 @@ from trainvitals.hooks.signals.optimizer_state import (
 )
 from trainvitals.hooks.signals.param_series import choose
 from trainvitals.hooks.step import StepContext
-from trainvitals.hooks.tensors import flat, local, real
+from trainvitals.hooks.tensors import flat, foreach_norm32, local, real
 
 BATCH = 1 << 18
 """Sampled elements per batch: bounds the temporaries to a few MB."""
@@ -193,7 +193,7 @@ class AdamMoments:
         raw = vs if all(e.v is e.state["exp_avg_sq"] for e in entries) else [e.state["exp_avg_sq"] for e in entries]
         if sharded:
             ms, vs, raw = [local(t) for t in ms], [local(t) for t in vs], [local(t) for t in raw]
-        both = torch._foreach_norm([real(t) for t in ms] + [real(t) for t in raw], 2, dtype=torch.float32)
+        both = foreach_norm32([real(t) for t in ms] + [real(t) for t in raw])
         sq = stack_steps(list(both), dev).to(torch.float64).square().view(2, -1)
         m_sq, v_sq = sq[0], sq[1]
 

@@ -33,7 +33,7 @@ import torch
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
 from trainvitals.hooks.signals.param_series import groups_key
 from trainvitals.hooks.step import StepContext
-from trainvitals.hooks.tensors import local, real, stack_on
+from trainvitals.hooks.tensors import foreach_norm32, local, real, stack_on
 
 log = logging.getLogger("trainvitals")
 
@@ -110,8 +110,7 @@ class BackwardGradNorms:
             params = [p for p in self._params if p.grad is not None]
             if not params:
                 return
-            norms = stack_on(torch._foreach_norm([real(local(p.grad)) for p in params], 2,
-                                                 dtype=torch.float32), monitor.device)
+            norms = stack_on(foreach_norm32([real(local(p.grad)) for p in params]), monitor.device)
             scale = self._scale(monitor)
             if scale is not None:
                 norms = norms / scale

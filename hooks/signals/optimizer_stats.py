@@ -10,8 +10,9 @@ same measurement (before clipping, unscaled by a GradScaler); when no backward w
 seen completing the step's gradient (gradients set by hand, the short last step of
 an epoch), both are taken as the optimizer is about to use them.
 ``param_norm`` is taken after the step. ``update_ratio`` = RMS(p_after - p_before) /
-RMS(p_after), on a strided sample of at most ``update_sample`` elements per tensor
-(exact for smaller tensors), so no copy of the model is ever made. The whole model
+RMS(p_after), on a sample of ``update_sample`` elements per tensor (evenly spaced
+runs of 16 contiguous elements; exact for smaller tensors), so no copy of the model
+is ever made. The whole model
 and its groups are separate metrics, so a ``sum()`` over groups never adds the
 total to its parts.
 """
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.indices import IndexCache
-from trainvitals.hooks.sampling import StridedSample
+from trainvitals.hooks.sampling import TensorsSample
 from trainvitals.hooks.signals.backward_grad_norm import BackwardGradNorms, emit_norm_history
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
 from trainvitals.hooks.step import ReduceOp, StepContext
@@ -36,7 +37,7 @@ class OptimizerStats(Signal):
         self._grad_group: torch.Tensor | None = None
         self._before: torch.Tensor | None = None
         self._sample_key: tuple | None = None
-        self._sample: StridedSample | None = None
+        self._sample: TensorsSample | None = None
         self._sample_group: torch.Tensor | None = None
         self._nonfinite: torch.Tensor | None = None
         self._indices = IndexCache()
@@ -62,7 +63,7 @@ class OptimizerStats(Signal):
         key = tuple((id(p), p.numel()) for p in params)
         if key != self._sample_key:
             self._sample_key = key
-            self._sample = StridedSample([flat(local(p)).numel() for p in params], monitor.config.update_sample)
+            self._sample = TensorsSample([flat(local(p)).numel() for p in params], monitor.config.update_sample)
             self._sample_group = self._sample.owners(monitor.device, group_of)
         assert self._sample is not None
         return self._sample.take([local(p) for p in params], monitor.device)
@@ -105,7 +106,7 @@ class OptimizerStats(Signal):
                 applied_bad = applied_bad & torch.isfinite(history[-1])
             self._nonfinite = self._nonfinite + applied_bad
             parts.append(with_total(group_sum(gn.square(), self._grad_group, n_groups)))
-        pn = norms([local(p).detach() for p in params], dev)
+        pn = norms([local(p) for p in params], dev)  # under no_grad: no detach needed
         parts.append(with_total(group_sum(pn.square(), self._indices.get(group_of, dev), n_groups)))
         upd = None
         if self._before is not None and self._sample_group is not None:
