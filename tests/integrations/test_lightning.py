@@ -1,0 +1,87 @@
+"""The Lightning callback with accumulate_grad_batches=2 on a tiny LightningModule,
+against the true per-token weights recorded independently (``_lightning_job.Truth``).
+Lightning runs a step's last micro-batch inside ``optimizer.step(closure)``, after the
+optimizer's pre-step hooks; the step must still be accounted whole. Lightning
+divides each micro-batch's token mean by the accumulation count: a mean of means,
+which fires MeanOfMeansLoss when the micro-batches' token counts differ."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integrations._alerts import LOSS_RULES, figures, firing, read_reports
+from tests.support import free_port
+
+HERE = Path(__file__).resolve().parent
+JOB = HERE / "_lightning_job.py"
+
+
+def run_job(tmp_path: Path, *options: str, ranks: int = 1, timeout: float = 300) -> dict:
+    """``_lightning_job.train`` in fresh processes, one per rank (Lightning's DDP takes
+    its ranks from LOCAL_RANK/WORLD_SIZE when they are set)."""
+    out = tmp_path / "result.json"
+    port = free_port()
+    procs = []
+    for rank in range(ranks):
+        env = dict(os.environ)
+        if ranks > 1:
+            env.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(JOB), str(out), f"out_dir={tmp_path / 'run'}",
+                                       f"rank={rank}", f"devices={ranks}", *options], env=env, cwd=tmp_path,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"the Lightning job did not finish within {timeout} s")
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-6000:]
+    return json.loads(out.read_text())
+
+
+def test_accumulated_steps_are_accounted_whole_and_mean_of_means_fires(tmp_path):
+    result = run_job(tmp_path, "steps=60", "every=5", "accum=2")
+    reports = read_reports(result["reports"])
+    mass = figures(reports, "loss_weight_mass", objective="main")
+    micro = figures(reports, "microbatches")
+    spread = figures(reports, "token_weight_spread_ratio", objective="main")
+    truth = {t["step"]: t for t in result["truth"]}
+    reported = [s for s in truth if s == 1 or s % 5 == 0]
+    assert sorted(mass) == reported
+    for s in reported:
+        assert micro[s] == truth[s]["microbatches"] == 2, s  # the closure's micro-batch included
+        assert mass[s] == pytest.approx(truth[s]["mass"], rel=1e-5), s
+        assert spread[s] == pytest.approx(truth[s]["spread"], rel=1e-5), s
+    # Token means over 6 and 30 (or 12 and 24) label tokens, each halved: 30/6 = 5 or 24/12 = 2.
+    assert {round(t["spread"], 4) for t in result["truth"]} == {5.0, 2.0}
+    assert firing(reports) & LOSS_RULES == {"MeanOfMeansLoss"}
+
+
+def test_the_monitor_state_travels_with_lightning_checkpoints(tmp_path):
+    ckpt = tmp_path / "last.ckpt"
+    first = run_job(tmp_path, "steps=4", f"ckpt={ckpt}")
+    assert first["step"] == 4
+    resumed = run_job(tmp_path, "steps=6", f"resume={ckpt}")
+    assert resumed["step"] == 6  # continued from the checkpoint's 4
+    assert [t["step"] for t in resumed["truth"]] == [5, 6]
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_with_ddp(tmp_path):
+    result = run_job(tmp_path, "steps=4", "every=1", "accum=2", ranks=2)
+    reports = read_reports(result["reports"])
+    mass = figures(reports, "loss_weight_mass", objective="main")
+    micro = figures(reports, "microbatches")
+    assert micro == {s: 2 for s in (1, 2, 3, 4)}
+    # Each rank's weights sum to 1 (mean of its micro-batch means); DDP averages the ranks.
+    assert mass == {s: pytest.approx(1.0, rel=1e-5) for s in (1, 2, 3, 4)}
