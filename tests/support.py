@@ -234,6 +234,14 @@ def run_ranks(script: Path, out: Path, *extra: str, world: int = 2, timeout: flo
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), str(port), str(out), *extra],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
+    finish_all(procs, timeout, "data-parallel ranks")
+    return json.loads(out.read_text())
+
+
+def finish_all(procs: list[subprocess.Popen], timeout: float, what: str) -> list[str]:
+    """Wait for processes started with ``stdout=PIPE, stderr=STDOUT, text=True``; after
+    ``timeout`` seconds kill them all and fail the test; fail with its output on a
+    non-zero exit; return their outputs."""
     logs = []
     try:
         for p in procs:
@@ -241,10 +249,10 @@ def run_ranks(script: Path, out: Path, *extra: str, world: int = 2, timeout: flo
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        pytest.fail(f"data-parallel ranks did not finish within {timeout} s")
+        pytest.fail(f"{what} did not finish within {timeout} s")
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log
-    return json.loads(out.read_text())
+    return logs
 
 
 SYNCS = ("item", "tolist", "__float__", "__bool__", "__int__", "cpu", "numpy")
