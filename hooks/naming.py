@@ -16,10 +16,11 @@ def unwrap(model: nn.Module) -> nn.Module:
     seen = set()
     while id(model) not in seen:
         seen.add(id(model))
+        inner = getattr(model, "_orig_mod", None)  # torch.compile
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
-            model = model._orig_mod
+        elif isinstance(inner, nn.Module):
+            model = inner
     return model
 
 

@@ -8,6 +8,7 @@ the context into one vector and one host copy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -107,4 +108,4 @@ class StepContext:
                 then(*out)
 
         for i, (t, op) in enumerate(parts):
-            self.reduce(t, op, lambda c, i=i: store(i, c))
+            self.reduce(t, op, functools.partial(store, i))

@@ -15,8 +15,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def is_sharded(t: torch.Tensor) -> bool:
     """True for a DTensor whose placements shard it across ranks."""
-    placements = getattr(t, "placements", None)
-    return bool(placements) and any(p.is_shard() for p in placements)
+    placements = getattr(t, "placements", None) or ()
+    return any(p.is_shard() for p in placements)
 
 
 def real(t: torch.Tensor) -> torch.Tensor:

@@ -184,6 +184,7 @@ class ParamHealth(Signal):
                     ctx.emit("param_drift_consistency_ratio", sums[:n] / sums[n:].clamp_min(1), drift.labels)
                 ctx.emit("param_weight_decay", wd, drift.labels)
             if grads:
+                assert grad_numel is not None and grad_pos is not None
                 rms = (rest.pop(0) / grad_numel).sqrt()
                 median = torch.median(rms).clamp_min(_TINY)
                 ctx.emit("param_grad_relative_rms", rms[grad_pos] / median, grad_labels)
