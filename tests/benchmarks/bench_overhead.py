@@ -10,6 +10,7 @@ ratios is printed with its min and max.
     python tests/benchmarks/bench_overhead.py --every 10           # the default interval
     python tests/benchmarks/bench_overhead.py --signals params,adam --every 1
     python tests/benchmarks/bench_overhead.py --signals none --track-loss --every 1
+    python tests/benchmarks/bench_overhead.py --signals none --zero-code --every 10
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--every", type=int, default=10, help="report interval (1: all signals every step)")
     ap.add_argument("--signals", default="all", help="built-in signals: all, none, or a list of optimizer,params,adam")
     ap.add_argument("--track-loss", action="store_true", help="call track_loss(..., output=logits) per micro-batch")
+    ap.add_argument("--zero-code", action="store_true",
+                    help="zero-code loss accounting: attach(loss_from_logits=True), micro-batches tagged "
+                         "by a forward pre-hook (no track_loss call)")
     ap.add_argument("--observe-logits", action="store_true", help="call observe_logits(logits) per micro-batch")
     ap.add_argument("--blocks", type=int, default=6, help="blocks per arm (interleaved)")
     ap.add_argument("--steps", type=int, default=0,
@@ -59,8 +63,14 @@ def main(argv: list[str] | None = None) -> None:
 
     base_model, base_opt = build(0)
     mon_model, mon_opt = build(0)
+    if args.zero_code:
+        options["loss_from_logits"] = True
     mon = attach(mon_model, mon_opt, run="bench", sink="null", every=args.every, signals=signals,
                  modalities=("text", "image"), **options)
+    if args.zero_code:
+        # The reference batches carry modality codes [0, 0, 0, 1]; a real job tags each batch.
+        codes = make_batches(1)[0].modality
+        mon_model.register_forward_pre_hook(lambda module, inputs: mon.tag_batch(modality=codes))
     batches = make_batches(ACCUM * 4, seed=1)
 
     def step(i: int, monitored: bool) -> float:
@@ -94,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         ratios.append(total[True] / total[False])
     mon.close()
     what = f"signals={args.signals} every={args.every}" + (" +track_loss(output)" if args.track_loss else "") + (
+        " +zero_code" if args.zero_code else "") + (
         " +observe_logits" if args.observe_logits else "")
     print(f"{what}: unmonitored mean {statistics.fmean(base_all) * 1e3:.1f} ms/step, "
           f"monitored {statistics.fmean(mon_all) * 1e3:.1f} ms/step")
