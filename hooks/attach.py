@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from trainvitals.hooks import distributed
-from trainvitals.hooks.config import Config
+from trainvitals.hooks.config import ATTACH_ENV, Config, attach_env
 from trainvitals.hooks.monitor import Monitor
 from trainvitals.hooks.sinks import NullSink, make_sink
 
@@ -34,17 +34,20 @@ def _check_names(what: str, names: Iterable[Any]) -> tuple[str, ...]:
     return out
 
 
-def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str, collector: str | None = None,
-           sink: Any = None, modalities: Sequence[str] = (), every: int = 10, scaler: Any = None,
-           rules: Any = None, **options: Any) -> Monitor:
+def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str | None = None,
+           collector: str | None = None, sink: Any = None, modalities: Sequence[str] | None = None,
+           every: int | None = None, scaler: Any = None, rules: Any = None, **options: Any) -> Monitor:
     """Hook ``model`` and ``optimizer`` and stream training-health reports.
 
+    ``run``: the run's name (default ``$TRAINVITALS_RUN``; one of them is needed).
     ``collector``: a collector URL (``http://host:9477``); or ``sink``: ``"file:PATH"``,
     ``"null"`` or a sink object; default ``$TRAINVITALS_COLLECTOR``, else
     ``./trainvitals-<run>.jsonl``. ``modalities``: names for integer modality codes.
-    ``every``: report every N optimizer steps. ``scaler``: a ``GradScaler``, so loss
-    weights are unscaled. ``rules``: evaluate alert rules in-process (``"default"``)
-    and log when one fires. Further options: see :class:`trainvitals.hooks.config.Config`.
+    ``every``: report every N optimizer steps (default 10). ``scaler``: a ``GradScaler``,
+    so loss weights are unscaled. ``rules``: evaluate alert rules in-process
+    (``"default"``) and log when one fires. Further options: see
+    :class:`trainvitals.hooks.config.Config`. Options not passed come from the
+    ``TRAINVITALS_*`` environment variables where set (docs/configuration.md).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach(model=...) needs a torch.nn.Module, got {type(model).__name__}")
@@ -52,6 +55,20 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str, coll
         raise TypeError(
             f"attach(optimizer=...) needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
             "pass the optimizer you call .step() on (not a scheduler or a wrapper)")
+    # Arguments win over the environment; a bad variable raises naming it.
+    env = attach_env()
+    env_options = Config.from_env()
+    if run is None:
+        run = env.get("run")
+        if run is None:
+            raise TypeError(f"attach() needs run='name' (or {ATTACH_ENV['run']} in the environment)")
+        if not _RUN_RE.match(run):
+            raise ValueError(f"{ATTACH_ENV['run']}={run!r}: use 1-128 characters from letters, "
+                             "digits and _ . : - /")
+    if modalities is None:
+        modalities = env.get("modalities", ())
+    if rules is None:
+        rules = env.get("rules")
     if not isinstance(run, str) or not _RUN_RE.match(run):
         raise ValueError(f"run={run!r}: use 1-128 characters from letters, digits and _ . : - /")
     if collector is not None and sink is not None:
@@ -66,7 +83,9 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str, coll
     unknown = sorted(set(options) - set(Config.field_names()))
     if unknown:
         raise TypeError(f"attach() got unknown option(s) {unknown}; known options: {Config.field_names()}")
-    config = Config(every=every, **options)
+    if every is not None:
+        options["every"] = every
+    config = Config(**{**env_options, **options})
     # Only rank 0 sends; other ranks compute (and join the collectives) but send nothing.
     resolved = make_sink(collector, sink, run) if distributed.rank() == 0 else NullSink()
     return Monitor(model, optimizer, run=run, sink=resolved, modalities=mods, scaler=scaler,

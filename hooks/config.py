@@ -1,11 +1,61 @@
-"""Options of ``attach()`` beyond the core arguments, validated where they are set."""
+"""Options of ``attach()`` beyond the core arguments, validated where they are set.
+
+Every option can also come from the environment (``docs/configuration.md``):
+``TRAINVITALS_<FIELD>`` for each :class:`Config` field (``TRAINVITALS_EVERY=1``),
+and :data:`ATTACH_ENV` for the core arguments. An argument passed to ``attach()``
+wins over the environment, which wins over the default.
+
+This module imports nothing but the standard library: ``trainvitals run`` loads it
+to check the variables before starting the job, without importing torch.
+"""
 
 from __future__ import annotations
 
+import os
+import re
+import time
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 BUILTIN_SIGNALS = ("optimizer", "params", "adam")
+
+ENV_PREFIX = "TRAINVITALS_"
+
+ATTACH_ENV = {
+    "run": "TRAINVITALS_RUN",
+    "collector": "TRAINVITALS_COLLECTOR",
+    "modalities": "TRAINVITALS_MODALITIES",
+    # Not TRAINVITALS_RULES: that is the collector's setting (its rule files).
+    "rules": "TRAINVITALS_LOCAL_RULES",
+}
+"""The environment variable of each core ``attach()`` argument (``sink``: use
+``TRAINVITALS_COLLECTOR=file:PATH``; ``scaler`` is an object: none)."""
+
+ATTACH_ENV_HELP = {
+    "run": "The run's name (1-128 characters from letters, digits and `_ . : - /`); "
+           "`trainvitals run` sets it (`--run`, else the script's name and the start time).",
+    "collector": "Where reports go: a collector URL (`http://host:9477`), `file:PATH` (JSONL) "
+                 "or `null`. Default: `./trainvitals-<run>.jsonl`.",
+    "modalities": "Names for the integer modality codes, comma-separated (`text,image`).",
+    "rules": "Evaluate alert rules in the job and log when one fires: `default`, or rule "
+             "files/folders, comma-separated. Unset: off.",
+}
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_NONE = ("none", "null")
+
+
+class EnvError(ValueError):
+    """A ``TRAINVITALS_*`` variable that cannot be used; the message names it."""
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a :class:`Config` field."""
+    return ENV_PREFIX + field.upper()
 
 
 @dataclass(kw_only=True)
@@ -134,3 +184,122 @@ class Config:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """The fields set by ``TRAINVITALS_<FIELD>`` variables, parsed with the field's
+        type and checked together; raises :class:`EnvError` naming the variable. An
+        empty variable counts as unset."""
+        env = os.environ if environ is None else environ
+        hints = typing.get_type_hints(cls)
+        out: dict[str, Any] = {}
+        for f in fields(cls):
+            var = env_name(f.name)
+            raw = env.get(var)
+            if raw is None or not raw.strip():
+                continue
+            try:
+                if f.name == "signals" and raw.strip().lower() in ("all", "none"):
+                    # None means all built-in signals: spell both ends out.
+                    out[f.name] = None if raw.strip().lower() == "all" else ()
+                    continue
+                out[f.name] = parse_env_value(hints[f.name], raw.strip())
+            except ValueError as exc:
+                raise EnvError(f"{var}={raw!r}: {exc}") from None
+        try:
+            cls(**out)
+        except ValueError as exc:
+            raise EnvError(_name_variables(str(exc), out)) from None
+        return out
+
+
+def parse_env_value(hint: Any, raw: str) -> Any:
+    """``raw`` as a value of the type ``hint`` (a Config field's annotation): ints,
+    floats, booleans (1/true/yes/on, 0/false/no/off), one of a Literal's choices,
+    ``none`` for an optional field, comma-separated tuples; ``Any``: a boolean word
+    as a bool, else the text."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if raw.lower() in _NONE:
+            return None
+        if len(args) != 1:
+            raise ValueError(f"cannot parse a {hint}")
+        return parse_env_value(args[0], raw)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if raw not in choices:
+            raise ValueError(f"choose one of {', '.join(map(str, choices))}")
+        return raw
+    if origin is tuple:
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
+    if hint is bool:
+        return _bool(raw)
+    if hint is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError("not an integer") from None
+    if hint is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError("not a number") from None
+    if hint is Any:
+        low = raw.lower()
+        return _bool(raw) if low in _TRUE + _FALSE else raw
+    if hint is str:
+        return raw
+    raise ValueError(f"cannot parse a {hint}")  # a new field type: teach parse_env_value
+
+
+def attach_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The core ``attach()`` arguments set in the environment (:data:`ATTACH_ENV`):
+    ``run`` and ``collector`` as text, ``modalities`` and ``rules`` split on commas
+    (``rules=default`` stays the word). Shapes are checked by ``attach()``."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for arg, var in ATTACH_ENV.items():
+        raw = (env.get(var) or "").strip()
+        if not raw:
+            continue
+        if arg == "modalities":
+            out[arg] = tuple(p.strip() for p in raw.split(",") if p.strip())
+        elif arg == "rules":
+            parts = [p.strip() for p in raw.split(",") if p.strip()]
+            out[arg] = "default" if parts == ["default"] else parts
+        else:
+            out[arg] = raw
+    return out
+
+
+def default_run_name(argv: list[str], now: float | None = None) -> str:
+    """``<script>-<YYYYmmdd-HHMMSS>``: the script's name (``train`` for ``train.py``,
+    the module for ``-m pkg.train``, else the program), then the local time."""
+    stem = ""
+    for i, arg in enumerate(argv):
+        if arg == "-m" and i + 1 < len(argv):
+            stem = argv[i + 1].rsplit(".", 1)[-1]
+            break
+        if arg.endswith(".py"):
+            stem = os.path.splitext(os.path.basename(arg))[0]
+            break
+    if not stem and argv:
+        stem = os.path.basename(argv[0])
+    stem = re.sub(r"[^A-Za-z0-9_.\-]+", "-", stem).strip("-.") or "job"
+    return f"{stem[:100]}-{time.strftime('%Y%m%d-%H%M%S', time.localtime(now))}"
+
+
+def _bool(raw: str) -> bool:
+    low = raw.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"not a boolean; use one of {', '.join(_TRUE + _FALSE)}")
+
+
+def _name_variables(message: str, values: Mapping[str, Any]) -> str:
+    """A Config validation message with the variables that set the fields it names."""
+    named = [env_name(k) for k in values if re.search(rf"\b{re.escape(k)}\b", message)]
+    return f"{', '.join(named) or 'TRAINVITALS_* variables'}: {message}"

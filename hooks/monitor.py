@@ -25,6 +25,7 @@ from torch import nn
 
 from trainvitals.hooks import distributed
 from trainvitals.hooks.config import Config
+from trainvitals.hooks.live_settings import LiveSettings
 from trainvitals.hooks.naming import clean_name, unwrap
 from trainvitals.hooks.pack import PendingReport, pack
 from trainvitals.hooks.sender import Sender
@@ -34,7 +35,7 @@ from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.tensors import foreach_norm32, is_sharded, local, real, stack_on
 from trainvitals.wire.schema import RUN_END_EVENT
 
-__all__ = ["STATE_FORMAT", "Monitor"]
+__all__ = ["STATE_FORMAT", "Monitor", "builtin_signal_classes"]
 
 STATE_FORMAT = 1
 """Version of ``Monitor.state_dict()``'s layout."""
@@ -93,6 +94,11 @@ class Monitor:
             self._handles.extend(s.run_guarded("bind", s.bind, self) or [])
         if logits_module is not None:
             self._handles.extend(self._loss_signal().watch_logits(self, logits_module))
+        # Live settings arrive with the collector's answers (sender thread) and are
+        # applied at the end of a step (training thread).
+        self._live = LiveSettings(self)
+        if hasattr(sink, "on_answer"):
+            sink.on_answer = self._live.receive
         atexit.register(self.close)
 
     # -- what signals use ----------------------------------------------------
@@ -318,18 +324,19 @@ class Monitor:
         with torch.no_grad():
             for s in self.signals:
                 s.run_guarded("after_step", s.after_step, self, reporting)
-        if not reporting:
-            return
-        try:
-            self._report()
-        except Exception as exc:  # noqa: BLE001
-            self.warn_once("report", "could not assemble the report of step %d: %s", self.step, exc)
+        if reporting:
+            try:
+                self._report()
+            except Exception as exc:  # noqa: BLE001
+                self.warn_once("report", "could not assemble the report of step %d: %s", self.step, exc)
+        self._live.step_end(self, reporting)  # the next step runs with what is due
 
     @torch.no_grad()  # statistics only: no autograd bookkeeping on any of it
     def _report(self) -> None:
         ctx = StepContext(step=self.step, device=self.device)
         for s in self.signals:
             s.run_guarded("collect", s.collect, self, ctx)
+        self._live.contribute(self, ctx)
         distributed.combine(ctx)
         for kind, detail, labels in self._pending_events:
             ctx.event(kind, detail, labels)
@@ -339,10 +346,15 @@ class Monitor:
         self._sender.put(pending)
 
 
-def _default_signals(names: tuple[str, ...] | None) -> list[Signal]:
+def builtin_signal_classes() -> dict[str, type[Signal]]:
+    """The built-in signals by their ``signals=`` name, in the order they run."""
     from trainvitals.hooks.signals.adam_state import AdamState
     from trainvitals.hooks.signals.optimizer_stats import OptimizerStats
     from trainvitals.hooks.signals.param_health import ParamHealth
 
-    builtin = {"optimizer": OptimizerStats, "params": ParamHealth, "adam": AdamState}
+    return {"optimizer": OptimizerStats, "params": ParamHealth, "adam": AdamState}
+
+
+def _default_signals(names: tuple[str, ...] | None) -> list[Signal]:
+    builtin = builtin_signal_classes()
     return [cls() for name, cls in builtin.items() if names is None or name in names]

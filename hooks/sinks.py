@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -100,7 +101,11 @@ class HttpSink:
     (up to ``max_timeout`` seconds) and halves the batch (down to one report), so
     the next try asks for less and waits longer; each success halves the timeout
     back towards ``timeout`` and doubles the batch back. Retried reports are
-    applied once (the sender numbers them). The URL is logged without its password."""
+    applied once (the sender numbers them). The URL is logged without its password.
+
+    ``on_answer``: called (on the sender thread) with the collector's parsed JSON
+    answer to each accepted batch; the monitor sets it to receive live settings
+    (docs/wire.md, "Live settings"). Its failures are logged once, never raised."""
 
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 5.0,
                  max_batch_bytes: int = 4 * 1024 * 1024, gzip_min_bytes: int = 2048,
@@ -114,6 +119,8 @@ class HttpSink:
         self.gzip_min_bytes = gzip_min_bytes
         self._client: Any = None
         self._healthy = True
+        self.on_answer: Callable[[dict[str, Any]], None] | None = None
+        self._answer_failed = False
 
     def __repr__(self) -> str:
         return f"HttpSink({self._shown!r})"
@@ -149,6 +156,8 @@ class HttpSink:
         if resp.status_code < 300:
             self._faster()
             self._set_health(True, f"collector {self._shown} reachable again")
+            if self.on_answer is not None:
+                self._answer(resp)
             return "sent"
         if resp.status_code in (408, 429) or resp.status_code >= 500:
             self._set_health(False, f"collector {self._shown} answered {resp.status_code}")
@@ -156,6 +165,20 @@ class HttpSink:
         log.warning("trainvitals: collector refused %d report(s) with %d: %s", len(batch), resp.status_code,
                     redact(resp.text[:500]))
         return "refused"
+
+    def _answer(self, resp: Any) -> None:
+        """Hand the accepted batch's answer to ``on_answer`` (an answer without a JSON
+        object, from an older collector or a proxy, is an empty one)."""
+        try:
+            answer = resp.json() if resp.content else {}
+        except ValueError:
+            answer = {}
+        try:
+            self.on_answer(answer if isinstance(answer, dict) else {})  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001 - the batch was delivered; never fail it
+            if not self._answer_failed:
+                self._answer_failed = True
+                log.warning("trainvitals: could not read the collector's answer: %s", exc)
 
     @property
     def healthy(self) -> bool:

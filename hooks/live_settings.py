@@ -1,0 +1,342 @@
+"""Live settings: the collector's answer to a report can change a running job's
+report interval, built-in signals, per-parameter mode and probe interval, for a
+limited time (``trainvitals configure``; docs/wire.md, "Live settings").
+
+Where each part runs:
+
+- the sender thread: :class:`~trainvitals.hooks.sinks.HttpSink` hands every
+  accepted batch's answer to :meth:`LiveSettings.receive`, which checks the run's
+  entry and stores it, with its deadline, in one attribute (an atomic swap). It
+  changes nothing else: a bad entry is logged once and ignored.
+- the training thread, at the end of each optimizer step (after its report):
+  :meth:`LiveSettings.step_end` applies what is wanted, so the next step runs with
+  it. With one process that is the newest answer (or the job's own settings once
+  its deadline has passed, so a collector that went away cannot leave ``every=1``
+  on for weeks).
+- data parallel (a process group of several ranks): only rank 0 sends and hears
+  answers, but every rank must report on the same steps (each report is a
+  collective). Rank 0's wanted settings ride in each report's one collective (five
+  numbers, :meth:`contribute`); every rank applies what one report carried at the
+  end of the next report step, the same step everywhere. That reads a copy made a
+  whole report interval earlier: no wait on the current step's work.
+
+Nothing here raises into training: a failure is logged once and the job keeps the
+settings it has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainvitals.hooks.config import BUILTIN_SIGNALS
+from trainvitals.hooks.step import StepContext
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainvitals.hooks.monitor import Monitor
+    from trainvitals.hooks.signals.base import Signal
+
+__all__ = ["LIVE_FIELDS", "MAX_EVERY", "LiveSettings", "parse_entry"]
+
+log = logging.getLogger("trainvitals")
+
+LIVE_FIELDS = ("every", "signals", "per_param", "probe_every")
+"""The :class:`~trainvitals.hooks.config.Config` fields the collector may set."""
+
+MAX_EVERY = 1_000_000
+"""Largest report or probe interval accepted from the collector (steps)."""
+
+_OWN = -1.0  # in the collective's vector: "the job's own value"
+
+
+def parse_entry(entry: Any) -> tuple[dict[str, Any], float]:
+    """A run's entry of the answer's ``settings`` as (override, seconds left).
+
+    ``{"every": 1, "signals": ["params"], "per_param": true, "probe_every": null,
+    "expires_in": 3590.5}``: the fields present replace the job's own (``probe_every``
+    null: off); ``expires_in`` (seconds, > 0) is required. Other keys are ignored
+    (a newer collector may send more). Raises ValueError naming the field."""
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"settings entry must be an object, got {type(entry).__name__}")
+    left = entry.get("expires_in")
+    if isinstance(left, bool) or not isinstance(left, (int, float)) or not math.isfinite(left) or left <= 0:
+        raise ValueError(f"expires_in must be a positive number of seconds, got {left!r}")
+    out: dict[str, Any] = {}
+    for name in LIVE_FIELDS:
+        if name not in entry:
+            continue
+        v = entry[name]
+        if name == "every":
+            if not _interval(v):
+                raise ValueError(f"every must be an integer in 1..{MAX_EVERY}, got {v!r}")
+        elif name == "probe_every":
+            if v is not None and not _interval(v):
+                raise ValueError(f"probe_every must be null or an integer in 1..{MAX_EVERY}, got {v!r}")
+        elif name == "per_param":
+            if not isinstance(v, bool):
+                raise ValueError(f"per_param must be true or false, got {v!r}")
+        elif name == "signals":
+            if v is not None:
+                if not isinstance(v, list) or any(s not in BUILTIN_SIGNALS for s in v):
+                    raise ValueError(f"signals must be null or a list of {list(BUILTIN_SIGNALS)}, got {v!r}")
+                v = tuple(s for s in BUILTIN_SIGNALS if s in v)  # one order: equal sets compare equal
+        out[name] = v
+    return out, float(left)
+
+
+def _interval(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_EVERY
+
+
+class LiveSettings:
+    """One monitor's live settings: what the collector asked for and what is applied."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.own = monitor.config
+        """The job's own settings (attach's), which an override replaces field by field."""
+        self.applied: dict[str, Any] = {}
+        """The override in force now (empty: the job's own settings)."""
+        self.run = monitor.run
+        self._offer: tuple[dict[str, Any], float] | None = None  # (override, monotonic deadline)
+        self._warned: set[str] = set()
+        self._stash: dict[str, dict[str, Any]] = {}  # state of signals turned off, by name
+        self._handles: dict[int, list[Any]] = {}  # hooks of the signals created here
+        # Data parallel: rank 0's wanted state, numbered; what the reports carried.
+        self._wanted: dict[str, Any] = {}
+        self._version = 0
+        self._applied_version = 0
+        self._carried: list[tuple[int, torch.Tensor, Any]] = []  # (report step, host copy, event)
+        self._cached: tuple[Any, torch.Tensor] | None = None
+        self._lock = threading.Lock()  # receive() runs on the sender thread
+
+    # -- the sender thread ---------------------------------------------------------
+    def receive(self, answer: Mapping[str, Any]) -> None:
+        """Take the collector's answer to an accepted batch. Its ``settings`` entry for
+        this run is the whole override (no entry: none, back to the job's own)."""
+        settings = answer.get("settings") if isinstance(answer, Mapping) else None
+        entry = settings.get(self.run) if isinstance(settings, Mapping) else None
+        if entry is None:
+            offer = None
+        else:
+            try:
+                override, left = parse_entry(entry)
+            except ValueError as exc:
+                self._warn("entry", "ignoring the live settings the collector sent for run %r: %s",
+                           self.run, exc)
+                return
+            offer = (override, time.monotonic() + left)
+        with self._lock:
+            self._offer = offer
+
+    # -- the training thread -------------------------------------------------------
+    def wanted(self) -> dict[str, Any]:
+        """The override wanted now: the newest answer's, unless its deadline passed."""
+        offer = self._offer
+        if offer is None or time.monotonic() >= offer[1]:
+            return {}
+        return offer[0]
+
+    def step_end(self, monitor: Monitor, reported: bool) -> None:
+        """At the end of an optimizer step (after its report): apply what is due."""
+        try:
+            if monitor.world_size > 1:
+                if reported:
+                    self._apply_carried(monitor)
+                return
+            if self._offer is None and not self.applied:
+                return  # the common case: nothing was ever asked
+            wanted = self.wanted()
+            if wanted != self.applied:
+                self.apply(monitor, wanted)
+        except Exception as exc:  # noqa: BLE001 - never into the training loop
+            self._warn("apply", "could not apply live settings: %s: %s", type(exc).__name__, exc)
+
+    def contribute(self, monitor: Monitor, ctx: StepContext) -> None:
+        """Data parallel, on every report step of every rank: rank 0's wanted state
+        joins the report's collective (the other ranks add zeros, so the sum is rank
+        0's); its host copy is read at the end of the next report step."""
+        if monitor.world_size <= 1:
+            return
+        try:
+            values = [0.0] * 5
+            if monitor.rank == 0:
+                wanted = self.wanted()
+                if wanted != self._wanted:
+                    self._wanted = wanted
+                    self._version += 1
+                values = encode(self._version, wanted)
+            step = ctx.step
+
+            def keep(combined: torch.Tensor) -> None:
+                if combined.device.type == "cuda":
+                    host = torch.empty(combined.shape, dtype=combined.dtype, pin_memory=True)
+                    host.copy_(combined, non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record()
+                else:
+                    host, ready = combined.detach().to("cpu", copy=True), None
+                self._carried.append((step, host, ready))
+
+            ctx.reduce(self._vector(values, ctx.device), "sum", keep)
+        except Exception as exc:  # noqa: BLE001
+            self._warn("contribute", "could not share live settings across ranks: %s", exc)
+
+    def _vector(self, values: list[float], device: torch.device) -> torch.Tensor:
+        """``values`` on ``device``, made only when they change: filled in place on the
+        device (a copy from the host would wait for the device under CUDA)."""
+        key = (tuple(values), device)
+        if self._cached is None or self._cached[0] != key:
+            vec = torch.zeros(len(values), dtype=torch.float32, device=device)
+            for i, v in enumerate(values):
+                if v:
+                    vec[i] = v
+            self._cached = (key, vec)
+        return self._cached[1]
+
+    def _apply_carried(self, monitor: Monitor) -> None:
+        # The copy of an earlier report step: done long ago, the wait is a formality.
+        earlier = [c for c in self._carried if c[0] < monitor.step]
+        self._carried = [c for c in self._carried if c[0] >= monitor.step]
+        if not earlier:
+            return
+        _, host, ready = earlier[-1]
+        if ready is not None:
+            ready.synchronize()
+        version, wanted = decode(host.tolist())
+        if version != self._applied_version:
+            self._applied_version = version
+            if wanted != self.applied:
+                self.apply(monitor, wanted)
+
+    def apply(self, monitor: Monitor, override: dict[str, Any]) -> None:
+        """Make ``override`` (over the job's own settings) the monitor's settings, from
+        the next step on: the interval, the built-in signals (one turned off keeps its
+        state for when it comes back), per-parameter series, the probe."""
+        old = monitor.config
+        new = dataclasses.replace(self.own, **override)
+        monitor.config = new
+        self._signals(monitor, old, new)
+        if old.probe_every != new.probe_every:
+            self._probe(monitor)
+        self.applied = dict(override)
+        if override:
+            left = self._offer[1] - time.monotonic() if self._offer is not None else float("nan")
+            log.info("trainvitals: run %r: live settings from the collector from step %d: %s "
+                     "(the job's own: %s); back to the job's own in %.0f s", self.run, monitor.step + 1,
+                     _show(override), _show({k: getattr(self.own, k) for k in override}), left)
+        else:
+            log.info("trainvitals: run %r: back to the job's own settings from step %d (%s)",
+                     self.run, monitor.step + 1, _show({k: getattr(self.own, k) for k in LIVE_FIELDS}))
+
+    # -- internals -----------------------------------------------------------------
+    def _signals(self, monitor: Monitor, old: Any, new: Any) -> None:
+        from trainvitals.hooks.monitor import builtin_signal_classes
+
+        classes = builtin_signal_classes()
+        want = set(BUILTIN_SIGNALS if new.signals is None else new.signals)
+        # Per-parameter series are chosen when these signals bind: rebuild them.
+        rebuild = {"params", "adam"} if old.per_param != new.per_param else set()
+        for name in BUILTIN_SIGNALS:
+            cls = classes[name]
+            current = next((s for s in monitor.signals if type(s) is cls), None)
+            if current is not None and current.broken:
+                continue  # failed once: stays off
+            if current is not None and (name not in want or name in rebuild):
+                self._remove(monitor, name, current)
+                current = None
+            if current is None and name in want:
+                self._add(monitor, name, cls())
+
+    def _remove(self, monitor: Monitor, name: str, signal: Signal) -> None:
+        state = signal.run_guarded("state_dict", signal.state_dict)
+        if state:
+            self._stash[name] = state
+        signal.run_guarded("close", signal.close)
+        for h in self._handles.pop(id(signal), []):
+            h.remove()
+        monitor.signals.remove(signal)
+
+    def _add(self, monitor: Monitor, name: str, signal: Signal) -> None:
+        # Built-in signals keep the order they have at attach (cheap bookkeeping order).
+        order = {cls: i for i, cls in enumerate(_classes_in_order())}
+        rank = order.get(type(signal), len(order))
+        at = next((i for i, s in enumerate(monitor.signals) if order.get(type(s), len(order)) > rank),
+                  len(monitor.signals))
+        events = len(monitor._pending_events)
+        handles = signal.run_guarded("bind", signal.bind, monitor) or []
+        # Binding again repeats the one-off weight-decay audit: it was reported at attach.
+        del monitor._pending_events[events:]
+        self._handles[id(signal)] = list(handles)
+        monitor._handles.extend(handles)
+        saved = self._stash.pop(name, None)
+        if saved:
+            signal.run_guarded("load_state_dict", signal.load_state_dict, saved)
+        monitor.signals.insert(at, signal)
+
+    def _probe(self, monitor: Monitor) -> None:
+        from trainvitals.hooks.signals.loss_accounting import LossAccounting
+        from trainvitals.hooks.signals.loss_probe import ModalityProbe
+
+        for s in monitor.signals:
+            if isinstance(s, LossAccounting) and not s.broken:
+                # Between steps: no probe step is in flight, its buffers live in the step.
+                s._probe = ModalityProbe(monitor) if monitor.config.probe_every is not None else None
+
+    def _warn(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("trainvitals: " + message, *args)
+
+
+def _classes_in_order() -> list[type]:
+    from trainvitals.hooks.monitor import builtin_signal_classes
+
+    return list(builtin_signal_classes().values())
+
+
+def encode(version: int, override: Mapping[str, Any]) -> list[float]:
+    """The five numbers one report's collective carries: version, every (0: own),
+    per_param (-1 own, 0, 1), probe_every (-1 own, 0 off, N), signals (-1 own, else a
+    bit per built-in signal). Exact in float32: all are small integers."""
+    signals = override.get("signals", "own")
+    mask = _OWN if signals == "own" else float(
+        -2 if signals is None else sum(1 << i for i, s in enumerate(BUILTIN_SIGNALS) if s in signals))
+    probe = override.get("probe_every", "own")
+    return [float(version), float(override.get("every", 0)),
+            _OWN if "per_param" not in override else float(override["per_param"]),
+            _OWN if probe == "own" else float(probe or 0), mask]
+
+
+def decode(values: list[float]) -> tuple[int, dict[str, Any]]:
+    """Inverse of :func:`encode`."""
+    version, every, per_param, probe, mask = (round(v) for v in values)
+    out: dict[str, Any] = {}
+    if every > 0:
+        out["every"] = every
+    if per_param >= 0:
+        out["per_param"] = bool(per_param)
+    if probe >= 0:
+        out["probe_every"] = probe or None
+    if mask == -2:
+        out["signals"] = None
+    elif mask >= 0:
+        out["signals"] = tuple(s for i, s in enumerate(BUILTIN_SIGNALS) if mask >> i & 1)
+    return version, out
+
+
+def _show(values: Mapping[str, Any]) -> str:
+    def one(k: str, v: Any) -> str:
+        if k == "signals":
+            return "all" if v is None else (",".join(v) or "none")
+        if k == "probe_every" and v is None:
+            return "off"
+        return str(v)
+
+    return ", ".join(f"{k}={one(k, v)}" for k, v in values.items())
