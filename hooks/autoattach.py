@@ -1,0 +1,318 @@
+"""``trainvitals run``: watch every optimizer a job steps, with no change to its code.
+
+The start-up shim (``_sitecustomize/sitecustomize.py``, first on the job's
+``PYTHONPATH``) registers one global optimizer pre-step hook
+(``torch.optim.optimizer.register_optimizer_step_pre_hook``) as soon as torch is
+imported; that hook calls :func:`on_step`. At an optimizer's first step:
+
+- its model is found (:func:`find_model`): the module that holds all of the
+  optimizer's parameters and the fewest trainable parameters besides, the
+  outermost of equals (``Net`` rather than its only ``Sequential``; the student
+  rather than a wrapper that also trains a teacher the optimizer does not hold);
+  DDP and ``torch.compile`` wrappers are looked through as by ``attach``. Parameter
+  names are then the ones ``model.named_parameters()`` gives. Parameters spread
+  over modules that no single module holds are watched under a stand-in root whose
+  children are named after their classes;
+- :func:`~trainvitals.hooks.attach.attach` hooks both, configured by the
+  ``TRAINVITALS_*`` environment (docs/configuration.md). The monitor's own hooks
+  take over from this step on;
+- zero-code loss accounting is on where the model's logits can be found
+  (``loss_from_logits=True`` finds an LM head) unless ``TRAINVITALS_LOSS_FROM_LOGITS``
+  says otherwise; a ``GradScaler`` is passed along when the job has exactly one.
+
+Runs: the first optimizer reports as ``$TRAINVITALS_RUN``, each further one as
+``<run>:opt2``, ``<run>:opt3`` (a GAN's two optimizers would otherwise write the same
+series). An optimizer that shares parameters with one already watched (a wrapper
+that steps an inner optimizer) is not watched twice.
+
+Ranks: under a process group (``torchrun`` + ``init_process_group``) each rank
+gets a monitor; they combine their figures and rank 0 sends, as with ``attach``.
+Processes that ``torchrun`` starts but that never form a group train apart: each
+sends its own reports, labelled with the rank from ``$RANK``.
+
+``optimizer.step(closure)`` (LBFGS, Lightning): the closure runs the backward
+inside the step, so the monitor takes the gradients as final after the
+closure's first call (``step_boundary="manual"``).
+
+Nothing here raises into the job: a failure is logged and that optimizer goes
+unwatched.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import re
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainvitals.hooks import distributed
+from trainvitals.hooks.attach import attach
+from trainvitals.hooks.config import ATTACH_ENV, default_run_name, env_name
+from trainvitals.hooks.monitor import Monitor
+from trainvitals.hooks.naming import unwrap
+
+__all__ = ["find_model", "install", "on_step", "watched"]
+
+log = logging.getLogger("trainvitals")
+
+_lock = threading.Lock()
+_watched: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
+_attached = 0  # optimizers watched in this process (names the runs after the first)
+_MAX_ROOTS = 16  # modules a stand-in root gathers at most
+
+
+@dataclass
+class _Watch:
+    monitor: Monitor | None  # None: not watched (shares parameters, or attach failed)
+    params: frozenset[int] = field(default_factory=frozenset)
+
+
+def install() -> Any:
+    """Register the global pre-step hook in this process (what the shim does after
+    torch is imported); returns its handle (``.remove()``)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    return register_optimizer_step_pre_hook(on_step)
+
+
+def watched() -> list[Monitor]:
+    """The monitors attached so far in this process."""
+    return [w.monitor for w in list(_watched.values()) if w.monitor is not None]
+
+
+def on_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The global pre-step hook: attach at an optimizer's first step; for a closure-
+    stepped one, mark the gradients final after the closure's first call. Returns
+    what a pre-step hook may (None, or new args and kwargs); never raises."""
+    try:
+        watch = _watched.get(optimizer)
+        if watch is None:
+            watch = _first_step(optimizer, args, kwargs)
+        monitor = watch.monitor
+        if monitor is not None and monitor.config.step_boundary == "manual":
+            return _wrap_closure(monitor, args, kwargs)
+    except Exception as exc:  # noqa: BLE001 - never into the training loop
+        log.warning("trainvitals run: %s: %s", type(exc).__name__, exc)
+    return None
+
+
+def _first_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Watch:
+    global _attached
+    with _lock:
+        watch = _watched.get(optimizer)
+        if watch is not None:
+            return watch
+        _visible_logs()
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        ids = frozenset(id(p) for p in params)
+        watch = _Watch(None, ids)
+        shared = next((w for w in _watched.values() if w.monitor is not None and w.params & ids), None)
+        if shared is not None:
+            log.info("trainvitals run: %s shares parameters with the optimizer of run %r (a wrapper "
+                     "around it?); not watched twice", type(optimizer).__name__, shared.monitor.run)
+        elif not params:
+            log.info("trainvitals run: %s has no parameters; not watched", type(optimizer).__name__)
+        else:
+            try:
+                watch.monitor = _attach(optimizer, params, _attached + 1, _closure_of(args, kwargs) is not None)
+                _attached += 1
+            except Exception as exc:  # noqa: BLE001
+                log.error("trainvitals run: not watching %s: %s", type(optimizer).__name__, exc)
+        _watched[optimizer] = watch
+        return watch
+
+
+def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: bool) -> Monitor:
+    model, scaler = _find_objects(params)
+    base = os.environ.get(ATTACH_ENV["run"], "").strip() or default_run_name(sys.argv)
+    suffix = "" if index == 1 else f":opt{index}"
+    run = base[: 128 - len(suffix)] + suffix
+    options: dict[str, Any] = {}
+    if closure and not os.environ.get(env_name("step_boundary"), "").strip():
+        options["step_boundary"] = "manual"
+    if not os.environ.get(env_name("loss_from_logits"), "").strip():
+        head = _logits_module(model)
+        if head is not None:
+            options["loss_from_logits"] = head
+    monitor = attach(model, optimizer, run=run, scaler=scaler, **options)
+    where = ""
+    if distributed.world_size() > 1:
+        where = f", rank {monitor.rank} of {monitor.world_size}"
+    else:
+        rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+        if world > 1:  # started by torchrun, but no process group: this rank trains alone
+            monitor.rank = rank
+            where = f", rank {rank} of {world} (no process group: it reports on its own)"
+    log.info("trainvitals run: watching %s (%d parameter tensors of %s) as run %r%s%s",
+             type(optimizer).__name__, len(params), type(unwrap(model)).__name__, run, where,
+             "; loss accounting from the logits of " + _name_in(model, options["loss_from_logits"])
+             if "loss_from_logits" in options else "")
+    return monitor
+
+
+def _visible_logs() -> None:
+    """The job did not configure logging: show trainvitals' own lines (what is watched,
+    live settings applied) on stderr. A job that configures logging gets them its way."""
+    if not logging.getLogger().handlers and not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any] | None:
+    # args[0] is the optimizer itself (torch passes the bound call's args).
+    if callable(kwargs.get("closure")):
+        return kwargs["closure"]
+    if len(args) > 1 and callable(args[1]):
+        return args[1]
+    return None
+
+
+def _wrap_closure(monitor: Monitor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    closure = _closure_of(args, kwargs)
+    if closure is None:
+        return None  # no closure this step: the post-step hook marks the gradients final
+    called = False
+
+    def wrapped() -> Any:
+        nonlocal called
+        out = closure()
+        if not called:
+            called = True
+            try:
+                monitor.gradients_ready()
+            except Exception as exc:  # noqa: BLE001
+                monitor.warn_once("autoattach_closure", "gradients_ready failed: %s", exc)
+        return out
+
+    if callable(kwargs.get("closure")):
+        return args, {**kwargs, "closure": wrapped}
+    return (args[0], wrapped, *args[2:]), kwargs
+
+
+# -- finding the model ---------------------------------------------------------------
+def find_model(params: Iterable[torch.Tensor]) -> nn.Module:
+    """The module whose parameters the optimizer trains (see the module's docstring)."""
+    return _find_objects(list(params))[0]
+
+
+def _find_objects(params: list[torch.Tensor]) -> tuple[nn.Module, Any]:
+    """The model of ``params`` and the job's GradScaler (None unless exactly one is
+    enabled), from one pass over the objects the garbage collector tracks (once per
+    optimizer, at its first step)."""
+    modules: list[nn.Module] = []
+    scalers = []
+    scaler_type = getattr(torch.amp, "GradScaler", None)
+    # type(obj), not isinstance(obj, ...): isinstance reads obj.__class__, which some
+    # objects answer with a deprecation warning (torch.distributed.reduce_op).
+    for obj in gc.get_objects():
+        kind = type(obj)
+        if issubclass(kind, nn.Module):
+            modules.append(obj)
+        elif scaler_type is not None and issubclass(kind, scaler_type):
+            scalers.append(obj)
+    enabled = [s for s in scalers if s.is_enabled()]
+    return _choose_model(modules, params), enabled[0] if len(enabled) == 1 else None
+
+
+def _choose_model(modules: list[nn.Module], params: list[torch.Tensor]) -> nn.Module:
+    want = {id(p) for p in params}
+    children = {id(c) for m in modules for c in m._modules.values() if c is not None}
+    tops = [m for m in modules if id(m) not in children]
+    best = _best_cover(tops, want)
+    if best is not None:
+        return best
+    # No single module holds them all: gather the modules that hold most of them.
+    picked: list[nn.Module] = []
+    left = set(want)
+    while left and len(picked) < _MAX_ROOTS:
+        found = _best_partial(tops, left)
+        if found is None:
+            break
+        picked.append(found)
+        left -= {id(p) for p in found.parameters()}
+    if not picked:
+        raise ValueError("none of its parameters belongs to a torch.nn.Module; use attach() with the model")
+    root = nn.Module()
+    taken: dict[str, int] = {}
+    for m in picked:
+        name = _snake(type(unwrap(m)).__name__)
+        taken[name] = taken.get(name, 0) + 1
+        root.add_module(name if taken[name] == 1 else f"{name}_{taken[name]}", m)
+    log.info("trainvitals run: the optimizer's parameters belong to %d separate modules; they are "
+             "named under %s", len(picked), ", ".join(root._modules))
+    return root
+
+
+def _best_cover(tops: list[nn.Module], want: set[int]) -> nn.Module | None:
+    """Among the modules holding every wanted parameter: the fewest trainable extras,
+    then the outermost."""
+    best: tuple[int, int] | None = None
+    found = None
+    stack = [(m, 0) for m in tops]
+    while stack:
+        m, depth = stack.pop()
+        held = {id(p): p for p in m.parameters()}
+        if not want <= held.keys():
+            continue
+        extra = sum(1 for i, p in held.items() if i not in want and p.requires_grad)
+        if best is None or (extra, depth) < best:
+            best, found = (extra, depth), m
+        stack.extend((c, depth + 1) for c in m.children())
+    return found
+
+
+def _best_partial(tops: list[nn.Module], left: set[int]) -> nn.Module | None:
+    """The module holding the most of ``left`` (outermost first), narrowed to a child
+    that holds as many."""
+    def held(m: nn.Module) -> int:
+        return sum(1 for p in m.parameters() if id(p) in left)
+
+    scored = [(held(m), m) for m in tops]
+    count, best = max(scored, key=lambda x: x[0], default=(0, None))
+    if not count or best is None:
+        return None
+    while True:
+        inner = next((c for c in best.children() if held(c) == count), None)
+        extras = sum(1 for p in best.parameters() if id(p) not in left and p.requires_grad)
+        if inner is None or extras == 0:
+            return best
+        best = inner
+
+
+def _logits_module(model: nn.Module) -> nn.Module | None:
+    from trainvitals.hooks.logits_finder import find_logits_module
+
+    try:
+        return find_logits_module(unwrap(model), True)
+    except (ValueError, TypeError):
+        return None
+
+
+def _name_in(model: nn.Module, module: Any) -> str:
+    for name, m in unwrap(model).named_modules():
+        if m is module:
+            return repr(name)
+    return type(module).__name__
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower() or "module"
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ.get(name, ""))
+    except ValueError:
+        return 0

@@ -1,0 +1,180 @@
+"""Live settings per run: what ``trainvitals configure`` (``PUT /v1/runs/{run}/settings``)
+asked of a running job, until when.
+
+The collector answers each accepted report batch with the settings of the batch's
+runs (``docs/wire.md``, "Live settings"); the job's hooks apply them at their next
+step. Every entry expires (``ttl_seconds``, 1 h by default, at most 7 days): a
+forgotten ``--every 1`` goes back to the job's own settings by itself, and the
+hooks keep the same deadline on their side, so it also ends when the collector is
+gone. With ``state_path`` the entries survive a restart of the collector.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = ["BUILTIN_SIGNALS", "DEFAULT_TTL_SECONDS", "LIVE_FIELDS", "MAX_INTERVAL",
+           "MAX_TTL_SECONDS", "RunSettings", "RunSettingsTable", "SettingsRequest",
+           "parse_request"]
+
+LIVE_FIELDS = ("every", "signals", "per_param", "probe_every")
+"""What may be set: the hooks' options of the same names (trainvitals.hooks.config)."""
+
+BUILTIN_SIGNALS = ("optimizer", "params", "adam")
+"""The hooks' built-in signals (``trainvitals.hooks.config.BUILTIN_SIGNALS``, which
+imports torch; a test checks that the two agree)."""
+
+MAX_INTERVAL = 1_000_000  # steps; the hooks refuse larger intervals
+DEFAULT_TTL_SECONDS = 3600.0
+MAX_TTL_SECONDS = 7 * 86400.0
+
+
+class SettingsRequest(BaseModel):
+    """The body of ``PUT /v1/runs/{run}/settings``. A field left out keeps the job's
+    own value; ``signals: null`` means every built-in signal, ``probe_every: null``
+    turns the probe off."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    every: int = Field(None, ge=1, le=MAX_INTERVAL,  # type: ignore[assignment]
+                       description="Report every N optimizer steps.")
+    signals: list[Literal["optimizer", "params", "adam"]] | None = Field(
+        None, description="Built-in signals to run; null: all.")
+    per_param: bool = Field(None,  # type: ignore[assignment]
+                            description="Per-parameter series for parameters with ndim >= 2.")
+    probe_every: int | None = Field(None, ge=1, le=MAX_INTERVAL,
+                                    description="Per-modality gradient probe interval; null: off.")
+    ttl_seconds: float = Field(DEFAULT_TTL_SECONDS, gt=0, le=MAX_TTL_SECONDS,
+                               description="Seconds until the job goes back to its own settings.")
+
+    @field_validator("every", "per_param", mode="before")
+    @classmethod
+    def _not_null(cls, v: Any) -> Any:
+        if v is None:
+            raise ValueError("null is not a value here; leave the field out to keep the job's own")
+        return v
+
+    @field_validator("ttl_seconds", mode="before")
+    @classmethod
+    def _finite(cls, v: Any) -> Any:
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError("must be a finite number of seconds")
+        return v
+
+    def values(self) -> dict[str, Any]:
+        """The settings given (the override), in the hooks' field names."""
+        out = {}
+        for name in LIVE_FIELDS:
+            if name in self.model_fields_set:
+                v = getattr(self, name)
+                out[name] = [s for s in BUILTIN_SIGNALS if s in v] if name == "signals" and v else v
+        return out
+
+
+def parse_request(data: Any) -> SettingsRequest:
+    """Validate a PUT body; ValueError with one line per problem, each naming its field."""
+    try:
+        req = SettingsRequest.model_validate(data)
+    except ValidationError as exc:
+        problems = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: "
+                    f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors(include_url=False)]
+        raise ValueError("; ".join(problems)) from None
+    if not req.values():
+        raise ValueError(f"no settings given: set one of {', '.join(LIVE_FIELDS)} "
+                         "(DELETE goes back to the job's own settings)")
+    return req
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """One run's live settings: the override, when set and until when (Unix seconds)."""
+
+    values: dict[str, Any]
+    set_at: float
+    expires_at: float
+
+    def answer(self, now: float) -> dict[str, Any]:
+        """The entry sent to the job: the override and the seconds it has left (relative,
+        so the job's clock does not matter)."""
+        return {**self.values, "expires_in": round(max(self.expires_at - now, 0.0), 3)}
+
+    def public(self, now: float) -> dict[str, Any]:
+        """What ``/v1/runs`` and the settings endpoints show."""
+        return {**self.values, "set_at": self.set_at, "expires_at": self.expires_at,
+                "expires_in": round(max(self.expires_at - now, 0.0), 3)}
+
+
+class RunSettingsTable:
+    """The live settings of every run; thread-safe. ``state`` (a
+    :class:`~trainvitals.monitor.state_db.StateDB`) keeps them across restarts."""
+
+    def __init__(self, state: Any = None, *, clock: Any = time.time) -> None:
+        self._state = state
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._runs: dict[str, RunSettings] = {}
+        if state is not None:
+            now = clock()
+            for run, values, set_at, expires_at in state.load_run_settings():
+                if expires_at > now:
+                    self._runs[run] = RunSettings(values, set_at, expires_at)
+                else:
+                    state.delete_run_settings(run)
+
+    def set(self, run: str, values: dict[str, Any], ttl_seconds: float) -> RunSettings:
+        now = self._clock()
+        entry = RunSettings(dict(values), now, now + ttl_seconds)
+        if self._state is not None:
+            self._state.save_run_settings(run, entry.values, entry.set_at, entry.expires_at)
+        with self._lock:
+            self._runs[run] = entry
+        return entry
+
+    def clear(self, run: str) -> bool:
+        """Back to the job's own settings; False when the run had none."""
+        with self._lock:
+            had = self._runs.pop(run, None)
+        if had is not None and self._state is not None:
+            self._state.delete_run_settings(run)
+        return had is not None
+
+    def get(self, run: str) -> RunSettings | None:
+        """The run's settings, or None (none set, or expired)."""
+        if not self._runs:
+            return None
+        return self._live({run}, self._clock()).get(run)
+
+    def answer(self, runs: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """The ``settings`` part of the answer to a batch from ``runs``: an entry per
+        run that has live settings (none: the job uses its own)."""
+        if not self._runs:  # the common case, without a lock or a clock read
+            return {}
+        now = self._clock()
+        return {run: s.answer(now) for run, s in self._live(set(runs), now).items()}
+
+    def _live(self, runs: set[str], now: float) -> dict[str, RunSettings]:
+        expired = []
+        out = {}
+        with self._lock:
+            for run in runs:
+                s = self._runs.get(run)
+                if s is None:
+                    continue
+                if s.expires_at <= now:
+                    del self._runs[run]
+                    expired.append(run)
+                else:
+                    out[run] = s
+        if self._state is not None:
+            for run in expired:
+                self._state.delete_run_settings(run)
+        return out
