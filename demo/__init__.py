@@ -59,7 +59,8 @@ def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
     from trainvitals.monitor.settings import Settings
 
     torch.set_num_threads(1)
-    settings = Settings(port=port, rules="default", log_level="warning")
+    # state_path=None: a throwaway collector keeps no state file (nor shares one).
+    settings = Settings(port=port, rules="default", log_level="warning", state_path=None)
     app = create_app(settings)
     result: dict = {"fired_at": None, "resolved_at": None, "rows": []}
     try:

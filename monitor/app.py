@@ -7,6 +7,7 @@ The parts live in ``app.state`` (the routes read them through
   :mod:`~trainvitals.monitor.request_body`),
 - ``GET /metrics`` (:mod:`~trainvitals.monitor.routes_metrics`),
 - ``GET /v1/runs`` (:mod:`~trainvitals.monitor.routes_runs`),
+- ``PUT/GET/DELETE /v1/runs/{run}/settings`` (:mod:`~trainvitals.monitor.routes_configure`),
 - ``GET /v1/alerts`` (:mod:`~trainvitals.monitor.routes_alerts`),
 - ``GET /healthz``, ``GET /readyz`` (:mod:`~trainvitals.monitor.routes_health`).
 
@@ -31,6 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from trainvitals.alerts import AlertService, NotifierConfigError, RuleError
 from trainvitals.monitor import (
     routes_alerts,
+    routes_configure,
     routes_health,
     routes_ingest,
     routes_metrics,
@@ -38,6 +40,7 @@ from trainvitals.monitor import (
 )
 from trainvitals.monitor.auth import ReadAuthMiddleware
 from trainvitals.monitor.exposition import ReportCounter, StoreCollector
+from trainvitals.monitor.run_settings import RunSettingsTable
 from trainvitals.monitor.settings import Settings, SettingsError
 from trainvitals.monitor.state_db import StateDB
 from trainvitals.monitor.store import SeriesStore
@@ -77,8 +80,17 @@ def create_app(
             raise SettingsError(str(exc)) from None
         for run, seen, step, ended in state.load_runs():
             store.restore_run(run, step, seen, ended)
+        for run, rank, sender, floor, seqs in state.load_seqs():
+            store.restore_seqs(run, rank, sender, floor, seqs)
+        # Before the answer goes out: a retry after a crash or restart is still a duplicate.
+        store.on_ingest(state.record_seqs)
     if alerts is None:
-        alerts = _alert_service(settings, state)
+        try:
+            alerts = _alert_service(settings, state)
+        except SettingsError:
+            if state is not None:
+                state.close()  # release the file's lock: this app will never run
+            raise
     # Rules are evaluated as reports arrive (cheap, no I/O); notifiers send from their own threads.
     store.on_ingest(alerts.observe_batch)
     exporter.register_family_source(alerts.metric_families)
@@ -107,7 +119,9 @@ def create_app(
     app.state.alerts = alerts
     app.state.ready = False
     app.state.state_db = state
-    for module in (routes_ingest, routes_metrics, routes_runs, routes_alerts, routes_health):
+    app.state.run_settings = RunSettingsTable(state)  # live settings (trainvitals configure)
+    for module in (routes_ingest, routes_metrics, routes_runs, routes_configure, routes_alerts,
+                   routes_health):
         app.include_router(module.router)
     if settings.read_token is not None:
         app.add_middleware(ReadAuthMiddleware, token=settings.read_token.get_secret_value())

@@ -46,8 +46,15 @@ def main() -> None:
     default=None,
     help="File holding the bearer token clients must send.",
 )
+@click.option(
+    "--state-path",
+    default=None,
+    help="SQLite file for durable state, or 'memory'.  "
+    "[default: $XDG_STATE_HOME/trainvitals/collector.sqlite3]",
+)
 def serve(
-    config_file: Path | None, host: str | None, port: int | None, token_file: Path | None
+    config_file: Path | None, host: str | None, port: int | None, token_file: Path | None,
+    state_path: str | None,
 ) -> None:
     """Run the collector: ingest reports, serve /metrics."""
     import resource
@@ -59,7 +66,8 @@ def serve(
     from trainvitals.monitor.server import bind, uvicorn_config
 
     try:
-        settings = Settings.from_file(config_file, host=host, port=port, token_file=token_file)
+        settings = Settings.from_file(config_file, host=host, port=port, token_file=token_file,
+                                      state_path=state_path)
     except SettingsError as exc:
         raise click.ClickException(str(exc)) from None
     logging.basicConfig(
@@ -87,12 +95,14 @@ def serve(
     auth = "bearer token required" if settings.auth_required else "no authentication"
     reads = "read token required" if settings.read_auth_required else "open"
     state = f"state in {settings.state_path}" if settings.state_path else (
-        "state in memory only: set state_path to keep alerts across restarts")
+        "state in memory only: a restart forgets runs, alerts and notifications sent")
     click.echo(
         f"trainvitals collector on {scheme}://{shown}:{bound} "
         f"(POST /v1/reports: {auth}; GET /metrics, /v1/*: {reads}; {state})"
     )
-    uvicorn.Server(uvicorn_config(app, settings)).run(sockets=[sock])
+    config = uvicorn_config(app, settings)  # configures uvicorn's loggers and handlers
+    logs.install()  # so their lines are redacted and bounded too
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 @main.command()
@@ -226,9 +236,12 @@ def _batches(file: Path, size: int) -> Iterator[tuple[int, int, list[bytes]]]:
 def _add_subcommands() -> None:
     from trainvitals.alerts.cli import rules
     from trainvitals.demo import demo
+    from trainvitals.monitor.cli_run import configure, run
 
     main.add_command(rules)
     main.add_command(demo)
+    main.add_command(run)
+    main.add_command(configure)
 
 
 _add_subcommands()

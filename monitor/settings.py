@@ -12,15 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-__all__ = ["DEFAULT_PORT", "ENV_PREFIX", "Settings", "SettingsError"]
+__all__ = ["DEFAULT_PORT", "ENV_PREFIX", "STATE_OFF", "Settings", "SettingsError", "default_state_path"]
 
 ENV_PREFIX = "TRAINVITALS_"
 DEFAULT_PORT = 9477  # 9400 is DCGM exporter's, often on the same GPU nodes
 MiB = 1024 * 1024  # mebibyte
+# state_path values that keep the state in memory only (case-insensitive; YAML null too).
+STATE_OFF = ("", "none", "null", "memory", ":memory:", "off")
 
 # What Settings.from_file read, seen by the file source during one construction.
 _FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
@@ -30,6 +32,15 @@ _FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextV
 
 class SettingsError(ValueError):
     """The configuration is invalid; the message names the file or variable and the field."""
+
+
+def default_state_path() -> Path:
+    """Where the collector keeps its state unless told otherwise: the XDG state folder,
+    ``$XDG_STATE_HOME/trainvitals/collector.sqlite3`` (``~/.local/state/...`` when unset)."""
+    base = os.environ.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(base):  # the XDG spec: a relative value is ignored
+        base = os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "trainvitals" / "collector.sqlite3"
 
 
 class _FileSource(PydanticBaseSettingsSource):
@@ -81,8 +92,11 @@ class Settings(BaseSettings):
         None, description="File holding the read token (surrounding whitespace stripped)."
     )
     state_path: Path | None = Field(
-        None, description="SQLite file for alert state, notifications sent and runs, so a "
-        "restart resolves what cleared and does not page twice; none: kept in memory only."
+        default_factory=default_state_path,
+        description="SQLite file for runs, alert states, notifications sent and the reports "
+        "already applied, so a restart resolves what cleared, does not page twice and applies "
+        "a retried report once. Default: $XDG_STATE_HOME/trainvitals/collector.sqlite3 "
+        "(~/.local/state/...); 'memory' (or none, null, '') keeps state in memory only.",
     )
     body_timeout_seconds: float = Field(
         30.0, gt=0, description="A request body must arrive within this many seconds (408)."
@@ -107,6 +121,15 @@ class Settings(BaseSettings):
     )
     alerts: dict[str, Any] | None = Field(None, description="Alert engine options.")
     notifiers: list[dict[str, Any]] | None = Field(None, description="Notifier configs.")
+
+    @field_validator("state_path", mode="before")
+    @classmethod
+    def _state_path(cls, value: Any) -> Any:
+        if value is None or (isinstance(value, str) and value.strip().lower() in STATE_OFF):
+            return None
+        if isinstance(value, (str, os.PathLike)):
+            return Path(value).expanduser()
+        return value
 
     @model_validator(mode="after")
     def _read_token_files(self) -> Settings:

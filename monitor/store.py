@@ -272,6 +272,20 @@ class SeriesStore:
                                    n_series=2 + ended)
             self._series_count += 2 + ended
 
+    def restore_seqs(self, run: str, rank: int, sender: str, floor: int, seqs: list[int]) -> None:
+        """Bring back the reports a sender had applied before a restart: every ``seq`` at or
+        below ``floor``, and those in ``seqs`` (for a run already restored; else nothing)."""
+        with self._lock:
+            r = self._runs.get(run)
+            if r is None:
+                return
+            known = r.seqs.get((rank, sender))
+            if known is None:
+                known = r.seqs[(rank, sender)] = _Seqs()
+            known.floor = max(known.floor, floor)
+            for seq in sorted(seqs):
+                known.add(seq)
+
     def ingest(self, batch: ReportBatch, now: float | None = None) -> int:
         """Apply a validated batch atomically; return the number of reports applied.
 

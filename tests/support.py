@@ -185,9 +185,12 @@ def running_collector(settings: Settings | None = None, *, store: SeriesStore | 
                       **fields: Any) -> Iterator[Collector]:
     """A real collector: ``create_app`` served by uvicorn on a thread of this process,
     127.0.0.1, port 0. Its settings are ``settings``, else ``Settings(**fields)`` (the
-    environment fills the rest: the suite removes developers' TRAINVITALS_* variables)."""
+    environment fills the rest: the suite removes developers' TRAINVITALS_* variables);
+    state in memory unless ``state_path`` is given (the default is a per-user file that
+    tests must never share)."""
     if settings is not None and fields:
         raise TypeError(f"give settings or settings fields, not both (fields: {sorted(fields)})")
+    fields.setdefault("state_path", None)
     app = create_app(settings if settings is not None else Settings(**fields), store=store)
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=10) as client:
         yield Collector(url, app, client)

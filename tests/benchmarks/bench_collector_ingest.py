@@ -33,7 +33,7 @@ import sys, uvicorn
 from trainvitals.monitor.app import create_app, tune_gc
 from trainvitals.monitor.server import uvicorn_config
 from trainvitals.monitor.settings import Settings
-settings = Settings(port=int(sys.argv[1]), log_level="warning")
+settings = Settings(port=int(sys.argv[1]), log_level="warning", state_path=None)
 app = create_app(settings)
 tune_gc()
 uvicorn.Server(uvicorn_config(app, settings)).run()

@@ -68,7 +68,7 @@ CASES: dict[str, tuple[bytes, str, str]] = {
 def collector():
     """A collector with a notifier (so the notification families are on /metrics)."""
     with Recorder() as rec:
-        settings = Settings(notifiers=[{"type": "webhook", "url": rec.url}])
+        settings = Settings(notifiers=[{"type": "webhook", "url": rec.url}], state_path=None)
         with serve_in_thread(create_app(settings)) as url, httpx.Client(base_url=url, timeout=10) as c:
             assert c.post("/v1/reports", content=body(report("seed", 3)), headers=JSON).status_code == 202
             yield c
@@ -133,9 +133,13 @@ def test_one_large_body_does_not_stall_the_event_loop(collector):
     done = threading.Event()
     url = str(collector.base_url)
 
+    took: list[float] = []
+
     def post() -> None:
         with httpx.Client(base_url=url, timeout=120) as c:
+            t0 = time.perf_counter()
             c.post("/v1/reports", content=big, headers=JSON)
+            took.append(time.perf_counter() - t0)
         done.set()
 
     threading.Thread(target=post, daemon=True).start()
@@ -145,4 +149,7 @@ def test_one_large_body_does_not_stall_the_event_loop(collector):
         assert collector.get("/healthz").status_code == 200
         worst = max(worst, time.perf_counter() - t0)
         time.sleep(0.02)
-    assert worst < 0.5, f"/healthz took {worst:.2f} s while a large body was ingested"
+    # Relative to the ingest's own time, so a loaded machine (both stretch) does not fail
+    # it: on the event loop, /healthz would wait for the whole ingest. What remains is the
+    # GIL held by one msgspec decode of 100,000 samples (about a fifth of the ingest).
+    assert worst < 0.5 * took[0], f"/healthz took {worst:.2f} s while a {took[0]:.2f} s ingest ran"

@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 import torch
 
 from tests.collector.helpers import Recorder, body, report
@@ -20,7 +21,7 @@ from trainvitals.hooks.sinks import HttpSink
 from trainvitals.hooks.step import StepContext
 from trainvitals.monitor.app import create_app
 from trainvitals.monitor.server import serve_in_thread
-from trainvitals.monitor.settings import Settings
+from trainvitals.monitor.settings import Settings, SettingsError
 
 JSON = {"Content-Type": "application/json"}
 
@@ -37,7 +38,7 @@ RULES = """\
 def test_a_retried_body_is_applied_once_and_the_answer_names_the_duplicates():
     event = {"kind": "optimizer_state_reset", "detail": "test"}
     one = report("idem", 5, events=[event], sender="s1", seq=7)
-    with serve_in_thread(create_app(Settings())) as url, httpx.Client(base_url=url) as c:
+    with serve_in_thread(create_app(Settings(state_path=None))) as url, httpx.Client(base_url=url) as c:
         first = c.post("/v1/reports", content=body(one), headers=JSON).json()
         again = c.post("/v1/reports", content=body(one, {**one, "seq": 8}), headers=JSON).json()
         [alert] = [a for a in c.get("/v1/alerts").json() if a["alertname"] == "OptimizerStateReset"]
@@ -72,7 +73,7 @@ class _Slow:
 
 def test_a_collector_answering_in_5s_still_receives_every_report_once():
     """The client's timeout is 5 s: it used to time out for ever, resending growing batches."""
-    app = create_app(Settings())
+    app = create_app(Settings(state_path=None))
     with serve_in_thread(_Slow(app, 5.0), settings=app.state.settings) as url:
         sender = Sender(HttpSink(url), backoff=(0.05, 0.5))
         for step in range(1, 41):
@@ -159,3 +160,43 @@ def test_a_run_silent_across_a_restart_gets_run_silent(tmp_path):
                             10, "RunSilent")
     assert runs["died"]["step"] == 9 and runs["done"]["ended"] is True
     assert [(a["alertname"], a["labels"]["run"]) for a in firing] == [("RunSilent", "died")]
+
+
+def test_a_retry_straddling_a_restart_is_applied_once(tmp_path):
+    """The answer to seq 41 is lost, the collector is killed and restarted, the client
+    retries: the kept duplicate memory recognises it. In memory only it is applied twice."""
+    event = {"kind": "optimizer_state_reset", "detail": "retried"}
+    one = report("straddle", 5, events=[event], sender="s1", seq=41)
+    answers = {}
+    for state in ("file", "memory"):
+        config = tmp_path / f"{state}.yaml"
+        config.write_text(f"state_path: {tmp_path / 'state.sqlite3' if state == 'file' else 'memory'}\n")
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with open(tmp_path / f"{state}.log", "wb") as log:
+            proc = _serve(config, port, log)
+            first = httpx.post(url + "/v1/reports", content=body(one), headers=JSON).json()
+            assert first == {"accepted": 1, "duplicates": []}
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            proc = _serve(config, port, log)
+            try:
+                again = httpx.post(url + "/v1/reports", content=body(one, {**one, "seq": 42}), headers=JSON)
+                text = httpx.get(url + "/metrics").text
+            finally:
+                proc.terminate()
+                proc.wait(10)
+        answers[state] = (again.json(), 'trainvitals_collector_reports_total{outcome="duplicate"} 1.0' in text)
+    assert answers["file"] == ({"accepted": 1, "duplicates": [0]}, True)
+    assert answers["memory"] == ({"accepted": 2, "duplicates": []}, False)
+
+
+def test_two_collectors_cannot_share_a_state_file(tmp_path):
+    settings = Settings(state_path=tmp_path / "state.sqlite3")
+    first = create_app(settings)
+    with pytest.raises(SettingsError) as refused:
+        create_app(settings)
+    assert f"state_path '{tmp_path / 'state.sqlite3'}' is in use by another running collector (pid " \
+           f"{os.getpid()})" in str(refused.value)
+    first.state.state_db.close()
+    create_app(settings).state.state_db.close()  # free again once the first one closed it

@@ -142,7 +142,7 @@ LIMITS = dict(
 @pytest.fixture(scope="module")
 def guarded():
     """A collector with a token and small limits, holding one accepted report."""
-    with running_collector(Settings(**LIMITS)) as collector:
+    with running_collector(Settings(**LIMITS, state_path=None)) as collector:
         c = collector.client
         seeded = c.post(
             "/v1/reports", content=encode(make_body(make_report("seed", 7))), headers=JSON

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 
 import httpx
@@ -63,7 +64,7 @@ def test_replay_with_token(tmp_path):
     path = write_jsonl(tmp_path / "run.jsonl", [make_report("a", 1)])
     token_file = tmp_path / "token"
     token_file.write_text("tok\n")
-    with running_collector(Settings(token="tok")) as collector:
+    with running_collector(Settings(token="tok", state_path=None)) as collector:
         url = collector.url
         refused = CliRunner().invoke(main, ["replay", path, "--collector", url])
         assert refused.exit_code == 1
@@ -80,7 +81,7 @@ def test_replay_with_token(tmp_path):
 def test_replay_reports_a_refusal_with_lines_and_detail(tmp_path):
     reports = [make_report("a", i, [make_sample("param_max", 1.0, param=f"p{i}")]) for i in range(6)]
     path = write_jsonl(tmp_path / "run.jsonl", reports)
-    with running_collector(Settings(max_series=5)) as collector:
+    with running_collector(Settings(max_series=5, state_path=None)) as collector:
         result = CliRunner().invoke(main, ["replay", path, "--collector", collector.url, "--batch-size", "2"])
     assert result.exit_code == 1
     assert "refused lines 3-4" in result.output and "series limit" in result.output
@@ -113,8 +114,11 @@ def test_serve_runs_the_collector(tmp_path):
     token_file.write_text("tok-5f3a9c")
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-c", "from trainvitals.monitor.cli import main; main()"]
+    # The default state file lives under XDG_STATE_HOME: here, this test's folder.
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg")}
     with running_process([*cmd, "serve", "--port", str(port), "--token-file", str(token_file)], log=log,
-                         ready_url=f"http://127.0.0.1:{port}/readyz", what="trainvitals serve", timeout=60), \
+                         ready_url=f"http://127.0.0.1:{port}/readyz", what="trainvitals serve", timeout=60,
+                         env=env), \
             httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as c:
         assert c.post("/v1/reports", json=make_body()).status_code == 401
         ok = c.post(
@@ -123,4 +127,6 @@ def test_serve_runs_the_collector(tmp_path):
         assert ok.status_code == 202
     out = log.read_text()
     assert f"http://127.0.0.1:{port}" in out
+    state = tmp_path / "xdg" / "trainvitals" / "collector.sqlite3"
+    assert f"state in {state}" in out and state.is_file()
     assert "tok-5f3a9c" not in out

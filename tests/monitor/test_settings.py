@@ -117,3 +117,25 @@ def test_bad_token_file(tmp_path, content, match):
 def test_limits_are_validated():
     with pytest.raises(SettingsError, match="max_body_bytes: Input should be greater than 0"):
         Settings.from_file(None, max_body_bytes=0)
+
+
+def test_state_is_durable_by_default_in_the_xdg_state_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    assert Settings().state_path == tmp_path / "trainvitals" / "collector.sqlite3"
+    monkeypatch.setenv("XDG_STATE_HOME", "relative/ignored")  # the XDG spec: absolute only
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert Settings().state_path == tmp_path / "home" / ".local" / "state" / "trainvitals" / "collector.sqlite3"
+
+
+@pytest.mark.parametrize("off", ["memory", "none", "None", "", ":memory:", "off"])
+def test_state_path_memory_turns_the_file_off_from_file_env_and_argument(off, tmp_path, monkeypatch):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"state_path: '{off}'\n")
+    assert Settings.from_file(config).state_path is None
+    monkeypatch.setenv("TRAINVITALS_STATE_PATH", off)
+    assert Settings().state_path is None
+    monkeypatch.delenv("TRAINVITALS_STATE_PATH")
+    assert Settings(state_path=off).state_path is None
+    config.write_text("state_path: null\n")
+    assert Settings.from_file(config).state_path is None
+    assert Settings.from_file(config, state_path="~/s.db").state_path.name == "s.db"
