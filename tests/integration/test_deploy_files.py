@@ -37,6 +37,7 @@ SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 COMPOSE_FILES = [DEPLOY / "compose.yaml", DEPLOY / "scale-out" / "compose.scale-out.yaml"]
 PROMETHEUS_CONFIGS = [DEPLOY / "prometheus.yml", DEPLOY / "scale-out" / "prometheus-sharded.yml",
                       DEPLOY / "scale-out" / "prometheus-remote-write.yml"]
+STATE_FILE = "/var/lib/trainvitals/collector.sqlite3"  # on a volume in every deployment
 COLLECTOR_CONFIGS = [DEPLOY / "collector.yaml", DEPLOY / "systemd" / "collector.yaml",
                      DEPLOY / "scale-out" / "collector-stateless.yaml"]
 
@@ -133,8 +134,14 @@ def test_collector_settings_build_a_collector(name: str, text: str, tmp_path: Pa
     path.write_text(text)
     settings = Settings.from_file(path)
     assert settings.port == DEFAULT_PORT, name
+    # Every shipped config says where its state goes: the image's state volume, or memory.
+    declared = yaml.safe_load(text)["state_path"]
+    assert declared == "memory" or settings.state_path == Path(STATE_FILE), (name, declared)
+    # Built here with its state in this test's folder (never a shared file).
+    settings = Settings.from_file(path, state_path=str(tmp_path / "state.sqlite3"))
     app = create_app(settings)  # rules and notifiers are validated here
     assert app.state.settings is settings
+    app.state.state_db.close()
 
 
 # -- compose and Grafana provisioning ------------------------------------------------------
@@ -199,6 +206,10 @@ def test_compose_wires_the_stack_together() -> None:
                     f"{name}: reads {path}, which no volume provides"
     # The prometheus rule glob resolves inside the container to the mounted rules.
     assert ("./rules", "/etc/prometheus/rules") in _mounts(base["prometheus"])
+    # The collector's state file is on a named volume (it survives `compose down`/up).
+    state_dir = str(Path(collector["state_path"]).parent)
+    (source,) = [s for s, t in _mounts(base["collector"]) if t == state_dir]
+    assert source in yaml.safe_load(COMPOSE_FILES[0].read_text())["volumes"]
 
 
 def test_grafana_provisioning_points_at_the_dashboards_and_prometheus() -> None:
@@ -226,7 +237,8 @@ def _kustomize() -> list[dict[str, Any]]:
 
 def test_kubernetes_manifests_build_and_fit_together() -> None:
     docs = {d["kind"]: d for d in _kustomize()}
-    assert set(docs) == {"ConfigMap", "Deployment", "Service", "ServiceMonitor", "PrometheusRule"}
+    assert set(docs) == {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "ServiceMonitor",
+                         "PrometheusRule"}
     deployment, service, monitor = docs["Deployment"], docs["Service"], docs["ServiceMonitor"]
     pod = deployment["spec"]["template"]
     (container,) = pod["spec"]["containers"]
@@ -242,11 +254,18 @@ def test_kubernetes_manifests_build_and_fit_together() -> None:
     assert container_ports == {"http": DEFAULT_PORT}
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
-    (volume,) = pod["spec"]["volumes"]
-    assert volume["configMap"]["name"] == docs["ConfigMap"]["metadata"]["name"]
-    (mount,) = container["volumeMounts"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert set(volumes) == set(mounts) == {"config", "state"}
+    assert volumes["config"]["configMap"]["name"] == docs["ConfigMap"]["metadata"]["name"]
     config_arg = container["args"][container["args"].index("--config") + 1]
-    assert config_arg == f"{mount['mountPath']}/collector.yaml" and "collector.yaml" in docs["ConfigMap"]["data"]
+    assert config_arg == f"{mounts['config']}/collector.yaml" and "collector.yaml" in docs["ConfigMap"]["data"]
+    # The state file lives on the claim, writable by the pod's user (fsGroup).
+    state_path = yaml.safe_load(docs["ConfigMap"]["data"]["collector.yaml"])["state_path"]
+    assert Path(state_path).parent == Path(mounts["state"])
+    claim = volumes["state"]["persistentVolumeClaim"]["claimName"]
+    assert claim == docs["PersistentVolumeClaim"]["metadata"]["name"]
+    assert pod["spec"]["securityContext"]["fsGroup"] == pod["spec"]["securityContext"]["runAsGroup"]
     assert docs["PrometheusRule"]["spec"] == yaml.safe_load(_exported_rules())
 
 
@@ -313,7 +332,7 @@ def test_entrypoint_serves_without_torch_and_the_healthcheck_sees_it(tmp_path: P
     itself, passing while the collector answers and failing once it is gone."""
     port = free_port()
     env = {**os.environ, "TRAINVITALS_HOST": "127.0.0.1", "TRAINVITALS_PORT": str(port),
-           "TRAINVITALS_LOG_LEVEL": "warning"}
+           "TRAINVITALS_LOG_LEVEL": "warning", "TRAINVITALS_STATE_PATH": str(tmp_path / "state.sqlite3")}
     no_torch = ("import sys; sys.modules['torch'] = None; "
                 "from trainvitals.monitor.cli import main; main()")
     log = tmp_path / "collector.log"
@@ -345,6 +364,10 @@ def test_systemd_unit_verifies_and_its_command_parses(tmp_path: Path) -> None:
     assert argv[0] == "serve"
     ctx = serve.make_context("serve", argv[1:])
     assert ctx.params["config_file"] == DEPLOY / "systemd" / "collector.yaml"
+    # The state file is in the unit's StateDirectory (created for the dynamic user, kept).
+    state_dir = re.search(r"^StateDirectory=(\S+)$", text, re.M).group(1)  # type: ignore[union-attr]
+    state_path = yaml.safe_load((DEPLOY / "systemd" / "collector.yaml").read_text())["state_path"]
+    assert Path(state_path).parent == Path("/var/lib") / state_dir
     # systemd-analyze checks the executable exists: point it at this environment's.
     here = shutil.which("trainvitals") or str(Path(sys.executable).parent / "trainvitals")
     local = tmp_path / unit_path.name
