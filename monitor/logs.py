@@ -1,6 +1,7 @@
 """The collector's log hygiene: secrets redacted, repeated errors bounded.
 
-:func:`install` puts two filters on the root handlers ``serve`` configures:
+:func:`install` puts two filters on the root handlers ``serve`` configures and on
+uvicorn's own (its access log shows request paths, query strings included):
 
 - :class:`RedactFilter`: every line passes through :func:`trainvitals.wire.redact.redact`
   (URL passwords, ``?token=`` values) and the secrets the notifiers registered;
@@ -22,19 +23,31 @@ from trainvitals.wire.redact import redact
 __all__ = ["RedactFilter", "RepeatFilter", "install"]
 
 
+def _clean(text: str) -> str:
+    return redact_secrets(redact(text))
+
+
 class RedactFilter(logging.Filter):
-    """Rewrites a record's message with secrets replaced by ``***``."""
+    """Rewrites a record's message with secrets replaced by ``***``.
+
+    String arguments are cleaned in place, so formatters that read ``record.args``
+    (uvicorn's access log: client, method, path, ...) still work; a secret hidden in
+    another argument (an exception, a URL object) collapses the message into one clean
+    string.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and record.args:
+            record.args = tuple(_clean(a) if isinstance(a, str) else a for a in record.args)
         try:
             message = record.getMessage()
         except Exception:  # a bad format string: leave it to the handler
             return True
-        clean = redact_secrets(redact(message))
+        clean = _clean(message)
         if record.exc_info and record.exc_text is None:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:
-            record.exc_text = redact_secrets(redact(record.exc_text))
+            record.exc_text = _clean(record.exc_text)
         if clean != message:
             record.msg, record.args = clean, ()
         return True
@@ -68,8 +81,18 @@ class RepeatFilter(logging.Filter):
             return slot[1] <= self.burst
 
 
+# Loggers with handlers of their own (uvicorn configures them when its Config is built).
+_OWN_HANDLERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
+
+
 def install(burst: int = 5, window: float = 60.0) -> None:
-    """Add the filters to every handler of the root logger (call after basicConfig)."""
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(RedactFilter())
-        handler.addFilter(RepeatFilter(burst, window))
+    """Add the filters to every handler of the root logger and of uvicorn's loggers.
+
+    Call after ``basicConfig`` and again once uvicorn's configuration is built (it adds
+    its own handlers, the access log's among them); a handler is never filtered twice.
+    """
+    loggers = [logging.getLogger()] + [logging.getLogger(name) for name in _OWN_HANDLERS]
+    for handler in {h for lg in loggers for h in lg.handlers}:
+        if not any(isinstance(f, RedactFilter) for f in handler.filters):
+            handler.addFilter(RedactFilter())
+            handler.addFilter(RepeatFilter(burst, window))

@@ -1,0 +1,66 @@
+"""Half-open connections: 300 sockets that connect and send nothing do not keep the
+collector from answering, are closed after header_timeout_seconds, and its log stays a
+few lines (`trainvitals serve`, as deployed)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+
+from tests.collector.helpers import body, promtool_clean, report
+from tests.collector.test_restart import _serve
+from tests.support import free_port, wait_until
+
+JSON = {"Content-Type": "application/json"}
+HALF_OPEN = 300
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    try:
+        return s.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset: closed too
+        return True
+
+
+def test_half_open_connections_neither_block_requests_nor_flood_the_log(tmp_path):
+    config = tmp_path / "collector.yaml"
+    config.write_text("state_path: memory\nheader_timeout_seconds: 2\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = _serve(config, port, log)
+        socks: list[socket.socket] = []
+        try:
+            for _ in range(HALF_OPEN):
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                s.setblocking(False)
+                socks.append(s)
+            t0 = time.perf_counter()
+            with httpx.Client(base_url=url, timeout=5) as c:
+                assert c.get("/healthz").status_code == 200
+                answer = c.post("/v1/reports", content=body(report("through", 2)), headers=JSON)
+                took = time.perf_counter() - t0
+                assert answer.status_code == 202, answer.text
+                # The collector closes them all once their headers are late (2 s here).
+                wait_until(lambda: all(_closed_by_peer(s) for s in socks), 20, "half-open connections closed")
+                # A second wave is served and closed the same way; the collector still answers.
+                for s in socks:
+                    s.close()
+                socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(HALF_OPEN)]
+                assert c.get("/readyz").status_code == 200
+                metrics = c.get("/metrics").content
+        finally:
+            for s in socks:
+                s.close()
+            proc.terminate()
+            proc.wait(10)
+    assert took < 2.0, f"a request took {took:.2f} s beside {HALF_OPEN} half-open connections"
+    assert b'trainvitals_step{run="through"} 2.0' in metrics
+    promtool_clean(metrics)
+    lines = log_path.read_text().splitlines()
+    assert len(lines) < 20, "\n".join(lines[:40])
