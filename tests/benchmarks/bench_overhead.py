@@ -106,11 +106,14 @@ def main(argv: list[str] | None = None) -> None:
     what = f"signals={args.signals} every={args.every}" + (" +track_loss(output)" if args.track_loss else "") + (
         " +zero_code" if args.zero_code else "") + (
         " +observe_logits" if args.observe_logits else "")
-    print(f"{what}: unmonitored mean {statistics.fmean(base_all) * 1e3:.1f} ms/step, "
-          f"monitored {statistics.fmean(mon_all) * 1e3:.1f} ms/step")
-    print(f"overhead ratio (median of {len(ratios)} interleaved blocks x {args.steps} steps, block totals): "
-          f"{statistics.median(ratios):.4f}x  (min {min(ratios):.4f}, max {max(ratios):.4f})")
-
+    ratio = statistics.median(ratios)
+    width = max(len(what), 12)
+    print(f"{'configuration':<{width}} {'ms/step':>9} {'ratio median':>13} {'min':>7} {'max':>7}")
+    print(f"{'unmonitored':<{width}} {statistics.median(base_all) * 1e3:9.1f} {'1.000':>13}")
+    print(f"{what:<{width}} {statistics.median(mon_all) * 1e3:9.1f} {ratio:13.4f} {min(ratios):7.4f} {max(ratios):7.4f}")
+    print(f"({len(ratios)} interleaved blocks x {args.steps} steps; ratio of block totals)")
+    print(f"ratio={ratio:.4f} ratio_min={min(ratios):.4f} ratio_max={max(ratios):.4f} "
+          f"unmonitored_ms={statistics.median(base_all) * 1e3:.1f} monitored_ms={statistics.median(mon_all) * 1e3:.1f}")
 
 if __name__ == "__main__":
     main()
