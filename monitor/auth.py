@@ -3,8 +3,9 @@
 ``GET /metrics``, ``/v1/runs``, ``/v1/alerts`` and the API docs (``/docs``,
 ``/redoc``, ``/openapi.json``) then need ``Authorization: Bearer <read_token>``
 (Prometheus: ``authorization: {credentials_file: ...}`` in the scrape config).
-``/healthz`` and ``/readyz`` stay open for probes; ``POST /v1/reports`` has its
-own ``token``. A pure ASGI middleware: nothing is read or parsed before the check.
+``/healthz`` and ``/readyz`` stay open for probes; ``POST /v1/reports`` and the
+writes of live settings (``PUT``/``DELETE /v1/runs/{run}/settings``) have the ingest
+``token``. A pure ASGI middleware: nothing is read or parsed before the check.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def read_protected(method: str, path: str) -> bool:
     """True for the requests the read token guards (everything but health and ingest)."""
     if path in _OPEN:
         return False
+    if method in ("PUT", "DELETE") and path.startswith("/v1/runs/") and path.endswith("/settings"):
+        return False  # a write: the route checks the ingest token
     return not (method == "POST" and path == "/v1/reports")
 
 

@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from trainvitals.monitor.deps import ReportsDep, SettingsDep, StoreDep
 from trainvitals.monitor.request_body import BodyRefused, parse_batch, read_body
+from trainvitals.monitor.routes_configure import RunSettingsDep
 from trainvitals.monitor.store import (
     IngestRefused,
     IngestResult,
@@ -35,10 +36,12 @@ _FULL_RETRY_AFTER = 30
 
 @router.post("/v1/reports", status_code=202)
 async def ingest_reports(
-    request: Request, settings: SettingsDep, store: StoreDep, reports: ReportsDep
+    request: Request, settings: SettingsDep, store: StoreDep, reports: ReportsDep,
+    run_settings: RunSettingsDep,
 ) -> dict[str, Any]:
     """Ingest a batch of reports: ``{"accepted": n, "duplicates": [i, ...]}``, or a 4xx/503
-    whose detail names the problem.
+    whose detail names the problem. ``settings`` (only when there are any): the live
+    settings of the batch's runs, by run, for the hooks to apply (docs/wire.md).
 
     ``duplicates`` are the indices of reports applied before (a retry: same run,
     rank, ``sender`` and ``seq``), skipped this time. A refused body changes
@@ -47,9 +50,9 @@ async def ingest_reports(
     try:
         body = await read_body(request, settings)
         if len(body) > _INLINE_BYTES:
-            result = await run_in_threadpool(_apply, store, body)
+            result, runs = await run_in_threadpool(_apply, store, body)
         else:
-            result = _apply(store, body)
+            result, runs = _apply(store, body)
     except BodyRefused as exc:
         reports.inc(exc.outcome)
         client = request.client.host if request.client else "?"
@@ -58,13 +61,18 @@ async def ingest_reports(
     reports.inc("accepted", result.accepted)
     if result.duplicates:
         reports.inc("duplicate", len(result.duplicates))
-    return {"accepted": result.accepted, "duplicates": list(result.duplicates)}
+    answer: dict[str, Any] = {"accepted": result.accepted, "duplicates": list(result.duplicates)}
+    live = run_settings.answer(runs)
+    if live:
+        answer["settings"] = live
+    return answer
 
 
-def _apply(store: SeriesStore, body: bytes) -> IngestResult:
+def _apply(store: SeriesStore, body: bytes) -> tuple[IngestResult, set[str]]:
+    """Apply the body; also the runs it carries (their live settings go in the answer)."""
     batch = parse_batch(body)
     try:
-        return store.apply(batch, time.time())
+        return store.apply(batch, time.time()), {r.run for r in batch.reports}
     except RunSeriesLimitExceeded as exc:
         raise BodyRefused(422, "run_series_limit", str(exc)) from None
     except SeriesLimitExceeded as exc:

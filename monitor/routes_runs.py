@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter
 
 from trainvitals.monitor.deps import StoreDep
+from trainvitals.monitor.routes_configure import RunSettingsDep
 
 __all__ = ["router"]
 
@@ -14,16 +16,20 @@ router = APIRouter(tags=["runs"])
 
 
 @router.get("/v1/runs")
-async def runs(store: StoreDep) -> list[dict[str, Any]]:
+async def runs(store: StoreDep, run_settings: RunSettingsDep) -> list[dict[str, Any]]:
     """Live runs: last step, last report time (collector clock, Unix seconds), ranks seen,
-    and whether the latest report said the run ended."""
-    return [
-        {
+    whether the latest report said the run ended, and the live settings set for it by
+    ``trainvitals configure`` (null: the job's own)."""
+    now = time.time()
+    out = []
+    for r in store.runs(now):
+        live = run_settings.get(r.run)
+        out.append({
             "run": r.run,
             "step": r.step,
             "last_report_time": r.last_report_time,
             "ranks": list(r.ranks),
             "ended": r.ended,
-        }
-        for r in store.runs()
-    ]
+            "settings": live.public(now) if live is not None else None,
+        })
+    return out
