@@ -22,8 +22,11 @@ imported; that hook calls :func:`on_step`. At an optimizer's first step:
 
 Runs: the first optimizer reports as ``$TRAINVITALS_RUN``, each further one as
 ``<run>:opt2``, ``<run>:opt3`` (a GAN's two optimizers would otherwise write the same
-series). An optimizer that shares parameters with one already watched (a wrapper
-that steps an inner optimizer) is not watched twice.
+series). An optimizer that shares parameters with one already watched is either
+stepped inside that one's step (a wrapper around an inner optimizer: not watched
+twice) or replaces it (a learning-rate finder's optimizer, then the real one; a new
+optimizer after unfreezing layers): the run then goes on with the new optimizer, its
+step count, counters and drift references carried over.
 
 Ranks: under a process group (``torchrun`` + ``init_process_group``) each rank
 gets a monitor; they combine their figures and rank 0 sends, as with ``attach``.
@@ -84,6 +87,24 @@ def install() -> Any:
     return register_optimizer_step_pre_hook(on_step)
 
 
+_stepping: set[int] = set()  # ids of the watched optimizers inside their step() now
+_post_hook: Any = None
+
+
+def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _stepping.discard(id(optimizer))
+
+
+def _track_steps() -> None:
+    """A global post-step hook, so a first step can tell a wrapper's inner optimizer
+    (stepped inside a watched one's step) from a replacement."""
+    global _post_hook
+    if _post_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _post_hook = register_optimizer_step_post_hook(_after_step)
+
+
 def watched() -> list[Monitor]:
     """The monitors attached so far in this process."""
     return [w.monitor for w in list(_watched.values()) if w.monitor is not None]
@@ -98,6 +119,8 @@ def on_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
         if watch is None:
             watch = _first_step(optimizer, args, kwargs)
         monitor = watch.monitor
+        if monitor is not None:
+            _stepping.add(id(optimizer))
         if monitor is not None and monitor.config.step_boundary == "manual":
             return _wrap_closure(monitor, args, kwargs)
     except Exception as exc:  # noqa: BLE001 - never into the training loop
@@ -112,13 +135,16 @@ def _first_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         if watch is not None:
             return watch
         _visible_logs()
+        _track_steps()
         params = [p for g in optimizer.param_groups for p in g["params"]]
         ids = frozenset(id(p) for p in params)
         watch = _Watch(None, ids)
-        shared = next((w for w in _watched.values() if w.monitor is not None and w.params & ids), None)
-        if shared is not None:
-            log.info("trainvitals run: %s shares parameters with the optimizer of run %r (a wrapper "
-                     "around it?); not watched twice", type(optimizer).__name__, shared.monitor.run)
+        shared = next(((o, w) for o, w in _watched.items() if w.monitor is not None and w.params & ids), None)
+        if shared is not None and id(shared[0]) in _stepping:
+            log.info("trainvitals run: %s is stepped inside the step of %s (run %r): not watched twice",
+                     type(optimizer).__name__, type(shared[0]).__name__, shared[1].monitor.run)
+        elif shared is not None:
+            watch.monitor = _replace(shared[0], shared[1], optimizer, params, args, kwargs)
         elif not params:
             log.info("trainvitals run: %s has no parameters; not watched", type(optimizer).__name__)
         else:
@@ -131,11 +157,34 @@ def _first_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         return watch
 
 
-def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: bool) -> Monitor:
+def _replace(old_optimizer: Any, old: _Watch, optimizer: Any, params: list[torch.Tensor],
+             args: tuple[Any, ...], kwargs: dict[str, Any]) -> Monitor | None:
+    """The job replaced a watched optimizer: its run goes on with the new one."""
+    previous = old.monitor
+    assert previous is not None
+    try:
+        state = previous.state_dict()
+        monitor = _attach(optimizer, params, 0, _closure_of(args, kwargs) is not None, run=previous.run)
+        monitor.load_state_dict(state)
+    except Exception as exc:  # noqa: BLE001
+        log.error("trainvitals run: not watching %s, which replaces %s: %s", type(optimizer).__name__,
+                  type(old_optimizer).__name__, exc)
+        return None
+    previous._end_report = False  # the run goes on: no run_end for the collector
+    previous.close()
+    old.monitor = None
+    log.info("trainvitals run: %s replaces %s (same parameters): run %r goes on with it from step %d",
+             type(optimizer).__name__, type(old_optimizer).__name__, monitor.run, monitor.step)
+    return monitor
+
+
+def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: bool,
+            run: str | None = None) -> Monitor:
     model, scaler = _find_objects(params)
-    base = os.environ.get(ATTACH_ENV["run"], "").strip() or default_run_name(sys.argv)
-    suffix = "" if index == 1 else f":opt{index}"
-    run = base[: 128 - len(suffix)] + suffix
+    if run is None:
+        base = os.environ.get(ATTACH_ENV["run"], "").strip() or default_run_name(sys.argv)
+        suffix = "" if index == 1 else f":opt{index}"
+        run = base[: 128 - len(suffix)] + suffix
     options: dict[str, Any] = {}
     if closure and not os.environ.get(env_name("step_boundary"), "").strip():
         options["step_boundary"] = "manual"

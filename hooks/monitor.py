@@ -76,6 +76,7 @@ class Monitor:
         self._latest: PendingReport | None = None
         self._saved_signals: dict[str, Any] = {}
         self._closed = False
+        self._end_report = True  # False: the run goes on in another monitor (trainvitals run)
         self._reporting = False
         self._pre_steps = 0
         self._grad_cache: tuple[int, list[torch.Tensor], torch.Tensor] | None = None
@@ -263,12 +264,13 @@ class Monitor:
             s.run_guarded("close", s.close)
         # A last, sample-free report tells the collector the run ended on purpose,
         # so RunSilent does not page for a job that simply finished.
-        end = StepContext(step=self.step, device=torch.device("cpu"))
-        end.event(RUN_END_EVENT, f"Monitor.close() after {self.step} optimizer steps")
-        try:
-            self._sender.put(pack(end, run=self.run, rank=self.rank))
-        except Exception as exc:  # noqa: BLE001
-            self.warn_once("run_end", "could not queue the run_end report: %s", exc)
+        if self._end_report:
+            end = StepContext(step=self.step, device=torch.device("cpu"))
+            end.event(RUN_END_EVENT, f"Monitor.close() after {self.step} optimizer steps")
+            try:
+                self._sender.put(pack(end, run=self.run, rank=self.rank))
+            except Exception as exc:  # noqa: BLE001
+                self.warn_once("run_end", "could not queue the run_end report: %s", exc)
         self._sender.close(self.config.flush_timeout)
 
     @property

@@ -65,6 +65,32 @@ def test_a_script_with_two_optimizers_gets_both_watched_as_two_runs():
     assert "of Generator) as run 'gan:opt2'" in proc.stderr
 
 
+def test_an_optimizer_that_replaces_another_continues_its_run():
+    with recording_collector() as got:
+        proc = trainvitals("run", "--run", "finder", "--collector", got.collector.url, "--every", "2",
+                           "--", sys.executable, "replace.py", "finder")
+        assert proc.returncode == 0, proc.stderr
+        reports = got.of("finder")
+        ends = [g.step for g in got.reports if g.run == "finder" and "run_end" in g.events]
+    # SGD for steps 1-3, then AdamW: one run, its steps counted on, one end.
+    assert [g.step for g in reports] == [1, 2, 4, 6, 8]
+    assert ends == [9]
+    assert "AdamW replaces SGD (same parameters): run 'finder' goes on with it from step 3" in proc.stderr
+    assert reports[1].value("adam_exp_avg_norm", group="0") is None  # SGD: no moments
+    assert finite(reports[-1].value("adam_exp_avg_norm", group="0"))
+    assert reports[-1].value("optimizer_state_resets_total") == 0  # new moments, not a reset mid-run
+
+
+def test_an_optimizer_stepped_inside_another_is_not_watched_twice():
+    with recording_collector() as got:
+        proc = trainvitals("run", "--run", "wrapped", "--collector", got.collector.url, "--every", "2",
+                           "--", sys.executable, "replace.py", "wrapper")
+        assert proc.returncode == 0, proc.stderr
+        assert got.steps("wrapped") == [1, 2, 4]
+        assert not [g for g in got.reports if g.run.startswith("wrapped:")]
+    assert "AdamW is stepped inside the step of Wrapper (run 'wrapped'): not watched twice" in proc.stderr
+
+
 def test_zero_code_loss_accounting_where_the_logits_can_be_found():
     with recording_collector() as got:
         proc = trainvitals("run", "--run", "lm", "--collector", got.collector.url, "--every", "1",
