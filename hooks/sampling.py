@@ -85,11 +85,6 @@ class BlockSample:
         """A block sample for a tensor of ``numel`` elements, or None to take every element."""
         return None if numel <= cap else BlockSample(numel, cap)
 
-    def copy(self, t: torch.Tensor, first: int, last: int, out: torch.Tensor) -> None:
-        """Copy elements ``first:last`` of the sample of ``t`` into ``out`` (whole runs)."""
-        x = t if t.is_contiguous() and not t.is_complex() else flat(t)
-        view = x.as_strided((self.blocks, self.width), (self.spacing, 1), x.storage_offset())
-        out.view(-1, self.width).copy_(view[first // self.width : last // self.width])
 
 
 class TensorsSample:

@@ -128,13 +128,16 @@ class MomentPlan:
             batches.append(_Batch(segments, dev))
         return batches
 
-    def copy(self, t: torch.Tensor, entry: int, first: int, last: int, out: torch.Tensor) -> None:
-        """Copy elements ``first:last`` of entry ``entry``'s sample of ``t`` into ``out``."""
+    def pair(self, t: torch.Tensor, entry: int, first: int, last: int,
+             out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(destination, source) views of the same shape for elements ``first:last`` of
+        entry ``entry``'s sample of ``t``, to copy with one foreach call per batch."""
         sample = self.samples[entry]
         if sample is None:
-            out.copy_(flat(t)[first:last])
-        else:
-            sample.copy(t, first, last, out)
+            return out, flat(t)[first:last]
+        x = t if t.is_contiguous() and not t.is_complex() else flat(t)
+        view = x.as_strided((sample.blocks, sample.width), (sample.spacing, 1), x.storage_offset())
+        return out.view(-1, sample.width), view[first // sample.width : last // sample.width]
 
 
 class AdamMoments:
@@ -206,9 +209,13 @@ class AdamMoments:
         update_sq = torch.zeros(len(entries), dtype=torch.float64, device=dev)
         for batch in plan.batches:
             m, v = plan.m_buf[: batch.size], plan.v_buf[: batch.size]
+            dst, src = [], []
             for (i, a, b), mo, vo in zip(batch.segments, m.split(batch.lengths), v.split(batch.lengths)):
-                plan.copy(ms[i], i, a, b, mo)
-                plan.copy(vs[i], i, a, b, vo)
+                for out, t in ((mo, ms[i]), (vo, vs[i])):
+                    d, s = plan.pair(t, i, a, b, out)
+                    dst.append(d)
+                    src.append(s)
+            torch._foreach_copy_(dst, src)  # every segment of the batch in one call
             ce = c.index_select(0, batch.index)
             v.sqrt_()
             below = (v < ce).to(torch.float32)
