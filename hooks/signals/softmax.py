@@ -30,17 +30,30 @@ the target (the search and its accuracy: ``softmax_math``).
 
 Cost, bounded for 150k-class vocabularies and paid only on reported steps:
 
-- Positions: at most ``softmax_max_positions`` per call, taken with a fixed
-  stride over all positions (``ceil(N / cap)``, made coprime with T for [B, T]
-  logits so the sample cycles through sequence positions); the mask then weights
-  them. Selecting masked positions first would need their count on the host, so
-  a sparse mask leaves about ``cap * density`` effective positions. Masked-out
-  positions never reach a sum, even when their logits are NaN.
+- Positions: at most ``softmax_max_positions`` (default 128) per call, taken with a
+  fixed stride over all positions (``ceil(N / cap)``, made coprime with T for
+  [B, T] logits so the sample cycles through sequence positions); the mask then
+  weights them. Selecting masked positions first would need their count on the
+  host, so a sparse mask leaves about ``cap * density`` effective positions.
+  Masked-out positions never reach a sum, even when their logits are NaN. The
+  recommended temperature's knots are computed on every ``sub``-th kept position
+  (at least 32; ``softmax_math``), the others counting through their tangents.
+- Per logit, one CPU thread: the statistics ~2 ns (one ``exp2`` and eight cheap
+  passes), the knots ~5 ns on the sub-sample. Measured (``tests/benchmarks/
+  bench_softmax.py``, this machine, 2 calls per step): 2.9-4.3 ms per call for
+  the reference decoder's [4, 128, 8192] logits (103 kept), 3.5-5 ms with the
+  call's share of the report; the previous per-logit histogram took 20-25 ms at
+  171 positions.
 - Vocabulary: rows are processed in chunks whose buffers stay within
-  ``softmax_chunk_bytes`` (16 bytes per logit: float32 gaps and exponentials, int64
-  histogram bins; plus a row copy when the positions are not a view; at least one
-  row). On a CPU the chunk is also kept to ``CPU_CHUNK_BYTES`` (8 MiB), so the ~20
-  passes over it run from cache. Everything else is O(positions).
+  ``softmax_chunk_bytes`` (8 bytes per logit: two float32 buffers, or the knots'
+  four power chains on half as many rows; at least one position's four chains;
+  plus a row copy when the positions are not a view). On a CPU the chunk is also
+  kept to ``CPU_CHUNK_BYTES`` (4 MiB), so the passes over it run from cache. The
+  buffers are allocated once per call.
+- Per position, a call leaves its three sums and its knots; turning them into
+  statistics and top-1 curves (a few dozen small tensor ops, ~0.5 ms here
+  whatever the number of positions) waits for the report, once per step for all
+  calls, or every 64 calls of one (task, role, tau) to bound the memory.
 - No host sync: everything is summed on the logits' device and emitted at the
   report, where it joins the step's single host transfer. Results are this rank's
   positions (not combined across ranks: ranks may observe different tasks).
@@ -59,8 +72,15 @@ from trainvitals.hooks.signals.base import MonitorView, Signal
 from trainvitals.hooks.step import StepContext
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-# Accumulator layout per (task, role): weight, then STATS, then the grid.
-_SAT_LEN = 1 + len(sm.STATS) + sm.TEMPERATURE_POINTS
+# Accumulator layout per (task, role): weight, STATS (weighted sums), then the sums
+# of the mean top-1 estimate on the temperature grid: the covariate x over every kept
+# position, the weight of the knot sub-sample, and q - x over that sub-sample.
+_N_STATS = len(sm.STATS)
+_K = sm.TEMPERATURE_POINTS
+_COVARIATE = slice(1 + _N_STATS, 1 + _N_STATS + _K)
+_SUB_WEIGHT = 1 + _N_STATS + _K
+_RESIDUAL = slice(_SUB_WEIGHT + 1, _SUB_WEIGHT + 1 + _K)
+_SAT_LEN = _SUB_WEIGHT + 1 + _K
 # Per task: weight, raising of the teacher's top-1, ||g||_1 / 2, teacher mass outside top-1.
 _DISTILL_LEN = 4
 
@@ -137,14 +157,16 @@ class _Positions:
             rows = ((b - 1) * sb + (t - 1) * st) // row + 1
             self._rows2d = self.logits.as_strided((rows, v), (row, sv), self.logits.storage_offset())
 
-    def rows(self, start: int, stop: int) -> torch.Tensor:
+    def rows(self, start: int, stop: int, step: int = 1) -> torch.Tensor:
+        """Kept positions ``start:stop:step`` (indices among the kept ones), ``[n, V]``."""
         if self.flat is not None:
-            return self.flat[start:stop]
+            return self.flat[start:stop:step]
+        n = len(range(start, stop, step))
         if self._buffer is None:  # the first chunk is the largest
-            self._buffer = self.logits.new_empty((stop - start, self.vocab))
-        flat = torch.arange(start, stop, device=self.logits.device) * self.stride
+            self._buffer = self.logits.new_empty((n, self.vocab))
+        flat = torch.arange(start, stop, step, device=self.logits.device) * self.stride
         index = (flat // self.period) * self._row_steps[0] + (flat % self.period) * self._row_steps[1]
-        return torch.index_select(self._rows2d, 0, index, out=self._buffer[: stop - start])
+        return torch.index_select(self._rows2d, 0, index, out=self._buffer[:n])
 
     def weight(self, start: int, stop: int, device: torch.device) -> torch.Tensor:
         if self.weights is None:
@@ -152,12 +174,43 @@ class _Positions:
         return self.weights[start:stop]
 
 
+class _Pending:
+    """What the calls of one (task, role, tau) left since the last compaction: per
+    call the statistics' sums ``[3, n]`` and weights (None: all 1), the knots
+    ``[knots, m]``, and the sums and weights of the knot sub-sample (views)."""
+
+    def __init__(self) -> None:
+        self.sums: list[torch.Tensor] = []
+        self.weights: list[torch.Tensor | None] = []
+        self.knots: list[torch.Tensor] = []
+        self.sub_sums: list[torch.Tensor] = []
+        self.sub_weights: list[torch.Tensor | None] = []
+
+    def add(self, sums: torch.Tensor, weight: torch.Tensor | None, knots: torch.Tensor, sub: int) -> None:
+        self.sums.append(sums)
+        self.weights.append(weight)
+        self.knots.append(knots)
+        self.sub_sums.append(sums[:, ::sub])
+        self.sub_weights.append(None if weight is None else weight[::sub])
+
+    @staticmethod
+    def cat(sums: list[torch.Tensor], weights: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """All calls' sums side by side and their weights (``[3, N]``, ``[N]``)."""
+        weights = [torch.ones(s.shape[1], device=s.device) if w is None else w for s, w in zip(sums, weights)]
+        if len(sums) == 1:
+            return sums[0], weights[0]
+        return torch.cat(sums, 1), torch.cat(weights)
+
+
+_MAX_PENDING_CALLS = 64
+"""Calls of one (task, role, tau) kept as per-position sums before they are folded (memory bound)."""
+
+
 def _weighted_sum(weight: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``[1 + C]``: sum of weights, then the weighted column sums of ``values``
     ``[r, C]``; rows with weight 0 never contribute (their values may be NaN)."""
-    keep = (weight > 0).unsqueeze(1)
-    summed = torch.where(keep, values * weight.unsqueeze(1), values.new_zeros(())).sum(0)
-    return torch.cat([weight.sum().reshape(1), summed])
+    kept = torch.where((weight > 0).unsqueeze(1), values, 0.0)
+    return torch.cat([weight.sum().reshape(1), weight @ kept])
 
 
 class Softmax(Signal):
@@ -165,8 +218,9 @@ class Softmax(Signal):
 
     def __init__(self) -> None:
         self._saturation: dict[tuple[str, str], torch.Tensor] = {}
+        self._pending: dict[tuple[tuple[str, str], float], _Pending] = {}
         self._distillation: dict[str, torch.Tensor] = {}
-        self._temperatures: dict[torch.device, torch.Tensor] = {}
+        self._grids: dict[torch.device, sm.TemperatureGrid] = {}
 
     # -- user calls (through Monitor) ----------------------------------------
     def observe_logits(self, monitor: MonitorView, logits: torch.Tensor, *, mask: torch.Tensor | None = None,
@@ -181,7 +235,7 @@ class Softmax(Signal):
             return
         with self.guard(where), torch.no_grad():
             positions = _Positions(logits, mask, monitor.config.softmax_max_positions)
-            self._add_saturation((task, role), positions, tau, monitor.config.softmax_chunk_bytes)
+            self._add_saturation((task, role), positions, tau, monitor.config)
 
     def observe_distillation(self, monitor: MonitorView, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
                              *, temperature: float, mask: torch.Tensor | None = None, task: str = "all") -> None:
@@ -196,31 +250,64 @@ class Softmax(Signal):
         tau = _check_temperature(where, temperature)
         if not monitor.reporting_next or self.broken:
             return
-        cap, chunk_bytes = monitor.config.softmax_max_positions, monitor.config.softmax_chunk_bytes
+        config = monitor.config
         with self.guard(where), torch.no_grad():
-            student = _Positions(student_logits, mask, cap)
-            teacher = _Positions(teacher_logits, mask, cap)
-            self._add_saturation((task, "student"), student, tau, chunk_bytes)
-            self._add_saturation((task, "teacher"), teacher, tau, chunk_bytes)
-            self._add_distillation(task, student, teacher, tau, chunk_bytes)
+            student = _Positions(student_logits, mask, config.softmax_max_positions)
+            teacher = _Positions(teacher_logits, mask, config.softmax_max_positions)
+            self._add_saturation((task, "student"), student, tau, config)
+            self._add_saturation((task, "teacher"), teacher, tau, config)
+            self._add_distillation(task, student, teacher, tau, config.softmax_chunk_bytes)
 
     # -- accumulation ----------------------------------------------------------
-    def _grid(self, device: torch.device) -> torch.Tensor:
-        if device not in self._temperatures:
-            self._temperatures[device] = sm.temperature_grid(device)
-        return self._temperatures[device]
+    def _grid(self, device: torch.device) -> sm.TemperatureGrid:
+        if device not in self._grids:
+            self._grids[device] = sm.TemperatureGrid(device)
+        return self._grids[device]
 
-    def _add_saturation(self, key: tuple[str, str], positions: _Positions, tau: float, chunk_bytes: int) -> None:
-        device = positions.logits.device
-        betas = tau / self._grid(device)
-        step = sm.rows_per_chunk(positions.vocab, chunk_bytes, copies=positions.copies,
+    def _add_saturation(self, key: tuple[str, str], positions: _Positions, tau: float, config: Any) -> None:
+        """The passes over the logits: the statistics' sums on every kept position,
+        then the knots on every ``sub``-th (softmax_math). Turning them into
+        statistics and top-1 curves waits for the report (``_compact``): it is a few
+        dozen small tensor ops, paid once per step instead of once per call."""
+        device, count = positions.logits.device, positions.count
+        step = sm.rows_per_chunk(positions.vocab, config.softmax_chunk_bytes, copies=positions.copies,
                                  itemsize=positions.logits.element_size(), device=device)
-        workspace = sm.saturation_workspace(min(step, positions.count), positions.vocab, betas)
-        total = torch.zeros(_SAT_LEN, device=device)
-        for start in range(0, positions.count, step):
-            stop = min(start + step, positions.count)
-            stats, grid = sm.saturation_chunk(positions.rows(start, stop), 1.0 / tau, workspace)
-            total += _weighted_sum(positions.weight(start, stop, device), torch.cat([stats, grid], dim=1))
+        workspace = sm.Workspace(min(step, count), positions.vocab, device)
+        sums = torch.empty((3, count), device=device)
+        sub = sm.subsample_stride(count, sm.temperature_positions(config.softmax_max_positions),
+                                  positions.period)
+        knots = torch.empty((len(sm.CHAIN_POWERS), len(range(0, count, sub))), device=device)
+        for start in range(0, count, step):
+            stop = min(start + step, count)
+            sm.saturation_chunk(positions.rows(start, stop), 1.0 / tau, workspace, sums[:, start:stop])
+            # the chunk's knot rows while they are in cache (the workspace is free again)
+            first = -(-start // sub)
+            for a in range(first, -(-stop // sub), workspace.chain_rows):
+                b = min(a + workspace.chain_rows, -(-stop // sub))
+                sm.temperature_chunk(positions.rows(a * sub, b * sub, sub), workspace, knots[:, a:b])
+        weight = positions.weights
+        group = (key, tau)
+        pending = self._pending.setdefault(group, _Pending())
+        pending.add(sums, weight, knots, sub)
+        if len(pending.sums) >= _MAX_PENDING_CALLS:
+            self._compact(group)
+
+    def _compact(self, group: tuple[tuple[str, str], float]) -> None:
+        """Fold the pending calls of one (task, role, tau) into the step's sums."""
+        key, tau = group
+        pending = self._pending.pop(group)
+        sums, weight = pending.cat(pending.sums, pending.weights)
+        sub_sums, sub_weight = pending.cat(pending.sub_sums, pending.sub_weights)
+        n = sums.shape[1]
+        grid = self._grid(sums.device)
+        # every kept position, then the knot sub-sample again: one pass of small ops
+        per_position = sm.saturation_stats(torch.cat([sums, sub_sums], dim=1), 1.0 / tau)
+        covariate = sm.covariate_on_grid(per_position[:, _N_STATS:_N_STATS + 2], grid, 1.0 / tau)
+        knots = pending.knots[0] if len(pending.knots) == 1 else torch.cat(pending.knots, 1)
+        top1 = sm.top1_on_grid(sm.knot_logs(knots, per_position[n:, -1]), grid)
+        total = torch.cat([
+            _weighted_sum(weight, torch.cat([per_position[:n, :_N_STATS], covariate[:n]], dim=1)),
+            _weighted_sum(sub_weight, top1.sub_(covariate[n:]))])
         self._saturation[key] = self._add(self._saturation.get(key), total)
 
     def _add_distillation(self, task: str, student: _Positions, teacher: _Positions, tau: float,
@@ -244,6 +331,8 @@ class Softmax(Signal):
 
     # -- report ------------------------------------------------------------------
     def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
+        for group in list(self._pending):
+            self._compact(group)
         saturation, self._saturation = self._saturation, {}
         distillation, self._distillation = self._distillation, {}
         if saturation:
@@ -260,12 +349,13 @@ class Softmax(Signal):
                          saturation: dict[tuple[str, str], torch.Tensor]) -> None:
         keys = list(saturation)
         acc = torch.stack([saturation[k].to(ctx.device) for k in keys])
-        weight = acc[:, 0]
-        present = weight > 0
-        mean = acc[:, 1:] / weight.unsqueeze(1)
-        n_stats = len(sm.STATS)
-        top1, sat99, sat999, jac, entropy = mean[:, :n_stats].unbind(1)
-        recommended = sm.temperature_for_target(self._grid(ctx.device), mean[:, n_stats:],
+        weight, sub_weight = acc[:, :1], acc[:, _SUB_WEIGHT:_SUB_WEIGHT + 1]
+        present = weight[:, 0] > 0
+        top1, sat99, sat999, jac, entropy = (acc[:, 1:1 + _N_STATS] / weight).unbind(1)
+        # mean top-1 on the grid: covariate over every position + residual over the sub-sample
+        residual = torch.where(sub_weight > 0, acc[:, _RESIDUAL] / sub_weight, 0.0)
+        curve = acc[:, _COVARIATE] / weight + residual
+        recommended = sm.temperature_for_target(self._grid(ctx.device).temperatures, curve,
                                                 monitor.config.softmax_target)
         labels = [{"task": task, "role": role} for task, role in keys]
         ctx.emit("softmax_top1_prob_mean", top1, labels, present=present)
@@ -279,8 +369,9 @@ class Softmax(Signal):
 
     def reset(self) -> None:
         self._saturation.clear()
+        self._pending.clear()
         self._distillation.clear()
 
     def close(self) -> None:
         self.reset()
-        self._temperatures.clear()
+        self._grids.clear()

@@ -1,18 +1,22 @@
 """Cost of the softmax saturation signal: milliseconds per ``observe_logits`` call.
 
-Each configuration builds logits once, then times ``Monitor.observe_logits`` on a
-reported step (``every=1``) at the default position cap, on one torch thread; the
-median of several calls is printed (calls of one step just add up, so the step is
-not finished between them). Time is the calling thread's CPU time
-(``time.thread_time``): with one torch thread all the work runs there, and other
-processes sharing the cores do not inflate it as they do wall time. ``observe_distillation`` is timed on the reference
-shape too (two roles and the distillation pass).
+Each configuration builds logits once, then runs reported steps (``every=1``) of
+``--calls`` observe calls each (2: the reference job's two micro-batches) at the
+default position cap, on one torch thread. Per configuration it prints the median
+cost of one observe call, and the median cost per call *with its share of the
+report* (the step's observe calls plus the signal's ``collect``, divided by the
+calls): the signal may leave per-position work to the report, and that is paid
+on the same thread. Time is the calling thread's CPU time (``time.thread_time``):
+with one torch thread all the work runs there, and other processes sharing the
+cores do not inflate it as they do wall time. ``observe_distillation`` is timed
+on the reference shape too (two roles and the distillation pass).
 
     python tests/benchmarks/bench_softmax.py            # the table and a key=value line
     python tests/benchmarks/bench_softmax.py --runs 31 --threads 1
 
-The last line holds ``key=value`` figures, e.g. ``observe_ms_512x8192=...`` for the
-reference decoder's [4, 128, 8192] float32 logits.
+The last line holds ``key=value`` figures: ``observe_ms_<config>`` (one call) and
+``step_ms_<config>`` (one call with its share of the report), e.g.
+``observe_ms_512x8192`` for the reference decoder's [4, 128, 8192] float32 logits.
 """
 
 from __future__ import annotations
@@ -63,49 +67,84 @@ def kept_positions(shape: tuple[int, ...], cap: int) -> int:
     return -(-positions // stride)
 
 
-def time_calls(call, runs: int) -> float:
-    call()  # warm: allocator, code paths
-    times = []
-    for _ in range(runs):
+def finish_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def time_steps(mon, model: nn.Module, opt: torch.optim.Optimizer, call, runs: int,
+               calls: int) -> tuple[float, float]:
+    """Median ms of one call, and median ms per call with its share of the report."""
+    signal = mon._softmax_signal()
+    collect, collect_times = signal.collect, []
+
+    def timed_collect(*args):
         t0 = time.thread_time()
-        call()
-        times.append(time.thread_time() - t0)
-    return statistics.median(times) * 1e3
+        collect(*args)
+        collect_times.append(time.thread_time() - t0)
+
+    signal.collect = timed_collect
+    per_call, per_step = [], []
+    try:
+        for run in range(runs + 1):  # the first step warms the allocator and the code paths
+            reported = len(collect_times)
+            times = []
+            for _ in range(calls):
+                t0 = time.thread_time()
+                call()
+                times.append(time.thread_time() - t0)
+            finish_step(model, opt)
+            if run:
+                per_call.extend(times)
+                per_step.append((sum(times) + sum(collect_times[reported:])) / calls)
+    finally:
+        signal.collect = collect
+    return statistics.median(per_call) * 1e3, statistics.median(per_step) * 1e3
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=15, help="timed calls per configuration (median)")
+    ap.add_argument("--runs", type=int, default=15, help="timed steps per configuration (medians)")
+    ap.add_argument("--calls", type=int, default=2, help="observe calls per step")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default="", help="comma-separated configuration names")
+    ap.add_argument("--option", action="append", default=[],
+                    help="extra attach option name=value (int), e.g. softmax_max_positions=256")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    options = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.option)}
 
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = attach(model, opt, run="bench-softmax", sink="null", every=1)
+    mon = attach(model, opt, run="bench-softmax", sink="null", every=1, **options)
     cap = mon.config.softmax_max_positions
     figures = {}
-    print(f"softmax signal, {args.threads} thread(s), softmax_max_positions={cap}, median of {args.runs} calls")
-    print(f"{'config':<16}{'shape':<20}{'dtype':<10}{'kept':>6}{'ms/call':>10}{'ns/logit':>10}")
+    print(f"softmax signal, {args.threads} thread(s), softmax_max_positions={cap}, {args.calls} calls per "
+          f"reported step, medians of {args.runs} steps (thread CPU time)")
+    print(f"{'config':<18}{'shape':<18}{'dtype':<10}{'kept':>6}{'ms/call':>9}{'+report':>9}{'ns/logit':>10}")
     only = set(filter(None, args.only.split(",")))
     for name, shape, dtype in CONFIGS:
         if only and name not in only:
             continue
         logits = lm_like_logits(shape, dtype)
         kept = kept_positions(shape, cap)
-        ms = time_calls(lambda x=logits: mon.observe_logits(x), args.runs)
+        ms, step_ms = time_steps(mon, model, opt, lambda x=logits: mon.observe_logits(x), args.runs, args.calls)
         figures[f"observe_ms_{name}"] = ms
-        print(f"{name:<16}{str(tuple(shape)):<20}{str(dtype).removeprefix('torch.'):<10}{kept:>6}"
-              f"{ms:>10.2f}{ms * 1e6 / (kept * shape[-1]):>10.2f}")
+        figures[f"step_ms_{name}"] = step_ms
+        print(f"{name:<18}{str(tuple(shape)):<18}{str(dtype).removeprefix('torch.'):<10}{kept:>6}"
+              f"{ms:>9.2f}{step_ms:>9.2f}{step_ms * 1e6 / (kept * shape[-1]):>10.2f}")
     if not only or "distill_512x8192" in only:
-        student = lm_like_logits((4, 128, 8192), torch.float32, seed=1)
-        teacher = lm_like_logits((4, 128, 8192), torch.float32, seed=2)
-        ms = time_calls(lambda: mon.observe_distillation(student, teacher, temperature=2.0), args.runs)
+        shape = (4, 128, 8192)
+        student = lm_like_logits(shape, torch.float32, seed=1)
+        teacher = lm_like_logits(shape, torch.float32, seed=2)
+        ms, step_ms = time_steps(mon, model, opt,
+                                 lambda: mon.observe_distillation(student, teacher, temperature=2.0),
+                                 args.runs, args.calls)
         figures["distill_ms_512x8192"] = ms
-        print(f"{'distill_512x8192':<16}{str((4, 128, 8192)):<20}{'float32':<10}"
-              f"{kept_positions((4, 128, 8192), cap):>6}{ms:>10.2f}"
-              f"{'':>10}")
+        figures["distill_step_ms_512x8192"] = step_ms
+        print(f"{'distill_512x8192':<18}{str(shape):<18}{'float32':<10}{kept_positions(shape, cap):>6}"
+              f"{ms:>9.2f}{step_ms:>9.2f}{'':>10}")
     mon.close()
     print(" ".join(f"{k}={v:.2f}" for k, v in figures.items()))
 

@@ -125,7 +125,7 @@ def test_saturation_statistics_match_plain_torch(shape, dtype, masked):
 
 @pytest.mark.parametrize("temperature", [0.5, 2.0, 5.0])
 def test_statistics_are_taken_at_the_observed_temperature(temperature):
-    logits = logits_with_margins((40, 300), seed=1)
+    logits = logits_with_margins((32, 300), seed=1)  # the knots see every position
     mon, model, opt = monitor()
     mon.observe_logits(logits, task="ie", role="teacher", temperature=temperature)
     finish_step(model, opt)
@@ -142,6 +142,82 @@ def test_subsampled_positions_are_the_documented_stride():
     mon.observe_logits(logits, mask=mask)
     finish_step(model, opt)
     assert_matches(reported(mon), reference(logits, mask, cap=10))
+    mon.close()
+
+
+def bisected_temperature(z: torch.Tensor, target: float = 0.7) -> float:
+    """Exact bisection on the rows of ``z`` (the reference's, as a function)."""
+    def mean_top1_at(t: float) -> float:
+        return torch.softmax(z.double() / t, -1).amax(-1).mean().item()
+
+    if mean_top1_at(1.0) <= target:
+        return 1.0
+    lo, hi = 0.0, math.log(sm.TEMPERATURE_MAX)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean_top1_at(math.exp(mid)) > target else (lo, mid)
+    return math.exp((lo + hi) / 2)
+
+
+@pytest.mark.parametrize(("temperature", "within"), [(1.0, 0.005), (2.0, 0.005), (0.5, 0.02)])
+@pytest.mark.parametrize("seed", [20, 21])
+def test_the_knot_sub_sample_counts_every_kept_position(seed, temperature, within):
+    """256 positions, cap 128: 86 kept, knots on every third (29). Each kept position's
+    tangent at 1/tau carries it (the control variate): the mean top-1 over all 86 at
+    the recommended temperature is at the target; bisection on the 29 alone is not.
+    The tangent is taken at the observed temperature, so it serves tau = 0.5
+    (beta 2, far from the crossing near beta 0.7) less well."""
+    logits = logits_with_margins((4, 64, 1000), seed=seed)
+    logits.view(-1, 1000)[:, 0] += 3  # crossing at T ~ 1.4
+    mon, model, opt = monitor()
+    mon.observe_logits(logits, temperature=temperature)
+    finish_step(model, opt)
+    kept, _ = selected(logits, None, mon.config.softmax_max_positions)
+    assert kept.shape[0] == 86
+    got = reported(mon)
+    ref = reference(logits, temperature=temperature, cap=mon.config.softmax_max_positions)
+    ref["softmax_recommended_temperature"] = got["softmax_recommended_temperature"]  # checked below
+    assert_matches(got, ref)
+
+    def mean_top1_at(t: float) -> float:
+        return torch.softmax(kept.double() / t, -1).amax(-1).mean().item()
+
+    assert mean_top1_at(got["softmax_recommended_temperature"]) == pytest.approx(0.7, abs=within)
+    if seed == 20:  # what the knot positions alone would say
+        assert abs(mean_top1_at(bisected_temperature(kept[::3])) - 0.7) > 0.04
+    mon.close()
+
+
+def test_a_mask_that_hides_every_knot_position_leaves_the_tangents():
+    """With no weight on the knot sub-sample, the recommended temperature comes from
+    the tangents alone: still present, and close for logits with one dominant gap."""
+    logits = logits_with_margins((4, 64, 1000), seed=20)
+    logits.view(-1, 1000)[:, 0] += 3
+    stride = sm.subsample_stride(256, 128, 64)
+    kept_index = torch.arange(0, 256, stride)
+    mask = torch.zeros(256, dtype=torch.bool)
+    mask[kept_index] = True
+    mask[kept_index[::3]] = False   # the knot positions
+    mon, model, opt = monitor()
+    mon.observe_logits(logits, mask=mask.view(4, 64))
+    finish_step(model, opt)
+    t = mon.value("softmax_recommended_temperature", task="all", role="student")
+    seen = logits.view(-1, 1000)[mask]
+    assert torch.softmax(seen.double() / t, -1).amax(-1).mean().item() == pytest.approx(0.7, abs=0.01)
+    mon.close()
+
+
+def test_many_calls_of_one_step_fold_into_bounded_sums():
+    """Calls leave per-position sums for the report; past 64 calls of one (task, role,
+    tau) they are folded early, with the same result."""
+    calls = [logits_with_margins((2, 5, 50), seed=100 + i) for i in range(70)]
+    mon, model, opt = monitor()
+    for logits in calls:
+        mon.observe_logits(logits)
+    pending = mon._softmax_signal()._pending
+    assert [len(p.sums) for p in pending.values()] == [70 - 64]
+    finish_step(model, opt)
+    assert_matches(reported(mon), reference(torch.cat([c.reshape(-1, 50) for c in calls])))
     mon.close()
 
 

@@ -65,11 +65,17 @@ def test_subsample_stride(positions, cap, period, stride):
 def test_rows_per_chunk_respects_the_byte_bound(device):
     for vocab in (2, 64, 1000, 131072, 10_000_000):
         for chunk in (1, 1 << 20, 64 << 20):
-            rows = sm.rows_per_chunk(vocab, chunk, device=device)
-            bound = min(chunk, sm.CPU_CHUNK_BYTES) if device == "cpu" else chunk
-            assert rows >= 1
-            assert rows == 1 or rows * (sm.BYTES_PER_LOGIT * vocab + sm.GRID_BYTES_PER_ROW) <= bound
+            for copies, itemsize in ((0, 4), (1, 2), (2, 4)):
+                rows = sm.rows_per_chunk(vocab, chunk, copies=copies, itemsize=itemsize, device=device)
+                bound = min(chunk, sm.CPU_CHUNK_BYTES) if device == "cpu" else chunk
+                assert rows >= 1
+                assert rows == 1 or rows * (sm.BYTES_PER_LOGIT + copies * itemsize) * vocab <= bound
     assert sm.rows_per_chunk(131072, 64 << 20, device="cuda") > sm.rows_per_chunk(131072, 64 << 20)
+
+
+@pytest.mark.parametrize(("cap", "positions"), [(1, 32), (128, 32), (256, 32), (512, 64), (4096, 512)])
+def test_knots_take_at_least_32_positions_and_one_in_8_beyond(cap, positions):
+    assert sm.temperature_positions(cap) == positions
 
 
 # -- recommended temperature vs exact bisection -----------------------------------
@@ -87,11 +93,21 @@ def exact_temperature(z: torch.Tensor, target: float) -> float:
     return math.exp((lo + hi) / 2)
 
 
-def estimated_temperature(z: torch.Tensor, target: float, tau: float = 1.0) -> float:
-    temps = sm.temperature_grid()
-    ws = sm.saturation_workspace(z.shape[0], z.shape[1], tau / temps)
-    _, grid = sm.saturation_chunk(z, 1.0 / tau, ws)
-    return sm.temperature_for_target(temps, grid.mean(0, keepdim=True), target).item()
+def knots(z: torch.Tensor) -> torch.Tensor:
+    """``h`` at the knots for every row of ``z`` (ties counted by the statistics' sums)."""
+    workspace = sm.Workspace(2 * z.shape[0], z.shape[1], "cpu")  # the knots take half the rows
+    sums = torch.empty(3, z.shape[0])
+    sm.saturation_chunk(z, 1.0, workspace, sums)
+    out = torch.empty(len(sm.CHAIN_POWERS), z.shape[0])
+    sm.temperature_chunk(z, workspace, out)
+    return sm.knot_logs(out, sm.saturation_stats(sums, 1.0)[:, -1])
+
+
+def estimated_temperature(z: torch.Tensor, target: float) -> float:
+    """The recommended temperature from the knots of every row (no sub-sample)."""
+    grid = sm.TemperatureGrid("cpu")
+    top1 = sm.top1_on_grid(knots(z), grid)
+    return sm.temperature_for_target(grid.temperatures, top1.mean(0, keepdim=True), target).item()
 
 
 def _cases(vocab: int) -> dict[str, torch.Tensor]:
@@ -115,13 +131,32 @@ def _cases(vocab: int) -> dict[str, torch.Tensor]:
     z[:, 1: vocab // 10] = float("-inf")
     out["masked-minus-inf"] = z
     out["gumbel"] = -torch.log(-torch.log(torch.rand(n, vocab, generator=g))) * 2
-    # adversarial for the histogram: the whole bulk on two gap values at the two
-    # ends of one geometric bin (the worst within-bin spread)
-    lo, hi = 24.0, 25.0  # 16 bins per octave: [24, 25) is one bin
+    # the whole bulk on two gap values: h(beta) bends where one takes over from the other
     z = torch.zeros(n, vocab)
-    z[:, 1: vocab // 2] = -(lo + 1e-4)
-    z[:, vocab // 2:] = -(hi - 1e-4)
-    out["two-point-bin"] = z
+    z[:, 1: vocab // 2] = -24.0001
+    z[:, vocab // 2:] = -24.9999
+    out["two-point"] = z
+    # Zipf-like power laws (logit = -a log rank, shuffled): the mass outside the top-1
+    # moves from the head to the tail over a narrow range of T, so h bends sharply
+    # there; with only octave knots (T = 64, 32, ..., 1) these were off by up to 0.1
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+    for a in (1.0, 1.5, 2.5):
+        z = -a * torch.log(ranks).expand(n, vocab) + 0.5 * torch.randn(n, vocab, generator=g)
+        z = z[:, torch.randperm(vocab, generator=g)]
+        out[f"zipf-{a:g}-x2"] = z * 2
+        out[f"zipf-{a:g}-x4"] = z * 4
+    a = torch.linspace(0.5, 4, n).unsqueeze(1)
+    out["zipf-mixed-exponents"] = (-a * torch.log(ranks) + 0.3 * torch.randn(n, vocab, generator=g)) * 2
+    # a runner-up close to the top over a bulk far below: two scales
+    z = base.clone()
+    z[:, 0] += 10
+    z[:, 1] += 9
+    z[:, 2] += 3
+    out["top2-plus-bulk"] = z * 3
+    z = base.clone()
+    z[:, 0] += torch.linspace(2, 60, n)
+    z[:, 1] += torch.linspace(1, 30, n)
+    out["two-scale"] = z
     return out
 
 
@@ -135,13 +170,6 @@ def test_recommended_temperature_puts_the_mean_top1_at_the_target(vocab):
         else:
             assert exact_mean_top1(z, t) == pytest.approx(0.7, abs=0.005), name
             assert t == pytest.approx(t_exact, rel=0.01), name
-
-
-@pytest.mark.parametrize("tau", [0.5, 2.0, 8.0])
-def test_recommended_temperature_is_absolute_whatever_the_observed_temperature(tau):
-    z = torch.randn(16, 4096, generator=torch.Generator().manual_seed(1))
-    z[:, 0] += 40
-    assert estimated_temperature(z, 0.7, tau) == pytest.approx(exact_temperature(z, 0.7), rel=0.005)
 
 
 @pytest.mark.parametrize("target", [0.3, 0.5, 0.9])
@@ -163,26 +191,84 @@ def test_temperature_for_target_edges():
     assert math.isnan(got[2].item())
 
 
-def test_bins_are_sixteen_per_octave():
-    lower, centre = sm.bin_edges()
-    assert lower[1].item() == 2.0 ** -5 * (1 + 1 / 16)
-    assert (lower[2:] / lower[1:-1]).max().item() <= 1 + 1 / 16 + 1e-6
-    assert lower[-1].item() > sm.GAP_CLAMP
-    assert ((centre > lower) | (torch.arange(sm.GAP_BINS) == 0)).all()
+# -- the knots and the per-position sums against float64 ------------------------------
+def test_knots_are_the_partition_function_at_t_64_over_k():
+    """The chain of squarings gives Z(1/T) at T = 64/k: each level doubles the relative
+    rounding of r, so the top (T = 1) is ~64 ulp off at most."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(6, 3000, generator=g) * 3
+    z[0, 0] += 40                          # saturated at T = 1, not at T = 64
+    z[1, :2000] = float("-inf")            # masked classes
+    z[2] += 1000                           # a large offset
+    z[3, 5:9] = z[3].max()                 # ties at the top
+    z[4] *= 30                             # gaps of hundreds of nats: underflow at T = 1
+    z = torch.cat([z, z[:1].bfloat16().float()])
+    u = z.double().amax(-1, keepdim=True) - z.double()
+    ties = (u == 0).sum(-1, keepdim=True) - 1
+    u = torch.where(u == 0, math.inf, u)  # the mass outside the top-1 apart: 1 + 1e-20 is 1 in float64
+    want = torch.stack([torch.exp(-u * (k / 64)).sum(-1) for k in sm.CHAIN_POWERS], 1) + ties
+    # float32 keeps full precision down to 1.2e-38 (smallest normal); below, h is clamped
+    want_h = want.clamp(min=torch.finfo(torch.float32).tiny).log()
+    got = knots(z.clone()).double()
+    assert got.shape == (z.shape[0], len(sm.CHAIN_POWERS))
+    assert ties[3].item() == 4  # four set to the maximum, plus the maximum itself
+    assert torch.allclose(got, want_h, rtol=0, atol=2e-5), (got - want_h).abs().max()
+    assert sm.knot_betas() == tuple(k / 64 for k in sm.CHAIN_POWERS)
 
 
-def test_gap_histogram_summarises_each_bin():
-    u = torch.tensor([[0.0, 0.01, 1.0, 1.05, 9000.0, 10_000.0, 24.0001, 24.9999] + [3.0] * 200
-                      + torch.linspace(0.02, 60, 500).tolist()])
-    ws = sm.saturation_workspace(1, u.shape[1], 1 / sm.temperature_grid())
-    count, first, second = sm.gap_histogram(u.clone(), ws)[:, 0]
-    lower, centre = sm.bin_edges()
-    which = torch.bucketize(u[0], lower[1:], right=True)  # bin 0 holds everything below lower[1]
-    assert count.sum().item() == u.numel()
-    for b in range(sm.GAP_BINS):
-        inside = u[0][which == b].double()
-        assert count[b].item() == inside.numel()
-        d = inside - centre[b].double()
-        scale = (lower[b + 1] - lower[b]).item() if b + 1 < sm.GAP_BINS else 1.0
-        assert first[b].item() == pytest.approx(d.sum().item(), abs=1e-4 * scale * max(1, inside.numel()))
-        assert second[b].item() == pytest.approx(d.square().sum().item(), abs=1e-4 * scale**2 * max(1, inside.numel()))
+def test_one_logit_gap_is_interpolated_exactly():
+    """Two classes with a gap M: h(beta) = -beta M is linear, so the monotone cubic
+    reproduces it between knots and the top-1 on the grid is exactly sigmoid(M / T);
+    the tangent gives the same curve from any observed temperature."""
+    gaps = torch.tensor([0.5, 3.0, 9.0, 40.0, 200.0])
+    z = torch.stack([gaps, torch.zeros_like(gaps)], 1)
+    grid = sm.TemperatureGrid("cpu")
+    want = torch.sigmoid(gaps.double().unsqueeze(1) / grid.temperatures.double())
+    got = sm.top1_on_grid(knots(z), grid).double()
+    assert torch.allclose(got, want, rtol=0, atol=1e-6), (got - want).abs().max()
+    for tau in (0.5, 1.0, 4.0):
+        sums = torch.empty(3, z.shape[0])
+        sm.saturation_chunk(z, 1 / tau, sm.Workspace(z.shape[0], 2, "cpu"), sums)
+        tangent = sm.saturation_stats(sums, 1 / tau)[:, len(sm.STATS):len(sm.STATS) + 2]
+        # unless the runner-up underflows float32 at tau (gap / tau > 87): then 1 at every T
+        resolved = gaps / tau < 87
+        got = sm.covariate_on_grid(tangent, grid, 1 / tau).double()
+        assert torch.allclose(got[resolved], want[resolved], atol=1e-5), tau
+        assert (got[~resolved] > 1 - 1e-6).all()
+
+
+def test_top1_on_the_grid_falls_as_the_temperature_rises():
+    grid = sm.TemperatureGrid("cpu")
+    for name, z in _cases(1000).items():
+        top1 = sm.top1_on_grid(knots(z), grid)
+        assert (top1.diff(dim=1) <= 1e-6).all(), name
+        assert ((top1 > 0) & (top1 <= 1)).all(), name
+
+
+def test_the_mass_outside_the_top1_is_exact_when_tiny():
+    """Z - 1 from a float32 sum that holds the top-1's 1.0 is good to ~5e-7 only; the
+    sums keep tails of 1e-20 and count ties."""
+    z = torch.zeros(4, 1000)
+    z[0, 0] = 50.0                    # 999 e^-50: 1.9e-19 outside
+    z[1, 0] = 20.0                    # 2.1e-6 outside
+    z[2, :3] = 7.0                    # three tied at the top
+    z[3] = torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    sums = torch.empty(3, 4)
+    sm.saturation_chunk(z, 1.0, sm.Workspace(4, 1000, "cpu"), sums)
+    stats = sm.saturation_stats(sums, 1.0).double()
+    p = torch.softmax(z.double(), -1)
+    q = p.amax(-1)
+    outside = (1 - q) / q
+    outside[0] = 999 * math.exp(-50)  # 1 - q below float64's resolution too
+    top1, _, _, jac, entropy, h, slope, ties = stats.unbind(1)
+    assert ties.tolist() == [0, 0, 2, 0]
+    assert torch.allclose(top1, q, rtol=1e-6)
+    assert torch.allclose(h, outside.log(), atol=1e-5)
+    assert jac[0].item() == pytest.approx(999 * math.exp(-50), rel=1e-5)
+    assert jac[1].item() == pytest.approx((q * (1 - q))[1].item(), rel=1e-5)
+    assert torch.allclose(entropy, torch.special.entr(p).sum(-1), rtol=1e-5, atol=1e-12)
+    # dh/dbeta = -E[gap] over the classes outside the top-1
+    assert slope[0].item() == pytest.approx(-50.0, rel=1e-5)
+    u = z[3].double().max() - z[3].double()
+    rest = (torch.exp(-u) * (u > 0)).sum()
+    assert slope[3].item() == pytest.approx(-((u * torch.exp(-u)).sum() / rest).item(), rel=1e-5)
