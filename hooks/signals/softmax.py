@@ -44,6 +44,11 @@ Cost, bounded for 150k-class vocabularies and paid only on reported steps:
   the reference decoder's [4, 128, 8192] logits (103 kept), 3.5-5 ms with the
   call's share of the report; the previous per-logit histogram took 20-25 ms at
   171 positions.
+- Classes more than ~87 nats (times tau) below the top-1 give float32 subnormals
+  (below 1.2e-38) in the exponentials and at the knots near T = 1. They change no
+  result, but cost: ~1.3x here (AMD) for logits with 10 % of their classes in that
+  band (benchmark ``512x8192_x10``); CPUs that handle subnormals in microcode can
+  be several times slower, which ``torch.set_flush_denormal(True)`` avoids.
 - Vocabulary: rows are processed in chunks whose buffers stay within
   ``softmax_chunk_bytes`` (8 bytes per logit: two float32 buffers, or the knots'
   four power chains on half as many rows; at least one position's four chains;
