@@ -31,6 +31,7 @@ from starlette.concurrency import run_in_threadpool
 
 from trainvitals.alerts import AlertService, NotifierConfigError, RuleError
 from trainvitals.monitor import (
+    openapi,
     routes_alerts,
     routes_configure,
     routes_health,
@@ -125,6 +126,7 @@ def create_app(
         app.include_router(module.router)
     if settings.read_token is not None:
         app.add_middleware(ReadAuthMiddleware, token=settings.read_token.get_secret_value())
+    openapi.install(app)  # the ingest body and answers, which FastAPI cannot see
     return app
 
 

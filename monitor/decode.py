@@ -7,8 +7,8 @@ structs (about 0.5 us per sample against 2.5 us for the pydantic models), and
 the name checks hit caches since names repeat in every report.
 
 msgspec reads standard JSON only, and the wire writes non-finite values as
-``NaN``/``Infinity``: a body the fast path cannot take (those tokens, or any
-error) is decoded again by the reference path, ``json.loads`` then
+``NaN``/``Infinity``: a body the fast path cannot take (those tokens, an integer
+written ``7.0``, or any error) is decoded again by the reference path, ``json.loads`` then
 ``msgspec.convert`` into the same structs, whose answer (and error message)
 is the one that counts. The structs have the attributes of the pydantic
 models (``report.run``, ``sample.labels``, ...), so the store and the alert
@@ -45,6 +45,11 @@ from trainvitals.wire.schema import (
 
 __all__ = ["BodyInvalid", "WireBatch", "WireEvent", "WireReport", "WireSample", "decode_batch"]
 
+# msgspec matches patterns with Python's re.search, where "$" also matches before a final
+# newline ("r1\n" would pass); the wire's patterns end in "$" for pydantic's (Rust) engine,
+# whose "$" is the end of the text. \Z is that end for Python's re.
+_RUN = RUN_PATTERN.removesuffix("$") + r"\Z"
+_SENDER = SENDER_PATTERN.removesuffix("$") + r"\Z"
 _LabelName = Annotated[str, Meta(min_length=1, max_length=MAX_LABEL_NAME)]
 # Label values: empty, too long or unprintable is checked by report_problem (naming the label).
 _Labels = Annotated[dict[_LabelName, str], Meta(max_length=MAX_LABELS)]
@@ -65,13 +70,13 @@ class WireEvent(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
 
 class WireReport(msgspec.Struct, forbid_unknown_fields=True):
-    run: Annotated[str, Meta(min_length=1, max_length=128, pattern=RUN_PATTERN)]
+    run: Annotated[str, Meta(min_length=1, max_length=128, pattern=_RUN)]
     step: Annotated[int, Meta(ge=0, lt=MAX_STEP)]
     time: float
     rank: Annotated[int, Meta(ge=0, le=MAX_RANK)] = 0
     samples: Annotated[list[WireSample], Meta(max_length=MAX_SAMPLES)] = []
     events: Annotated[list[WireEvent], Meta(max_length=MAX_EVENTS)] = []
-    sender: Annotated[str, Meta(pattern=SENDER_PATTERN)] | None = None
+    sender: Annotated[str, Meta(pattern=_SENDER)] | None = None
     seq: Annotated[int, Meta(ge=0, le=MAX_SEQ)] | None = None
 
 
@@ -102,10 +107,24 @@ def decode_batch(body: bytes) -> WireBatch:
     return batch
 
 
+def _whole(text: str) -> float | int:
+    """A JSON number with a fraction: a float, or the integer it spells exactly (``7.0``).
+
+    JSON Schema counts ``7.0`` as the integer 7 (and so do OpenAPI clients generated
+    from ``/openapi.json``): integer fields take it. Values stay numbers either way.
+    """
+    value = float(text)
+    return int(value) if value.is_integer() and abs(value) <= _EXACT else value
+
+
+_EXACT = 2**53  # floats spell every integer up to here exactly
+
+
 def _reference(body: bytes) -> WireBatch:
-    """The reference decode (NaN/Infinity tokens, and every error message)."""
+    """The reference decode (NaN/Infinity tokens, integers written ``7.0``, and every
+    error message)."""
     try:
-        obj = json.loads(body)
+        obj = json.loads(body, parse_float=_whole)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise BodyInvalid(f"body is not valid JSON: {exc}", json_ok=False) from None
     if isinstance(obj, dict) and obj.get("schema", SCHEMA_VERSION) != SCHEMA_VERSION:

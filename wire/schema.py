@@ -23,6 +23,9 @@ from trainvitals.wire.metrics import PREFIX, RESERVED_NAMES
 
 __all__ = [
     "EVENT_KINDS",
+    "HISTOGRAM_LABELS",
+    "LABEL_NAME_CONVENTIONS",
+    "NAME_CONVENTIONS",
     "MAX_EVENTS",
     "MAX_LABELS",
     "MAX_LABEL_NAME",
@@ -84,6 +87,38 @@ SENDER_PATTERN = r"^[A-Za-z0-9_\-]{1,64}$"
 
 _NAME = re.compile(r"[a-z_][a-z0-9_]*\Z")
 _LABEL_NAME = re.compile(r"(?:[a-zA-Z]|_[a-zA-Z0-9])[a-zA-Z0-9_]*\Z")
+
+# Prometheus's naming conventions, as `promtool check metrics` lints them: a name or a
+# label that would put a lint problem on /metrics is refused (promtool is how CI and
+# operators check an exporter). Patterns over the wire name (the exposed name is the
+# prefix + the wire name), each a word between underscores, shared with the collector's
+# OpenAPI schema. Words: units, their prefixes, abbreviations, from promtool's promlint.
+_BASE_UNITS = ("amperes", "bytes", "celsius", "grams", "joules", "kelvin", "meters", "metres",
+               "seconds", "volts")
+_OTHER_UNITS = {"minutes": "seconds", "hours": "seconds", "days": "seconds", "weeks": "seconds",
+                "kelvins": "kelvin", "fahrenheit": "celsius", "rankine": "celsius", "inches": "meters",
+                "yards": "meters", "miles": "meters", "bits": "bytes", "calories": "joules",
+                "pounds": "grams", "ounces": "grams"}
+_UNIT_PREFIXES = ("pico", "nano", "micro", "milli", "centi", "deci", "deca", "hecto", "kilo", "kibi",
+                  "mega", "mibi", "giga", "gibi", "tera", "tebi", "peta", "pebi")
+_ABBREVIATIONS = ("s", "ms", "us", "ns", "sec", "b", "kb", "mb", "gb", "tb", "pb", "m", "h", "d")
+_TYPES = ("counter", "gauge", "summary", "histogram")  # gauge_histogram: has "gauge" in it
+NAME_CONVENTIONS: dict[str, str] = {
+    rf"(^|_)({'|'.join(_UNIT_PREFIXES)})({'|'.join((*_BASE_UNITS, *_OTHER_UNITS))})(_|$)":
+        "a unit with a prefix: use the base unit (seconds, bytes, meters, ...) and scale the value",
+    rf"(^|_)({'|'.join(_OTHER_UNITS)})(_|$)":
+        "a unit that is not a base unit: use seconds, bytes, meters, celsius, joules, grams",
+    rf"(^|_)({'|'.join(_ABBREVIATIONS)})(_|$)": "an abbreviated unit: spell the base unit (seconds, bytes)",
+    rf"(^|_)({'|'.join(_TYPES)})(_|$)": "a metric type in the name",
+    r"(^|_)(count|sum|bucket)$": "a suffix reserved for histograms and summaries",
+    r"^total$": "a gauge exposed with a counter's _total suffix",
+}
+"""Wire-name patterns Prometheus's conventions forbid, each with the reason."""
+LABEL_NAME_CONVENTIONS: dict[str, str] = {"[a-z][A-Z]": "camelCase: use snake_case"}
+"""Label-name patterns the conventions forbid; ``le`` and ``quantile`` are refused too."""
+HISTOGRAM_LABELS = frozenset({"le", "quantile"})
+_CONVENTIONS = [(re.compile(p), why) for p, why in NAME_CONVENTIONS.items()]
+_LABEL_CONVENTIONS = [(re.compile(p), why) for p, why in LABEL_NAME_CONVENTIONS.items()]
 # Names already checked and good (they repeat in every report): a set lookup on the
 # hot path instead of a regex. Bounded: cleared when full.
 _GOOD_NAMES: set[str] = set()
@@ -98,6 +133,10 @@ def _name_problem(name: str) -> str | None:
         return f"{name!r} must not carry the {PREFIX!r} prefix"
     if name in RESERVED_NAMES:
         return f"metric name {name!r} is produced by the collector; samples may not use it"
+    for pattern, why in _CONVENTIONS:
+        if pattern.search(name):
+            return (f"metric name {name!r} breaks a Prometheus naming convention (promtool check "
+                    f"metrics): {why}")
     return None
 
 
@@ -113,6 +152,11 @@ def _label_name_problem(name: str, allowed: frozenset[str] | None) -> str | None
     if name in RESERVED_LABELS:
         return (f"label {name!r} is reserved (run/rank come from the report; Prometheus renames "
                 "job/instance; alertname/severity identify alerts)")
+    if name in HISTOGRAM_LABELS:
+        return f"label {name!r} is reserved for Prometheus histograms and summaries"
+    for pattern, why in _LABEL_CONVENTIONS:
+        if pattern.search(name):
+            return f"label name {name!r} breaks a Prometheus naming convention: {why}"
     return None
 
 

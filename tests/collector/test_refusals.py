@@ -61,6 +61,9 @@ CASES: dict[str, tuple[bytes, str, str]] = {
                                               "labels": {"bad-name": "x"}}])),
                          "reports.0.events.0.labels", "not one this event kind carries"),
     "sender_without_seq": (body(report(sender="abc")), "reports.0", "sender and seq"),
+    # "$" in a Python pattern also matches before a final newline: these used to pass.
+    "run_trailing_newline": (body(report(run="r1\n")), "reports.0.run", "matching regex"),
+    "sender_trailing_newline": (body(report(sender="s1\n", seq=1)), "reports.0.sender", "matching regex"),
 }
 
 

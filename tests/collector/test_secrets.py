@@ -7,11 +7,12 @@ in this process."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
-from click.testing import CliRunner
 
 from tests.collector.helpers import Recorder, body, promtool_clean, report
 from tests.collector.test_restart import _serve
@@ -19,10 +20,10 @@ from tests.support import dead_url, free_port, wait_until
 from trainvitals.hooks.sender import Sender
 from trainvitals.hooks.sinks import HttpSink
 from trainvitals.monitor.app import create_app
-from trainvitals.monitor.cli import main
 from trainvitals.monitor.settings import Settings, SettingsError
 
 JSON = {"Content-Type": "application/json"}
+CLI = [sys.executable, "-c", "from trainvitals.monitor.cli import main; main()"]
 # Distinct, greppable secrets (none is a substring of another word the logs could hold).
 HOOK_TOKEN = "hooktok7Qx2"
 HOOK_SIG = "deadsig9Zp4"
@@ -137,6 +138,9 @@ def test_a_bad_notifier_config_is_refused_without_its_secrets(notifier, tmp_path
     assert "notifiers" in str(refused.value) and _leaks(str(refused.value)) == [], str(refused.value)
     config = tmp_path / "collector.yaml"
     config.write_text(f"state_path: memory\nport: 0\nnotifiers: [{notifier!r}]\n".replace("'", '"'))
-    result = CliRunner().invoke(main, ["serve", "--config", str(config)])
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    assert _leaks(result.output) == [], result.output
+    # A process of its own: serve installs log filters process-wide.
+    result = subprocess.run([*CLI, "serve", "--config", str(config)], capture_output=True, text=True,
+                            timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output and "notifiers" in output, output
+    assert _leaks(output) == [], output
