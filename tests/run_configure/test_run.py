@@ -91,6 +91,17 @@ def test_an_optimizer_stepped_inside_another_is_not_watched_twice():
     assert "AdamW is stepped inside the step of Wrapper (run 'wrapped'): not watched twice" in proc.stderr
 
 
+def test_a_closure_stepped_optimizer_is_measured_after_its_closure_ran():
+    with recording_collector() as got:
+        proc = trainvitals("run", "--run", "closure", "--collector", got.collector.url, "--every", "1",
+                           "--", sys.executable, "closure.py")
+        assert proc.returncode == 0, proc.stderr
+        reports = got.of("closure")
+    assert [g.step for g in reports] == [1, 2, 3, 4]
+    for g in reports:  # the gradients of this step's closure, not the previous step's
+        assert g.value("grad_norm") == pytest.approx(printed(proc.stdout, g.step, "grad_norm"), rel=1e-5)
+
+
 def test_zero_code_loss_accounting_where_the_logits_can_be_found():
     with recording_collector() as got:
         proc = trainvitals("run", "--run", "lm", "--collector", got.collector.url, "--every", "1",
