@@ -38,10 +38,10 @@ ATTACH_ENV_HELP = {
     "run": "The run's name (1-128 characters from letters, digits and `_ . : - /`); "
            "`trainvitals run` sets it (`--run`, else the script's name and the start time).",
     "collector": "Where reports go: a collector URL (`http://host:9477`), `file:PATH` (JSONL) "
-                 "or `null`. Default: `./trainvitals-<run>.jsonl`.",
+                 "or `null` (nowhere).",
     "modalities": "Names for the integer modality codes, comma-separated (`text,image`).",
-    "rules": "Evaluate alert rules in the job and log when one fires: `default`, or rule "
-             "files/folders, comma-separated. Unset: off.",
+    "rules": "Evaluate alert rules in the job and log when one fires: `default` (the shipped "
+             "rules), or rule files/folders.",
 }
 
 _TRUE = ("1", "true", "yes", "on")

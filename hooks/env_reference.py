@@ -61,6 +61,14 @@ def _default(f: Any) -> str:
     return f"`{value}`"
 
 
+_CORE = {  # type and default of the core arguments' variables
+    "run": ("text", "required"),
+    "collector": ("URL, `file:PATH` or `null`", "`./trainvitals-<run>.jsonl`"),
+    "modalities": ("comma-separated list", "none"),
+    "rules": ("`default` or comma-separated paths", "off"),
+}
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -86,30 +94,23 @@ def reference_markdown() -> str:
         "`on` or `0`, `false`, `no`, `off`; lists comma-separated; `none` for an option",
         "that may be off.",
         "",
-        "## Core arguments",
-        "",
-        "| variable | `attach()` argument | meaning |",
-        "|---|---|---|",
+        "| variable | `attach()` option | type | default | meaning |",
+        "|---|---|---|---|---|",
     ]
     for arg, var in ATTACH_ENV.items():
-        lines.append(f"| `{var}` | `{arg}` | {_cell(ATTACH_ENV_HELP[arg])} |")
+        kind, default = _CORE[arg]
+        lines.append(f"| `{var}` | `{arg}` | {kind} | {default} | {_cell(ATTACH_ENV_HELP[arg])} |")
+    lines.append("| `TRAINVITALS_TOKEN` | - | text | none | The bearer token sent to the collector "
+                 "(its `token` setting). |")
+    for f in fields(Config):
+        live = " Live: `trainvitals configure` can change it while the job runs." if f.name in LIVE_FIELDS else ""
+        lines.append(f"| `{env_name(f.name)}` | `{f.name}` | {_type(hints[f.name], f.name)} | {_default(f)} | "
+                     f"{_cell(docs.get(f.name, ''))}{live} |")
     lines += [
-        "| `TRAINVITALS_TOKEN` | - | The bearer token sent to the collector (its `token` setting). |",
         "",
         "`sink=` has no variable of its own: `TRAINVITALS_COLLECTOR` takes `file:PATH` and",
         "`null` too. `scaler=` is an object; `trainvitals run` passes the job's `GradScaler`",
         "when it has exactly one.",
-        "",
-        "## Options",
-        "",
-        "| variable | type | default | meaning |",
-        "|---|---|---|---|",
-    ]
-    for f in fields(Config):
-        live = " Live: `trainvitals configure` can change it while the job runs." if f.name in LIVE_FIELDS else ""
-        lines.append(f"| `{env_name(f.name)}` | {_type(hints[f.name], f.name)} | {_default(f)} | "
-                     f"{_cell(docs.get(f.name, ''))}{live} |")
-    lines += [
         "",
         "## Variables of `trainvitals run`",
         "",
