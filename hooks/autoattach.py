@@ -24,9 +24,10 @@ Runs: the first optimizer reports as ``$TRAINVITALS_RUN``, each further one as
 ``<run>:opt2``, ``<run>:opt3`` (a GAN's two optimizers would otherwise write the same
 series). An optimizer that shares parameters with one already watched is either
 stepped inside that one's step (a wrapper around an inner optimizer: not watched
-twice) or replaces it (a learning-rate finder's optimizer, then the real one; a new
-optimizer after unfreezing layers): the run then goes on with the new optimizer, its
-step count, counters and drift references carried over.
+twice), or holds all of its parameters and replaces it (a learning-rate finder's
+optimizer, then the real one; a new optimizer after unfreezing layers): the run then
+goes on with the new optimizer, its step count, counters and drift references carried
+over. One that shares only some (stepped in turn with the other) is a run of its own.
 
 Ranks: under a process group (``torchrun`` + ``init_process_group``) each rank
 gets a monitor; they combine their figures and rank 0 sends, as with ``attach``.
@@ -143,7 +144,7 @@ def _first_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         if shared is not None and id(shared[0]) in _stepping:
             log.info("trainvitals run: %s is stepped inside the step of %s (run %r): not watched twice",
                      type(optimizer).__name__, type(shared[0]).__name__, shared[1].monitor.run)
-        elif shared is not None:
+        elif shared is not None and ids >= shared[1].params:
             watch.monitor = _replace(shared[0], shared[1], optimizer, params, args, kwargs)
         elif not params:
             log.info("trainvitals run: %s has no parameters; not watched", type(optimizer).__name__)
@@ -173,7 +174,7 @@ def _replace(old_optimizer: Any, old: _Watch, optimizer: Any, params: list[torch
     previous._end_report = False  # the run goes on: no run_end for the collector
     previous.close()
     old.monitor = None
-    log.info("trainvitals run: %s replaces %s (same parameters): run %r goes on with it from step %d",
+    log.info("trainvitals run: %s replaces %s (all its parameters): run %r goes on with it from step %d",
              type(optimizer).__name__, type(old_optimizer).__name__, monitor.run, monitor.step)
     return monitor
 

@@ -75,10 +75,20 @@ def test_an_optimizer_that_replaces_another_continues_its_run():
     # SGD for steps 1-3, then AdamW: one run, its steps counted on, one end.
     assert [g.step for g in reports] == [1, 2, 4, 6, 8]
     assert ends == [9]
-    assert "AdamW replaces SGD (same parameters): run 'finder' goes on with it from step 3" in proc.stderr
+    assert "AdamW replaces SGD (all its parameters): run 'finder' goes on with it from step 3" in proc.stderr
     assert reports[1].value("adam_exp_avg_norm", group="0") is None  # SGD: no moments
     assert finite(reports[-1].value("adam_exp_avg_norm", group="0"))
     assert reports[-1].value("optimizer_state_resets_total") == 0  # new moments, not a reset mid-run
+
+
+def test_optimizers_sharing_some_parameters_are_two_runs():
+    with recording_collector() as got:
+        proc = trainvitals("run", "--run", "overlap", "--collector", got.collector.url, "--every", "1",
+                           "--", sys.executable, "replace.py", "overlap")
+        assert proc.returncode == 0, proc.stderr
+        assert got.steps("overlap") == got.steps("overlap:opt2") == [1, 2]
+        assert got.of("overlap")[-1].labels_of("param_max", "param") == {"0.bias", "1.weight", "1.bias"}
+        assert got.of("overlap:opt2")[-1].labels_of("param_max", "param") == {"1.weight", "1.bias", "2.bias"}
 
 
 def test_an_optimizer_stepped_inside_another_is_not_watched_twice():

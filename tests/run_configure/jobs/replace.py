@@ -1,6 +1,7 @@
 """Scripts that step more than one optimizer over the same parameters (run by the tests
 under ``trainvitals run``): ``finder``: a learning-rate finder's SGD for three steps, then
-the real AdamW; ``wrapper``: an optimizer that steps an inner AdamW inside its own step."""
+the real AdamW; ``overlap``: two optimizers that share some parameters, stepped in
+turn; ``wrapper``: an optimizer that steps an inner AdamW inside its own step."""
 
 import sys
 
@@ -34,6 +35,12 @@ model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1))
 if sys.argv[1] == "finder":
     train(model, torch.optim.SGD(model.parameters(), lr=1e-4), 3)
     train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), 6)
+elif sys.argv[1] == "overlap":  # two optimizers sharing the LayerNorm, stepped in turn
+    first = torch.optim.Adam([*model[0].parameters(), *model[1].parameters()], lr=1e-3)
+    second = torch.optim.Adam([*model[1].parameters(), *model[2].parameters()], lr=1e-3)
+    for _ in range(2):
+        train(model, first, 1)
+        train(model, second, 1)
 else:
     train(model, Wrapper(torch.optim.AdamW(model.parameters(), lr=1e-3)), 4)
 print("trained", flush=True)
