@@ -22,25 +22,29 @@ LabelPredicate = Callable[[Mapping[str, str]], bool]
 
 
 class _Latest:
-    """The samples of one metric from the latest report that carried it (one run/rank).
+    """The samples of one metric from the latest report that carried it (one run/rank),
+    indexed by label names: ``{label names: {label items: value}}``.
 
-    Indexed by label names on first lookup, so reports whose conditions are never
-    consulted (the healthy case) cost one list append per sample.
+    A compact copy, built as the report arrives: keeping the report's own sample
+    objects (and their label dicts) alive until the run's next report doubled the
+    collector's cost per sample (every decode then allocated in cold memory).
     """
 
-    __slots__ = ("_index", "samples")
+    __slots__ = ("_index",)
 
     def __init__(self, samples: list[Any]) -> None:
-        self.samples = samples
-        self._index: dict[tuple[str, ...], dict[LabelItems, float]] | None = None
+        index: dict[tuple[str, ...], dict[LabelItems, float]] = {}
+        for sample in samples:
+            labels = sample.labels
+            items = tuple(labels.items()) if len(labels) < 2 else tuple(sorted(labels.items()))
+            names = tuple([k for k, _ in items])
+            values = index.get(names)
+            if values is None:
+                values = index[names] = {}
+            values[items] = sample.value
+        self._index = index
 
     def index(self) -> dict[tuple[str, ...], dict[LabelItems, float]]:
-        if self._index is None:
-            index: dict[tuple[str, ...], dict[LabelItems, float]] = {}
-            for sample in self.samples:
-                items = tuple(sorted(sample.labels.items()))
-                index.setdefault(tuple(k for k, _ in items), {})[items] = sample.value
-            self._index = index
         return self._index
 
 

@@ -290,7 +290,16 @@ class Engine:
                         matched.append((c, sample))
             for name, samples in fresh.items():
                 self._latest.remember(run, rank, name, samples)
+            # A plain rule with no instance anywhere and a condition whose metric this run
+            # never reported cannot start one: skip its samples (asked once per rule).
+            unmet: dict[int, bool] = {}
             for c, sample in matched:
+                if c.conditions and c.plain and not live[c.index]:
+                    skip = unmet.get(c.index)
+                    if skip is None:
+                        skip = unmet[c.index] = not self._latest.seen_all(c.conditions, run, rank)
+                    if skip:
+                        continue
                 t = self._evaluate(c, run, rank, step, sample.labels, sample.value, now)
                 if t is not None:
                     out.append(t)

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from trainvitals.wire import PREFIX, RESERVED_NAMES, RUN_END_EVENT, Report, ReportBatch, metric_type
 
@@ -56,8 +57,9 @@ DEFAULT_MAX_SERIES = 1_000_000
 
 # A series inside one run and rank: its label items, sorted. The name is the outer key.
 LabelKey = tuple[tuple[str, str], ...]
-# wire name -> {label key: value}
-Families = dict[str, dict[LabelKey, float]]
+# wire name -> {label key: [latest value, number of the rank's report that last set it]}
+# (one mutable cell per series: an update is one dict lookup and two stores)
+Families = dict[str, dict[LabelKey, list]]
 # What copy_runs() returns per run: (run, step, last report time, ended, per-rank series).
 RunCopy = tuple[
     str, int, float, bool, list[tuple[int, list[tuple[str, list[tuple[LabelKey, float]]]]]]
@@ -145,8 +147,6 @@ class _Run:
     ended: bool = False
     # series held, the per-run step, last-report-timestamp and run_ended series included
     n_series: int = 2
-    # rank -> {wire name -> {label key: number of that rank's report that last set it}}
-    gens: dict[int, dict[str, dict[LabelKey, int]]] = field(default_factory=dict)
     # rank -> reports received from it
     reports: dict[int, int] = field(default_factory=dict)
     # (rank, sender) -> sequence numbers seen
@@ -172,26 +172,27 @@ class RemovableHandle:
             fn()
 
 
+_NAME_OF = attrgetter("name")
+
+
 def _label_key(labels: dict[str, str]) -> LabelKey:
     # Inlined in SeriesStore.ingest (hot path); keep the two in step.
     return tuple(labels.items()) if len(labels) < 2 else tuple(sorted(labels.items()))
 
 
-def _drop_stale(fams: Families, gens: dict[str, dict[LabelKey, int]], before: int) -> int:
+def _drop_stale(fams: Families, before: int) -> int:
     """Drop the series of one rank last set by a report numbered ``before`` or earlier."""
     dropped = 0
-    for name in list(gens):
-        fam_gen = gens[name]
-        old = [key for key, g in fam_gen.items() if g <= before]
+    for name in list(fams):
+        fam = fams[name]
+        old = [key for key, cell in fam.items() if cell[1] <= before]
         if not old:
             continue
-        fam = fams[name]
         for key in old:
-            del fam_gen[key]
             del fam[key]
         dropped += len(old)
         if not fam:
-            del fams[name], gens[name]
+            del fams[name]
     return dropped
 
 
@@ -326,24 +327,22 @@ class SeriesStore:
                 fams = run.by_rank.get(rank)
                 if fams is None:
                     fams = run.by_rank[rank] = {}
-                    run.gens[rank] = {}
-                gens = run.gens[rank]
                 gen = run.reports[rank] = run.reports.get(rank, 0) + 1
                 # Hot loop: no function calls beyond the builtins.
                 for s in report.samples:
                     labels = s.labels
-                    name = s.name
-                    fam = fams.get(name)
+                    fam = fams.get(s.name)
                     if fam is None:
-                        fam = fams[name] = {}
-                        fam_gen = gens[name] = {}
-                    else:
-                        fam_gen = gens[name]
+                        fam = fams[s.name] = {}
                     key = tuple(labels.items()) if len(labels) < 2 else tuple(sorted(labels.items()))
-                    fam[key] = s.value
-                    fam_gen[key] = gen
+                    cell = fam.get(key)
+                    if cell is None:
+                        fam[key] = [s.value, gen]
+                    else:
+                        cell[0] = s.value
+                        cell[1] = gen
                 if stale and gen % stale == 0:
-                    self.stale_dropped += _drop_stale(fams, gens, gen - stale)
+                    self.stale_dropped += _drop_stale(fams, gen - stale)
                 # A later report without run_end (any rank) means the run goes on.
                 run.ended = _ends(report) if report.events else False
                 count = run.count()
@@ -444,6 +443,8 @@ class SeriesStore:
         the wire schema.)
         """
         known = self._known_names
+        if all(known.issuperset(map(_NAME_OF, r.samples)) for r in reports):
+            return set()  # the common case, in C: every name seen before
         fresh = {s.name for r in reports for s in r.samples} - known
         for name in sorted(fresh):
             if name in RESERVED_NAMES:  # a batch built in process, not through the schema
@@ -507,7 +508,8 @@ class SeriesStore:
             fam = r.by_rank.get(rank, {}).get(name)
             if fam is None:
                 return None
-            return fam.get(_label_key(labels or {}))
+            cell = fam.get(_label_key(labels or {}))
+            return None if cell is None else cell[0]
 
     def copy_runs(self, now: float | None = None) -> list[RunCopy]:
         """Expire silent runs, then copy the raw series out, in store order.
@@ -528,7 +530,7 @@ class SeriesStore:
                     r.last_report_time,
                     r.ended,
                     [
-                        (rank, [(m, list(f.items())) for m, f in fams.items()])
+                        (rank, [(m, [(k, c[0]) for k, c in f.items()]) for m, f in fams.items()])
                         for rank, fams in r.by_rank.items()
                     ],
                 )

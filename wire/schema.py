@@ -198,8 +198,56 @@ def report_problem(samples: Iterable[Any], events: Iterable[Any]) -> str | None:
     The checks that are not plain types and bounds: metric names (pattern, prefix,
     names the collector exports itself), label names and values, event kinds and
     event labels. Takes any objects with ``name``/``labels`` (samples) and
-    ``kind``/``labels`` (events) attributes: pydantic models or the collector's structs.
+    ``kind``/``labels`` (events) attributes: pydantic models or the collector's structs,
+    whose schemas have checked types and bounds (at most MAX_LABELS labels) first.
     """
+    samples = samples if isinstance(samples, list) else list(samples)
+    if _samples_fine(samples):
+        return _events_problem(events)
+    return _report_problem(samples, events)
+
+
+def _samples_fine(samples: list[Any]) -> bool:
+    """The common case, in bulk: every name and label name already checked and good, and
+    the label values, all at once, non-empty, short enough and printable. False sends the
+    report through the per-sample checks, which name the first problem."""
+    good = _GOOD_NAMES
+    known_labels = _GOOD_LABEL_NAMES.issuperset
+    values: list[str] = []
+    extend = values.extend
+    for s in samples:
+        if s.name not in good:
+            return False
+        labels = s.labels
+        if labels:
+            # Both schemas bound the number of labels (MAX_LABELS) before this runs.
+            if not known_labels(labels):
+                return False
+            extend(labels.values())
+    if not values:
+        return True
+    try:
+        lengths = list(map(len, values))
+        return min(lengths) > 0 and max(lengths) <= MAX_LABEL_VALUE and "".join(values).isprintable()
+    except TypeError:  # a value that is not a string: the per-sample checks say which
+        return False
+
+
+def _events_problem(events: Iterable[Any]) -> str | None:
+    for i, ev in enumerate(events):
+        allowed = EVENT_KINDS.get(ev.kind)
+        if allowed is None:
+            return (f"events.{i}.kind: unknown event kind {ev.kind[:80]!r}; "
+                    f"known: {', '.join(sorted(EVENT_KINDS))}")
+        if ev.labels:
+            why = _labels_problem(ev.labels, allowed)
+            if why is not None:
+                return f"events.{i}.labels: {why}"
+    return None
+
+
+def _report_problem(samples: list[Any], events: Iterable[Any]) -> str | None:
+    """:func:`report_problem`, sample by sample (caching the names found good)."""
     good = _GOOD_NAMES
     for i, s in enumerate(samples):
         name = s.name
@@ -215,16 +263,7 @@ def report_problem(samples: Iterable[Any], events: Iterable[Any]) -> str | None:
             why = _labels_problem(labels, None)
             if why is not None:
                 return f"samples.{i}.labels: {why}"
-    for i, ev in enumerate(events):
-        allowed = EVENT_KINDS.get(ev.kind)
-        if allowed is None:
-            return (f"events.{i}.kind: unknown event kind {ev.kind[:80]!r}; "
-                    f"known: {', '.join(sorted(EVENT_KINDS))}")
-        if ev.labels:
-            why = _labels_problem(ev.labels, allowed)
-            if why is not None:
-                return f"events.{i}.labels: {why}"
-    return None
+    return _events_problem(events)
 
 
 class _Strict(BaseModel):
