@@ -57,9 +57,10 @@ DEFAULT_MAX_SERIES = 1_000_000
 
 # A series inside one run and rank: its label items, sorted. The name is the outer key.
 LabelKey = tuple[tuple[str, str], ...]
-# wire name -> {label key: [latest value, number of the rank's report that last set it]}
-# (one mutable cell per series: an update is one dict lookup and two stores)
-Families = dict[str, dict[LabelKey, list]]
+# wire name -> {label key: (latest value, number of the rank's report that last set it)}
+# (one entry per series: an update is one dict store; a tuple of a float and an int is
+# untracked by the garbage collector, so a million series cost full collections nothing)
+Families = dict[str, dict[LabelKey, tuple[float, int]]]
 # What copy_runs() returns per run: (run, step, last report time, ended, per-rank series).
 RunCopy = tuple[
     str, int, float, bool, list[tuple[int, list[tuple[str, list[tuple[LabelKey, float]]]]]]
@@ -335,12 +336,7 @@ class SeriesStore:
                     if fam is None:
                         fam = fams[s.name] = {}
                     key = tuple(labels.items()) if len(labels) < 2 else tuple(sorted(labels.items()))
-                    cell = fam.get(key)
-                    if cell is None:
-                        fam[key] = [s.value, gen]
-                    else:
-                        cell[0] = s.value
-                        cell[1] = gen
+                    fam[key] = (s.value, gen)
                 if stale and gen % stale == 0:
                     self.stale_dropped += _drop_stale(fams, gen - stale)
                 # A later report without run_end (any rank) means the run goes on.
