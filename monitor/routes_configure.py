@@ -7,7 +7,8 @@
 - ``GET``: what is set (a read: the ``read_token``, when one is set).
 - ``DELETE``: back to the job's own settings now.
 
-Run names may contain ``/``; the path takes them as they are.
+Run names may contain ``/``; the path takes them as they are (not parts that are empty,
+``.`` or ``..``, which URLs do not carry as they are).
 """
 
 from __future__ import annotations
@@ -24,16 +25,51 @@ from trainvitals.monitor.deps import SettingsDep, StoreDep
 from trainvitals.monitor.request_body import BodyRefused, check_bearer
 from trainvitals.monitor.run_settings import RunSettingsTable, parse_request
 from trainvitals.monitor.settings import Settings
-from trainvitals.wire.schema import RUN_PATTERN
 
-__all__ = ["RunSettingsDep", "router", "settings_path"]
+__all__ = ["PATH_RUN_PATTERN", "RunSettingsDep", "router", "settings_path"]
 
 log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["runs"])
 
-_RUN_RE = re.compile(RUN_PATTERN)
+# A run name as this path takes it: the wire's run names (RUN_PATTERN) whose "/"-separated
+# parts are neither empty nor "." or "..", which URLs would not carry as they are.
+_SEGMENT = r"(?:[A-Za-z0-9_:\-][A-Za-z0-9_.:\-]*|\.[A-Za-z0-9_:\-][A-Za-z0-9_.:\-]*|\.\.[A-Za-z0-9_.:\-]+)"
+PATH_RUN_PATTERN = rf"^{_SEGMENT}(?:/{_SEGMENT})*$"
+_RUN_RE = re.compile(PATH_RUN_PATTERN)
+_PATH = "/v1/runs/{run:path}/settings"
+_METHODS = ("GET", "PUT", "DELETE")
+_RUN_PARAMETER = {"parameters": [{
+    "name": "run", "in": "path", "required": True, "description": "The run's name (may contain /).",
+    "schema": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": PATH_RUN_PATTERN}}]}
 _MAX_BODY = 64 * 1024  # bytes; a settings body is a few dozen
+
+
+def _detail(text: str) -> dict[str, Any]:
+    return {"description": text, "content": {"application/json": {"schema": {
+        "type": "object", "required": ["detail"], "properties": {"detail": {"type": "string"}}}}}}
+
+
+def _answer(text: str, settings: dict[str, Any], **more: Any) -> dict[str, Any]:
+    return {"description": text, "content": {"application/json": {"schema": {
+        "type": "object", "required": ["run", "settings", *more],
+        "properties": {"run": {"type": "string"}, "settings": settings, **more}}}}}
+
+
+_SHOWN = {"type": "object", "description": "The fields set, with set_at, expires_at (Unix "
+          "seconds) and expires_in (seconds).", "required": ["set_at", "expires_at", "expires_in"]}
+_BAD_RUN = _detail("A run name that is not 1-128 characters from letters, digits and _ . : - /.")
+_NO_ROUTE = _detail("A path no route takes (a run name with a line break).")
+_WRITE_AUTH = _detail("Missing or wrong bearer token (the collector's token, as jobs send).")
+
+
+def _request_body() -> dict[str, Any]:
+    """The PUT body as a JSON schema (the route reads the body itself, for its errors)."""
+    from trainvitals.monitor.run_settings import LIVE_FIELDS, SettingsRequest
+
+    schema = SettingsRequest.model_json_schema()
+    schema["anyOf"] = [{"required": [name]} for name in LIVE_FIELDS]  # at least one setting
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
 def settings_path(run: str) -> str:
@@ -48,9 +84,14 @@ async def get_run_settings(request: Request) -> RunSettingsTable:
 RunSettingsDep = Annotated[RunSettingsTable, Depends(get_run_settings)]
 
 
-def _check_run(run: str) -> None:
+def _run(request: Request) -> str:
+    """The run of the path (read here, so a bad one is refused with this collector's
+    ``detail``, and documented with its pattern in ``_RUN_PARAMETER``)."""
+    run = str(request.path_params["run"])
     if not (1 <= len(run) <= 128 and _RUN_RE.match(run)):
-        raise HTTPException(422, f"run {run!r}: use 1-128 characters from letters, digits and _ . : - /")
+        raise HTTPException(422, f"run {run!r}: use 1-128 characters from letters, digits and "
+                                 "_ . : - /, without empty, '.' or '..' parts between slashes")
+    return run
 
 
 def _check_write_token(request: Request, settings: Settings) -> None:
@@ -63,13 +104,20 @@ def _check_write_token(request: Request, settings: Settings) -> None:
                             exc.headers) from None
 
 
-@router.put("/v1/runs/{run:path}/settings")
-async def put_settings(run: str, request: Request, settings: SettingsDep, store: StoreDep,
+@router.put(_PATH, openapi_extra={"requestBody": _request_body(), **_RUN_PARAMETER}, responses={
+    200: _answer("Set: the job applies them from the step after its next report.", _SHOWN),
+    400: _detail("The body is not JSON."),
+    401: _WRITE_AUTH,
+    404: _detail("No run of this name has reported to this collector (or a path no route takes)."),
+    413: _detail("The body is over 64 KiB."),
+    422: _detail("A bad run name, or a setting out of range; the detail names the field."),
+})
+async def put_settings(request: Request, settings: SettingsDep, store: StoreDep,
                        table: RunSettingsDep) -> dict[str, Any]:
     """Set a run's live settings (the fields given replace the job's own until
     ``ttl_seconds`` have passed). 404 for a run that has not reported."""
     _check_write_token(request, settings)
-    _check_run(run)
+    run = _run(request)
     body = await request.body()
     if len(body) > _MAX_BODY:
         raise HTTPException(413, f"body of {len(body)} bytes exceeds {_MAX_BODY} bytes")
@@ -93,22 +141,40 @@ async def put_settings(run: str, request: Request, settings: SettingsDep, store:
     return {"run": run, "settings": entry.public(entry.set_at)}
 
 
-@router.get("/v1/runs/{run:path}/settings")
-async def get_settings(run: str, table: RunSettingsDep) -> dict[str, Any]:
+@router.get(_PATH, openapi_extra=_RUN_PARAMETER, responses={
+    200: _answer("The run's live settings; null: the job's own.", {**_SHOWN, "type": ["object", "null"]}),
+    404: _NO_ROUTE,
+    422: _BAD_RUN,
+})
+async def get_settings(request: Request, table: RunSettingsDep) -> dict[str, Any]:
     """A run's live settings; ``settings`` is null when the job runs with its own."""
-    _check_run(run)
+    run = _run(request)
     entry = table.get(run)
     return {"run": run, "settings": entry.public(time.time()) if entry is not None else None}
 
 
-@router.delete("/v1/runs/{run:path}/settings")
-async def delete_settings(run: str, request: Request, settings: SettingsDep,
+@router.delete(_PATH, openapi_extra=_RUN_PARAMETER, responses={
+    200: _answer("Cleared: the job goes back to its own settings at its next report.", {"type": "null"},
+                 cleared={"type": "boolean"}),
+    401: _WRITE_AUTH,
+    404: _NO_ROUTE,
+    422: _BAD_RUN,
+})
+async def delete_settings(request: Request, settings: SettingsDep,
                           table: RunSettingsDep) -> dict[str, Any]:
     """Back to the job's own settings at its next report; ``cleared`` says whether any were set."""
     _check_write_token(request, settings)
-    _check_run(run)
+    run = _run(request)
     cleared = table.clear(run)
     if cleared:
         client = request.client.host if request.client else "?"
         log.info("live settings for run %r cleared by %s", run, client)
     return {"run": run, "settings": None, "cleared": cleared}
+
+
+@router.api_route(_PATH, methods=["POST", "PATCH", "OPTIONS"], include_in_schema=False)
+async def other_methods(request: Request) -> None:
+    """405 naming every method the path takes (three routes share it, so Starlette's own
+    405 would name only the first)."""
+    raise HTTPException(405, f"{request.method} is not allowed here; use {', '.join(_METHODS)}",
+                        {"Allow": ", ".join(_METHODS)})

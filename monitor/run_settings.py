@@ -61,6 +61,14 @@ class SettingsRequest(BaseModel):
             raise ValueError("null is not a value here; leave the field out to keep the job's own")
         return v
 
+    @field_validator("every", "probe_every", mode="before")
+    @classmethod
+    def _whole(cls, v: Any) -> Any:
+        # JSON has one number type: 5.0 is the integer 5 (as JSON Schema says); 5.5 is not.
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        return v
+
     @field_validator("ttl_seconds", mode="before")
     @classmethod
     def _finite(cls, v: Any) -> Any:
