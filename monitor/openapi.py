@@ -201,6 +201,8 @@ def _describe(schema: dict[str, Any], *, ingest_token: bool, read_token: bool) -
         "properties": {
             "accepted": {"type": "integer", "minimum": 0},
             "duplicates": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            "settings": {"type": "object", "description": "Only when a run of the batch has "
+                         "live settings (trainvitals configure): by run, what its hooks apply."},
         },
     }
     for status, (text, headers) in _INGEST_ANSWERS.items():

@@ -76,3 +76,18 @@ def test_a_taken_port_is_one_clear_line(command, taken_port, tmp_path):
     if command[0] == "demo":
         assert "`trainvitals demo --port 0` picks a free port" in line
     assert not (tmp_path / "xdg").exists()  # nothing created before the bind failed
+
+
+def test_an_unusable_state_location_is_one_clear_line(tmp_path):
+    """The default state file under a folder that cannot be made: serve says where and what
+    to do, before listening; memory, or a path of one's own, is the way out."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    env = {"PATH": "/usr/bin:/bin", "XDG_STATE_HOME": str(blocker), "HOME": str(tmp_path)}
+    proc = subprocess.run([*CLI, "serve", "--port", "0"], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 1 and proc.stdout == ""
+    (line,) = proc.stderr.splitlines()
+    state = blocker / "trainvitals" / "collector.sqlite3"
+    assert line.startswith(f"Error: state_path '{state}': cannot create its folder"), proc.stderr
+    assert "'memory'" in line and "Traceback" not in proc.stderr

@@ -5,7 +5,6 @@ few lines (`trainvitals serve`, as deployed)."""
 from __future__ import annotations
 
 import socket
-import time
 
 import httpx
 
@@ -28,7 +27,7 @@ def _closed_by_peer(s: socket.socket) -> bool:
 
 def test_half_open_connections_neither_block_requests_nor_flood_the_log(tmp_path):
     config = tmp_path / "collector.yaml"
-    config.write_text("state_path: memory\nheader_timeout_seconds: 2\n")
+    config.write_text("state_path: memory\nheader_timeout_seconds: 5\n")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
@@ -40,13 +39,13 @@ def test_half_open_connections_neither_block_requests_nor_flood_the_log(tmp_path
                 s = socket.create_connection(("127.0.0.1", port), timeout=5)
                 s.setblocking(False)
                 socks.append(s)
-            t0 = time.perf_counter()
-            with httpx.Client(base_url=url, timeout=5) as c:
+            with httpx.Client(base_url=url, timeout=30) as c:
                 assert c.get("/healthz").status_code == 200
                 answer = c.post("/v1/reports", content=body(report("through", 2)), headers=JSON)
-                took = time.perf_counter() - t0
                 assert answer.status_code == 202, answer.text
-                # The collector closes them all once their headers are late (2 s here).
+                # Answered while all 300 were still open: not after they timed out.
+                still_open = sum(not _closed_by_peer(s) for s in socks)
+                # The collector closes them all once their headers are late (5 s here).
                 wait_until(lambda: all(_closed_by_peer(s) for s in socks), 20, "half-open connections closed")
                 # A second wave is served and closed the same way; the collector still answers.
                 for s in socks:
@@ -59,7 +58,7 @@ def test_half_open_connections_neither_block_requests_nor_flood_the_log(tmp_path
                 s.close()
             proc.terminate()
             proc.wait(10)
-    assert took < 2.0, f"a request took {took:.2f} s beside {HALF_OPEN} half-open connections"
+    assert still_open == HALF_OPEN, f"{HALF_OPEN - still_open} were closed before the answer came"
     assert b'trainvitals_step{run="through"} 2.0' in metrics
     promtool_clean(metrics)
     lines = log_path.read_text().splitlines()
