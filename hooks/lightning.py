@@ -36,7 +36,7 @@ class TrainvitalsCallback(Callback):
     ``run``: the run name (default: the logger's ``name/version``, else
     ``"lightning"``). ``collector``: a collector URL (default:
     ``$TRAINVITALS_COLLECTOR``, else a JSONL file ``./trainvitals-<run>.jsonl``); or
-    ``sink=``. ``every``: report every N optimizer steps. ``modalities``: names of the
+    ``sink=``. ``every``: report every N optimizer steps (default ``$TRAINVITALS_EVERY``, else 10). ``modalities``: names of the
     integer codes that ``modality`` finds in each batch: a key of a dict batch, an
     attribute, or a function of the batch returning codes [B] or [B, T]; ``segments``
     likewise for packed rows' sample ids [B, T]. ``loss_from_logits``: zero-code loss
@@ -45,7 +45,7 @@ class TrainvitalsCallback(Callback):
     :class:`~trainvitals.hooks.Monitor` once training starts.
     """
 
-    def __init__(self, run: str | None = None, collector: str | None = None, every: int = 10, *,
+    def __init__(self, run: str | None = None, collector: str | None = None, every: int | None = None, *,
                  modalities: Sequence[str] = (), modality: Field = None, segments: Field = None,
                  loss_from_logits: Any = True, **options: Any) -> None:
         if modality is not None and not modalities:

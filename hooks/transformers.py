@@ -45,7 +45,7 @@ class TrainvitalsCallback(TrainerCallback):
 
     ``run``: the run name (default: ``args.run_name``, else the output folder's
     name). ``collector``: a collector URL (default: ``$TRAINVITALS_COLLECTOR``, else a
-    JSONL file ``./trainvitals-<run>.jsonl``); or ``sink=``. ``every``: report every N
+    JSONL file ``./trainvitals-<run>.jsonl``); or ``sink=``. ``every`` (default ``$TRAINVITALS_EVERY``, else 10): report every N
     optimizer steps. ``modalities``: names of the integer codes found in the batch
     field ``modality_field`` (one per sample [B], or per token [B, T]).
     ``loss_from_logits``: zero-code loss accounting (True: find the LM head; a module
@@ -54,7 +54,7 @@ class TrainvitalsCallback(TrainerCallback):
     :class:`~trainvitals.hooks.Monitor` while training runs.
     """
 
-    def __init__(self, run: str | None = None, collector: str | None = None, every: int = 10, *,
+    def __init__(self, run: str | None = None, collector: str | None = None, every: int | None = None, *,
                  modalities: Sequence[str] = (), modality_field: str | None = None,
                  loss_from_logits: Any = True, **options: Any) -> None:
         if modality_field is not None and not modalities:
