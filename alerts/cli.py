@@ -86,27 +86,60 @@ def check(files: tuple[Path, ...]) -> None:
 
 
 @rules.command("export")
-@click.option("--format", "fmt", type=click.Choice(["prometheus"]), default="prometheus", show_default=True,
-              help="Output format.")
-@click.option("--rules", "sources", multiple=True, default=("default",), show_default=True,
-              help="Rule file or folder ('default': the shipped rules); repeatable.")
-@click.option("--step-seconds", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="Seconds per optimizer step, to turn for_steps/hold_steps into durations.")
-@click.option("--report-every", type=click.IntRange(min=1), default=10, show_default=True,
-              help="Optimizer steps between reports (the hooks' `every`), for spike windows.")
-@click.option("--increase-window", default="5m", show_default=True,
-              help="Range for increase() of counters and events.")
+@click.option(
+    "--format", "fmt", type=click.Choice(["prometheus"]), default="prometheus", show_default=True, help="Output format."
+)
+@click.option(
+    "--rules",
+    "sources",
+    multiple=True,
+    default=("default",),
+    show_default=True,
+    help="Rule file or folder ('default': the shipped rules); repeatable.",
+)
+@click.option(
+    "--step-seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="Seconds per optimizer step, to turn for_steps/hold_steps into durations.",
+)
+@click.option(
+    "--report-every",
+    type=click.IntRange(min=1),
+    default=10,
+    show_default=True,
+    help="Optimizer steps between reports (the hooks' `every`), for spike windows.",
+)
+@click.option("--increase-window", default="5m", show_default=True, help="Range for increase() of counters and events.")
 @click.option("--runbook-base-url", default=None, help="Prefix for relative runbook links.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write to this file instead of stdout.")
-def export(fmt: str, sources: tuple[str, ...], step_seconds: float, report_every: int,
-           increase_window: str, runbook_base_url: str | None, output: Path | None) -> None:
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write to this file instead of stdout.",
+)
+def export(
+    fmt: str,
+    sources: tuple[str, ...],
+    step_seconds: float,
+    report_every: int,
+    increase_window: str,
+    runbook_base_url: str | None,
+    output: Path | None,
+) -> None:
     """Export rules as a Prometheus rule file (check it with `promtool check rules`)."""
     try:
         loaded = resolve_rules(list(sources))
-        text = export_prometheus(loaded, step_seconds=step_seconds, report_every=report_every,
-                                 increase_window=increase_window, runbook_base_url=runbook_base_url,
-                                 sources=", ".join(sources) if sources != ("default",) else "the default rules")
+        text = export_prometheus(
+            loaded,
+            step_seconds=step_seconds,
+            report_every=report_every,
+            increase_window=increase_window,
+            runbook_base_url=runbook_base_url,
+            sources=", ".join(sources) if sources != ("default",) else "the default rules",
+        )
     except (RuleError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)

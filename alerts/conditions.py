@@ -58,14 +58,18 @@ class LatestSamples:
         """The samples of ``metric`` in the report just received (replacing the previous)."""
         self._latest[(run, rank, metric)] = _Latest(samples)
 
-    def seen_all(self, conditions: Iterable[tuple[Condition, LabelPredicate | None]], run: str,
-                 rank: int) -> bool:
+    def seen_all(self, conditions: Iterable[tuple[Condition, LabelPredicate | None]], run: str, rank: int) -> bool:
         """True when every condition's metric was reported by (run, rank)."""
         latest = self._latest
         return all((run, rank, cond.metric) in latest for cond, _ in conditions)
 
-    def verdict(self, conditions: Iterable[tuple[Condition, LabelPredicate | None]], run: str,
-                rank: int, labels: Mapping[str, str]) -> bool | None:
+    def verdict(
+        self,
+        conditions: Iterable[tuple[Condition, LabelPredicate | None]],
+        run: str,
+        rank: int,
+        labels: Mapping[str, str],
+    ) -> bool | None:
         """True when every condition holds for the series ``labels`` of (run, rank).
 
         False as soon as one is clearly false (wins over missing evidence); None

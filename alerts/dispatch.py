@@ -56,8 +56,14 @@ class RetryPolicy:
 class _Channel:
     """One notifier's queue, worker and counters."""
 
-    def __init__(self, notifier: Notifier, size: int, policy: RetryPolicy, rng: random.Random,
-                 on_delivered: Callable[[str, list[Notification]], None] | None = None) -> None:
+    def __init__(
+        self,
+        notifier: Notifier,
+        size: int,
+        policy: RetryPolicy,
+        rng: random.Random,
+        on_delivered: Callable[[str, list[Notification]], None] | None = None,
+    ) -> None:
         self.notifier = notifier
         self.on_delivered = on_delivered
         self.queue: queue.Queue[Notification] = queue.Queue(maxsize=size)
@@ -127,17 +133,22 @@ class _Channel:
 class Dispatcher:
     """Fans notifications out to notifiers without blocking the caller."""
 
-    def __init__(self, notifiers: Iterable[Notifier], *, queue_size: int = 1000,
-                 retry: RetryPolicy | None = None, seed: int | None = None,
-                 on_delivered: Callable[[str, list[Notification]], None] | None = None) -> None:
+    def __init__(
+        self,
+        notifiers: Iterable[Notifier],
+        *,
+        queue_size: int = 1000,
+        retry: RetryPolicy | None = None,
+        seed: int | None = None,
+        on_delivered: Callable[[str, list[Notification]], None] | None = None,
+    ) -> None:
         """``on_delivered(notifier name, batch)`` is called after each successful send
         (on that notifier's worker thread): the service records it for restarts."""
         if queue_size < 1:
             raise ValueError("queue_size must be at least 1")
         rng = random.Random(seed)
         policy = retry or RetryPolicy()
-        self._channels = [_Channel(n, queue_size, policy, random.Random(rng.random()), on_delivered)
-                          for n in notifiers]
+        self._channels = [_Channel(n, queue_size, policy, random.Random(rng.random()), on_delivered) for n in notifiers]
         self._started = False
         self._lock = threading.Lock()
 
@@ -171,8 +182,7 @@ class Dispatcher:
                 return
             self._started = True
             for ch in self._channels:
-                ch.thread = threading.Thread(target=ch.run, name=f"trainvitals-notify-{ch.notifier.name}",
-                                             daemon=True)
+                ch.thread = threading.Thread(target=ch.run, name=f"trainvitals-notify-{ch.notifier.name}", daemon=True)
                 ch.thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:

@@ -98,10 +98,19 @@ class _Instance:
         return self.pending_time
 
     def snapshot(self, cls: type[Alert] = Alert, **extra: Any) -> Any:
-        return cls(rule=self.rule, labels=dict(self.labels), state=self.state, value=self.value,
-                   step=self.step, since=self.since(), fired_at=self.fired_at,
-                   resolved_at=self.resolved_at, detail=self.detail,
-                   fired_value=self.fired_value, **extra)
+        return cls(
+            rule=self.rule,
+            labels=dict(self.labels),
+            state=self.state,
+            value=self.value,
+            step=self.step,
+            since=self.since(),
+            fired_at=self.fired_at,
+            resolved_at=self.resolved_at,
+            detail=self.detail,
+            fired_value=self.fired_value,
+            **extra,
+        )
 
 
 @dataclass(eq=False)
@@ -144,18 +153,20 @@ def _hold_done(rule: Rule, inst: _Instance, step: int | None, now: float) -> boo
 
 def _rule_objects(rules: Iterable[Rule]) -> list[Rule]:
     if rules is None or isinstance(rules, str | bytes | PathLike):
-        raise TypeError(f"Engine takes rule objects, not {rules!r}: "
-                        "resolve names, files and folders first with resolve_rules()")
+        raise TypeError(
+            f"Engine takes rule objects, not {rules!r}: resolve names, files and folders first with resolve_rules()"
+        )
     out = list(rules)
     for i, rule in enumerate(out, start=1):
         if not isinstance(rule, RULE_TYPES):
-            raise TypeError(f"Engine rule #{i} is a {type(rule).__name__}, not a rule object "
-                            "(ThresholdRule, EventRule or SilenceRule); see resolve_rules()")
+            raise TypeError(
+                f"Engine rule #{i} is a {type(rule).__name__}, not a rule object "
+                "(ThresholdRule, EventRule or SilenceRule); see resolve_rules()"
+            )
     return out
 
 
-_EXPORTED = ("step", "pending_step", "pending_time", "fired_at", "resolved_at", "clear_step",
-             "clear_time", "detail")
+_EXPORTED = ("step", "pending_step", "pending_time", "fired_at", "resolved_at", "clear_step", "clear_time", "detail")
 
 
 def _float(v: Any) -> float:
@@ -165,8 +176,12 @@ def _float(v: Any) -> float:
 def _export(key: tuple, inst: _Instance) -> dict[str, Any]:
     """One instance as a JSON-ready dict (NaN as None)."""
     out: dict[str, Any] = {
-        "alertname": inst.rule.alert, "rule_index": key[0], "run": key[1], "rank": key[2],
-        "items": [list(kv) for kv in key[3]], "labels": dict(inst.labels),
+        "alertname": inst.rule.alert,
+        "rule_index": key[0],
+        "run": key[1],
+        "rank": key[2],
+        "items": [list(kv) for kv in key[3]],
+        "labels": dict(inst.labels),
         "state": inst.state.value,
         "value": inst.value if math.isfinite(inst.value) else None,
         "fired_value": inst.fired_value if math.isfinite(inst.fired_value) else None,
@@ -195,8 +210,7 @@ class Engine:
     are seconds.
     """
 
-    def __init__(self, rules: Iterable[Rule], *,
-                 run_ttl: float = 86400.0, resolved_retention: float = 900.0) -> None:
+    def __init__(self, rules: Iterable[Rule], *, run_ttl: float = 86400.0, resolved_retention: float = 900.0) -> None:
         self.rules: list[Rule] = _rule_objects(rules)
         self.run_ttl = run_ttl
         self.resolved_retention = resolved_retention
@@ -207,9 +221,12 @@ class Engine:
         and_metrics: set[str] = set()
         for i, rule in enumerate(self.rules):
             if isinstance(rule, ThresholdRule):
-                c = _Compiled(i, rule, _compile_matchers(rule.labels) if rule.labels else None,
-                              [(cond, _compile_matchers(cond.labels) if cond.labels else None)
-                               for cond in rule.and_])
+                c = _Compiled(
+                    i,
+                    rule,
+                    _compile_matchers(rule.labels) if rule.labels else None,
+                    [(cond, _compile_matchers(cond.labels) if cond.labels else None) for cond in rule.and_],
+                )
                 self._by_metric.setdefault(rule.metric, []).append(c)
                 and_metrics.update(cond.metric for cond in rule.and_)
             elif isinstance(rule, EventRule):
@@ -219,8 +236,7 @@ class Engine:
         # metric -> (threshold rules on it, whether `and` conditions read it): one
         # dict lookup per sample on the ingest path.
         self._interest: dict[str, tuple[list[_Compiled], bool]] = {
-            name: (self._by_metric.get(name, []), name in and_metrics)
-            for name in set(self._by_metric) | and_metrics
+            name: (self._by_metric.get(name, []), name in and_metrics) for name in set(self._by_metric) | and_metrics
         }
         self._event_rules = [(i, r) for i, r in enumerate(self.rules) if isinstance(r, EventRule)]
         # (rule index, run, rank, label items) -> instance
@@ -308,8 +324,9 @@ class Engine:
                 out.extend(self._observe_events(report, now))
         return out
 
-    def _evaluate(self, c: _Compiled, run: str, rank: int, step: int,
-                  labels: Mapping[str, str], raw: float, now: float) -> Transition | None:
+    def _evaluate(
+        self, c: _Compiled, run: str, rank: int, step: int, labels: Mapping[str, str], raw: float, now: float
+    ) -> Transition | None:
         rule = c.rule
         items = tuple(sorted(labels.items()))
         key = (c.index, run, rank, items)
@@ -372,8 +389,7 @@ class Engine:
     def _maybe_fire(self, inst: _Instance, step: int, now: float) -> None:
         rule = inst.rule
         assert isinstance(rule, ThresholdRule)
-        if step - inst.pending_step >= rule.for_steps and (
-                rule.for_ <= 0 or now - inst.pending_time >= rule.for_):
+        if step - inst.pending_step >= rule.for_steps and (rule.for_ <= 0 or now - inst.pending_time >= rule.for_):
             inst.state, inst.fired_at = AlertState.FIRING, now
             inst.fired_value = inst.value
             inst.clear_step = inst.clear_time = None
@@ -446,15 +462,22 @@ class Engine:
             # Holds measured in seconds can end without a report.
             for inst in self._instances.values():
                 rule = inst.rule
-                if (inst.state is AlertState.FIRING and getattr(rule, "hold", 0.0) > 0
-                        and inst.clear_time is not None and _hold_done(rule, inst, inst.step, now)):
+                if (
+                    inst.state is AlertState.FIRING
+                    and getattr(rule, "hold", 0.0) > 0
+                    and inst.clear_time is not None
+                    and _hold_done(rule, inst, inst.step, now)
+                ):
                     inst.state, inst.resolved_at = AlertState.RESOLVED, now
                     out.append(inst.snapshot(Transition, old=AlertState.FIRING))
             if now >= self._next_sweep:
                 self._next_sweep = now + min(10.0, self.resolved_retention)
                 for key, inst in list(self._instances.items()):
-                    if (inst.state is AlertState.RESOLVED and inst.resolved_at is not None
-                            and now - inst.resolved_at >= self.resolved_retention):
+                    if (
+                        inst.state is AlertState.RESOLVED
+                        and inst.resolved_at is not None
+                        and now - inst.resolved_at >= self.resolved_retention
+                    ):
                         self._drop(key, inst)
         return out
 
@@ -499,19 +522,22 @@ class Engine:
             out: list = []
             for name in names:
                 info = self._runs.get(name)
-                out.append((name, None, None, None) if info is None
-                           else (name, info.last_seen, info.last_step, info.closed))
+                out.append(
+                    (name, None, None, None) if info is None else (name, info.last_seen, info.last_step, info.closed)
+                )
             return out
 
     def export_alerts(self) -> list[dict[str, Any]]:
         """Every pending, firing and recently resolved alert as a JSON-ready dict
         (what :meth:`restore` takes after a restart)."""
         with self._lock:
-            return [_export(key, inst) for key, inst in self._instances.items()
-                    if inst.state is not AlertState.INACTIVE]
+            return [
+                _export(key, inst) for key, inst in self._instances.items() if inst.state is not AlertState.INACTIVE
+            ]
 
-    def restore(self, runs: Iterable[tuple[str, float, int, bool]],
-                alerts: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    def restore(
+        self, runs: Iterable[tuple[str, float, int, bool]], alerts: Iterable[Mapping[str, Any]]
+    ) -> list[Mapping[str, Any]]:
         """Bring back runs and alerts from before a restart; return the alerts whose rule
         is gone (their state cannot go on; the caller resolves them downstream).
 
@@ -556,8 +582,11 @@ class Engine:
         """Current non-inactive alerts (pending, firing, recently resolved)."""
         wanted = set(states) if states is not None else None
         with self._lock:
-            return [inst.snapshot() for inst in self._instances.values()
-                    if inst.state is not AlertState.INACTIVE and (wanted is None or inst.state in wanted)]
+            return [
+                inst.snapshot()
+                for inst in self._instances.values()
+                if inst.state is not AlertState.INACTIVE and (wanted is None or inst.state in wanted)
+            ]
 
     def firing(self) -> list[Alert]:
         """Alerts firing now."""
@@ -565,4 +594,3 @@ class Engine:
 
     def __iter__(self) -> Iterator[Alert]:
         return iter(self.alerts())
-

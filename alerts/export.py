@@ -97,16 +97,16 @@ def _field(name: str, spec: str, rule: Rule) -> str:
         value = {"above": rule.above, "below": rule.below, "clear": rule.clear_at}[name]
         return format(value, spec) if value is not None else "?"
     if name == "step":
-        return ('{{ with query (printf "trainvitals_step{run=%q}" $labels.run) }}'
-                "{{ . | first | value }}{{ end }}")
+        return '{{ with query (printf "trainvitals_step{run=%q}" $labels.run) }}{{ . | first | value }}{{ end }}'
     if name == "detail":
         return "(see the collector's /v1/alerts)"
     return f"{{{{ $labels.{name} }}}}"
 
 
 class _Exporter:
-    def __init__(self, *, step_seconds: float, report_every: int, increase_window: str,
-                 runbook_base_url: str | None) -> None:
+    def __init__(
+        self, *, step_seconds: float, report_every: int, increase_window: str, runbook_base_url: str | None
+    ) -> None:
         if step_seconds <= 0 or report_every < 1:
             raise ValueError("step_seconds must be positive and report_every at least 1")
         self.step_seconds = step_seconds
@@ -139,10 +139,13 @@ class _Exporter:
                 notes.append(f"hold_steps {rule.hold_steps} -> keep_firing_for {_duration(hold_s)}")
         else:
             assert isinstance(rule, SilenceRule)
-            out["expr"] = (f"time() - {PREFIX}last_report_timestamp_seconds > {_num(rule.silent_for)}"
-                           f" unless on(run) {PREFIX}{RUN_ENDED} == 1")
-            notes.append(f"a run whose last report carried run_end ({PREFIX}{RUN_ENDED} == 1) "
-                         "stays quiet, as in the collector")
+            out["expr"] = (
+                f"time() - {PREFIX}last_report_timestamp_seconds > {_num(rule.silent_for)}"
+                f" unless on(run) {PREFIX}{RUN_ENDED} == 1"
+            )
+            notes.append(
+                f"a run whose last report carried run_end ({PREFIX}{RUN_ENDED} == 1) stays quiet, as in the collector"
+            )
             for_s = hold_s = 0.0
         if for_s > 0:
             out["for"] = _duration(for_s)
@@ -168,8 +171,10 @@ class _Exporter:
         elif rule.transform == "ratio_to_median":
             window = _duration(rule.window * self.report_every * self.step_seconds)
             value = f"{sel} / quantile_over_time(0.5, {sel}[{window}])"
-            notes.append(f"median of the last {rule.window} reports -> median over {window} "
-                         f"({self.report_every} steps/report at {self.step_seconds:g} s/step), current value included")
+            notes.append(
+                f"median of the last {rule.window} reports -> median over {window} "
+                f"({self.report_every} steps/report at {self.step_seconds:g} s/step), current value included"
+            )
         else:
             value = sel
         op = ">" if rule.above is not None else "<"
@@ -208,14 +213,26 @@ _HEADER = """\
 """
 
 
-def export_prometheus(rules: Sequence[Rule], *, step_seconds: float = 1.0, report_every: int = 10,
-                      increase_window: str = "5m", runbook_base_url: str | None = None,
-                      group: str = "trainvitals", sources: str = "the default rules") -> str:
+def export_prometheus(
+    rules: Sequence[Rule],
+    *,
+    step_seconds: float = 1.0,
+    report_every: int = 10,
+    increase_window: str = "5m",
+    runbook_base_url: str | None = None,
+    group: str = "trainvitals",
+    sources: str = "the default rules",
+) -> str:
     """The rules as a Prometheus rule file (YAML text with explanatory comments)."""
-    ex = _Exporter(step_seconds=step_seconds, report_every=report_every,
-                   increase_window=increase_window, runbook_base_url=runbook_base_url)
-    lines = [_HEADER.format(sources=sources, step_seconds=step_seconds,
-                            report_every=report_every, window=ex.increase_window)]
+    ex = _Exporter(
+        step_seconds=step_seconds,
+        report_every=report_every,
+        increase_window=increase_window,
+        runbook_base_url=runbook_base_url,
+    )
+    lines = [
+        _HEADER.format(sources=sources, step_seconds=step_seconds, report_every=report_every, window=ex.increase_window)
+    ]
     lines.append("groups:")
     lines.append(f"- name: {group}")
     lines.append("  rules:")

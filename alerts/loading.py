@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -39,8 +39,15 @@ __all__ = [
 class RuleError(ValueError):
     """A rule file that cannot be used; the message names the file, rule and field."""
 
-    def __init__(self, message: str, *, source: str = "", rule: str | None = None,
-                 index: int | None = None, field: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        source: str = "",
+        rule: str | None = None,
+        index: int | None = None,
+        field: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.source = source
         self.rule = rule
@@ -72,13 +79,13 @@ def _parse_one(raw: Any, source: str, index: int) -> Rule:
     name = raw.get("alert") if isinstance(raw, Mapping) else None
     name = name if isinstance(name, str) else None
     if not isinstance(raw, Mapping):
-        raise _rule_error(source, None, index, None,
-                          "a rule is a mapping with 'alert' and 'metric', 'event' or 'silent_for'")
+        raise _rule_error(
+            source, None, index, None, "a rule is a mapping with 'alert' and 'metric', 'event' or 'silent_for'"
+        )
     kinds = [key for key in KINDS if key in raw]
     if len(kinds) != 1:
         found = f" (found {', '.join(kinds)})" if kinds else ""
-        raise _rule_error(source, name, index, None,
-                          f"give exactly one of 'metric', 'event' or 'silent_for'{found}")
+        raise _rule_error(source, name, index, None, f"give exactly one of 'metric', 'event' or 'silent_for'{found}")
     model = KINDS[kinds[0]]
     try:
         return model.model_validate(dict(raw))
@@ -92,7 +99,7 @@ def _parse_one(raw: Any, source: str, index: int) -> Rule:
         else:
             msg = err["msg"]
             if msg.startswith("Value error, "):
-                msg = msg[len("Value error, "):]
+                msg = msg[len("Value error, ") :]
         # pydantic names aliased fields by alias already ('and', 'for').
         if err["type"] == "extra_forbidden":
             msg = f"unknown field (known: {', '.join(sorted(_aliases(model)))})"
@@ -106,8 +113,7 @@ def _check_unique(rules: Sequence[Rule], sources: Sequence[str], indices: Sequen
     for rule, source, index in zip(rules, sources, indices, strict=True):
         if rule.alert in seen:
             other = seen[rule.alert]
-            raise _rule_error(source, rule.alert, index, "alert",
-                              f"duplicate alert name (also {other[0]} #{other[1]})")
+            raise _rule_error(source, rule.alert, index, "alert", f"duplicate alert name (also {other[0]} #{other[1]})")
         seen[rule.alert] = (source, index)
 
 
@@ -118,8 +124,7 @@ def parse_rules(data: Any, source: str = "<rules>") -> list[Rule]:
     if data is None:
         return []
     if not isinstance(data, list):
-        raise RuleError(f"{source}: a rule file is a YAML list of rules (or a mapping with 'rules:')",
-                        source=source)
+        raise RuleError(f"{source}: a rule file is a YAML list of rules (or a mapping with 'rules:')", source=source)
     rules = [_parse_one(raw, source, i) for i, raw in enumerate(data, start=1)]
     _check_unique(rules, [source] * len(rules), list(range(1, len(rules) + 1)))
     return rules
@@ -149,7 +154,7 @@ def default_rule_paths() -> list[Path]:
     return sorted(Path(str(p)) for p in folder.iterdir() if p.name.endswith((".yaml", ".yml")))
 
 
-RuleSpec = Union[str, Path, Rule, Iterable[Union[str, Path, Rule]], None]
+RuleSpec = str | Path | Rule | Iterable[str | Path | Rule] | None
 """What names rules: ``"default"``, a file, a folder, a rule object, or an iterable of
 those; ``None`` for no rules."""
 
@@ -212,5 +217,8 @@ def _rule_files(item: str | Path) -> list[Path]:
 
 def _spec_error(item: Any, position: int | None = None) -> RuleError:
     where = f"rules: item #{position}" if position is not None else "rules"
-    return RuleError(f"{where}: {type(item).__name__} {item!r:.60} names no rules; give 'default', "
-                     "a rule file or folder, rule objects, or a list of these", source="rules")
+    return RuleError(
+        f"{where}: {type(item).__name__} {item!r:.60} names no rules; give 'default', "
+        "a rule file or folder, rule objects, or a list of these",
+        source="rules",
+    )

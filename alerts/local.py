@@ -41,9 +41,13 @@ class LocalEvaluator:
     (``evaluator(report)``); it never raises into the caller.
     """
 
-    def __init__(self, rules: RuleSpec = "default", *,
-                 logger: logging.Logger | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        rules: RuleSpec = "default",
+        *,
+        logger: logging.Logger | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.engine = Engine([r for r in resolve_rules(rules) if not isinstance(r, SilenceRule)])
         self.log = logger or logging.getLogger("trainvitals")
         self.clock = clock
@@ -72,4 +76,3 @@ class LocalEvaluator:
     def firing(self) -> list[Alert]:
         """Alerts firing now."""
         return self.engine.firing()
-

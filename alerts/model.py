@@ -45,7 +45,7 @@ import difflib
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -87,8 +87,7 @@ SERIES_LABELS: tuple[str, ...] = tuple(series_labels("", 1, {}))
 # own metrics, like alerts_firing, belong to no run). Used to check templates at
 # load time and to build `and on(...)` matching in the Prometheus export.
 METRIC_LABELS: dict[str, tuple[str, ...]] = {
-    name: labels_of(name) or () for name, spec in METRICS.items()
-    if spec.owner == "hooks" or spec.group == "run"
+    name: labels_of(name) or () for name, spec in METRICS.items() if spec.owner == "hooks" or spec.group == "run"
 }
 # Every label a series of a run may carry (the table's labels are bounded ones).
 KNOWN_LABELS: frozenset[str] = frozenset(SERIES_LABELS).union(*METRIC_LABELS.values())
@@ -111,6 +110,7 @@ class FieldError(ValueError):
 
 
 # ---------------------------------------------------------------------- durations
+
 
 def parse_duration(value: Any) -> float:
     """Seconds from ``90``, ``"30s"``, ``"5m"``, ``"1h30m"`` (Prometheus units)."""
@@ -140,6 +140,7 @@ Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 # ----------------------------------------------------------------------- matchers
 
+
 class Matcher(BaseModel):
     """One label matcher: ``image`` (equal), ``!=text``, ``=~im.*``, ``!~te.*``.
 
@@ -161,7 +162,7 @@ class Matcher(BaseModel):
         text = str(spec)
         for op in ("!=", "=~", "!~"):
             if text.startswith(op):
-                return cls(name=name, op=op, value=text[len(op):])
+                return cls(name=name, op=op, value=text[len(op) :])
         return cls(name=name, op="=", value=text)
 
     def compile(self) -> Callable[[str | None], bool]:
@@ -208,7 +209,7 @@ Matchers = Annotated[tuple[Matcher, ...], BeforeValidator(_matchers)]
 
 def _metric_name(value: str) -> str:
     if isinstance(value, str) and value.startswith(PREFIX):
-        raise ValueError(f"use the wire name without the {PREFIX!r} prefix: {value[len(PREFIX):]!r}")
+        raise ValueError(f"use the wire name without the {PREFIX!r} prefix: {value[len(PREFIX) :]!r}")
     return value
 
 
@@ -217,18 +218,23 @@ def _known_metric(value: str) -> str:
     if value not in METRIC_LABELS:
         close = difflib.get_close_matches(value, list(METRIC_LABELS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown metric {value!r}: no report carries it, so the rule would "
-                         f"never fire{hint} (metrics: docs/metrics.md)")
+        raise ValueError(
+            f"unknown metric {value!r}: no report carries it, so the rule would "
+            f"never fire{hint} (metrics: docs/metrics.md)"
+        )
     return value
 
 
 MetricName = Annotated[
-    str, BeforeValidator(_metric_name), Field(min_length=1, max_length=128, pattern=_NAME),
+    str,
+    BeforeValidator(_metric_name),
+    Field(min_length=1, max_length=128, pattern=_NAME),
     AfterValidator(_known_metric),
 ]
 
 
 # -------------------------------------------------------------------------- rules
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
@@ -343,8 +349,7 @@ class ThresholdRule(_RuleBase):
             if name in self.model_fields_set and self.transform != "ratio_to_median":
                 raise FieldError(name, f"'{name}' applies only to 'transform: ratio_to_median'")
         if self.min_history is not None and self.min_history > self.window:
-            raise FieldError("min_history", f"min_history ({self.min_history}) must not exceed "
-                                            f"window ({self.window})")
+            raise FieldError("min_history", f"min_history ({self.min_history}) must not exceed window ({self.window})")
         if self.clear is not None:
             if self.above is not None and self.clear > self.above:
                 raise FieldError("clear", f"clear ({self.clear:g}) must not be above 'above' ({self.above:g})")
@@ -385,7 +390,7 @@ class SilenceRule(_RuleBase):
         return "silence"
 
 
-Rule = Union[ThresholdRule, EventRule, SilenceRule]
+Rule = ThresholdRule | EventRule | SilenceRule
 RULE_TYPES = (ThresholdRule, EventRule, SilenceRule)
 """The rule classes, for ``isinstance`` checks."""
 KINDS: dict[str, type[ThresholdRule] | type[EventRule] | type[SilenceRule]] = {

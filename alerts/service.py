@@ -50,17 +50,29 @@ log = logging.getLogger("trainvitals.alerts")
 class AlertService:
     """Evaluates rules on reports and sends firing/resolved alerts to notifiers."""
 
-    def __init__(self, engine: Engine, notifiers: Sequence[Notifier] = (), *,
-                 resend_interval: float = 60.0, tick_interval: float = 1.0,
-                 queue_size: int = 1000, retry: RetryPolicy | None = None,
-                 external_url: str | None = None, runbook_base_url: str | None = None,
-                 persistence: Any = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        notifiers: Sequence[Notifier] = (),
+        *,
+        resend_interval: float = 60.0,
+        tick_interval: float = 1.0,
+        queue_size: int = 1000,
+        retry: RetryPolicy | None = None,
+        external_url: str | None = None,
+        runbook_base_url: str | None = None,
+        persistence: Any = None,
+    ) -> None:
         if resend_interval <= 0 or tick_interval <= 0:
             raise ValueError("resend_interval and tick_interval must be positive seconds")
         self.engine = engine
         self.persistence = persistence
-        self.dispatcher = Dispatcher(notifiers, queue_size=queue_size, retry=retry,
-                                     on_delivered=self._delivered if persistence is not None else None)
+        self.dispatcher = Dispatcher(
+            notifiers,
+            queue_size=queue_size,
+            retry=retry,
+            on_delivered=self._delivered if persistence is not None else None,
+        )
         self._alerts_dirty = False
         self._restored = False
         self.resend_interval = resend_interval
@@ -74,10 +86,15 @@ class AlertService:
         self._ticker: threading.Thread | None = None
 
     @classmethod
-    def from_config(cls, rules: RuleSpec = "default",
-                    notifiers: Sequence[Mapping[str, Any]] | None = None, *,
-                    run_ttl: float = 86400.0, resolved_retention: float = 900.0,
-                    **kwargs: Any) -> AlertService:
+    def from_config(
+        cls,
+        rules: RuleSpec = "default",
+        notifiers: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        run_ttl: float = 86400.0,
+        resolved_retention: float = 900.0,
+        **kwargs: Any,
+    ) -> AlertService:
         """Build from rules (what :func:`~trainvitals.alerts.loading.resolve_rules` takes:
         ``"default"``, files, folders, rule objects) and ``notifiers:`` dicts.
 
@@ -115,8 +132,11 @@ class AlertService:
         self.save()
         if self._resends:
             with self._lock:
-                due = [a for a in self.engine.firing()
-                       if now - self._last_sent.get(a.key, -math.inf) >= self.resend_interval]
+                due = [
+                    a
+                    for a in self.engine.firing()
+                    if now - self._last_sent.get(a.key, -math.inf) >= self.resend_interval
+                ]
                 for a in due:
                     self._last_sent[a.key] = now
             for a in due:
@@ -126,7 +146,8 @@ class AlertService:
     def _notify(self, transitions: list[Transition], now: float) -> None:
         self._alerts_dirty = True
         if self.persistence is not None and any(
-                t.state in (AlertState.FIRING, AlertState.RESOLVED) for t in transitions):
+            t.state in (AlertState.FIRING, AlertState.RESOLVED) for t in transitions
+        ):
             self._save_alerts()  # at once: a crash right after a page must not page again
         for t in transitions:
             if t.state is AlertState.FIRING:
@@ -199,10 +220,18 @@ class AlertService:
                 continue
             ended = a.resolved_at if a is not None and a.resolved_at is not None else now
             value = sent.get("value")
-            self.dispatcher.enqueue_to(notifier, Notification(
-                status="resolved", labels=sent["labels"], annotations=sent["annotations"],
-                starts_at=sent["starts_at"], ends_at=ended,
-                value=math.nan if value is None else value, generator_url=sent.get("generator_url", "")))
+            self.dispatcher.enqueue_to(
+                notifier,
+                Notification(
+                    status="resolved",
+                    labels=sent["labels"],
+                    annotations=sent["annotations"],
+                    starts_at=sent["starts_at"],
+                    ends_at=ended,
+                    value=math.nan if value is None else value,
+                    generator_url=sent.get("generator_url", ""),
+                ),
+            )
             resolves += 1
         for aid, a in current.items():
             if a.state is not AlertState.FIRING:
@@ -214,8 +243,13 @@ class AlertService:
                     pages += 1
             with self._lock:
                 self._last_sent.setdefault(a.key, now - self.resend_interval)
-        log.info("restored %d run(s) and %d alert(s) from the state file; %d resolve(s) and %d "
-                 "page(s) owed to notifiers", len(self.engine.export_runs()), len(current), resolves, pages)
+        log.info(
+            "restored %d run(s) and %d alert(s) from the state file; %d resolve(s) and %d page(s) owed to notifiers",
+            len(self.engine.export_runs()),
+            len(current),
+            resolves,
+            pages,
+        )
 
     # --------------------------------------------------------------- threads
 
@@ -261,20 +295,22 @@ class AlertService:
         for a in self.engine.alerts():
             if a.state is AlertState.PENDING and not include_pending:
                 continue
-            out.append({
-                "alertname": a.alertname,
-                "labels": dict(a.labels),
-                "state": a.state.value,
-                "value": a.value if math.isfinite(a.value) else None,
-                "since": a.since,
-                "severity": a.severity,
-                "summary": a.summary,
-                "description": a.description,
-                "runbook": a.rule.runbook,
-                "step": a.step,
-                "fired_at": a.fired_at,
-                "resolved_at": a.resolved_at,
-            })
+            out.append(
+                {
+                    "alertname": a.alertname,
+                    "labels": dict(a.labels),
+                    "state": a.state.value,
+                    "value": a.value if math.isfinite(a.value) else None,
+                    "since": a.since,
+                    "severity": a.severity,
+                    "summary": a.summary,
+                    "description": a.description,
+                    "runbook": a.rule.runbook,
+                    "step": a.step,
+                    "fired_at": a.fired_at,
+                    "resolved_at": a.resolved_at,
+                }
+            )
         order = {"firing": 0, "pending": 1, "resolved": 2}
         out.sort(key=lambda d: (order[d["state"]], d["alertname"], sorted(d["labels"].items())))
         return out
@@ -285,8 +321,9 @@ class AlertService:
 
     def metric_families(self) -> Iterator[Metric]:
         """Fresh metric families for the collector's exposition (a prometheus Collector)."""
-        firing = GaugeMetricFamily(PREFIX + "alerts_firing", METRICS["alerts_firing"].help,
-                                   labels=["alertname", "severity"])
+        firing = GaugeMetricFamily(
+            PREFIX + "alerts_firing", METRICS["alerts_firing"].help, labels=["alertname", "severity"]
+        )
         counts: dict[tuple[str, str], int] = {(r.alert, r.severity): 0 for r in self.engine.rules}
         for a in self.engine.firing():
             counts[(a.alertname, a.severity)] = counts.get((a.alertname, a.severity), 0) + 1
@@ -296,12 +333,15 @@ class AlertService:
         stats = self.stats()
         if not stats:
             return
-        sent = CounterMetricFamily(PREFIX + "notifications", METRICS["notifications_total"].help,
-                                   labels=["notifier", "outcome"])
-        retries = CounterMetricFamily(PREFIX + "notification_retries", METRICS["notification_retries_total"].help,
-                                      labels=["notifier"])
-        queued = GaugeMetricFamily(PREFIX + "notifications_queued", METRICS["notifications_queued"].help,
-                                   labels=["notifier"])
+        sent = CounterMetricFamily(
+            PREFIX + "notifications", METRICS["notifications_total"].help, labels=["notifier", "outcome"]
+        )
+        retries = CounterMetricFamily(
+            PREFIX + "notification_retries", METRICS["notification_retries_total"].help, labels=["notifier"]
+        )
+        queued = GaugeMetricFamily(
+            PREFIX + "notifications_queued", METRICS["notifications_queued"].help, labels=["notifier"]
+        )
         for name, c in sorted(stats.items()):
             for outcome in ("sent", "failed", "dropped"):
                 sent.add_metric([name, outcome], c[outcome])

@@ -77,8 +77,13 @@ class Alert:
         value = self.value
         if self.state is AlertState.RESOLVED and self.fired_value == self.fired_value:
             value = self.fired_value
-        out.update(alertname=self.rule.alert, severity=self.rule.severity, value=value,
-                   step=self.step if self.step is not None else -1, detail=self.detail)
+        out.update(
+            alertname=self.rule.alert,
+            severity=self.rule.severity,
+            value=value,
+            step=self.step if self.step is not None else -1,
+            detail=self.detail,
+        )
         if isinstance(self.rule, ThresholdRule):
             out.update(above=self.rule.above, below=self.rule.below, clear=self.rule.clear_at)
         return out

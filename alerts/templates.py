@@ -40,8 +40,7 @@ def check_template(text: str, allowed: frozenset[str]) -> None:
         if root == "" or root.isdigit():
             raise ValueError("templates take named fields only, e.g. {value:.1f} or {run}")
         if root not in allowed:
-            raise ValueError(
-                f"unknown template field {{{root}}}; this rule offers: {', '.join(sorted(allowed))}")
+            raise ValueError(f"unknown template field {{{root}}}; this rule offers: {', '.join(sorted(allowed))}")
         if root != name:
             raise ValueError(f"template field {{{name}}}: attribute and index access are not allowed")
     try:

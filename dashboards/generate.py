@@ -104,8 +104,9 @@ def unit_of(metric: str) -> str:
     try:
         return UNITS[spec.unit]
     except KeyError:
-        raise ValueError(f"metric {metric!r}: no Grafana unit for catalogue unit {spec.unit!r}; "
-                         "add it to UNITS") from None
+        raise ValueError(
+            f"metric {metric!r}: no Grafana unit for catalogue unit {spec.unit!r}; add it to UNITS"
+        ) from None
 
 
 def m(metric: str, *matchers: str) -> str:
@@ -190,8 +191,7 @@ def _thresholds(p: P) -> ThresholdsConfig:
             base = color
             steps.append(Threshold(value=value, color="green"))
     steps.sort(key=lambda t: t.value)
-    return ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps(
-        [Threshold(value=None, color=base), *steps])
+    return ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps([Threshold(value=None, color=base), *steps])
 
 
 def _targets(p: P, instant: bool) -> list[Dataquery]:
@@ -211,25 +211,47 @@ def _targets(p: P, instant: bool) -> list[Dataquery]:
 def build_panel(p: P, panel_id: int):
     instant = p.kind in ("stat", "bargauge", "table")
     if p.kind == "timeseries":
-        b = (timeseries.Panel()
-             .legend(VizLegendOptions().display_mode(LegendDisplayMode.TABLE)
-                     .placement(LegendPlacement.BOTTOM).show_legend(True)
-                     .calcs(["lastNotNull", "max"]))
-             .line_width(1).fill_opacity(5).show_points("never"))
+        b = (
+            timeseries.Panel()
+            .legend(
+                VizLegendOptions()
+                .display_mode(LegendDisplayMode.TABLE)
+                .placement(LegendPlacement.BOTTOM)
+                .show_legend(True)
+                .calcs(["lastNotNull", "max"])
+            )
+            .line_width(1)
+            .fill_opacity(5)
+            .show_points("never")
+        )
         if p.lines:
             b = b.thresholds_style(GraphThresholdsStyleConfig().mode(GraphThresholdsStyleMode.DASHED))
     elif p.kind == "stat":
-        b = (stat.Panel().graph_mode(BigValueGraphMode.NONE)
-             .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False)))
+        b = (
+            stat.Panel()
+            .graph_mode(BigValueGraphMode.NONE)
+            .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        )
     elif p.kind == "bargauge":
-        b = (bargauge.Panel().orientation(VizOrientation.HORIZONTAL)
-             .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False)))
+        b = (
+            bargauge.Panel()
+            .orientation(VizOrientation.HORIZONTAL)
+            .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        )
     elif p.kind == "table":
         b = table.Panel()
     else:
         raise ValueError(f"panel {p.title!r}: unknown kind {p.kind!r}")
-    b = (b.id(panel_id).title(p.title).description(p.description).datasource(DATASOURCE)
-         .unit(p.grafana_unit()).thresholds(_thresholds(p)).span(p.width).height(p.height))
+    b = (
+        b.id(panel_id)
+        .title(p.title)
+        .description(p.description)
+        .datasource(DATASOURCE)
+        .unit(p.grafana_unit())
+        .thresholds(_thresholds(p))
+        .span(p.width)
+        .height(p.height)
+    )
     if p.min is not None:
         b = b.min(p.min)
     if p.max is not None:
@@ -239,17 +261,22 @@ def build_panel(p: P, panel_id: int):
     return b
 
 
-def _variable(name: str, label: str, metric: str, label_name: str, *, narrow: bool = True
-              ) -> QueryVariable:
+def _variable(name: str, label: str, metric: str, label_name: str, *, narrow: bool = True) -> QueryVariable:
     selector = m(metric, RUN) if narrow else m(metric)
-    return (QueryVariable(name).label(label).datasource(DATASOURCE)
-            .query(f"label_values({selector}, {label_name})")
-            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).sort(VariableSort.ALPHABETICAL_ASC)
-            .multi(True).include_all(True)
-            # ".+", not ".*": "All" must not match series that lack the label (Adam's
-            # per-group series have no param; collector series no run).
-            .all_value(".+")
-            .current(VariableOption(selected=True, text=["All"], value=["$__all"])))
+    return (
+        QueryVariable(name)
+        .label(label)
+        .datasource(DATASOURCE)
+        .query(f"label_values({selector}, {label_name})")
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(VariableSort.ALPHABETICAL_ASC)
+        .multi(True)
+        .include_all(True)
+        # ".+", not ".*": "All" must not match series that lack the label (Adam's
+        # per-group series have no param; collector series no run).
+        .all_value(".+")
+        .current(VariableOption(selected=True, text=["All"], value=["$__all"]))
+    )
 
 
 VARIABLES = {
@@ -273,16 +300,36 @@ class Board:
     auto: list[P] = field(default_factory=list)
 
     def build(self) -> Dashboard:
-        d = (Dashboard(self.title).uid(self.uid).description(self.description).tags([TAG])
-             .editable().tooltip(DashboardCursorSync.CROSSHAIR).time("now-6h", "now")
-             .refresh("30s").timezone("browser")
-             .annotation(AnnotationQuery().name("Annotations & Alerts").built_in(1).enable(True)
-                         .hide(True).icon_color("rgba(0, 211, 255, 1)").type("dashboard")
-                         .datasource(DataSourceRef(type_val="grafana", uid="-- Grafana --")))
-             .link(DashboardLink("trainvitals").type(DashboardLinkType.DASHBOARDS).tags([TAG])
-                   .as_dropdown(True).include_vars(True).keep_time(True))
-             .with_variable(DatasourceVariable("datasource").label("Data source")
-                            .type("prometheus")))
+        d = (
+            Dashboard(self.title)
+            .uid(self.uid)
+            .description(self.description)
+            .tags([TAG])
+            .editable()
+            .tooltip(DashboardCursorSync.CROSSHAIR)
+            .time("now-6h", "now")
+            .refresh("30s")
+            .timezone("browser")
+            .annotation(
+                AnnotationQuery()
+                .name("Annotations & Alerts")
+                .built_in(1)
+                .enable(True)
+                .hide(True)
+                .icon_color("rgba(0, 211, 255, 1)")
+                .type("dashboard")
+                .datasource(DataSourceRef(type_val="grafana", uid="-- Grafana --"))
+            )
+            .link(
+                DashboardLink("trainvitals")
+                .type(DashboardLinkType.DASHBOARDS)
+                .tags([TAG])
+                .as_dropdown(True)
+                .include_vars(True)
+                .keep_time(True)
+            )
+            .with_variable(DatasourceVariable("datasource").label("Data source").type("prometheus"))
+        )
         for name in ["run", *self.variables]:
             d = d.with_variable(VARIABLES[name])
         rows = list(self.rows)
@@ -298,16 +345,21 @@ class Board:
         return d
 
 
-def build_dashboard(uid: str, title: str, description: str, variables: list[str],
-                    rows: list[tuple[str, list[P]]]) -> Board:
+def build_dashboard(
+    uid: str, title: str, description: str, variables: list[str], rows: list[tuple[str, list[P]]]
+) -> Board:
     return Board(uid, title, description, variables, rows)
 
 
 # -- metrics no curated panel shows ----------------------------------------------------------
 AUTO_ROW = "More signals (one panel per metric, generated from the catalogue)"
 # Which dashboard a catalogue group belongs on; other groups go on the overview.
-GROUP_HOME = {"loss": "trainvitals-loss.json", "params": "trainvitals-params.json",
-              "adam": "trainvitals-params.json", "softmax": "trainvitals-softmax.json"}
+GROUP_HOME = {
+    "loss": "trainvitals-loss.json",
+    "params": "trainvitals-params.json",
+    "adam": "trainvitals-params.json",
+    "softmax": "trainvitals-softmax.json",
+}
 # A dashboard variable narrows the metrics that carry its label.
 VARIABLE_MATCHERS = {"modality": MODALITY, "param": PARAM, "task": TASK}
 _SHOWN = re.compile(rf"\b{PREFIX}(\w+)")
@@ -318,254 +370,537 @@ def auto_panel(metric: str, board: Board) -> P:
     spec = METRICS[metric]
     matchers = [RUN] if spec.owner == "hooks" or spec.group == "run" else []
     matchers += [VARIABLE_MATCHERS[v] for v in board.variables if v in spec.labels]
-    return P(metric, [(m(metric, *matchers), lg(metric) if matchers[:1] == [RUN] else
-                       " ".join(f"{{{{{label}}}}}" for label in spec.labels) or metric)],
-             spec.help, metric=metric)
+    return P(
+        metric,
+        [
+            (
+                m(metric, *matchers),
+                lg(metric)
+                if matchers[:1] == [RUN]
+                else " ".join(f"{{{{{label}}}}}" for label in spec.labels) or metric,
+            )
+        ],
+        spec.help,
+        metric=metric,
+    )
 
 
 # -- the dashboards ------------------------------------------------------------------------------
 # The whole-model gradient norm of the last step, and the per-step statistics over
 # the steps since the previous report (grad_norm_max, ...) that the catalogue has.
 GRAD_NORMS = [("grad_norm", "last step")] + [
-    (n, n.removeprefix("grad_norm_")) for n in METRICS if n.startswith("grad_norm_")]
+    (n, n.removeprefix("grad_norm_")) for n in METRICS if n.startswith("grad_norm_")
+]
 
 
 def overview() -> Board:
     age = f"time() - {m('last_report_timestamp_seconds', RUN)}"
     silent = rule_line("RunSilent")[0]
     rows = [
-        ("Runs", [
-            P("Runs", [(f"count({m('step', RUN)})", "runs")],
-              "Runs the collectors hold (they forget a run silent for run_ttl_seconds).",
-              unit="short", kind="stat", width=4, height=5),
-            P("Ended cleanly", [(f"count({m('run_ended', RUN)} == 1)", "ended")],
-              "Runs whose last report said they ended (Monitor.close()): RunSilent spares them.",
-              metric="run_ended", kind="stat", width=4, height=5),
-            P("Alerts firing (collector)", [(f"sum({m('alerts_firing')})", "firing")],
-              "Alerts the collectors' own rule engines have firing now, all runs.",
-              metric="alerts_firing", kind="stat", width=4, height=5),
-            P("Last step", [(m("step", RUN), lg("step"))],
-              "Last optimizer step each run reported.", metric="step", kind="bargauge",
-              width=6, height=5),
-            P("Last report age", [(age, "{{run}}")],
-              f"Seconds since each run's last report reached a collector. RunSilent fires "
-              f"at {silent:g} s (the line); a run that ended with Monitor.close() stops here.",
-              unit="s", kind="bargauge", lines=["RunSilent"], width=6, height=5),
-        ]),
-        ("Alerts", [
-            P("Firing now (collector rules)",
-              [(f"{m('alerts_firing')} > 0", "{{alertname}} ({{severity}})")],
-              "Alerts the collectors evaluate, by rule and severity: how many series fire.",
-              metric="alerts_firing", width=12),
-            P("Firing now (Prometheus rules)",
-              [(f'count by (alertname, severity) (ALERTS{{alertstate="firing", {RUN}}})',
-                "{{alertname}} ({{severity}})")],
-              "The same rules exported to Prometheus (`trainvitals rules export`), where "
-              "Prometheus evaluates them: series firing per rule.",
-              unit="short", width=12),
-        ]),
-        ("Training", [
-            P("Loss", [(m("loss", RUN), lg("loss"))],
-              "Mean per-token loss of the last optimizer step over every label token "
-              "(per modality: the loss accounting dashboard).", metric="loss"),
-            P("Gradient norm", [(m(n, RUN), f"{{{{run}}}} {label}") for n, label in GRAD_NORMS],
-              "Whole model. " + " ".join(f"{label}: {METRICS[n].help}" for n, label in GRAD_NORMS)
-              + " GradNormSpike compares the norm with its own recent median.",
-              metric="grad_norm"),
-            P("Update ratio", [(m("update_ratio", RUN), lg("update_ratio"))],
-              "RMS(update) / RMS(parameter) of the last step, whole model; ~1e-3 is typical "
-              "for Adam.", metric="update_ratio"),
-            P("Parameter norm", [(m("param_norm", RUN), lg("param_norm"))],
-              "Whole-model parameter L2 norm after the optimizer step.", metric="param_norm"),
-            P("Non-finite values", [(f"increase({m('nonfinite_total', RUN)}[$__rate_interval])",
-                                     "{{run}} {{what}}")],
-              "Non-finite losses (what=loss: NonFiniteLoss pages) and gradients (what=grad: "
-              "routine under fp16 loss scaling) in each interval.", metric="nonfinite_total"),
-            P("Reports dropped by the hooks", [(m("client_dropped_reports_total", RUN), lg("client_dropped_reports_total"))],
-              "Reports a job dropped since attach (queue full or collector unreachable): the "
-              "dashboards miss those steps.", metric="client_dropped_reports_total"),
-        ]),
-        ("Collectors", [
-            P("Reports", [(f"sum by (instance, outcome) (rate({m('collector_reports_total')}"
-                           f"[$__rate_interval]))", "{{instance}} {{outcome}}")],
-              "Reports accepted and bodies refused per second, by collector and outcome.",
-              unit=RATE_UNIT),
-            P("Series held", [(m("collector_series"), "{{instance}}")],
-              "Series each collector holds; it refuses batches past max_series.",
-              metric="collector_series"),
-            P("Notifications", [(f"sum by (instance, notifier, outcome) (rate("
-                                 f"{m('notifications_total')}[$__rate_interval]))",
-                                 "{{notifier}} {{outcome}}"),
-                                (f"sum by (instance, notifier) (rate("
-                                 f"{m('notification_retries_total')}[$__rate_interval]))",
-                                 "{{notifier}} retries")],
-              "Alert notifications the collectors sent, failed or dropped, and retried sends, "
-              "per second.", unit=RATE_UNIT),
-            P("Notifications queued", [(m("notifications_queued"), "{{instance}} {{notifier}}")],
-              "Notifications waiting in each notifier's queue (a growing queue: the receiver "
-              "is slow or down).", metric="notifications_queued"),
-        ]),
+        (
+            "Runs",
+            [
+                P(
+                    "Runs",
+                    [(f"count({m('step', RUN)})", "runs")],
+                    "Runs the collectors hold (they forget a run silent for run_ttl_seconds).",
+                    unit="short",
+                    kind="stat",
+                    width=4,
+                    height=5,
+                ),
+                P(
+                    "Ended cleanly",
+                    [(f"count({m('run_ended', RUN)} == 1)", "ended")],
+                    "Runs whose last report said they ended (Monitor.close()): RunSilent spares them.",
+                    metric="run_ended",
+                    kind="stat",
+                    width=4,
+                    height=5,
+                ),
+                P(
+                    "Alerts firing (collector)",
+                    [(f"sum({m('alerts_firing')})", "firing")],
+                    "Alerts the collectors' own rule engines have firing now, all runs.",
+                    metric="alerts_firing",
+                    kind="stat",
+                    width=4,
+                    height=5,
+                ),
+                P(
+                    "Last step",
+                    [(m("step", RUN), lg("step"))],
+                    "Last optimizer step each run reported.",
+                    metric="step",
+                    kind="bargauge",
+                    width=6,
+                    height=5,
+                ),
+                P(
+                    "Last report age",
+                    [(age, "{{run}}")],
+                    f"Seconds since each run's last report reached a collector. RunSilent fires "
+                    f"at {silent:g} s (the line); a run that ended with Monitor.close() stops here.",
+                    unit="s",
+                    kind="bargauge",
+                    lines=["RunSilent"],
+                    width=6,
+                    height=5,
+                ),
+            ],
+        ),
+        (
+            "Alerts",
+            [
+                P(
+                    "Firing now (collector rules)",
+                    [(f"{m('alerts_firing')} > 0", "{{alertname}} ({{severity}})")],
+                    "Alerts the collectors evaluate, by rule and severity: how many series fire.",
+                    metric="alerts_firing",
+                    width=12,
+                ),
+                P(
+                    "Firing now (Prometheus rules)",
+                    [
+                        (
+                            f'count by (alertname, severity) (ALERTS{{alertstate="firing", {RUN}}})',
+                            "{{alertname}} ({{severity}})",
+                        )
+                    ],
+                    "The same rules exported to Prometheus (`trainvitals rules export`), where "
+                    "Prometheus evaluates them: series firing per rule.",
+                    unit="short",
+                    width=12,
+                ),
+            ],
+        ),
+        (
+            "Training",
+            [
+                P(
+                    "Loss",
+                    [(m("loss", RUN), lg("loss"))],
+                    "Mean per-token loss of the last optimizer step over every label token "
+                    "(per modality: the loss accounting dashboard).",
+                    metric="loss",
+                ),
+                P(
+                    "Gradient norm",
+                    [(m(n, RUN), f"{{{{run}}}} {label}") for n, label in GRAD_NORMS],
+                    "Whole model. "
+                    + " ".join(f"{label}: {METRICS[n].help}" for n, label in GRAD_NORMS)
+                    + " GradNormSpike compares the norm with its own recent median.",
+                    metric="grad_norm",
+                ),
+                P(
+                    "Update ratio",
+                    [(m("update_ratio", RUN), lg("update_ratio"))],
+                    "RMS(update) / RMS(parameter) of the last step, whole model; ~1e-3 is typical for Adam.",
+                    metric="update_ratio",
+                ),
+                P(
+                    "Parameter norm",
+                    [(m("param_norm", RUN), lg("param_norm"))],
+                    "Whole-model parameter L2 norm after the optimizer step.",
+                    metric="param_norm",
+                ),
+                P(
+                    "Non-finite values",
+                    [(f"increase({m('nonfinite_total', RUN)}[$__rate_interval])", "{{run}} {{what}}")],
+                    "Non-finite losses (what=loss: NonFiniteLoss pages) and gradients (what=grad: "
+                    "routine under fp16 loss scaling) in each interval.",
+                    metric="nonfinite_total",
+                ),
+                P(
+                    "Reports dropped by the hooks",
+                    [(m("client_dropped_reports_total", RUN), lg("client_dropped_reports_total"))],
+                    "Reports a job dropped since attach (queue full or collector unreachable): the "
+                    "dashboards miss those steps.",
+                    metric="client_dropped_reports_total",
+                ),
+            ],
+        ),
+        (
+            "Collectors",
+            [
+                P(
+                    "Reports",
+                    [
+                        (
+                            f"sum by (instance, outcome) (rate({m('collector_reports_total')}[$__rate_interval]))",
+                            "{{instance}} {{outcome}}",
+                        )
+                    ],
+                    "Reports accepted and bodies refused per second, by collector and outcome.",
+                    unit=RATE_UNIT,
+                ),
+                P(
+                    "Series held",
+                    [(m("collector_series"), "{{instance}}")],
+                    "Series each collector holds; it refuses batches past max_series.",
+                    metric="collector_series",
+                ),
+                P(
+                    "Notifications",
+                    [
+                        (
+                            f"sum by (instance, notifier, outcome) (rate("
+                            f"{m('notifications_total')}[$__rate_interval]))",
+                            "{{notifier}} {{outcome}}",
+                        ),
+                        (
+                            f"sum by (instance, notifier) (rate({m('notification_retries_total')}[$__rate_interval]))",
+                            "{{notifier}} retries",
+                        ),
+                    ],
+                    "Alert notifications the collectors sent, failed or dropped, and retried sends, per second.",
+                    unit=RATE_UNIT,
+                ),
+                P(
+                    "Notifications queued",
+                    [(m("notifications_queued"), "{{instance}} {{notifier}}")],
+                    "Notifications waiting in each notifier's queue (a growing queue: the receiver is slow or down).",
+                    metric="notifications_queued",
+                ),
+            ],
+        ),
     ]
     return build_dashboard(
-        "trainvitals-overview", "trainvitals / Overview",
+        "trainvitals-overview",
+        "trainvitals / Overview",
         "Runs, their last report, alerts firing and the whole-model training curves.",
-        [], rows)
+        [],
+        rows,
+    )
 
 
 def loss_accounting() -> Board:
     mod = (RUN, MODALITY)
     rows = [
-        ("Where the gradient goes (I1)", [
-            P("Sample vs gradient share",
-              [(m("modality_sample_share_ratio", *mod), lg("modality_sample_share_ratio", " samples")),
-               (m("modality_grad_share_ratio", *mod), lg("modality_grad_share_ratio", " gradient"))],
-              "Each modality's share of the step's samples against its share of the loss "
-              "weight sum(dL/dl). Per-sample normalization keeps them equal.",
-              metric="modality_sample_share_ratio", width=12, min=0, max=1),
-            P("Dilution", [(m("modality_dilution_ratio", *mod), lg("modality_dilution_ratio"))],
-              "Sample share / gradient share: how many times less gradient a modality gets "
-              "than its samples' share (1: none). GradientDilution pages past the line.",
-              metric="modality_dilution_ratio", lines=["GradientDilution"], width=12),
-            P("Token share", [(m("modality_token_share_ratio", *mod), lg("modality_token_share_ratio"))],
-              "Each modality's share of the step's label tokens.",
-              metric="modality_token_share_ratio", min=0, max=1),
-            P("Loss per modality", [(m("modality_loss", *mod), lg("modality_loss"))],
-              "Mean per-token loss over each modality's label tokens.", metric="modality_loss"),
-            P("Gradient norm per modality",
-              [(m("modality_grad_norm", *mod), lg("modality_grad_norm"))],
-              "Per-modality gradient norm at the output (scope=output) and, on probe steps, "
-              "in parameter space (scope=params).", metric="modality_grad_norm"),
-            P("Gradient cosine between modalities",
-              [(m("modality_grad_cosine", *mod), "{{run}} {{modality}} / {{other}}")],
-              "Cosine between two modalities' parameter gradients (probe steps; "
-              "attach(probe_every=N)). Negative: they pull the model apart.",
-              metric="modality_grad_cosine", min=-1, max=1),
-        ]),
-        ("Normalization (I2, I3)", [
-            P("Normalization exponent", [(m("loss_norm_exponent", RUN), lg("loss_norm_exponent"))],
-              "Fitted beta in w ~ n^beta over the step's samples: 1 per-token, 0.5 sqrt, "
-              "0 per-sample normalization.", metric="loss_norm_exponent"),
-            P("Loss weight mass", [(m("loss_weight_mass", RUN), lg("loss_weight_mass"))],
-              "Sum of the step's loss weights: 1 when normalized; N when the loss is not "
-              "divided by N accumulation steps (LossNotAccumNormalized, upper line); under "
-              "the lower line it is divided twice or averaged over non-label tokens "
-              "(LossWeightMassLow).", metric="loss_weight_mass",
-              lines=["LossNotAccumNormalized", "LossWeightMassLow"]),
-            P("Micro-batches per step", [(m("microbatches", RUN), lg("microbatches"))],
-              "track_loss calls in the last optimizer step.", metric="microbatches"),
-            P("Token weight spread", [(m("token_weight_spread_ratio", RUN), lg("token_weight_spread_ratio"))],
-              "Max/min per-token weight across the step's micro-batches: 1 for a global "
-              "per-token normalization; above the line, a mean of means (MeanOfMeansLoss).",
-              metric="token_weight_spread_ratio", lines=["MeanOfMeansLoss"]),
-        ]),
+        (
+            "Where the gradient goes (I1)",
+            [
+                P(
+                    "Sample vs gradient share",
+                    [
+                        (m("modality_sample_share_ratio", *mod), lg("modality_sample_share_ratio", " samples")),
+                        (m("modality_grad_share_ratio", *mod), lg("modality_grad_share_ratio", " gradient")),
+                    ],
+                    "Each modality's share of the step's samples against its share of the loss "
+                    "weight sum(dL/dl). Per-sample normalization keeps them equal.",
+                    metric="modality_sample_share_ratio",
+                    width=12,
+                    min=0,
+                    max=1,
+                ),
+                P(
+                    "Dilution",
+                    [(m("modality_dilution_ratio", *mod), lg("modality_dilution_ratio"))],
+                    "Sample share / gradient share: how many times less gradient a modality gets "
+                    "than its samples' share (1: none). GradientDilution pages past the line.",
+                    metric="modality_dilution_ratio",
+                    lines=["GradientDilution"],
+                    width=12,
+                ),
+                P(
+                    "Token share",
+                    [(m("modality_token_share_ratio", *mod), lg("modality_token_share_ratio"))],
+                    "Each modality's share of the step's label tokens.",
+                    metric="modality_token_share_ratio",
+                    min=0,
+                    max=1,
+                ),
+                P(
+                    "Loss per modality",
+                    [(m("modality_loss", *mod), lg("modality_loss"))],
+                    "Mean per-token loss over each modality's label tokens.",
+                    metric="modality_loss",
+                ),
+                P(
+                    "Gradient norm per modality",
+                    [(m("modality_grad_norm", *mod), lg("modality_grad_norm"))],
+                    "Per-modality gradient norm at the output (scope=output) and, on probe steps, "
+                    "in parameter space (scope=params).",
+                    metric="modality_grad_norm",
+                ),
+                P(
+                    "Gradient cosine between modalities",
+                    [(m("modality_grad_cosine", *mod), "{{run}} {{modality}} / {{other}}")],
+                    "Cosine between two modalities' parameter gradients (probe steps; "
+                    "attach(probe_every=N)). Negative: they pull the model apart.",
+                    metric="modality_grad_cosine",
+                    min=-1,
+                    max=1,
+                ),
+            ],
+        ),
+        (
+            "Normalization (I2, I3)",
+            [
+                P(
+                    "Normalization exponent",
+                    [(m("loss_norm_exponent", RUN), lg("loss_norm_exponent"))],
+                    "Fitted beta in w ~ n^beta over the step's samples: 1 per-token, 0.5 sqrt, "
+                    "0 per-sample normalization.",
+                    metric="loss_norm_exponent",
+                ),
+                P(
+                    "Loss weight mass",
+                    [(m("loss_weight_mass", RUN), lg("loss_weight_mass"))],
+                    "Sum of the step's loss weights: 1 when normalized; N when the loss is not "
+                    "divided by N accumulation steps (LossNotAccumNormalized, upper line); under "
+                    "the lower line it is divided twice or averaged over non-label tokens "
+                    "(LossWeightMassLow).",
+                    metric="loss_weight_mass",
+                    lines=["LossNotAccumNormalized", "LossWeightMassLow"],
+                ),
+                P(
+                    "Micro-batches per step",
+                    [(m("microbatches", RUN), lg("microbatches"))],
+                    "track_loss calls in the last optimizer step.",
+                    metric="microbatches",
+                ),
+                P(
+                    "Token weight spread",
+                    [(m("token_weight_spread_ratio", RUN), lg("token_weight_spread_ratio"))],
+                    "Max/min per-token weight across the step's micro-batches: 1 for a global "
+                    "per-token normalization; above the line, a mean of means (MeanOfMeansLoss).",
+                    metric="token_weight_spread_ratio",
+                    lines=["MeanOfMeansLoss"],
+                ),
+            ],
+        ),
     ]
     return build_dashboard(
-        "trainvitals-loss", "trainvitals / Loss accounting",
-        "Where each step's gradient weight goes: per modality (I1), over the step (I2) and "
-        "across micro-batches (I3).", ["modality"], rows)
+        "trainvitals-loss",
+        "trainvitals / Loss accounting",
+        "Where each step's gradient weight goes: per modality (I1), over the step (I2) and across micro-batches (I3).",
+        ["modality"],
+        rows,
+    )
 
 
 def parameter_drift() -> Board:
     sel = (RUN, PARAM)
     drift = m("param_drift_log2", *sel)
     rows = [
-        ("Drift of 1D parameters (I4)", [
-            P("Top drifting 1D parameters", [(f"topk(10, {drift})", "{{run}} {{param}}")],
-              "Bits of range gained since attach (log2 of absmax over absmax at attach), "
-              "largest ten. ParamDrift pages past the line when the drift is one-way, "
-              "gradient-free and undecayed.", metric="param_drift_log2",
-              lines=["ParamDrift"], kind="bargauge", width=12),
-            P("Drift over time", [(f"topk(10, {drift})", "{{run}} {{param}}")],
-              "The same drift over time, largest ten at each point.",
-              metric="param_drift_log2", lines=["ParamDrift"], width=12),
-            P("Drift consistency", [(m("param_drift_consistency_ratio", *sel), lg("param_drift_consistency_ratio"))],
-              "|mean sign| of each parameter's recent changes: 0 for a random walk, 1 when it "
-              "only moves one way.", metric="param_drift_consistency_ratio", min=0, max=1),
-            P("Drift of parameters without weight decay",
-              [(f"{drift} and {m('param_weight_decay', *sel)} == 0", "{{run}} {{param}}")],
-              "Only the 1D parameters the optimizer applies no weight decay to: nothing "
-              "pulls them back when Adam walks them.", metric="param_drift_log2",
-              lines=["ParamDrift"]),
-            P("Weight decay per parameter", [(m("param_weight_decay", *sel), lg("param_weight_decay"))],
-              "Weight decay the optimizer applies to each 1D parameter (0: none).",
-              metric="param_weight_decay", kind="table"),
-            P("Relative gradient RMS", [(m("param_grad_relative_rms", *sel), lg("param_grad_relative_rms"))],
-              "Gradient RMS over the model's median per-parameter gradient RMS: far below "
-              "0.01, the parameter has no real gradient.", metric="param_grad_relative_rms"),
-            P("Largest absolute element", [(m("param_absmax", *sel), lg("param_absmax"))],
-              "absmax of each 1D parameter.", metric="param_absmax"),
-            P("Range", [(m("param_min", *sel), lg("param_min", " min")),
-                        (m("param_max", *sel), lg("param_max", " max"))],
-              "Smallest and largest element of each 1D parameter.", metric="param_min"),
-        ]),
-        ("Adam state (I4)", [
-            P("Eps-dominated share", [(m("adam_eps_dominated_ratio", *sel), "{{run}} {{param}}")],
-              "Share of a parameter's elements with sqrt(v_hat) < eps: Adam divides by eps "
-              "and amplifies noise into full-size steps (AdamEpsilonDominated).",
-              metric="adam_eps_dominated_ratio", lines=["AdamEpsilonDominated"], min=0, max=1),
-            P("Normalized update RMS", [(m("adam_normalized_update_rms", *sel), "{{run}} {{param}}")],
-              "RMS of m_hat / (sqrt(v_hat) + eps): near 1, sign-like steps of size lr.",
-              metric="adam_normalized_update_rms"),
-            P("First moment norm", [(m("adam_exp_avg_norm", *sel), "{{run}} {{param}}")],
-              "L2 norm of Adam's exp_avg per parameter.", metric="adam_exp_avg_norm"),
-            P("Second moment norm", [(m("adam_exp_avg_sq_norm", *sel), "{{run}} {{param}}")],
-              "L2 norm of Adam's exp_avg_sq per parameter.", metric="adam_exp_avg_sq_norm"),
-            P("Optimizer state resets", [(m("optimizer_state_resets_total", RUN), lg("optimizer_state_resets_total"))],
-              "Optimizer state resets seen since attach: each restarts the period where v is "
-              "near zero (OptimizerStateReset).", metric="optimizer_state_resets_total"),
-        ]),
-        ("Param groups", [
-            P("Gradient norm per group", [(m("group_grad_norm", RUN), lg("group_grad_norm"))],
-              "Gradient L2 norm of each optimizer param group.", metric="group_grad_norm"),
-            P("Parameter norm per group", [(m("group_param_norm", RUN), lg("group_param_norm"))],
-              "Parameter L2 norm of each param group after the step.",
-              metric="group_param_norm"),
-            P("Update ratio per group", [(m("group_update_ratio", RUN), lg("group_update_ratio"))],
-              "RMS(update) / RMS(parameter) of each param group.", metric="group_update_ratio"),
-        ]),
+        (
+            "Drift of 1D parameters (I4)",
+            [
+                P(
+                    "Top drifting 1D parameters",
+                    [(f"topk(10, {drift})", "{{run}} {{param}}")],
+                    "Bits of range gained since attach (log2 of absmax over absmax at attach), "
+                    "largest ten. ParamDrift pages past the line when the drift is one-way, "
+                    "gradient-free and undecayed.",
+                    metric="param_drift_log2",
+                    lines=["ParamDrift"],
+                    kind="bargauge",
+                    width=12,
+                ),
+                P(
+                    "Drift over time",
+                    [(f"topk(10, {drift})", "{{run}} {{param}}")],
+                    "The same drift over time, largest ten at each point.",
+                    metric="param_drift_log2",
+                    lines=["ParamDrift"],
+                    width=12,
+                ),
+                P(
+                    "Drift consistency",
+                    [(m("param_drift_consistency_ratio", *sel), lg("param_drift_consistency_ratio"))],
+                    "|mean sign| of each parameter's recent changes: 0 for a random walk, 1 when it "
+                    "only moves one way.",
+                    metric="param_drift_consistency_ratio",
+                    min=0,
+                    max=1,
+                ),
+                P(
+                    "Drift of parameters without weight decay",
+                    [(f"{drift} and {m('param_weight_decay', *sel)} == 0", "{{run}} {{param}}")],
+                    "Only the 1D parameters the optimizer applies no weight decay to: nothing "
+                    "pulls them back when Adam walks them.",
+                    metric="param_drift_log2",
+                    lines=["ParamDrift"],
+                ),
+                P(
+                    "Weight decay per parameter",
+                    [(m("param_weight_decay", *sel), lg("param_weight_decay"))],
+                    "Weight decay the optimizer applies to each 1D parameter (0: none).",
+                    metric="param_weight_decay",
+                    kind="table",
+                ),
+                P(
+                    "Relative gradient RMS",
+                    [(m("param_grad_relative_rms", *sel), lg("param_grad_relative_rms"))],
+                    "Gradient RMS over the model's median per-parameter gradient RMS: far below "
+                    "0.01, the parameter has no real gradient.",
+                    metric="param_grad_relative_rms",
+                ),
+                P(
+                    "Largest absolute element",
+                    [(m("param_absmax", *sel), lg("param_absmax"))],
+                    "absmax of each 1D parameter.",
+                    metric="param_absmax",
+                ),
+                P(
+                    "Range",
+                    [(m("param_min", *sel), lg("param_min", " min")), (m("param_max", *sel), lg("param_max", " max"))],
+                    "Smallest and largest element of each 1D parameter.",
+                    metric="param_min",
+                ),
+            ],
+        ),
+        (
+            "Adam state (I4)",
+            [
+                P(
+                    "Eps-dominated share",
+                    [(m("adam_eps_dominated_ratio", *sel), "{{run}} {{param}}")],
+                    "Share of a parameter's elements with sqrt(v_hat) < eps: Adam divides by eps "
+                    "and amplifies noise into full-size steps (AdamEpsilonDominated).",
+                    metric="adam_eps_dominated_ratio",
+                    lines=["AdamEpsilonDominated"],
+                    min=0,
+                    max=1,
+                ),
+                P(
+                    "Normalized update RMS",
+                    [(m("adam_normalized_update_rms", *sel), "{{run}} {{param}}")],
+                    "RMS of m_hat / (sqrt(v_hat) + eps): near 1, sign-like steps of size lr.",
+                    metric="adam_normalized_update_rms",
+                ),
+                P(
+                    "First moment norm",
+                    [(m("adam_exp_avg_norm", *sel), "{{run}} {{param}}")],
+                    "L2 norm of Adam's exp_avg per parameter.",
+                    metric="adam_exp_avg_norm",
+                ),
+                P(
+                    "Second moment norm",
+                    [(m("adam_exp_avg_sq_norm", *sel), "{{run}} {{param}}")],
+                    "L2 norm of Adam's exp_avg_sq per parameter.",
+                    metric="adam_exp_avg_sq_norm",
+                ),
+                P(
+                    "Optimizer state resets",
+                    [(m("optimizer_state_resets_total", RUN), lg("optimizer_state_resets_total"))],
+                    "Optimizer state resets seen since attach: each restarts the period where v is "
+                    "near zero (OptimizerStateReset).",
+                    metric="optimizer_state_resets_total",
+                ),
+            ],
+        ),
+        (
+            "Param groups",
+            [
+                P(
+                    "Gradient norm per group",
+                    [(m("group_grad_norm", RUN), lg("group_grad_norm"))],
+                    "Gradient L2 norm of each optimizer param group.",
+                    metric="group_grad_norm",
+                ),
+                P(
+                    "Parameter norm per group",
+                    [(m("group_param_norm", RUN), lg("group_param_norm"))],
+                    "Parameter L2 norm of each param group after the step.",
+                    metric="group_param_norm",
+                ),
+                P(
+                    "Update ratio per group",
+                    [(m("group_update_ratio", RUN), lg("group_update_ratio"))],
+                    "RMS(update) / RMS(parameter) of each param group.",
+                    metric="group_update_ratio",
+                ),
+            ],
+        ),
     ]
     return build_dashboard(
-        "trainvitals-params", "trainvitals / Parameter drift",
-        "1D parameters Adam walks without a gradient (I4), the Adam state behind it, and the "
-        "param groups.", ["param"], rows)
+        "trainvitals-params",
+        "trainvitals / Parameter drift",
+        "1D parameters Adam walks without a gradient (I4), the Adam state behind it, and the param groups.",
+        ["param"],
+        rows,
+    )
 
 
 def softmax() -> Board:
     sel = (RUN, TASK)
     by = "{{run}} {{task}} {{role}}"
     rows = [
-        ("Saturation per task and role (I5)", [
-            P("Mean top-1 probability", [(m("softmax_top1_prob_mean", *sel), by)],
-              "Mean top-1 softmax probability of each task's student and teacher.",
-              metric="softmax_top1_prob_mean", min=0, max=1),
-            P("Saturated positions", [(m("softmax_saturated_ratio", *sel),
-                                       by + " > {{threshold}}")],
-              "Share of positions whose top-1 probability is above the threshold; "
-              "SoftmaxSaturation warns past the line (threshold 0.99).",
-              metric="softmax_saturated_ratio", lines=["SoftmaxSaturation"], min=0, max=1),
-            P("Jacobian q(1-q)", [(m("softmax_jacobian_mean", *sel), by)],
-              "Mean q(1-q) of the top-1 probability: the gradient's scale through the top "
-              "class (0.25 at q = 0.5).", metric="softmax_jacobian_mean"),
-            P("Entropy", [(m("softmax_entropy_nats", *sel), by)],
-              "Mean softmax entropy.", metric="softmax_entropy_nats"),
-            P("Recommended temperature", [(m("softmax_recommended_temperature", *sel), by)],
-              "Temperature that brings the mean top-1 to the target (1: none needed).",
-              metric="softmax_recommended_temperature"),
-        ]),
-        ("Distillation", [
-            P("KL gradient at the teacher's top-1",
-              [(m("distill_top1_grad_share_ratio", *sel), lg("distill_top1_grad_share_ratio"))],
-              "Share of the KL gradient on the student's logits at the teacher's top-1 class.",
-              metric="distill_top1_grad_share_ratio", width=12, min=0, max=1),
-            P("Dark knowledge", [(m("distill_dark_knowledge_mass", *sel), lg("distill_dark_knowledge_mass"))],
-              "Mean teacher probability outside its top-1: what distillation can teach "
-              "beyond the label.", metric="distill_dark_knowledge_mass", width=12, min=0, max=1),
-        ]),
+        (
+            "Saturation per task and role (I5)",
+            [
+                P(
+                    "Mean top-1 probability",
+                    [(m("softmax_top1_prob_mean", *sel), by)],
+                    "Mean top-1 softmax probability of each task's student and teacher.",
+                    metric="softmax_top1_prob_mean",
+                    min=0,
+                    max=1,
+                ),
+                P(
+                    "Saturated positions",
+                    [(m("softmax_saturated_ratio", *sel), by + " > {{threshold}}")],
+                    "Share of positions whose top-1 probability is above the threshold; "
+                    "SoftmaxSaturation warns past the line (threshold 0.99).",
+                    metric="softmax_saturated_ratio",
+                    lines=["SoftmaxSaturation"],
+                    min=0,
+                    max=1,
+                ),
+                P(
+                    "Jacobian q(1-q)",
+                    [(m("softmax_jacobian_mean", *sel), by)],
+                    "Mean q(1-q) of the top-1 probability: the gradient's scale through the top "
+                    "class (0.25 at q = 0.5).",
+                    metric="softmax_jacobian_mean",
+                ),
+                P(
+                    "Entropy",
+                    [(m("softmax_entropy_nats", *sel), by)],
+                    "Mean softmax entropy.",
+                    metric="softmax_entropy_nats",
+                ),
+                P(
+                    "Recommended temperature",
+                    [(m("softmax_recommended_temperature", *sel), by)],
+                    "Temperature that brings the mean top-1 to the target (1: none needed).",
+                    metric="softmax_recommended_temperature",
+                ),
+            ],
+        ),
+        (
+            "Distillation",
+            [
+                P(
+                    "KL gradient at the teacher's top-1",
+                    [(m("distill_top1_grad_share_ratio", *sel), lg("distill_top1_grad_share_ratio"))],
+                    "Share of the KL gradient on the student's logits at the teacher's top-1 class.",
+                    metric="distill_top1_grad_share_ratio",
+                    width=12,
+                    min=0,
+                    max=1,
+                ),
+                P(
+                    "Dark knowledge",
+                    [(m("distill_dark_knowledge_mass", *sel), lg("distill_dark_knowledge_mass"))],
+                    "Mean teacher probability outside its top-1: what distillation can teach beyond the label.",
+                    metric="distill_dark_knowledge_mass",
+                    width=12,
+                    min=0,
+                    max=1,
+                ),
+            ],
+        ),
     ]
     return build_dashboard(
-        "trainvitals-softmax", "trainvitals / Softmax",
+        "trainvitals-softmax",
+        "trainvitals / Softmax",
         "Softmax saturation per task and role, and what distillation transfers (I5).",
-        ["task"], rows)
+        ["task"],
+        rows,
+    )
 
 
 DASHBOARDS = {
@@ -580,8 +915,14 @@ def boards() -> dict[str, Board]:
     """File name -> every dashboard, with a panel added for each catalogue metric
     that no curated panel shows (on the dashboard of its catalogue group)."""
     out = {name: make() for name, make in DASHBOARDS.items()}
-    shown = {name for b in out.values() for _, panels in b.rows for p in panels
-             for expr, _ in p.queries for name in _SHOWN.findall(expr)}
+    shown = {
+        name
+        for b in out.values()
+        for _, panels in b.rows
+        for p in panels
+        for expr, _ in p.queries
+        for name in _SHOWN.findall(expr)
+    }
     for metric, spec in METRICS.items():
         if metric not in shown and metric not in NOT_ON_DASHBOARDS:
             board = out[GROUP_HOME.get(spec.group, "trainvitals-overview.json")]

@@ -68,8 +68,8 @@ def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
         url = server.__enter__()
     except PortInUse as exc:
         raise click.ClickException(
-            f"{exc.strerror}. The demo runs its own collector: `trainvitals demo --port 0` "
-            "picks a free port.") from None
+            f"{exc.strerror}. The demo runs its own collector: `trainvitals demo --port 0` picks a free port."
+        ) from None
     try:
         echo(f"collector: {url}  (metrics: {url}/metrics, alerts: {url}/v1/alerts)")
         torch.manual_seed(0)
@@ -77,9 +77,7 @@ def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         gen = torch.Generator().manual_seed(0)
         client = httpx.Client(base_url=url, timeout=5)
-        with attach(
-            model, opt, run="demo", collector=url, modalities=("text", "image"), every=1
-        ) as mon:
+        with attach(model, opt, run="demo", collector=url, modalities=("text", "image"), every=1) as mon:
             header = f"{'step':>5} {'phase':<24} {'loss':>7} {'image grad share':>17} {'dilution':>9}  alert"
             global_step = 0
             for phase in (
@@ -92,9 +90,9 @@ def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
                 for i in range(steps):
                     ids, labels, mask, modality = _batch(gen)
                     logits = model(ids)
-                    per_token = F.cross_entropy(
-                        logits.flatten(0, 1), labels.flatten(), reduction="none"
-                    ).view_as(labels)
+                    per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(
+                        labels
+                    )
                     mon.track_loss(per_token, modality=modality, mask=mask, output=logits)
                     _loss(per_token, mask, phase.normalization).backward()
                     opt.step()
@@ -102,19 +100,11 @@ def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
                     global_step += 1
                     if i % 5 == 4 or i == steps - 1:
                         mon.flush(5)
-                        alerts = [
-                            a
-                            for a in client.get("/v1/alerts").json()
-                            if a["alertname"] == "GradientDilution"
-                        ]
+                        alerts = [a for a in client.get("/v1/alerts").json() if a["alertname"] == "GradientDilution"]
                         state = alerts[0]["state"] if alerts else "inactive"
                         if state == "firing" and result["fired_at"] is None:
                             result["fired_at"] = global_step
-                        if (
-                            state == "resolved"
-                            and result["fired_at"]
-                            and result["resolved_at"] is None
-                        ):
+                        if state == "resolved" and result["fired_at"] and result["resolved_at"] is None:
                             result["resolved_at"] = global_step
                         share = mon.value("modality_grad_share_ratio", modality="image")
                         dil = mon.value("modality_dilution_ratio", modality="image")
@@ -135,9 +125,7 @@ def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
                 f"~{result['rows'][len(result['rows']) // 2 - 1][4]:.0f}x less gradient than their share."
             )
         if result["resolved_at"]:
-            echo(
-                f"... and resolved by step {result['resolved_at']} once the loss was normalized per sample."
-            )
+            echo(f"... and resolved by step {result['resolved_at']} once the loss was normalized per sample.")
         if others:
             echo(f"Other alerts seen: {', '.join(others)} (see {url}/v1/alerts).")
         if serve:
@@ -165,9 +153,7 @@ def _fmt(v, spec: str) -> str:
     show_default=True,
     help="Optimizer steps per phase (bug, then fix).",
 )
-@click.option(
-    "--port", type=int, default=9477, show_default=True, help="Collector port (0: any free port)."
-)
+@click.option("--port", type=int, default=9477, show_default=True, help="Collector port (0: any free port).")
 @click.option("--no-serve", is_flag=True, help="Exit when done instead of leaving /metrics up.")
 def demo(steps: int, port: int, no_serve: bool) -> None:
     """Watch incident I1 (gradient dilution) fire and resolve on a tiny CPU model."""
@@ -182,6 +168,4 @@ def demo(steps: int, port: int, no_serve: bool) -> None:
     finally:
         logger.setLevel(level)
     if not result["fired_at"]:
-        raise click.ClickException(
-            "the GradientDilution alert did not fire; this is a bug, please report it"
-        )
+        raise click.ClickException("the GradientDilution alert did not fire; this is a bug, please report it")

@@ -1,8 +1,8 @@
 """The README's minimal example: a tiny two-modality model, streamed to a collector.
 
-    trainvitals serve &                                  # in one shell
-    TRAINVITALS_COLLECTOR=http://127.0.0.1:9477 python examples/minimal.py
-    curl -s localhost:9477/metrics | grep trainvitals_grad_norm
+trainvitals serve &                                  # in one shell
+TRAINVITALS_COLLECTOR=http://127.0.0.1:9477 python examples/minimal.py
+curl -s localhost:9477/metrics | grep trainvitals_grad_norm
 """
 
 import torch

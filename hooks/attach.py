@@ -34,9 +34,19 @@ def _check_names(what: str, names: Iterable[Any]) -> tuple[str, ...]:
     return out
 
 
-def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str | None = None,
-           collector: str | None = None, sink: Any = None, modalities: Sequence[str] | None = None,
-           every: int | None = None, scaler: Any = None, rules: Any = None, **options: Any) -> Monitor:
+def attach(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    run: str | None = None,
+    collector: str | None = None,
+    sink: Any = None,
+    modalities: Sequence[str] | None = None,
+    every: int | None = None,
+    scaler: Any = None,
+    rules: Any = None,
+    **options: Any,
+) -> Monitor:
     """Hook ``model`` and ``optimizer`` and stream training-health reports.
 
     ``run``: the run's name (default ``$TRAINVITALS_RUN``; one of them is needed).
@@ -54,7 +64,8 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str | Non
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"attach(optimizer=...) needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
-            "pass the optimizer you call .step() on (not a scheduler or a wrapper)")
+            "pass the optimizer you call .step() on (not a scheduler or a wrapper)"
+        )
     # Arguments win over the environment; a bad variable raises naming it.
     env = attach_env()
     env_options = Config.from_env()
@@ -63,8 +74,7 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str | Non
         if run is None:
             raise TypeError(f"attach() needs run='name' (or {ATTACH_ENV['run']} in the environment)")
         if not _RUN_RE.match(run):
-            raise ValueError(f"{ATTACH_ENV['run']}={run!r}: use 1-128 characters from letters, "
-                             "digits and _ . : - /")
+            raise ValueError(f"{ATTACH_ENV['run']}={run!r}: use 1-128 characters from letters, digits and _ . : - /")
     if modalities is None:
         modalities = env.get("modalities", ())
     if rules is None:
@@ -88,5 +98,4 @@ def attach(model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str | Non
     config = Config(**{**env_options, **options})
     # Only rank 0 sends; other ranks compute (and join the collectives) but send nothing.
     resolved = make_sink(collector, sink, run) if distributed.rank() == 0 else NullSink()
-    return Monitor(model, optimizer, run=run, sink=resolved, modalities=mods, scaler=scaler,
-                   config=config, rules=rules)
+    return Monitor(model, optimizer, run=run, sink=resolved, modalities=mods, scaler=scaler, config=config, rules=rules)

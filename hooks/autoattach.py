@@ -142,8 +142,12 @@ def _first_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         watch = _Watch(None, ids)
         shared = next(((o, w) for o, w in _watched.items() if w.monitor is not None and w.params & ids), None)
         if shared is not None and id(shared[0]) in _stepping:
-            log.info("trainvitals run: %s is stepped inside the step of %s (run %r): not watched twice",
-                     type(optimizer).__name__, type(shared[0]).__name__, shared[1].monitor.run)
+            log.info(
+                "trainvitals run: %s is stepped inside the step of %s (run %r): not watched twice",
+                type(optimizer).__name__,
+                type(shared[0]).__name__,
+                shared[1].monitor.run,
+            )
         elif shared is not None and ids >= shared[1].params:
             watch.monitor = _replace(shared[0], shared[1], optimizer, params, args, kwargs)
         elif not params:
@@ -158,8 +162,14 @@ def _first_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         return watch
 
 
-def _replace(old_optimizer: Any, old: _Watch, optimizer: Any, params: list[torch.Tensor],
-             args: tuple[Any, ...], kwargs: dict[str, Any]) -> Monitor | None:
+def _replace(
+    old_optimizer: Any,
+    old: _Watch,
+    optimizer: Any,
+    params: list[torch.Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Monitor | None:
     """The job replaced a watched optimizer: its run goes on with the new one."""
     previous = old.monitor
     assert previous is not None
@@ -168,19 +178,27 @@ def _replace(old_optimizer: Any, old: _Watch, optimizer: Any, params: list[torch
         monitor = _attach(optimizer, params, 0, _closure_of(args, kwargs) is not None, run=previous.run)
         monitor.load_state_dict(state)
     except Exception as exc:  # noqa: BLE001
-        log.error("trainvitals run: not watching %s, which replaces %s: %s", type(optimizer).__name__,
-                  type(old_optimizer).__name__, exc)
+        log.error(
+            "trainvitals run: not watching %s, which replaces %s: %s",
+            type(optimizer).__name__,
+            type(old_optimizer).__name__,
+            exc,
+        )
         return None
     previous._end_report = False  # the run goes on: no run_end for the collector
     previous.close()
     old.monitor = None
-    log.info("trainvitals run: %s replaces %s (all its parameters): run %r goes on with it from step %d",
-             type(optimizer).__name__, type(old_optimizer).__name__, monitor.run, monitor.step)
+    log.info(
+        "trainvitals run: %s replaces %s (all its parameters): run %r goes on with it from step %d",
+        type(optimizer).__name__,
+        type(old_optimizer).__name__,
+        monitor.run,
+        monitor.step,
+    )
     return monitor
 
 
-def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: bool,
-            run: str | None = None) -> Monitor:
+def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: bool, run: str | None = None) -> Monitor:
     model, scaler = _find_objects(params)
     if run is None:
         base = os.environ.get(ATTACH_ENV["run"], "").strip() or default_run_name(sys.argv)
@@ -202,10 +220,17 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
         if world > 1:  # started by torchrun, but no process group: this rank trains alone
             monitor.rank = rank
             where = f", rank {rank} of {world} (no process group: it reports on its own)"
-    log.info("trainvitals run: watching %s (%d parameter tensors of %s) as run %r%s%s",
-             type(optimizer).__name__, len(params), type(unwrap(model)).__name__, run, where,
-             "; loss accounting from the logits of " + _name_in(model, options["loss_from_logits"])
-             if "loss_from_logits" in options else "")
+    log.info(
+        "trainvitals run: watching %s (%d parameter tensors of %s) as run %r%s%s",
+        type(optimizer).__name__,
+        len(params),
+        type(unwrap(model)).__name__,
+        run,
+        where,
+        "; loss accounting from the logits of " + _name_in(model, options["loss_from_logits"])
+        if "loss_from_logits" in options
+        else "",
+    )
     return monitor
 
 
@@ -300,8 +325,11 @@ def _choose_model(modules: list[nn.Module], params: list[torch.Tensor]) -> nn.Mo
         name = _snake(type(unwrap(m)).__name__)
         taken[name] = taken.get(name, 0) + 1
         root.add_module(name if taken[name] == 1 else f"{name}_{taken[name]}", m)
-    log.info("trainvitals run: the optimizer's parameters belong to %d separate modules; they are "
-             "named under %s", len(picked), ", ".join(root._modules))
+    log.info(
+        "trainvitals run: the optimizer's parameters belong to %d separate modules; they are named under %s",
+        len(picked),
+        ", ".join(root._modules),
+    )
     return root
 
 
@@ -326,6 +354,7 @@ def _best_cover(tops: list[nn.Module], want: set[int]) -> nn.Module | None:
 def _best_partial(tops: list[nn.Module], left: set[int]) -> nn.Module | None:
     """The module holding the most of ``left`` (outermost first), narrowed to a child
     that holds as many."""
+
     def held(m: nn.Module) -> int:
         return sum(1 for p in m.parameters() if id(p) in left)
 

@@ -36,12 +36,11 @@ ATTACH_ENV = {
 
 ATTACH_ENV_HELP = {
     "run": "The run's name (1-128 characters from letters, digits and `_ . : - /`); "
-           "`trainvitals run` sets it (`--run`, else the script's name and the start time).",
-    "collector": "Where reports go: a collector URL (`http://host:9477`), `file:PATH` (JSONL) "
-                 "or `null` (nowhere).",
+    "`trainvitals run` sets it (`--run`, else the script's name and the start time).",
+    "collector": "Where reports go: a collector URL (`http://host:9477`), `file:PATH` (JSONL) or `null` (nowhere).",
     "modalities": "Names for the integer modality codes, comma-separated (`text,image`).",
     "rules": "Evaluate alert rules in the job and log when one fires: `default` (the shipped "
-             "rules), or rule files/folders.",
+    "rules), or rule files/folders.",
 }
 
 _TRUE = ("1", "true", "yes", "on")
@@ -152,16 +151,24 @@ class Config:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
-        for name in ("every", "drift_window", "max_param_series", "update_sample",
-                     "softmax_max_positions", "softmax_chunk_bytes", "queue_bytes",
-                     "logits_max_positions"):
+        for name in (
+            "every",
+            "drift_window",
+            "max_param_series",
+            "update_sample",
+            "softmax_max_positions",
+            "softmax_chunk_bytes",
+            "queue_bytes",
+            "logits_max_positions",
+        ):
             positive_int(name)
         positive_int("probe_every", allow_none=True)
         if self.loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         if self.loss_normalization not in (None, "token", "sqrt", "sample"):
-            raise ValueError(f"loss_normalization must be 'token', 'sqrt', 'sample' or None, "
-                             f"got {self.loss_normalization!r}")
+            raise ValueError(
+                f"loss_normalization must be 'token', 'sqrt', 'sample' or None, got {self.loss_normalization!r}"
+            )
         if self.loss_scale is not None and not (isinstance(self.loss_scale, (int, float)) and self.loss_scale > 0):
             raise ValueError(f"loss_scale must be a positive number or None, got {self.loss_scale!r}")
         if self.loss_scale is not None and self.loss_reduction != "sum":
@@ -171,11 +178,14 @@ class Config:
         if not (isinstance(self.flush_timeout, (int, float)) and self.flush_timeout >= 0):
             raise ValueError(f"flush_timeout must be >= 0 seconds, got {self.flush_timeout!r}")
 
-        if not (isinstance(self.loss_from_logits, bool) or (isinstance(self.loss_from_logits, str)
-                                                             and self.loss_from_logits)
-                or hasattr(self.loss_from_logits, "register_forward_hook")):
-            raise ValueError(f"loss_from_logits must be True/False, a module name or a module, "
-                             f"got {self.loss_from_logits!r}")
+        if not (
+            isinstance(self.loss_from_logits, bool)
+            or (isinstance(self.loss_from_logits, str) and self.loss_from_logits)
+            or hasattr(self.loss_from_logits, "register_forward_hook")
+        ):
+            raise ValueError(
+                f"loss_from_logits must be True/False, a module name or a module, got {self.loss_from_logits!r}"
+            )
         if self.step_boundary not in ("pre_step_hook", "manual"):
             raise ValueError(f"step_boundary must be 'pre_step_hook' or 'manual', got {self.step_boundary!r}")
         if self.signals is not None:

@@ -28,10 +28,14 @@ def field_docs() -> dict[str, str]:
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config")
     out: dict[str, str] = {}
     body = cls.body
-    for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
+    for node, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             out[node.target.id] = " ".join(after.value.value.split())
     return out
 
@@ -85,7 +89,7 @@ def reference_markdown() -> str:
         "",
         "Every option of `attach()` can also come from the job's environment: the only way",
         "to configure a job started with `trainvitals run`, which has no `attach()` call",
-        "(README, \"Attach without editing the job\"). An argument passed to `attach()` wins",
+        '(README, "Attach without editing the job"). An argument passed to `attach()` wins',
         "over the variable, which wins over the default. An empty variable counts as unset.",
         "A value that cannot be used stops `attach()`, and `trainvitals run` before it starts",
         "the job, with a message that names the variable.",
@@ -100,12 +104,15 @@ def reference_markdown() -> str:
     for arg, var in ATTACH_ENV.items():
         kind, default = _CORE[arg]
         lines.append(f"| `{var}` | `{arg}` | {kind} | {default} | {_cell(ATTACH_ENV_HELP[arg])} |")
-    lines.append("| `TRAINVITALS_TOKEN` | - | text | none | The bearer token sent to the collector "
-                 "(its `token` setting). |")
+    lines.append(
+        "| `TRAINVITALS_TOKEN` | - | text | none | The bearer token sent to the collector (its `token` setting). |"
+    )
     for f in fields(Config):
         live = " Live: `trainvitals configure` can change it while the job runs." if f.name in LIVE_FIELDS else ""
-        lines.append(f"| `{env_name(f.name)}` | `{f.name}` | {_type(hints[f.name], f.name)} | {_default(f)} | "
-                     f"{_cell(docs.get(f.name, ''))}{live} |")
+        lines.append(
+            f"| `{env_name(f.name)}` | `{f.name}` | {_type(hints[f.name], f.name)} | {_default(f)} | "
+            f"{_cell(docs.get(f.name, ''))}{live} |"
+        )
     lines += [
         "",
         "`sink=` has no variable of its own: `TRAINVITALS_COLLECTOR` takes `file:PATH` and",

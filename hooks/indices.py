@@ -22,8 +22,9 @@ class IndexCache:
         self.max_entries = max_entries
         self._tensors: dict[tuple, torch.Tensor] = {}
 
-    def get(self, values: Sequence[int] | Sequence[float], device: torch.device,
-            dtype: torch.dtype = torch.long) -> torch.Tensor:
+    def get(
+        self, values: Sequence[int] | Sequence[float], device: torch.device, dtype: torch.dtype = torch.long
+    ) -> torch.Tensor:
         """The tensor holding ``values`` on ``device``: made on the first call only."""
         key = (tuple(values), device, dtype)
         cached = self._tensors.get(key)

@@ -36,7 +36,8 @@ class TrainvitalsCallback(Callback):
     ``run``: the run name (default: the logger's ``name/version``, else
     ``"lightning"``). ``collector``: a collector URL (default:
     ``$TRAINVITALS_COLLECTOR``, else a JSONL file ``./trainvitals-<run>.jsonl``); or
-    ``sink=``. ``every``: report every N optimizer steps (default ``$TRAINVITALS_EVERY``, else 10). ``modalities``: names of the
+    ``sink=``. ``every``: report every N optimizer steps (default
+    ``$TRAINVITALS_EVERY``, else 10). ``modalities``: names of the
     integer codes that ``modality`` finds in each batch: a key of a dict batch, an
     attribute, or a function of the batch returning codes [B] or [B, T]; ``segments``
     likewise for packed rows' sample ids [B, T]. ``loss_from_logits``: zero-code loss
@@ -45,12 +46,22 @@ class TrainvitalsCallback(Callback):
     :class:`~trainvitals.hooks.Monitor` once training starts.
     """
 
-    def __init__(self, run: str | None = None, collector: str | None = None, every: int | None = None, *,
-                 modalities: Sequence[str] = (), modality: Field = None, segments: Field = None,
-                 loss_from_logits: Any = True, **options: Any) -> None:
+    def __init__(
+        self,
+        run: str | None = None,
+        collector: str | None = None,
+        every: int | None = None,
+        *,
+        modalities: Sequence[str] = (),
+        modality: Field = None,
+        segments: Field = None,
+        loss_from_logits: Any = True,
+        **options: Any,
+    ) -> None:
         if modality is not None and not modalities:
-            raise ValueError("TrainvitalsCallback: modality needs modalities=('text', 'image', ...), the "
-                             "names of its integer codes")
+            raise ValueError(
+                "TrainvitalsCallback: modality needs modalities=('text', 'image', ...), the names of its integer codes"
+            )
         if "step_boundary" in options:
             raise TypeError("TrainvitalsCallback sets step_boundary itself (Lightning steps with a closure)")
         self.run = run
@@ -69,18 +80,28 @@ class TrainvitalsCallback(Callback):
         if self.monitor is not None:
             self.monitor.close()
         if len(trainer.optimizers) != 1:
-            raise ValueError(f"TrainvitalsCallback watches one optimizer; this Trainer has "
-                             f"{len(trainer.optimizers)} (attach() a monitor per optimizer by hand)")
+            raise ValueError(
+                f"TrainvitalsCallback watches one optimizer; this Trainer has "
+                f"{len(trainer.optimizers)} (attach() a monitor per optimizer by hand)"
+            )
         logger = trainer.logger
-        name = run_name(self.run, f"{logger.name}/{logger.version}" if logger is not None else None,
-                        default="lightning")
+        name = run_name(
+            self.run, f"{logger.name}/{logger.version}" if logger is not None else None, default="lightning"
+        )
         opts = dict(self.options)
         if self.loss_from_logits:
             opts["loss_from_logits"] = self.loss_from_logits
-        self.monitor = attach(pl_module, torch_optimizer(trainer.optimizers[0]), run=name,
-                              collector=self.collector, every=self.every, modalities=self.modalities,
-                              scaler=getattr(trainer.precision_plugin, "scaler", None),
-                              step_boundary="manual", **opts)
+        self.monitor = attach(
+            pl_module,
+            torch_optimizer(trainer.optimizers[0]),
+            run=name,
+            collector=self.collector,
+            every=self.every,
+            modalities=self.modalities,
+            scaler=getattr(trainer.precision_plugin, "scaler", None),
+            step_boundary="manual",
+            **opts,
+        )
         if self._saved is not None:
             self.monitor.load_state_dict(self._saved)
             self._saved = None

@@ -128,8 +128,7 @@ class LiveSettings:
             try:
                 override, left = parse_entry(entry)
             except ValueError as exc:
-                self._warn("entry", "ignoring the live settings the collector sent for run %r: %s",
-                           self.run, exc)
+                self._warn("entry", "ignoring the live settings the collector sent for run %r: %s", self.run, exc)
                 return
             offer = (override, time.monotonic() + left)
         with self._lock:
@@ -228,12 +227,22 @@ class LiveSettings:
         self.applied = dict(override)
         if override:
             left = self._offer[1] - time.monotonic() if self._offer is not None else float("nan")
-            log.info("trainvitals: run %r: live settings from the collector from step %d: %s "
-                     "(the job's own: %s); back to the job's own in %.0f s", self.run, monitor.step + 1,
-                     _show(override), _show({k: getattr(self.own, k) for k in override}), left)
+            log.info(
+                "trainvitals: run %r: live settings from the collector from step %d: %s "
+                "(the job's own: %s); back to the job's own in %.0f s",
+                self.run,
+                monitor.step + 1,
+                _show(override),
+                _show({k: getattr(self.own, k) for k in override}),
+                left,
+            )
         else:
-            log.info("trainvitals: run %r: back to the job's own settings from step %d (%s)",
-                     self.run, monitor.step + 1, _show({k: getattr(self.own, k) for k in LIVE_FIELDS}))
+            log.info(
+                "trainvitals: run %r: back to the job's own settings from step %d (%s)",
+                self.run,
+                monitor.step + 1,
+                _show({k: getattr(self.own, k) for k in LIVE_FIELDS}),
+            )
 
     # -- internals -----------------------------------------------------------------
     def _signals(self, monitor: Monitor, old: Any, new: Any) -> None:
@@ -267,8 +276,9 @@ class LiveSettings:
         # Built-in signals keep the order they have at attach (cheap bookkeeping order).
         order = {cls: i for i, cls in enumerate(_classes_in_order())}
         rank = order.get(type(signal), len(order))
-        at = next((i for i, s in enumerate(monitor.signals) if order.get(type(s), len(order)) > rank),
-                  len(monitor.signals))
+        at = next(
+            (i for i, s in enumerate(monitor.signals) if order.get(type(s), len(order)) > rank), len(monitor.signals)
+        )
         events = len(monitor._pending_events)
         handles = signal.run_guarded("bind", signal.bind, monitor) or []
         # Binding again repeats the one-off weight-decay audit: it was reported at attach.
@@ -306,12 +316,19 @@ def encode(version: int, override: Mapping[str, Any]) -> list[float]:
     per_param (-1 own, 0, 1), probe_every (-1 own, 0 off, N), signals (-1 own, else a
     bit per built-in signal). Exact in float32: all are small integers."""
     signals = override.get("signals", "own")
-    mask = _OWN if signals == "own" else float(
-        -2 if signals is None else sum(1 << i for i, s in enumerate(BUILTIN_SIGNALS) if s in signals))
+    mask = (
+        _OWN
+        if signals == "own"
+        else float(-2 if signals is None else sum(1 << i for i, s in enumerate(BUILTIN_SIGNALS) if s in signals))
+    )
     probe = override.get("probe_every", "own")
-    return [float(version), float(override.get("every", 0)),
-            _OWN if "per_param" not in override else float(override["per_param"]),
-            _OWN if probe == "own" else float(probe or 0), mask]
+    return [
+        float(version),
+        float(override.get("every", 0)),
+        _OWN if "per_param" not in override else float(override["per_param"]),
+        _OWN if probe == "own" else float(probe or 0),
+        mask,
+    ]
 
 
 def decode(values: list[float]) -> tuple[int, dict[str, Any]]:

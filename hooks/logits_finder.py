@@ -26,15 +26,19 @@ def find_logits_module(model: nn.Module, spec: Any) -> nn.Module:
     ``nn.Embedding``). Raises ValueError, saying what to pass, when none is found."""
     if isinstance(spec, nn.Module):
         if not any(m is spec for m in model.modules()):
-            raise ValueError(f"loss_from_logits: the module {type(spec).__name__} is not part of the "
-                             "attached model; pass the model's LM head (or its name)")
+            raise ValueError(
+                f"loss_from_logits: the module {type(spec).__name__} is not part of the "
+                "attached model; pass the model's LM head (or its name)"
+            )
         return spec
     named = dict(model.named_modules())
     if isinstance(spec, str):
         if spec not in named:
             heads = [n for n, m in named.items() if isinstance(m, nn.Linear)][-5:]
-            raise ValueError(f"loss_from_logits={spec!r}: no such module in the model; pass a name from "
-                             f"model.named_modules(), e.g. one of its last linear layers {heads}")
+            raise ValueError(
+                f"loss_from_logits={spec!r}: no such module in the model; pass a name from "
+                f"model.named_modules(), e.g. one of its last linear layers {heads}"
+            )
         return named[spec]
     if spec is not True:
         raise TypeError(f"loss_from_logits must be True, a module name or a module, got {spec!r}")
@@ -53,9 +57,11 @@ def find_logits_module(model: nn.Module, spec: Any) -> nn.Module:
         heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == vocab]
         if heads:
             return heads[-1]
-    raise ValueError("loss_from_logits=True: cannot find the module that outputs the logits (no "
-                     "get_output_embeddings(), no linear layer sized like the input vocabulary); pass "
-                     "its name, loss_from_logits='lm_head' (a name from model.named_modules())")
+    raise ValueError(
+        "loss_from_logits=True: cannot find the module that outputs the logits (no "
+        "get_output_embeddings(), no linear layer sized like the input vocabulary); pass "
+        "its name, loss_from_logits='lm_head' (a name from model.named_modules())"
+    )
 
 
 def logits_of(output: Any) -> torch.Tensor | None:

@@ -46,8 +46,18 @@ log = logging.getLogger("trainvitals")
 class Monitor:
     """Watches one model and optimizer. Create it with :func:`attach`."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, run: str, sink: Sink,
-                 modalities: tuple[str, ...], scaler: Any, config: Config, rules: Any = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        run: str,
+        sink: Sink,
+        modalities: tuple[str, ...],
+        scaler: Any,
+        config: Config,
+        rules: Any = None,
+    ):
         self.model = unwrap(model)
         self.optimizer = optimizer
         self.run = run
@@ -57,9 +67,7 @@ class Monitor:
         self.step = 0
         self.rank = distributed.rank()
         self.world_size = distributed.world_size()
-        self.param_names: dict[int, str] = {
-            id(p): clean_name(n) for n, p in self.model.named_parameters()
-        }
+        self.param_names: dict[int, str] = {id(p): clean_name(n) for n, p in self.model.named_parameters()}
         first = next(iter(self.model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.sharded = any(is_sharded(p) for p in self.model.parameters())
@@ -85,8 +93,9 @@ class Monitor:
             from trainvitals.alerts import LocalEvaluator
 
             evaluator = LocalEvaluator(rules=rules)
-        self._sender = Sender(sink, max_queue_bytes=config.queue_bytes,
-                              on_report=evaluator.observe if evaluator is not None else None)
+        self._sender = Sender(
+            sink, max_queue_bytes=config.queue_bytes, on_report=evaluator.observe if evaluator is not None else None
+        )
         self.signals: list[Signal] = _default_signals(config.signals)
         self._handles: list[Removable] = [optimizer.register_step_post_hook(self._after_step)]
         if config.step_boundary == "pre_step_hook":
@@ -146,10 +155,18 @@ class Monitor:
             log.warning("trainvitals: " + message, *args)
 
     # -- user API ------------------------------------------------------------
-    def track_loss(self, per_token: torch.Tensor, *, modality: Any, mask: torch.Tensor | None = None,
-                   segments: torch.Tensor | None = None, output: torch.Tensor | None = None,
-                   objective: str = "main", weight: float | None = None,
-                   normalization: str | None = None) -> None:
+    def track_loss(
+        self,
+        per_token: torch.Tensor,
+        *,
+        modality: Any,
+        mask: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
+        output: torch.Tensor | None = None,
+        objective: str = "main",
+        weight: float | None = None,
+        normalization: str | None = None,
+    ) -> None:
         """Account the loss weights of one micro-batch; call once per micro-batch,
         before its backward (definitions: docs/signals.md, "Loss accounting").
 
@@ -166,9 +183,17 @@ class Monitor:
         ``attach(loss_normalization=...)``). Wrong types, shapes and unknown names raise
         here; problems in the values become events.
         """
-        self._loss_signal().track(self, per_token, modality=modality, mask=mask, segments=segments,
-                                  output=output, objective=objective, weight=weight,
-                                  normalization=normalization)
+        self._loss_signal().track(
+            self,
+            per_token,
+            modality=modality,
+            mask=mask,
+            segments=segments,
+            output=output,
+            objective=objective,
+            weight=weight,
+            normalization=normalization,
+        )
 
     def tag_batch(self, modality: Any = None, segments: torch.Tensor | None = None) -> None:
         """With zero-code loss accounting (``attach(loss_from_logits=...)``): the modality
@@ -183,29 +208,50 @@ class Monitor:
         it where the last backward of the step has run and ``optimizer.step()`` is about
         to update, e.g. Lightning's ``on_before_optimizer_step``)."""
         if self.config.step_boundary != "manual":
-            raise RuntimeError("gradients_ready() is for attach(step_boundary='manual'); by default "
-                               "the optimizer's pre-step hook marks the end of a step's gradients")
+            raise RuntimeError(
+                "gradients_ready() is for attach(step_boundary='manual'); by default "
+                "the optimizer's pre-step hook marks the end of a step's gradients"
+            )
         if not self._closed:
             self._before_step(self.optimizer, (), {})
 
-    def observe_logits(self, logits: torch.Tensor, *, mask: torch.Tensor | None = None, task: str = "all",
-                       role: str = "student", temperature: float = 1.0) -> None:
+    def observe_logits(
+        self,
+        logits: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
+        task: str = "all",
+        role: str = "student",
+        temperature: float = 1.0,
+    ) -> None:
         """Softmax saturation statistics of ``logits`` ([B, T, V] or [N, V])."""
         self._softmax_signal().observe_logits(self, logits, mask=mask, task=task, role=role, temperature=temperature)
 
-    def observe_distillation(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, *,
-                             temperature: float, mask: torch.Tensor | None = None, task: str = "all") -> None:
+    def observe_distillation(
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        *,
+        temperature: float,
+        mask: torch.Tensor | None = None,
+        task: str = "all",
+    ) -> None:
         """Saturation of both roles at ``temperature`` plus the distillation signals."""
         self._softmax_signal().observe_distillation(
-            self, student_logits, teacher_logits, temperature=temperature, mask=mask, task=task)
+            self, student_logits, teacher_logits, temperature=temperature, mask=mask, task=task
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to keep measuring from the original references: the
         step count, counters, each watched 1D parameter's reference value and drift
         window (keyed by parameter name). Save it with the checkpoint (``torch.save``);
         under FSDP each rank saves its own (references are rank-local shards)."""
-        return {"format": STATE_FORMAT, "run": self.run, "step": self.step,
-                "signals": {type(s).__name__: s.state_dict() for s in self.signals if not s.broken}}
+        return {
+            "format": STATE_FORMAT,
+            "run": self.run,
+            "step": self.step,
+            "signals": {type(s).__name__: s.state_dict() for s in self.signals if not s.broken},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s output: step numbering, counters and drift
@@ -213,12 +259,15 @@ class Monitor:
         own ``load_state_dict``). Parameters are matched by name; what no longer matches
         (renamed, reshaped) starts afresh."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError("load_state_dict needs the dict Monitor.state_dict() returned "
-                             f"(format {STATE_FORMAT}); got {type(state).__name__}"
-                             + (f" with format {state.get('format')!r}" if isinstance(state, dict) else ""))
+            raise ValueError(
+                "load_state_dict needs the dict Monitor.state_dict() returned "
+                f"(format {STATE_FORMAT}); got {type(state).__name__}"
+                + (f" with format {state.get('format')!r}" if isinstance(state, dict) else "")
+            )
         if not isinstance(state.get("step"), int) or not isinstance(state.get("signals"), dict):
-            raise ValueError("load_state_dict: the state has no 'step' and 'signals'; pass what "
-                             "Monitor.state_dict() returned")
+            raise ValueError(
+                "load_state_dict: the state has no 'step' and 'signals'; pass what Monitor.state_dict() returned"
+            )
         self.step = state["step"]
         self._saved_signals = dict(state["signals"])
         for s in self.signals:

@@ -45,19 +45,24 @@ class PendingReport:
                 if self.ready is not None:
                     self.ready.synchronize()
                 values = self.host.tolist()
-                tail = values[len(self.layout) + len(self.flags):]
-                absent = {i for i, p in zip(self.gated, tail) if not p > 0}
+                tail = values[len(self.layout) + len(self.flags) :]
+                absent = {i for i, p in zip(self.gated, tail, strict=True) if not p > 0}
                 samples = [
                     {"name": name, "labels": labels, "value": v}
-                    for i, ((name, labels), v) in enumerate(zip(self.layout, values)) if i not in absent
+                    for i, ((name, labels), v) in enumerate(zip(self.layout, values, strict=False))
+                    if i not in absent
                 ]
                 events = list(self.events)
-                for (kind, detail, labels), v in zip(self.flags, values[len(self.layout):]):
+                for (kind, detail, labels), v in zip(self.flags, values[len(self.layout) :], strict=False):
                     if v > 0 and not math.isnan(v):
                         events.append({"kind": kind, "detail": detail, "labels": labels})
                 self._done = {
-                    "run": self.run, "step": self.step, "time": self.time, "rank": self.rank,
-                    "samples": samples, "events": events,
+                    "run": self.run,
+                    "step": self.step,
+                    "time": self.time,
+                    "rank": self.rank,
+                    "samples": samples,
+                    "events": events,
                 }
             return self._done
 

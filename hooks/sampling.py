@@ -30,8 +30,7 @@ def stride_for(numel: int, cap: int) -> int:
     return max(1, -(-numel // cap))
 
 
-def owner_index(sizes: Sequence[int], device: torch.device,
-                owner_of: Sequence[int] | None = None) -> torch.Tensor:
+def owner_index(sizes: Sequence[int], device: torch.device, owner_of: Sequence[int] | None = None) -> torch.Tensor:
     """For tensors of ``sizes`` elements laid end to end: element -> the index of its
     tensor (or ``owner_of[tensor]``)."""
     owner = torch.tensor(list(owner_of) if owner_of is not None else range(len(sizes)), dtype=torch.long)
@@ -45,7 +44,7 @@ class StridedSample:
     def __init__(self, counts: Sequence[int], cap: int) -> None:
         self.counts = list(counts)
         self.strides = [stride_for(c, cap) for c in self.counts]
-        self.sizes = [-(-c // s) for c, s in zip(self.counts, self.strides)]
+        self.sizes = [-(-c // s) for c, s in zip(self.counts, self.strides, strict=True)]
         self.dense = all(s == 1 for s in self.strides)
         """True when every element is kept (the sample is the tensors themselves)."""
 
@@ -53,15 +52,19 @@ class StridedSample:
         """The sampled elements of ``tensors``, end to end, as float32 on ``device``."""
         if not tensors:
             return torch.zeros(0, device=device)
-        return torch.cat([flat(t.detach())[::s].to(device, torch.float32, non_blocking=True)
-                          for t, s in zip(tensors, self.strides)])
+        return torch.cat(
+            [
+                flat(t.detach())[::s].to(device, torch.float32, non_blocking=True)
+                for t, s in zip(tensors, self.strides, strict=True)
+            ]
+        )
 
     def take_from(self, values: torch.Tensor) -> torch.Tensor:
         """The sample of tensors already laid end to end in ``values`` (1-D)."""
         if self.dense:
             return values
         parts, start = [], 0
-        for n, s in zip(self.counts, self.strides):
+        for n, s in zip(self.counts, self.strides, strict=True):
             parts.append(values[start : start + n : s])
             start += n
         return torch.cat(parts)
@@ -86,7 +89,6 @@ class BlockSample:
         return None if numel <= cap else BlockSample(numel, cap)
 
 
-
 class TensorsSample:
     """A sample of each of several tensors, laid end to end: every element of a tensor
     of at most ``cap`` elements, a :class:`BlockSample` of ``cap`` elements of a larger
@@ -94,12 +96,12 @@ class TensorsSample:
 
     def __init__(self, counts: Sequence[int], cap: int) -> None:
         self.blocks = [BlockSample.plan(c, cap) for c in counts]
-        self.sizes = [c if b is None else b.size for c, b in zip(counts, self.blocks)]
+        self.sizes = [c if b is None else b.size for c, b in zip(counts, self.blocks, strict=True)]
 
     def views(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each tensor's sample as a view (no copy): ``[n]`` whole, or ``[blocks, width]``."""
         out = []
-        for t, b in zip(tensors, self.blocks):
+        for t, b in zip(tensors, self.blocks, strict=True):
             x = flat(t)  # callers run under no_grad (the report path)
             out.append(x if b is None else x.as_strided((b.blocks, b.width), (b.spacing, 1), x.storage_offset()))
         return out

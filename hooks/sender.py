@@ -49,9 +49,15 @@ class Sender:
     in seconds. ``on_report`` sees every validated report (in-process alert rules).
     """
 
-    def __init__(self, sink: Sink, *, max_queue_bytes: int = DEFAULT_QUEUE_BYTES, max_pending: int = 256,
-                 backoff: tuple[float, float] = (0.2, 30.0),
-                 on_report: Callable[[Report], Any] | None = None) -> None:
+    def __init__(
+        self,
+        sink: Sink,
+        *,
+        max_queue_bytes: int = DEFAULT_QUEUE_BYTES,
+        max_pending: int = 256,
+        backoff: tuple[float, float] = (0.2, 30.0),
+        on_report: Callable[[Report], Any] | None = None,
+    ) -> None:
         self.sink = sink
         self.max_queue_bytes = max_queue_bytes
         self.max_pending = max_pending
@@ -122,8 +128,12 @@ class Sender:
         if left:
             # A warning, unless the sink already warned that the collector is unreachable.
             level = logging.INFO if getattr(self.sink, "healthy", True) is False else logging.WARNING
-            log.log(level, "trainvitals: %d report(s) not delivered when the monitor closed "
-                    "(counted in client_dropped_reports_total)", left)
+            log.log(
+                level,
+                "trainvitals: %d report(s) not delivered when the monitor closed "
+                "(counted in client_dropped_reports_total)",
+                left,
+            )
         try:
             self.sink.close()
         except Exception as exc:  # noqa: BLE001
@@ -133,8 +143,9 @@ class Sender:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self._pending and not (
-                        self._outbox and time.monotonic() >= self._retry_at):
+                while (
+                    not self._stop and not self._pending and not (self._outbox and time.monotonic() >= self._retry_at)
+                ):
                     wait = self._retry_at - time.monotonic() if self._outbox else None
                     self._cond.wait(wait)
                 if self._stop:
@@ -180,8 +191,9 @@ class Sender:
             report = item.materialize()
             dropped = {"name": "client_dropped_reports_total", "labels": {}, "value": float(self.dropped)}
             self._seq += 1
-            validated = Report.model_validate({**report, "samples": [*report["samples"], dropped],
-                                               "sender": self.sender_id, "seq": self._seq})
+            validated = Report.model_validate(
+                {**report, "samples": [*report["samples"], dropped], "sender": self.sender_id, "seq": self._seq}
+            )
             data = encode_report(validated)
         except Exception as exc:  # never let a bad report kill the thread
             with self._cond:

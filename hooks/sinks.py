@@ -18,8 +18,17 @@ from typing import Any, Literal, Protocol
 from trainvitals.wire.body import encode_body
 from trainvitals.wire.redact import redact
 
-__all__ = ["ENV_COLLECTOR", "ENV_TOKEN", "Delivery", "FileSink", "HttpSink", "NullSink", "Sink",
-           "make_sink", "parse_sink"]
+__all__ = [
+    "ENV_COLLECTOR",
+    "ENV_TOKEN",
+    "Delivery",
+    "FileSink",
+    "HttpSink",
+    "NullSink",
+    "Sink",
+    "make_sink",
+    "parse_sink",
+]
 
 log = logging.getLogger("trainvitals")
 
@@ -107,9 +116,16 @@ class HttpSink:
     answer to each accepted batch; the monitor sets it to receive live settings
     (docs/wire.md, "Live settings"). Its failures are logged once, never raised."""
 
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 5.0,
-                 max_batch_bytes: int = 4 * 1024 * 1024, gzip_min_bytes: int = 2048,
-                 max_timeout: float = 120.0):
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 5.0,
+        max_batch_bytes: int = 4 * 1024 * 1024,
+        gzip_min_bytes: int = 2048,
+        max_timeout: float = 120.0,
+    ):
         self.url = url.rstrip("/") + "/v1/reports"
         self._shown = redact(self.url)
         self._token = token if token is not None else os.environ.get(ENV_TOKEN)
@@ -150,8 +166,7 @@ class HttpSink:
 
             if isinstance(exc, httpx.TimeoutException):
                 self._slower()
-            self._set_health(False, f"collector {self._shown} unreachable "
-                                    f"({type(exc).__name__}: {redact(str(exc))})")
+            self._set_health(False, f"collector {self._shown} unreachable ({type(exc).__name__}: {redact(str(exc))})")
             return "retry"
         if resp.status_code < 300:
             self._faster()
@@ -162,8 +177,12 @@ class HttpSink:
         if resp.status_code in (408, 429) or resp.status_code >= 500:
             self._set_health(False, f"collector {self._shown} answered {resp.status_code}")
             return "retry"
-        log.warning("trainvitals: collector refused %d report(s) with %d: %s", len(batch), resp.status_code,
-                    redact(resp.text[:500]))
+        log.warning(
+            "trainvitals: collector refused %d report(s) with %d: %s",
+            len(batch),
+            resp.status_code,
+            redact(resp.text[:500]),
+        )
         return "refused"
 
     def _answer(self, resp: Any) -> None:
@@ -252,8 +271,10 @@ def make_sink(collector: str | None, sink: Any, run: str) -> Sink:
             return sink  # type: ignore[no-any-return]
         for attr in ("submit", "flush", "close"):
             if not callable(getattr(sink, attr, None)):
-                raise TypeError(f"sink object {sink!r} has no deliver(batch) or {attr}(); pass a sink "
-                                "string like 'file:run.jsonl' or 'null'")
+                raise TypeError(
+                    f"sink object {sink!r} has no deliver(batch) or {attr}(); pass a sink "
+                    "string like 'file:run.jsonl' or 'null'"
+                )
         return _SubmitSink(sink)
     spec = collector if collector is not None else sink
     if spec is None:
@@ -266,7 +287,7 @@ def parse_sink(spec: str) -> Sink:
     if spec in ("null", "none", ""):
         return NullSink()
     if spec.startswith("file:"):
-        path = spec[len("file:"):]
+        path = spec[len("file:") :]
         if not path:
             raise ValueError("sink 'file:' needs a path, e.g. sink='file:/tmp/run.jsonl'")
         return FileSink(path)

@@ -62,8 +62,14 @@ class StepContext:
     reduces: list[_Reduce] = field(default_factory=list)
     events: list[_Event] = field(default_factory=list)
 
-    def emit(self, name: str, values: torch.Tensor, labels: Labels | Sequence[Labels] | None = None, *,
-             present: torch.Tensor | None = None) -> None:
+    def emit(
+        self,
+        name: str,
+        values: torch.Tensor,
+        labels: Labels | Sequence[Labels] | None = None,
+        *,
+        present: torch.Tensor | None = None,
+    ) -> None:
         """Report ``values`` under wire name ``name``: a 0-d tensor with one labels dict,
         or a 1-D tensor with one labels dict per element. With ``present`` (same shape
         as ``values``), a sample is sent only where it is > 0: a statistic that is
@@ -86,14 +92,16 @@ class StepContext:
         report travel in one packed collective."""
         self.reduces.append(_Reduce(tensor.detach().reshape(-1).float(), op, then))
 
-    def event(self, kind: str, detail: str = "", labels: Labels | None = None, *,
-              when: torch.Tensor | None = None) -> None:
+    def event(
+        self, kind: str, detail: str = "", labels: Labels | None = None, *, when: torch.Tensor | None = None
+    ) -> None:
         """Attach an event to this report; with ``when`` (a 0-d tensor), only if it is > 0,
         decided on the sender thread so the step never waits for the value."""
         self.events.append(_Event(kind, detail, labels or {}, None if when is None else when.detach().reshape(1)))
 
-    def combine(self, parts: Sequence[tuple[torch.Tensor, ReduceOp]], then: Callable[..., None], *,
-                across_ranks: bool) -> None:
+    def combine(
+        self, parts: Sequence[tuple[torch.Tensor, ReduceOp]], then: Callable[..., None], *, across_ranks: bool
+    ) -> None:
         """Call ``then(*combined)`` once with every part combined across data-parallel
         ranks by its op; with ``across_ranks=False`` (nothing sharded) at once, with the
         parts as they are."""

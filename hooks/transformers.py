@@ -45,7 +45,8 @@ class TrainvitalsCallback(TrainerCallback):
 
     ``run``: the run name (default: ``args.run_name``, else the output folder's
     name). ``collector``: a collector URL (default: ``$TRAINVITALS_COLLECTOR``, else a
-    JSONL file ``./trainvitals-<run>.jsonl``); or ``sink=``. ``every`` (default ``$TRAINVITALS_EVERY``, else 10): report every N
+    JSONL file ``./trainvitals-<run>.jsonl``); or ``sink=``. ``every`` (default
+    ``$TRAINVITALS_EVERY``, else 10): report every N
     optimizer steps. ``modalities``: names of the integer codes found in the batch
     field ``modality_field`` (one per sample [B], or per token [B, T]).
     ``loss_from_logits``: zero-code loss accounting (True: find the LM head; a module
@@ -54,12 +55,22 @@ class TrainvitalsCallback(TrainerCallback):
     :class:`~trainvitals.hooks.Monitor` while training runs.
     """
 
-    def __init__(self, run: str | None = None, collector: str | None = None, every: int | None = None, *,
-                 modalities: Sequence[str] = (), modality_field: str | None = None,
-                 loss_from_logits: Any = True, **options: Any) -> None:
+    def __init__(
+        self,
+        run: str | None = None,
+        collector: str | None = None,
+        every: int | None = None,
+        *,
+        modalities: Sequence[str] = (),
+        modality_field: str | None = None,
+        loss_from_logits: Any = True,
+        **options: Any,
+    ) -> None:
         if modality_field is not None and not modalities:
-            raise ValueError("TrainvitalsCallback: modality_field needs modalities=('text', 'image', ...), "
-                             "the names of its integer codes")
+            raise ValueError(
+                "TrainvitalsCallback: modality_field needs modalities=('text', 'image', ...), "
+                "the names of its integer codes"
+            )
         self.run = run
         self.collector = collector
         self.every = every
@@ -71,19 +82,28 @@ class TrainvitalsCallback(TrainerCallback):
         self._pre_hook: Any = None
 
     # -- Trainer events ---------------------------------------------------------------
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
+    ) -> None:
         self._close()  # a second train() on the same Trainer
         if model is None or optimizer is None:
             raise ValueError("TrainvitalsCallback: the Trainer passed no model or optimizer to on_train_begin")
-        name = run_name(self.run, args.run_name, os.path.basename(os.path.normpath(str(args.output_dir))),
-                        default="hf-trainer")
+        name = run_name(
+            self.run, args.run_name, os.path.basename(os.path.normpath(str(args.output_dir))), default="hf-trainer"
+        )
         opts = dict(self.options)
         if self.loss_from_logits:
             opts["loss_from_logits"] = self.loss_from_logits
-        self.monitor = attach(model, torch_optimizer(optimizer), run=name, collector=self.collector,
-                              every=self.every, modalities=self.modalities,
-                              scaler=getattr(optimizer, "scaler", None), **opts)
+        self.monitor = attach(
+            model,
+            torch_optimizer(optimizer),
+            run=name,
+            collector=self.collector,
+            every=self.every,
+            modalities=self.modalities,
+            scaler=getattr(optimizer, "scaler", None),
+            **opts,
+        )
         if self.loss_from_logits:
             self._pre_hook = unwrap(model).register_forward_pre_hook(self._tag_inputs, with_kwargs=True)
         if state.global_step > 0:
@@ -120,9 +140,12 @@ class TrainvitalsCallback(TrainerCallback):
         assert self.monitor is not None
         path = state_file(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), self.monitor.rank)
         if not os.path.isfile(path):
-            log.warning("trainvitals: resuming at step %d without the monitor's state (%s not found): step "
-                        "numbers continue from the Trainer's, drift references start afresh",
-                        state.global_step, path)
+            log.warning(
+                "trainvitals: resuming at step %d without the monitor's state (%s not found): step "
+                "numbers continue from the Trainer's, drift references start afresh",
+                state.global_step,
+                path,
+            )
             self.monitor.step = state.global_step
             return
         self.monitor.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))

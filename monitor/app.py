@@ -68,9 +68,12 @@ def create_app(
     if settings is None:
         settings = Settings()
     if store is None:
-        store = SeriesStore(ttl_seconds=settings.run_ttl_seconds, max_series=settings.max_series,
-                            max_series_per_run=settings.max_series_per_run,
-                            stale_reports=settings.stale_reports)
+        store = SeriesStore(
+            ttl_seconds=settings.run_ttl_seconds,
+            max_series=settings.max_series,
+            max_series_per_run=settings.max_series_per_run,
+            stale_reports=settings.stale_reports,
+        )
     reports = ReportCounter()
     exporter = StoreCollector(store, reports)
     state: StateDB | None = None
@@ -121,8 +124,7 @@ def create_app(
     app.state.ready = False
     app.state.state_db = state
     app.state.run_settings = RunSettingsTable(state)  # live settings (trainvitals configure)
-    for module in (routes_ingest, routes_metrics, routes_runs, routes_configure, routes_alerts,
-                   routes_health):
+    for module in (routes_ingest, routes_metrics, routes_runs, routes_configure, routes_alerts, routes_health):
         app.include_router(module.router)
     if settings.read_token is not None:
         app.add_middleware(ReadAuthMiddleware, token=settings.read_token.get_secret_value())
@@ -136,11 +138,12 @@ def _alert_service(settings: Settings, state: StateDB | None = None) -> AlertSer
     options.setdefault("run_ttl", settings.run_ttl_seconds)
     rules = "default" if settings.rules is None else settings.rules
     if settings.notifiers and not options.get("runbook_base_url"):
-        log.warning("alerts.runbook_base_url is not set: notifications carry runbook links relative "
-                    "to the repository (e.g. RUNBOOKS.md#paramdrift); see docs/collector.md")
+        log.warning(
+            "alerts.runbook_base_url is not set: notifications carry runbook links relative "
+            "to the repository (e.g. RUNBOOKS.md#paramdrift); see docs/collector.md"
+        )
     try:
-        return AlertService.from_config(rules=rules, notifiers=settings.notifiers,
-                                        persistence=state, **options)
+        return AlertService.from_config(rules=rules, notifiers=settings.notifiers, persistence=state, **options)
     except (RuleError, NotifierConfigError) as exc:
         raise SettingsError(str(exc)) from None
     except TypeError as exc:

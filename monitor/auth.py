@@ -50,12 +50,25 @@ class ReadAuthMiddleware:
         if scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self._token):
             await self.app(scope, receive, send)
             return
-        detail = "invalid bearer token" if header else (
-            "missing bearer token: this collector requires its read_token for "
-            f"{scope['path']}; send 'Authorization: Bearer <read_token>'")
+        detail = (
+            "invalid bearer token"
+            if header
+            else (
+                "missing bearer token: this collector requires its read_token for "
+                f"{scope['path']}; send 'Authorization: Bearer <read_token>'"
+            )
+        )
         body = json.dumps({"detail": detail}).encode()
         challenge = _REALM + (', error="invalid_token"' if header else "")
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", challenge.encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", challenge.encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

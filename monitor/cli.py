@@ -49,11 +49,13 @@ def main() -> None:
 @click.option(
     "--state-path",
     default=None,
-    help="SQLite file for durable state, or 'memory'.  "
-    "[default: $XDG_STATE_HOME/trainvitals/collector.sqlite3]",
+    help="SQLite file for durable state, or 'memory'.  [default: $XDG_STATE_HOME/trainvitals/collector.sqlite3]",
 )
 def serve(
-    config_file: Path | None, host: str | None, port: int | None, token_file: Path | None,
+    config_file: Path | None,
+    host: str | None,
+    port: int | None,
+    token_file: Path | None,
     state_path: str | None,
 ) -> None:
     """Run the collector: ingest reports, serve /metrics."""
@@ -66,13 +68,10 @@ def serve(
     from trainvitals.monitor.server import bind, uvicorn_config
 
     try:
-        settings = Settings.from_file(config_file, host=host, port=port, token_file=token_file,
-                                      state_path=state_path)
+        settings = Settings.from_file(config_file, host=host, port=port, token_file=token_file, state_path=state_path)
     except SettingsError as exc:
         raise click.ClickException(str(exc)) from None
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logs.install()
     # Bind before anything else, so a taken port is one clear line, not a banner then a traceback.
     try:
@@ -94,8 +93,11 @@ def serve(
     scheme = "https" if settings.tls_certfile is not None else "http"
     auth = "bearer token required" if settings.auth_required else "no authentication"
     reads = "read token required" if settings.read_auth_required else "open"
-    state = f"state in {settings.state_path}" if settings.state_path else (
-        "state in memory only: a restart forgets runs, alerts and notifications sent")
+    state = (
+        f"state in {settings.state_path}"
+        if settings.state_path
+        else ("state in memory only: a restart forgets runs, alerts and notifications sent")
+    )
     click.echo(
         f"trainvitals collector on {scheme}://{shown}:{bound} "
         f"(POST /v1/reports: {auth}; GET /metrics, /v1/*: {reads}; {state})"
@@ -209,8 +211,7 @@ def _first_error(exc: ValueError) -> str:
         return str(exc)
     errs = errors(include_url=False)
     parts = [
-        f"{'.'.join(str(p) for p in e['loc']) or 'line'}: {e['msg'].removeprefix('Value error, ')}"
-        for e in errs[:3]
+        f"{'.'.join(str(p) for p in e['loc']) or 'line'}: {e['msg'].removeprefix('Value error, ')}" for e in errs[:3]
     ]
     return "; ".join(parts) + (f"; ... and {len(errs) - 3} more" if len(errs) > 3 else "")
 

@@ -75,29 +75,58 @@ def _check_environment(env: dict[str, str]) -> None:
         raise click.ClickException(str(exc)) from None
     run = env.get(config.ATTACH_ENV["run"], "")
     if run and not _RUN_RE.match(run):
-        raise click.ClickException(f"run name {run!r}: use 1-128 characters from letters, digits "
-                                   "and _ . : - /")
+        raise click.ClickException(f"run name {run!r}: use 1-128 characters from letters, digits and _ . : - /")
     sink = env.get(config.ATTACH_ENV["collector"], "").strip()
     if sink and sink not in ("null", "none") and not sink.startswith(("http://", "https://", "file:")):
-        raise click.ClickException(f"collector {sink!r}: use an http(s) URL like http://127.0.0.1:9477, "
-                                   "file:PATH or null")
+        raise click.ClickException(
+            f"collector {sink!r}: use an http(s) URL like http://127.0.0.1:9477, file:PATH or null"
+        )
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--run", "run_name", default=None, metavar="NAME",
-              help="The run's name (TRAINVITALS_RUN).  [default: the script's name and the start time]")
-@click.option("--collector", default=None, metavar="URL",
-              help="Where reports go: a collector URL, file:PATH or null (TRAINVITALS_COLLECTOR). "
-                   " [default: ./trainvitals-<run>.jsonl]")
-@click.option("--every", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Report every N optimizer steps (TRAINVITALS_EVERY).  [default: 10]")
-@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="File holding the collector's bearer token (TRAINVITALS_TOKEN).")
-@click.option("--set", "settings", multiple=True, metavar="OPTION=VALUE",
-              help="Any attach option, e.g. --set per_param=true (TRAINVITALS_<OPTION>); repeatable.")
+@click.option(
+    "--run",
+    "run_name",
+    default=None,
+    metavar="NAME",
+    help="The run's name (TRAINVITALS_RUN).  [default: the script's name and the start time]",
+)
+@click.option(
+    "--collector",
+    default=None,
+    metavar="URL",
+    help="Where reports go: a collector URL, file:PATH or null (TRAINVITALS_COLLECTOR). "
+    " [default: ./trainvitals-<run>.jsonl]",
+)
+@click.option(
+    "--every",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Report every N optimizer steps (TRAINVITALS_EVERY).  [default: 10]",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="File holding the collector's bearer token (TRAINVITALS_TOKEN).",
+)
+@click.option(
+    "--set",
+    "settings",
+    multiple=True,
+    metavar="OPTION=VALUE",
+    help="Any attach option, e.g. --set per_param=true (TRAINVITALS_<OPTION>); repeatable.",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(run_name: str | None, collector: str | None, every: int | None, token_file: Path | None,
-        settings: tuple[str, ...], command: tuple[str, ...]) -> None:
+def run(
+    run_name: str | None,
+    collector: str | None,
+    every: int | None,
+    token_file: Path | None,
+    settings: tuple[str, ...],
+    command: tuple[str, ...],
+) -> None:
     """Run COMMAND with trainvitals attached to every optimizer it steps.
 
     \b
@@ -116,8 +145,9 @@ def run(run_name: str | None, collector: str | None, every: int | None, token_fi
         name, sep, value = item.partition("=")
         name = name.strip().replace("-", "_")
         if not sep or name not in config.Config.field_names():
-            raise click.ClickException(f"--set {item!r}: use OPTION=VALUE with OPTION one of "
-                                       f"{', '.join(config.Config.field_names())}")
+            raise click.ClickException(
+                f"--set {item!r}: use OPTION=VALUE with OPTION one of {', '.join(config.Config.field_names())}"
+            )
         env[config.env_name(name)] = value
     if every is not None:
         env[config.env_name("every")] = str(every)
@@ -173,30 +203,64 @@ def _interval_or_off(text: str) -> int | None:
 
 @click.command()
 @click.argument("run_name", metavar="RUN")
-@click.option("--every", type=click.IntRange(min=1), default=None, metavar="N",
-              help="Report every N optimizer steps.")
-@click.option("--signals", default=None, metavar="LIST",
-              help="Built-in signals to run: a comma-separated list of optimizer, params, adam; "
-                   "'all' or 'none'.")
-@click.option("--per-param/--no-per-param", default=None,
-              help="Per-parameter series for parameters with ndim >= 2.")
-@click.option("--probe-every", default=None, metavar="N|off",
-              help="Per-modality gradient probe every N steps, or off.")
-@click.option("--for", "duration", default="1h", show_default=True, metavar="DURATION",
-              help="Until the job goes back to its own settings (30m, 2h, 1d; at most 7d).")
+@click.option("--every", type=click.IntRange(min=1), default=None, metavar="N", help="Report every N optimizer steps.")
+@click.option(
+    "--signals",
+    default=None,
+    metavar="LIST",
+    help="Built-in signals to run: a comma-separated list of optimizer, params, adam; 'all' or 'none'.",
+)
+@click.option("--per-param/--no-per-param", default=None, help="Per-parameter series for parameters with ndim >= 2.")
+@click.option("--probe-every", default=None, metavar="N|off", help="Per-modality gradient probe every N steps, or off.")
+@click.option(
+    "--for",
+    "duration",
+    default="1h",
+    show_default=True,
+    metavar="DURATION",
+    help="Until the job goes back to its own settings (30m, 2h, 1d; at most 7d).",
+)
 @click.option("--reset", is_flag=True, help="Back to the job's own settings now.")
-@click.option("--collector", envvar="TRAINVITALS_COLLECTOR", required=True, metavar="URL",
-              help="Collector base URL (env TRAINVITALS_COLLECTOR).")
-@click.option("--token", envvar="TRAINVITALS_TOKEN", default=None,
-              help="The collector's bearer token, as jobs send it (env TRAINVITALS_TOKEN).")
-@click.option("--token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="File holding the bearer token.")
-@click.option("--read-token", envvar="TRAINVITALS_READ_TOKEN", default=None,
-              help="The collector's read token, to show settings (env TRAINVITALS_READ_TOKEN).")
+@click.option(
+    "--collector",
+    envvar="TRAINVITALS_COLLECTOR",
+    required=True,
+    metavar="URL",
+    help="Collector base URL (env TRAINVITALS_COLLECTOR).",
+)
+@click.option(
+    "--token",
+    envvar="TRAINVITALS_TOKEN",
+    default=None,
+    help="The collector's bearer token, as jobs send it (env TRAINVITALS_TOKEN).",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="File holding the bearer token.",
+)
+@click.option(
+    "--read-token",
+    envvar="TRAINVITALS_READ_TOKEN",
+    default=None,
+    help="The collector's read token, to show settings (env TRAINVITALS_READ_TOKEN).",
+)
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds per request.")
-def configure(run_name: str, every: int | None, signals: str | None, per_param: bool | None,
-              probe_every: str | None, duration: str, reset: bool, collector: str, token: str | None,
-              token_file: Path | None, read_token: str | None, timeout: float) -> None:
+def configure(
+    run_name: str,
+    every: int | None,
+    signals: str | None,
+    per_param: bool | None,
+    probe_every: str | None,
+    duration: str,
+    reset: bool,
+    collector: str,
+    token: str | None,
+    token_file: Path | None,
+    read_token: str | None,
+    timeout: float,
+) -> None:
     """Change a running job's settings for a while, through its collector.
 
     \b
@@ -215,8 +279,9 @@ def configure(run_name: str, every: int | None, signals: str | None, per_param: 
         body["every"] = every
     if signals is not None:
         low = signals.strip().lower()
-        body["signals"] = None if low == "all" else (
-            [] if low == "none" else [s.strip() for s in signals.split(",") if s.strip()])
+        body["signals"] = (
+            None if low == "all" else ([] if low == "none" else [s.strip() for s in signals.split(",") if s.strip()])
+        )
     if per_param is not None:
         body["per_param"] = per_param
     if probe_every is not None:
@@ -237,8 +302,9 @@ def configure(run_name: str, every: int | None, signals: str | None, per_param: 
             else:
                 resp = client.get(url, headers={"Authorization": f"Bearer {read_token}"} if read_token else {})
     except httpx.HTTPError as exc:
-        raise click.ClickException(f"cannot reach the collector at {_shown(collector)}: "
-                                   f"{exc or type(exc).__name__}") from None
+        raise click.ClickException(
+            f"cannot reach the collector at {_shown(collector)}: {exc or type(exc).__name__}"
+        ) from None
     if resp.status_code != 200:
         try:
             detail = resp.json()["detail"]
@@ -248,17 +314,25 @@ def configure(run_name: str, every: int | None, signals: str | None, per_param: 
     answer = resp.json()
     shown = answer.get("settings")
     if reset:
-        click.echo(f"run {run_name!r}: back to the job's own settings at its next report"
-                   + ("" if answer.get("cleared") else " (none were set)"))
+        click.echo(
+            f"run {run_name!r}: back to the job's own settings at its next report"
+            + ("" if answer.get("cleared") else " (none were set)")
+        )
     elif shown is None:
         click.echo(f"run {run_name!r}: the job's own settings (nothing set)")
     else:
-        values = ", ".join(f"{k}={_value(k, v)}" for k, v in shown.items()
-                           if k not in ("set_at", "expires_at", "expires_in"))
+        values = ", ".join(
+            f"{k}={_value(k, v)}" for k, v in shown.items() if k not in ("set_at", "expires_at", "expires_in")
+        )
         until = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(shown["expires_at"]))
-        click.echo(f"run {run_name!r}: {values} until {until} (in {_span(shown['expires_in'])}); "
-                   + ("the job applies them from the step after its next report" if body else
-                      "then back to the job's own settings"))
+        click.echo(
+            f"run {run_name!r}: {values} until {until} (in {_span(shown['expires_in'])}); "
+            + (
+                "the job applies them from the step after its next report"
+                if body
+                else "then back to the job's own settings"
+            )
+        )
 
 
 def _value(key: str, v: Any) -> str:

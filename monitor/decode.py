@@ -129,8 +129,9 @@ def _reference(body: bytes) -> WireBatch:
         raise BodyInvalid(f"body is not valid JSON: {exc}", json_ok=False) from None
     if isinstance(obj, dict) and obj.get("schema", SCHEMA_VERSION) != SCHEMA_VERSION:
         got = obj["schema"]
-        raise BodyInvalid(f"schema: unsupported schema version {got!r}; "
-                          f"this collector supports version {SCHEMA_VERSION}")
+        raise BodyInvalid(
+            f"schema: unsupported schema version {got!r}; this collector supports version {SCHEMA_VERSION}"
+        )
     try:
         return msgspec.convert(obj, WireBatch, strict=True)
     except msgspec.ValidationError as exc:

@@ -122,9 +122,7 @@ class StoreCollector:
             for run, step, last, ended, _ in sorted(runs, key=_run_name):
                 run_labels = _labels(series_labels(run, 0, {}).items())
                 step_lines.append(f"{PREFIX}step{run_labels}{_fmt(step)}\n")
-                last_lines.append(
-                    f"{PREFIX}last_report_timestamp_seconds{run_labels}{_fmt(last)}\n"
-                )
+                last_lines.append(f"{PREFIX}last_report_timestamp_seconds{run_labels}{_fmt(last)}\n")
                 if ended:
                     ended_lines.append(f"{PREFIX}run_ended{run_labels}{_fmt(1)}\n")
             for run, _, _, _, per_rank in runs:
@@ -143,9 +141,7 @@ class StoreCollector:
                             prefix = prefixes.get(label_items)
                             if prefix is None:
                                 labels = series_labels(run, rank, dict(label_items))
-                                prefix = prefixes[label_items] = _exposed_name(name) + _labels(
-                                    labels.items()
-                                )
+                                prefix = prefixes[label_items] = _exposed_name(name) + _labels(labels.items())
                             append(prefix + _fmt(value))
             self._prefixes = cache  # drops the prefixes of expired runs
 
@@ -174,9 +170,7 @@ class StoreCollector:
         for outcome, count in self.reports.values().items():
             outcomes.add_metric([outcome], count)
         yield outcomes
-        yield GaugeMetricFamily(
-            PREFIX + "collector_series", _help("collector_series"), value=series_count
-        )
+        yield GaugeMetricFamily(PREFIX + "collector_series", _help("collector_series"), value=series_count)
         with self._lock:
             sources = list(self._sources)
         for source in sources:

@@ -92,8 +92,12 @@ def report_batch_schema() -> dict[str, dict[str, Any]]:
         "propertyNames": {
             "maxLength": MAX_LABEL_NAME,
             "pattern": r"^(?:[a-zA-Z]|_[a-zA-Z0-9])[a-zA-Z0-9_]*$",
-            "not": {"anyOf": [{"enum": sorted(RESERVED_LABELS | HISTOGRAM_LABELS)},
-                              *({"pattern": p} for p in LABEL_NAME_CONVENTIONS)]},
+            "not": {
+                "anyOf": [
+                    {"enum": sorted(RESERVED_LABELS | HISTOGRAM_LABELS)},
+                    *({"pattern": p} for p in LABEL_NAME_CONVENTIONS),
+                ]
+            },
         },
         "additionalProperties": _label_value(),
     }
@@ -104,9 +108,17 @@ def report_batch_schema() -> dict[str, dict[str, Any]]:
         "required": ["name", "value"],
         "properties": {
             "name": {
-                "type": "string", "minLength": 1, "maxLength": MAX_NAME, "pattern": "^[a-z_][a-z0-9_]*$",
-                "not": {"anyOf": [{"pattern": f"^{PREFIX}"}, {"enum": sorted(RESERVED_NAMES)},
-                                  *({"pattern": p} for p in NAME_CONVENTIONS)]},
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_NAME,
+                "pattern": "^[a-z_][a-z0-9_]*$",
+                "not": {
+                    "anyOf": [
+                        {"pattern": f"^{PREFIX}"},
+                        {"enum": sorted(RESERVED_NAMES)},
+                        *({"pattern": p} for p in NAME_CONVENTIONS),
+                    ]
+                },
                 "description": f"Without the {PREFIX!r} prefix; not a name the collector exports "
                 "itself; within Prometheus's naming conventions (base units, no type or "
                 "histogram suffix in the name).",
@@ -119,8 +131,11 @@ def report_batch_schema() -> dict[str, dict[str, Any]]:
         {
             "properties": {
                 "kind": {"const": kind},
-                "labels": {"type": "object", "additionalProperties": False,
-                           "properties": {name: _label_value() for name in sorted(labels)}},
+                "labels": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {name: _label_value() for name in sorted(labels)},
+                },
             }
         }
         for kind, labels in sorted(EVENT_KINDS.items())
@@ -146,8 +161,12 @@ def report_batch_schema() -> dict[str, dict[str, Any]]:
         "properties": {
             "run": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": RUN_PATTERN},
             "step": {"type": "integer", "minimum": 0, "maximum": MAX_STEP - 1},
-            "time": {"type": "number", "minimum": 0, "maximum": MAX_TIME,
-                     "description": "Unix seconds, the reporting process's clock."},
+            "time": {
+                "type": "number",
+                "minimum": 0,
+                "maximum": MAX_TIME,
+                "description": "Unix seconds, the reporting process's clock.",
+            },
             "rank": {"type": "integer", "minimum": 0, "maximum": MAX_RANK, "default": 0},
             "samples": {"type": "array", "maxItems": MAX_SAMPLES, "items": {"$ref": _REF + "Sample"}},
             "events": {"type": "array", "maxItems": MAX_EVENTS, "items": {"$ref": _REF + "Event"}},
@@ -155,21 +174,18 @@ def report_batch_schema() -> dict[str, dict[str, Any]]:
             "seq": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_SEQ},
         },
         "anyOf": [
-            {"required": ["sender", "seq"],
-             "properties": {"sender": {"type": "string"}, "seq": {"type": "integer"}}},
+            {"required": ["sender", "seq"], "properties": {"sender": {"type": "string"}, "seq": {"type": "integer"}}},
             {"properties": {"sender": {"type": "null"}, "seq": {"type": "null"}}},
         ],
     }
     batch = {
         "type": "object",
-        "description": "The body of POST /v1/reports (docs/wire.md); gzip it with "
-        "Content-Encoding: gzip.",
+        "description": "The body of POST /v1/reports (docs/wire.md); gzip it with Content-Encoding: gzip.",
         "additionalProperties": False,
         "required": ["schema", "reports"],
         "properties": {
             "schema": {"const": 1},
-            "reports": {"type": "array", "minItems": 1, "maxItems": MAX_REPORTS,
-                        "items": {"$ref": _REF + "Report"}},
+            "reports": {"type": "array", "minItems": 1, "maxItems": MAX_REPORTS, "items": {"$ref": _REF + "Report"}},
         },
     }
     return {"ReportBatch": batch, "Report": report, "Sample": sample, "Event": event}
@@ -181,10 +197,15 @@ _INGEST_ANSWERS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "408": ("The body did not arrive within body_timeout_seconds.", None),
     "413": ("Over max_body_bytes, or inflates past max_decompressed_bytes.", None),
     "415": ("Not application/json, or a Content-Encoding other than gzip.", None),
-    "422": ("A field the wire format does not allow (the detail names it), a gauge/counter "
-            "name clash, or a run over its series budget (max_series_per_run).", None),
-    "503": ("The collector holds max_series series: retry after Retry-After seconds.",
-            {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds."}}),
+    "422": (
+        "A field the wire format does not allow (the detail names it), a gauge/counter "
+        "name clash, or a run over its series budget (max_series_per_run).",
+        None,
+    ),
+    "503": (
+        "The collector holds max_series series: retry after Retry-After seconds.",
+        {"Retry-After": {"schema": {"type": "integer"}, "description": "Seconds."}},
+    ),
 }
 
 
@@ -192,8 +213,10 @@ def _describe(schema: dict[str, Any], *, ingest_token: bool, read_token: bool) -
     components = schema.setdefault("components", {})
     components.setdefault("schemas", {}).update(report_batch_schema())
     ingest = schema["paths"]["/v1/reports"]["post"]
-    ingest["requestBody"] = {"required": True, "content": {
-        "application/json": {"schema": {"$ref": _REF + "ReportBatch"}}}}
+    ingest["requestBody"] = {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": _REF + "ReportBatch"}}},
+    }
     ingest["responses"]["202"]["description"] = "Applied; duplicates: indices of reports applied before."
     ingest["responses"]["202"]["content"]["application/json"]["schema"] = {
         "type": "object",
@@ -201,8 +224,11 @@ def _describe(schema: dict[str, Any], *, ingest_token: bool, read_token: bool) -
         "properties": {
             "accepted": {"type": "integer", "minimum": 0},
             "duplicates": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-            "settings": {"type": "object", "description": "Only when a run of the batch has "
-                         "live settings (trainvitals configure): by run, what its hooks apply."},
+            "settings": {
+                "type": "object",
+                "description": "Only when a run of the batch has "
+                "live settings (trainvitals configure): by run, what its hooks apply.",
+            },
         },
     }
     for status, (text, headers) in _INGEST_ANSWERS.items():
@@ -225,10 +251,13 @@ def _describe(schema: dict[str, Any], *, ingest_token: bool, read_token: bool) -
                 operation["security"] = [{"readToken": []}]
                 operation["responses"]["401"] = {
                     "description": "Missing or wrong read token.",
-                    "content": {"application/json": {"schema": _DETAIL}}}
+                    "content": {"application/json": {"schema": _DETAIL}},
+                }
     ready = schema["paths"]["/readyz"]["get"]["responses"]
-    ready["503"] = {"description": "Starting: not yet able to ingest.",
-                    "content": {"application/json": {"schema": {"type": "object"}}}}
+    ready["503"] = {
+        "description": "Starting: not yet able to ingest.",
+        "content": {"application/json": {"schema": {"type": "object"}}},
+    }
 
 
 def install(app: FastAPI) -> None:
@@ -238,8 +267,7 @@ def install(app: FastAPI) -> None:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            _describe(original(), ingest_token=settings.auth_required,
-                      read_token=settings.read_auth_required)
+            _describe(original(), ingest_token=settings.auth_required, read_token=settings.read_auth_required)
         return app.openapi_schema  # type: ignore[return-value]
 
     app.openapi = openapi  # type: ignore[method-assign]

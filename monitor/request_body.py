@@ -29,9 +29,7 @@ _REALM = 'Bearer realm="trainvitals"'
 class BodyRefused(Exception):
     """A body the collector will not ingest: HTTP status, outcome label, detail, headers."""
 
-    def __init__(
-        self, status: int, outcome: str, detail: str, headers: dict[str, str] | None = None
-    ) -> None:
+    def __init__(self, status: int, outcome: str, detail: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(detail)
         self.status = status
         self.outcome = outcome
@@ -55,13 +53,9 @@ async def read_body(request: Request, settings: Settings) -> bytes:
     check_token(request, settings)
     check_content_type(request)
     try:
-        body = await asyncio.wait_for(
-            read_bounded(request, settings.max_body_bytes), settings.body_timeout_seconds
-        )
+        body = await asyncio.wait_for(read_bounded(request, settings.max_body_bytes), settings.body_timeout_seconds)
     except asyncio.TimeoutError:
-        raise BodyRefused(
-            408, "invalid", f"body not received within {settings.body_timeout_seconds:g} s"
-        ) from None
+        raise BodyRefused(408, "invalid", f"body not received within {settings.body_timeout_seconds:g} s") from None
     except ClientDisconnect:
         raise BodyRefused(400, "invalid", "the client disconnected before sending the body") from None
     return inflate(request, body, settings.max_decompressed_bytes)
@@ -101,9 +95,7 @@ def check_content_type(request: Request) -> None:
     media = ctype.split(";", 1)[0].strip().lower()
     if media != "application/json":
         shown = repr(ctype) if ctype else "none"
-        raise BodyRefused(
-            415, "unsupported_media", f"Content-Type {shown} not supported; send application/json"
-        )
+        raise BodyRefused(415, "unsupported_media", f"Content-Type {shown} not supported; send application/json")
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("identity", "gzip", ""):
         raise BodyRefused(
@@ -120,21 +112,15 @@ async def read_bounded(request: Request, limit: int) -> bytes:
         try:
             size = int(declared)
         except ValueError:
-            raise BodyRefused(
-                400, "invalid", f"Content-Length {declared!r} is not a number"
-            ) from None
+            raise BodyRefused(400, "invalid", f"Content-Length {declared!r} is not a number") from None
         if size > limit:
-            raise BodyRefused(
-                413, "too_large", f"body of {size} bytes exceeds the limit of {limit} bytes"
-            )
+            raise BodyRefused(413, "too_large", f"body of {size} bytes exceeds the limit of {limit} bytes")
     chunks: list[bytes] = []
     total = 0
     async for chunk in request.stream():  # chunked bodies declare no length
         total += len(chunk)
         if total > limit:
-            raise BodyRefused(
-                413, "too_large", f"body exceeds the limit of {limit} bytes (max_body_bytes)"
-            )
+            raise BodyRefused(413, "too_large", f"body exceeds the limit of {limit} bytes (max_body_bytes)")
         chunks.append(chunk)
     return b"".join(chunks)
 

@@ -39,25 +39,51 @@ PATH_RUN_PATTERN = rf"^{_SEGMENT}(?:/{_SEGMENT})*$"
 _RUN_RE = re.compile(PATH_RUN_PATTERN)
 _PATH = "/v1/runs/{run:path}/settings"
 _METHODS = ("GET", "PUT", "DELETE")
-_RUN_PARAMETER = {"parameters": [{
-    "name": "run", "in": "path", "required": True, "description": "The run's name (may contain /).",
-    "schema": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": PATH_RUN_PATTERN}}]}
+_RUN_PARAMETER = {
+    "parameters": [
+        {
+            "name": "run",
+            "in": "path",
+            "required": True,
+            "description": "The run's name (may contain /).",
+            "schema": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": PATH_RUN_PATTERN},
+        }
+    ]
+}
 _MAX_BODY = 64 * 1024  # bytes; a settings body is a few dozen
 
 
 def _detail(text: str) -> dict[str, Any]:
-    return {"description": text, "content": {"application/json": {"schema": {
-        "type": "object", "required": ["detail"], "properties": {"detail": {"type": "string"}}}}}}
+    return {
+        "description": text,
+        "content": {
+            "application/json": {
+                "schema": {"type": "object", "required": ["detail"], "properties": {"detail": {"type": "string"}}}
+            }
+        },
+    }
 
 
 def _answer(text: str, settings: dict[str, Any], **more: Any) -> dict[str, Any]:
-    return {"description": text, "content": {"application/json": {"schema": {
-        "type": "object", "required": ["run", "settings", *more],
-        "properties": {"run": {"type": "string"}, "settings": settings, **more}}}}}
+    return {
+        "description": text,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["run", "settings", *more],
+                    "properties": {"run": {"type": "string"}, "settings": settings, **more},
+                }
+            }
+        },
+    }
 
 
-_SHOWN = {"type": "object", "description": "The fields set, with set_at, expires_at (Unix "
-          "seconds) and expires_in (seconds).", "required": ["set_at", "expires_at", "expires_in"]}
+_SHOWN = {
+    "type": "object",
+    "description": "The fields set, with set_at, expires_at (Unix seconds) and expires_in (seconds).",
+    "required": ["set_at", "expires_at", "expires_in"],
+}
 _BAD_RUN = _detail("A run name that is not 1-128 characters from letters, digits and _ . : - /.")
 _NO_ROUTE = _detail("A path no route takes (a run name with a line break).")
 _WRITE_AUTH = _detail("Missing or wrong bearer token (the collector's token, as jobs send).")
@@ -89,8 +115,11 @@ def _run(request: Request) -> str:
     ``detail``, and documented with its pattern in ``_RUN_PARAMETER``)."""
     run = str(request.path_params["run"])
     if not (1 <= len(run) <= 128 and _RUN_RE.match(run)):
-        raise HTTPException(422, f"run {run!r}: use 1-128 characters from letters, digits and "
-                                 "_ . : - /, without empty, '.' or '..' parts between slashes")
+        raise HTTPException(
+            422,
+            f"run {run!r}: use 1-128 characters from letters, digits and "
+            "_ . : - /, without empty, '.' or '..' parts between slashes",
+        )
     return run
 
 
@@ -100,20 +129,24 @@ def _check_write_token(request: Request, settings: Settings) -> None:
     try:
         check_bearer(request.headers.get("authorization"), settings.token.get_secret_value())
     except BodyRefused as exc:
-        raise HTTPException(exc.status, exc.detail + " (the collector's token, as jobs send)",
-                            exc.headers) from None
+        raise HTTPException(exc.status, exc.detail + " (the collector's token, as jobs send)", exc.headers) from None
 
 
-@router.put(_PATH, openapi_extra={"requestBody": _request_body(), **_RUN_PARAMETER}, responses={
-    200: _answer("Set: the job applies them from the step after its next report.", _SHOWN),
-    400: _detail("The body is not JSON."),
-    401: _WRITE_AUTH,
-    404: _detail("No run of this name has reported to this collector (or a path no route takes)."),
-    413: _detail("The body is over 64 KiB."),
-    422: _detail("A bad run name, or a setting out of range; the detail names the field."),
-})
-async def put_settings(request: Request, settings: SettingsDep, store: StoreDep,
-                       table: RunSettingsDep) -> dict[str, Any]:
+@router.put(
+    _PATH,
+    openapi_extra={"requestBody": _request_body(), **_RUN_PARAMETER},
+    responses={
+        200: _answer("Set: the job applies them from the step after its next report.", _SHOWN),
+        400: _detail("The body is not JSON."),
+        401: _WRITE_AUTH,
+        404: _detail("No run of this name has reported to this collector (or a path no route takes)."),
+        413: _detail("The body is over 64 KiB."),
+        422: _detail("A bad run name, or a setting out of range; the detail names the field."),
+    },
+)
+async def put_settings(
+    request: Request, settings: SettingsDep, store: StoreDep, table: RunSettingsDep
+) -> dict[str, Any]:
     """Set a run's live settings (the fields given replace the job's own until
     ``ttl_seconds`` have passed). 404 for a run that has not reported."""
     _check_write_token(request, settings)
@@ -132,20 +165,24 @@ async def put_settings(request: Request, settings: SettingsDep, store: StoreDep,
     known = [r.run for r in store.runs()]
     if run not in known:
         shown = ", ".join(known[:10]) + (f" and {len(known) - 10} more" if len(known) > 10 else "")
-        raise HTTPException(404, f"no run {run!r} has reported to this collector"
-                                 + (f" (runs: {shown})" if known else " (no runs yet)"))
+        raise HTTPException(
+            404, f"no run {run!r} has reported to this collector" + (f" (runs: {shown})" if known else " (no runs yet)")
+        )
     entry = table.set(run, req.values(), req.ttl_seconds)
     client = request.client.host if request.client else "?"
-    log.info("live settings for run %r set by %s: %s for %.0f s", run, client, entry.values,
-             req.ttl_seconds)
+    log.info("live settings for run %r set by %s: %s for %.0f s", run, client, entry.values, req.ttl_seconds)
     return {"run": run, "settings": entry.public(entry.set_at)}
 
 
-@router.get(_PATH, openapi_extra=_RUN_PARAMETER, responses={
-    200: _answer("The run's live settings; null: the job's own.", {**_SHOWN, "type": ["object", "null"]}),
-    404: _NO_ROUTE,
-    422: _BAD_RUN,
-})
+@router.get(
+    _PATH,
+    openapi_extra=_RUN_PARAMETER,
+    responses={
+        200: _answer("The run's live settings; null: the job's own.", {**_SHOWN, "type": ["object", "null"]}),
+        404: _NO_ROUTE,
+        422: _BAD_RUN,
+    },
+)
 async def get_settings(request: Request, table: RunSettingsDep) -> dict[str, Any]:
     """A run's live settings; ``settings`` is null when the job runs with its own."""
     run = _run(request)
@@ -153,15 +190,21 @@ async def get_settings(request: Request, table: RunSettingsDep) -> dict[str, Any
     return {"run": run, "settings": entry.public(time.time()) if entry is not None else None}
 
 
-@router.delete(_PATH, openapi_extra=_RUN_PARAMETER, responses={
-    200: _answer("Cleared: the job goes back to its own settings at its next report.", {"type": "null"},
-                 cleared={"type": "boolean"}),
-    401: _WRITE_AUTH,
-    404: _NO_ROUTE,
-    422: _BAD_RUN,
-})
-async def delete_settings(request: Request, settings: SettingsDep,
-                          table: RunSettingsDep) -> dict[str, Any]:
+@router.delete(
+    _PATH,
+    openapi_extra=_RUN_PARAMETER,
+    responses={
+        200: _answer(
+            "Cleared: the job goes back to its own settings at its next report.",
+            {"type": "null"},
+            cleared={"type": "boolean"},
+        ),
+        401: _WRITE_AUTH,
+        404: _NO_ROUTE,
+        422: _BAD_RUN,
+    },
+)
+async def delete_settings(request: Request, settings: SettingsDep, table: RunSettingsDep) -> dict[str, Any]:
     """Back to the job's own settings at its next report; ``cleared`` says whether any were set."""
     _check_write_token(request, settings)
     run = _run(request)
@@ -176,5 +219,6 @@ async def delete_settings(request: Request, settings: SettingsDep,
 async def other_methods(request: Request) -> None:
     """405 naming every method the path takes (three routes share it, so Starlette's own
     405 would name only the first)."""
-    raise HTTPException(405, f"{request.method} is not allowed here; use {', '.join(_METHODS)}",
-                        {"Allow": ", ".join(_METHODS)})
+    raise HTTPException(
+        405, f"{request.method} is not allowed here; use {', '.join(_METHODS)}", {"Allow": ", ".join(_METHODS)}
+    )

@@ -36,7 +36,10 @@ _FULL_RETRY_AFTER = 30
 
 @router.post("/v1/reports", status_code=202)
 async def ingest_reports(
-    request: Request, settings: SettingsDep, store: StoreDep, reports: ReportsDep,
+    request: Request,
+    settings: SettingsDep,
+    store: StoreDep,
+    reports: ReportsDep,
     run_settings: RunSettingsDep,
 ) -> dict[str, Any]:
     """Ingest a batch of reports: ``{"accepted": n, "duplicates": [i, ...]}``, or a 4xx/503
@@ -77,7 +80,6 @@ def _apply(store: SeriesStore, body: bytes) -> tuple[IngestResult, set[str]]:
         raise BodyRefused(422, "run_series_limit", str(exc)) from None
     except SeriesLimitExceeded as exc:
         # The collector is full, not the data wrong: the client keeps it and retries.
-        raise BodyRefused(503, "series_limit", str(exc),
-                          {"Retry-After": str(_FULL_RETRY_AFTER)}) from None
+        raise BodyRefused(503, "series_limit", str(exc), {"Retry-After": str(_FULL_RETRY_AFTER)}) from None
     except IngestRefused as exc:
         raise BodyRefused(422, "invalid", str(exc)) from None

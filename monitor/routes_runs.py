@@ -24,12 +24,14 @@ async def runs(store: StoreDep, run_settings: RunSettingsDep) -> list[dict[str, 
     out = []
     for r in store.runs(now):
         live = run_settings.get(r.run)
-        out.append({
-            "run": r.run,
-            "step": r.step,
-            "last_report_time": r.last_report_time,
-            "ranks": list(r.ranks),
-            "ended": r.ended,
-            "settings": live.public(now) if live is not None else None,
-        })
+        out.append(
+            {
+                "run": r.run,
+                "step": r.step,
+                "last_report_time": r.last_report_time,
+                "ranks": list(r.ranks),
+                "ended": r.ended,
+                "settings": live.public(now) if live is not None else None,
+            }
+        )
     return out

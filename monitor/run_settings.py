@@ -20,9 +20,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-__all__ = ["BUILTIN_SIGNALS", "DEFAULT_TTL_SECONDS", "LIVE_FIELDS", "MAX_INTERVAL",
-           "MAX_TTL_SECONDS", "RunSettings", "RunSettingsTable", "SettingsRequest",
-           "parse_request"]
+__all__ = [
+    "BUILTIN_SIGNALS",
+    "DEFAULT_TTL_SECONDS",
+    "LIVE_FIELDS",
+    "MAX_INTERVAL",
+    "MAX_TTL_SECONDS",
+    "RunSettings",
+    "RunSettingsTable",
+    "SettingsRequest",
+    "parse_request",
+]
 
 LIVE_FIELDS = ("every", "signals", "per_param", "probe_every")
 """What may be set: the hooks' options of the same names (trainvitals.hooks.config)."""
@@ -43,16 +51,28 @@ class SettingsRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    every: int = Field(None, ge=1, le=MAX_INTERVAL,  # type: ignore[assignment]
-                       description="Report every N optimizer steps.")
+    every: int = Field(
+        None,
+        ge=1,
+        le=MAX_INTERVAL,  # type: ignore[assignment]
+        description="Report every N optimizer steps.",
+    )
     signals: list[Literal["optimizer", "params", "adam"]] | None = Field(
-        None, description="Built-in signals to run; null: all.")
-    per_param: bool = Field(None,  # type: ignore[assignment]
-                            description="Per-parameter series for parameters with ndim >= 2.")
-    probe_every: int | None = Field(None, ge=1, le=MAX_INTERVAL,
-                                    description="Per-modality gradient probe interval; null: off.")
-    ttl_seconds: float = Field(DEFAULT_TTL_SECONDS, gt=0, le=MAX_TTL_SECONDS,
-                               description="Seconds until the job goes back to its own settings.")
+        None, description="Built-in signals to run; null: all."
+    )
+    per_param: bool = Field(
+        None,  # type: ignore[assignment]
+        description="Per-parameter series for parameters with ndim >= 2.",
+    )
+    probe_every: int | None = Field(
+        None, ge=1, le=MAX_INTERVAL, description="Per-modality gradient probe interval; null: off."
+    )
+    ttl_seconds: float = Field(
+        DEFAULT_TTL_SECONDS,
+        gt=0,
+        le=MAX_TTL_SECONDS,
+        description="Seconds until the job goes back to its own settings.",
+    )
 
     @field_validator("every", "per_param", mode="before")
     @classmethod
@@ -93,12 +113,15 @@ def parse_request(data: Any) -> SettingsRequest:
     try:
         req = SettingsRequest.model_validate(data)
     except ValidationError as exc:
-        problems = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: "
-                    f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors(include_url=False)]
+        problems = [
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors(include_url=False)
+        ]
         raise ValueError("; ".join(problems)) from None
     if not req.values():
-        raise ValueError(f"no settings given: set one of {', '.join(LIVE_FIELDS)} "
-                         "(DELETE goes back to the job's own settings)")
+        raise ValueError(
+            f"no settings given: set one of {', '.join(LIVE_FIELDS)} (DELETE goes back to the job's own settings)"
+        )
     return req
 
 
@@ -117,8 +140,12 @@ class RunSettings:
 
     def public(self, now: float) -> dict[str, Any]:
         """What ``/v1/runs`` and the settings endpoints show."""
-        return {**self.values, "set_at": self.set_at, "expires_at": self.expires_at,
-                "expires_in": round(max(self.expires_at - now, 0.0), 3)}
+        return {
+            **self.values,
+            "set_at": self.set_at,
+            "expires_at": self.expires_at,
+            "expires_in": round(max(self.expires_at - now, 0.0), 3),
+        }
 
 
 class RunSettingsTable:

@@ -48,9 +48,12 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         shown = f"[{host}]" if ":" in host else host
         if exc.errno == errno.EADDRINUSE:
-            raise PortInUse(exc.errno, f"{shown}:{port} is already in use (another collector, or "
-                            "`trainvitals serve &` still running?); stop it or pick another port "
-                            "(--port, 0 for any free one)") from None
+            raise PortInUse(
+                exc.errno,
+                f"{shown}:{port} is already in use (another collector, or "
+                "`trainvitals serve &` still running?); stop it or pick another port "
+                "(--port, 0 for any free one)",
+            ) from None
         raise OSError(exc.errno, f"cannot listen on {shown}:{port}: {exc.strerror}") from None
     sock.listen(2048)
     sock.set_inheritable(True)
@@ -90,12 +93,16 @@ def _protocol(header_timeout: float) -> type[H11Protocol]:
 def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
     """The uvicorn configuration for ``settings`` (connection limits, timeouts, TLS, logs)."""
     options: dict[str, Any] = dict(
-        host=settings.host, port=settings.port, workers=1, lifespan="on",
+        host=settings.host,
+        port=settings.port,
+        workers=1,
+        lifespan="on",
         http=_protocol(settings.header_timeout_seconds),
         limit_concurrency=settings.max_connections,
         timeout_keep_alive=max(1, round(settings.keepalive_seconds)),
         h11_max_incomplete_event_size=64 * 1024,  # request line + headers, bytes
-        access_log=settings.access_log, log_level=settings.log_level,
+        access_log=settings.access_log,
+        log_level=settings.log_level,
     )
     if settings.tls_certfile is not None:
         options.update(ssl_certfile=str(settings.tls_certfile), ssl_keyfile=str(settings.tls_keyfile))
@@ -105,7 +112,11 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
 
 @contextmanager
 def serve_in_thread(
-    app: Any, *, host: str = "127.0.0.1", port: int = 0, timeout: float = 10.0,
+    app: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    timeout: float = 10.0,
     settings: Settings | None = None,
 ) -> Iterator[str]:
     """Serve ``app`` with uvicorn in a thread (``port`` 0: a free one); yield its base URL.
@@ -120,8 +131,7 @@ def serve_in_thread(
     sock = bind(host, port)
     config = uvicorn_config(app, settings, host=host, port=port, log_level="warning")
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
-                              name="trainvitals-collector", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="trainvitals-collector", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout
     try:

@@ -55,35 +55,29 @@ class Settings(BaseSettings):
     """Collector settings. Env: ``TRAINVITALS_<FIELD>`` (e.g. ``TRAINVITALS_PORT``)."""
 
     # hide_input_in_errors: a validation error must not echo the token.
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, extra="forbid", hide_input_in_errors=True
-    )
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", hide_input_in_errors=True)
 
     host: str = Field("127.0.0.1", description="Address to bind; 0.0.0.0 to serve other hosts.")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="TCP port; 0 picks a free one.")
-    token: SecretStr | None = Field(
-        None, description="Bearer token clients must send; none: no authentication."
-    )
-    token_file: Path | None = Field(
-        None, description="File holding the token (surrounding whitespace stripped)."
-    )
+    token: SecretStr | None = Field(None, description="Bearer token clients must send; none: no authentication.")
+    token_file: Path | None = Field(None, description="File holding the token (surrounding whitespace stripped).")
     max_body_bytes: int = Field(16 * MiB, gt=0, description="Largest request body, as sent.")
     max_decompressed_bytes: int = Field(
         64 * MiB, gt=0, description="Largest body after gzip decoding (bounds gzip bombs)."
     )
-    run_ttl_seconds: float = Field(
-        3600.0, gt=0, description="A run silent this long is dropped with its series."
-    )
-    max_series: int = Field(
-        1_000_000, ge=1, description="Series cap; a batch that would pass it is refused (503)."
-    )
+    run_ttl_seconds: float = Field(3600.0, gt=0, description="A run silent this long is dropped with its series.")
+    max_series: int = Field(1_000_000, ge=1, description="Series cap; a batch that would pass it is refused (503).")
     max_series_per_run: int = Field(
-        200_000, ge=4, description="Series budget of one run; a batch that would pass it is "
-        "refused (422) and counted, other runs unaffected."
+        200_000,
+        ge=4,
+        description="Series budget of one run; a batch that would pass it is "
+        "refused (422) and counted, other runs unaffected.",
     )
     stale_reports: int = Field(
-        100, ge=0, description="A series its rank left out of this many consecutive reports is "
-        "dropped (0: kept while the run lives)."
+        100,
+        ge=0,
+        description="A series its rank left out of this many consecutive reports is "
+        "dropped (0: kept while the run lives).",
     )
     read_token: SecretStr | None = Field(
         None, description="Bearer token for GET /metrics, /v1/* and the API docs; none: open."
@@ -102,23 +96,21 @@ class Settings(BaseSettings):
         30.0, gt=0, description="A request body must arrive within this many seconds (408)."
     )
     header_timeout_seconds: float = Field(
-        10.0, gt=0, description="A connection must send its request headers within this many "
-        "seconds (half-open connections are closed)."
+        10.0,
+        gt=0,
+        description="A connection must send its request headers within this many "
+        "seconds (half-open connections are closed).",
     )
     keepalive_seconds: float = Field(
         5.0, gt=0, description="An idle keep-alive connection is closed after this many seconds."
     )
-    max_connections: int = Field(
-        1000, ge=1, description="Connections served at once; beyond it requests get 503."
-    )
+    max_connections: int = Field(1000, ge=1, description="Connections served at once; beyond it requests get 503.")
     tls_certfile: Path | None = Field(None, description="PEM certificate: serve HTTPS.")
     tls_keyfile: Path | None = Field(None, description="PEM private key for tls_certfile.")
     access_log: bool = Field(False, description="Log every request (uvicorn access log).")
     log_level: str = Field("info", description="uvicorn / logging level.")
     # Passed through to the alert engine, which validates them.
-    rules: list[str] | str | None = Field(
-        None, description="Rule files or directories; none: the shipped defaults."
-    )
+    rules: list[str] | str | None = Field(None, description="Rule files or directories; none: the shipped defaults.")
     alerts: dict[str, Any] | None = Field(None, description="Alert engine options.")
     notifiers: list[dict[str, Any]] | None = Field(None, description="Notifier configs.")
 
@@ -185,9 +177,7 @@ class Settings(BaseSettings):
             if loaded is None:
                 loaded = {}
             if not isinstance(loaded, dict):
-                raise SettingsError(
-                    f"{where}: expected a mapping of settings, got {type(loaded).__name__}"
-                )
+                raise SettingsError(f"{where}: expected a mapping of settings, got {type(loaded).__name__}")
             data = loaded
         overrides = {k: v for k, v in overrides.items() if v is not None}
         # A token given here replaces one from the file or environment, whichever form.
@@ -224,9 +214,7 @@ def _read_secret(path: Path, what: str) -> str:
     return text
 
 
-def _describe(
-    exc: ValidationError, where: str, data: dict[str, Any], overrides: dict[str, Any]
-) -> str:
+def _describe(exc: ValidationError, where: str, data: dict[str, Any], overrides: dict[str, Any]) -> str:
     lines = []
     for err in exc.errors(include_url=False, include_input=False):
         loc = err["loc"]

@@ -118,8 +118,10 @@ class StateDB:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                raise OSError(f"state_path {str(path)!r}: cannot create its folder: {exc.strerror}; "
-                              "set state_path to a writable file, or 'memory'") from None
+                raise OSError(
+                    f"state_path {str(path)!r}: cannot create its folder: {exc.strerror}; "
+                    "set state_path to a writable file, or 'memory'"
+                ) from None
             self._lockfile = _lock(self.path)
         try:
             self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
@@ -175,7 +177,9 @@ class StateDB:
                         self._db.execute(
                             "INSERT INTO runs VALUES (?, ?, ?, ?) ON CONFLICT(run) DO UPDATE SET "
                             "last_seen = excluded.last_seen, last_step = excluded.last_step, "
-                            "ended = excluded.ended", (run, seen, step, int(bool(ended))))
+                            "ended = excluded.ended",
+                            (run, seen, step, int(bool(ended))),
+                        )
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
@@ -206,20 +210,25 @@ class StateDB:
     def record_sent(self, notifier: str, notifications: Iterable[Any]) -> None:
         """Remember the last status delivered to ``notifier`` per alert (after a 2xx)."""
         now = time.time()
-        rows = [(notifier, alert_id(n.alertname, _series(n.labels)), n.status, now,
-                 json.dumps(_payload(n))) for n in notifications]
-        self._write("INSERT INTO notified VALUES (?, ?, ?, ?, ?) ON CONFLICT(notifier, id) DO UPDATE "
-                    "SET status = excluded.status, at = excluded.at, "
-                    "notification = excluded.notification", rows)
+        rows = [
+            (notifier, alert_id(n.alertname, _series(n.labels)), n.status, now, json.dumps(_payload(n)))
+            for n in notifications
+        ]
+        self._write(
+            "INSERT INTO notified VALUES (?, ?, ?, ?, ?) ON CONFLICT(notifier, id) DO UPDATE "
+            "SET status = excluded.status, at = excluded.at, "
+            "notification = excluded.notification",
+            rows,
+        )
 
     def load_notified(self) -> dict[tuple[str, str], tuple[str, dict[str, Any]]]:
         """(notifier, alert id) -> (last status delivered, what was sent)."""
         with self._lock:
-            self._db.execute("DELETE FROM notified WHERE status = 'resolved' AND at < ?",
-                             (time.time() - _RESOLVED_KEEP,))
+            self._db.execute(
+                "DELETE FROM notified WHERE status = 'resolved' AND at < ?", (time.time() - _RESOLVED_KEEP,)
+            )
             rows = self._db.execute("SELECT notifier, id, status, notification FROM notified").fetchall()
         return {(n, i): (s, json.loads(d)) for n, i, s, d in rows}
-
 
     # -- reports applied (sender/seq) --------------------------------------------
 
@@ -248,7 +257,9 @@ class StateDB:
                 self._db.executemany(
                     "INSERT INTO runs VALUES (?, ?, ?, ?) ON CONFLICT(run) DO UPDATE SET "
                     "last_seen = max(last_seen, excluded.last_seen), last_step = excluded.last_step, "
-                    "ended = excluded.ended", list(runs.values()))
+                    "ended = excluded.ended",
+                    list(runs.values()),
+                )
                 for run, rank, sender in prune:
                     self._prune_locked(run, rank, sender)
             except BaseException:
@@ -259,15 +270,20 @@ class StateDB:
     def _prune_locked(self, run: str, rank: int, sender: str) -> None:
         """Keep the newest SEQ_WINDOW numbers of one sender; the rest become its floor."""
         row = self._db.execute(
-            "SELECT seq FROM seqs WHERE run = ? AND rank = ? AND sender = ? "
-            "ORDER BY seq DESC LIMIT 1 OFFSET ?", (run, rank, sender, SEQ_WINDOW)).fetchone()
+            "SELECT seq FROM seqs WHERE run = ? AND rank = ? AND sender = ? ORDER BY seq DESC LIMIT 1 OFFSET ?",
+            (run, rank, sender, SEQ_WINDOW),
+        ).fetchone()
         if row is None:
             return
         floor = int(row[0])
-        self._db.execute("DELETE FROM seqs WHERE run = ? AND rank = ? AND sender = ? AND seq <= ?",
-                         (run, rank, sender, floor))
-        self._db.execute("INSERT INTO seq_floors VALUES (?, ?, ?, ?) ON CONFLICT(run, rank, sender) "
-                         "DO UPDATE SET floor = max(floor, excluded.floor)", (run, rank, sender, floor))
+        self._db.execute(
+            "DELETE FROM seqs WHERE run = ? AND rank = ? AND sender = ? AND seq <= ?", (run, rank, sender, floor)
+        )
+        self._db.execute(
+            "INSERT INTO seq_floors VALUES (?, ?, ?, ?) ON CONFLICT(run, rank, sender) "
+            "DO UPDATE SET floor = max(floor, excluded.floor)",
+            (run, rank, sender, floor),
+        )
 
     def load_seqs(self) -> list[tuple[str, int, str, int, list[int]]]:
         """``(run, rank, sender, floor, seqs)``: every seq at or below ``floor`` counts as
@@ -277,7 +293,8 @@ class StateDB:
             for run, rank, sender, floor in self._db.execute("SELECT * FROM seq_floors"):
                 out[(run, rank, sender)] = (int(floor), [])
             for run, rank, sender, seq in self._db.execute(
-                    "SELECT run, rank, sender, seq FROM seqs ORDER BY run, rank, sender, seq"):
+                "SELECT run, rank, sender, seq FROM seqs ORDER BY run, rank, sender, seq"
+            ):
                 out.setdefault((run, rank, sender), (-1, []))[1].append(int(seq))
         return [(run, rank, sender, floor, seqs) for (run, rank, sender), (floor, seqs) in out.items()]
 
@@ -289,11 +306,12 @@ class StateDB:
             rows = self._db.execute("SELECT run, data, set_at, expires_at FROM run_settings").fetchall()
         return [(r, json.loads(d), float(s), float(e)) for r, d, s, e in rows]
 
-    def save_run_settings(self, run: str, settings: Mapping[str, Any], set_at: float,
-                          expires_at: float) -> None:
-        self._write("INSERT INTO run_settings VALUES (?, ?, ?, ?) ON CONFLICT(run) DO UPDATE SET "
-                    "data = excluded.data, set_at = excluded.set_at, expires_at = excluded.expires_at",
-                    [(run, json.dumps(dict(settings)), set_at, expires_at)])
+    def save_run_settings(self, run: str, settings: Mapping[str, Any], set_at: float, expires_at: float) -> None:
+        self._write(
+            "INSERT INTO run_settings VALUES (?, ?, ?, ?) ON CONFLICT(run) DO UPDATE SET "
+            "data = excluded.data, set_at = excluded.set_at, expires_at = excluded.expires_at",
+            [(run, json.dumps(dict(settings)), set_at, expires_at)],
+        )
 
     def delete_run_settings(self, run: str) -> None:
         self._write("DELETE FROM run_settings WHERE run = ?", [(run,)])
@@ -311,17 +329,21 @@ def _lock(path: Path) -> IO[str] | None:
     try:
         fh = open(lock_path, "a+", encoding="utf-8")  # held open until close()
     except OSError as exc:
-        raise OSError(f"state_path {str(path)!r}: cannot create {str(lock_path)!r}: {exc.strerror}; "
-                      "set state_path to a writable file, or 'memory'") from None
+        raise OSError(
+            f"state_path {str(path)!r}: cannot create {str(lock_path)!r}: {exc.strerror}; "
+            "set state_path to a writable file, or 'memory'"
+        ) from None
     try:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         fh.seek(0)
         holder = fh.read().strip() or "?"
         fh.close()
-        raise StateInUse(f"state_path {str(path)!r} is in use by another running collector (pid "
-                         f"{holder}): give each collector its own state_path, or state_path: "
-                         "memory") from None
+        raise StateInUse(
+            f"state_path {str(path)!r} is in use by another running collector (pid "
+            f"{holder}): give each collector its own state_path, or state_path: "
+            "memory"
+        ) from None
     fh.seek(0)
     fh.truncate()
     fh.write(f"{os.getpid()}\n")
@@ -335,5 +357,10 @@ def _series(labels: Mapping[str, str]) -> dict[str, str]:
 
 
 def _payload(n: Any) -> dict[str, Any]:
-    return {"labels": dict(n.labels), "annotations": dict(n.annotations), "starts_at": n.starts_at,
-            "value": n.value if math.isfinite(n.value) else None, "generator_url": n.generator_url}
+    return {
+        "labels": dict(n.labels),
+        "annotations": dict(n.annotations),
+        "starts_at": n.starts_at,
+        "value": n.value if math.isfinite(n.value) else None,
+        "generator_url": n.generator_url,
+    }

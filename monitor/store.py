@@ -62,9 +62,7 @@ LabelKey = tuple[tuple[str, str], ...]
 # untracked by the garbage collector, so a million series cost full collections nothing)
 Families = dict[str, dict[LabelKey, tuple[float, int]]]
 # What copy_runs() returns per run: (run, step, last report time, ended, per-rank series).
-RunCopy = tuple[
-    str, int, float, bool, list[tuple[int, list[tuple[str, list[tuple[LabelKey, float]]]]]]
-]
+RunCopy = tuple[str, int, float, bool, list[tuple[int, list[tuple[str, list[tuple[LabelKey, float]]]]]]]
 IngestCallback = Callable[[ReportBatch, float], None]
 
 
@@ -270,8 +268,7 @@ class SeriesStore:
         with self._lock:
             if run in self._runs:
                 return
-            self._runs[run] = _Run(step=step, last_report_time=last_report_time, ended=ended,
-                                   n_series=2 + ended)
+            self._runs[run] = _Run(step=step, last_report_time=last_report_time, ended=ended, n_series=2 + ended)
             self._series_count += 2 + ended
 
     def restore_seqs(self, run: str, rank: int, sender: str, floor: int, seqs: list[int]) -> None:
@@ -382,9 +379,15 @@ class SeriesStore:
             bound[r.run] = bound.get(r.run, 0) + len(r.samples) + 3
         per_run = self.max_series_per_run
         # A budget as large as the cap is no budget: the cap decides (and is retryable).
-        over_run = [] if per_run >= self.max_series else [
-            name for name, n in bound.items()
-            if n + (self._runs[name].n_series if name in self._runs else 0) > per_run]
+        over_run = (
+            []
+            if per_run >= self.max_series
+            else [
+                name
+                for name, n in bound.items()
+                if n + (self._runs[name].n_series if name in self._runs else 0) > per_run
+            ]
+        )
         if not over_run and self._series_count + sum(bound.values()) <= self.max_series:
             return
         added = self._count_new_locked(reports)
@@ -444,9 +447,7 @@ class SeriesStore:
         fresh = {s.name for r in reports for s in r.samples} - known
         for name in sorted(fresh):
             if name in RESERVED_NAMES:  # a batch built in process, not through the schema
-                raise IngestRefused(
-                    f"metric name {name!r} is produced by the collector; samples may not use it"
-                )
+                raise IngestRefused(f"metric name {name!r} is produced by the collector; samples may not use it")
             if metric_type(name) == "counter":
                 other = name[: -len("_total")] if name.endswith("_total") else name
             else:
@@ -493,9 +494,7 @@ class SeriesStore:
                 for name, r in sorted(self._runs.items())
             ]
 
-    def get(
-        self, run: str, name: str, labels: dict[str, str] | None = None, *, rank: int = 0
-    ) -> float | None:
+    def get(self, run: str, name: str, labels: dict[str, str] | None = None, *, rank: int = 0) -> float | None:
         """The latest value of one series (wire name, no prefix), or None."""
         with self._lock:
             r = self._runs.get(run)

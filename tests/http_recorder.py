@@ -44,8 +44,15 @@ class RecordingServer:
     Use as a context manager, or call :meth:`close` (idempotent).
     """
 
-    def __init__(self, responses: list[Reply] | tuple[Reply, ...] = (), *, default: Reply = 200,
-                 body: bytes = b"", headers: dict[str, str] | None = None, hang: bool = False):
+    def __init__(
+        self,
+        responses: list[Reply] | tuple[Reply, ...] = (),
+        *,
+        default: Reply = 200,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        hang: bool = False,
+    ):
         self._script = list(responses)
         self._default = default
         self._body = body
@@ -64,8 +71,7 @@ class RecordingServer:
                 payload = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if self.headers.get("Content-Encoding") == "gzip":
                     payload = gzip.decompress(payload)
-                status, body, headers = outer._record(
-                    self.command, self.path, dict(self.headers.items()), payload)
+                status, body, headers = outer._record(self.command, self.path, dict(self.headers.items()), payload)
                 if status is None:
                     outer._release.wait(HANG_S)
                     self.close_connection = True
@@ -84,12 +90,12 @@ class RecordingServer:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="recording-server",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="recording-server", daemon=True)
         self._thread.start()
 
-    def _record(self, method: str, path: str, headers: dict[str, str],
-                body: bytes) -> tuple[int | None, bytes, dict[str, str]]:
+    def _record(
+        self, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int | None, bytes, dict[str, str]]:
         """Take the next scripted reply and record the request with it, at once (so the
         order of the record is the order of the script); return (status, body, headers),
         status None to hang."""

@@ -49,12 +49,24 @@ def make_batch(*reports: dict[str, Any]) -> ReportBatch:
     return ReportBatch.model_validate(make_body(*reports))
 
 
-def wire_report(step: int, samples: Iterable[tuple[str, dict[str, str], float]] = (), *,
-                run: str = "r1", rank: int = 0, events: Iterable[str | tuple[str, str]] = (),
-                time: float | None = None) -> Report:
+def wire_report(
+    step: int,
+    samples: Iterable[tuple[str, dict[str, str], float]] = (),
+    *,
+    run: str = "r1",
+    rank: int = 0,
+    events: Iterable[str | tuple[str, str]] = (),
+    time: float | None = None,
+) -> Report:
     """A validated wire Report from (name, labels, value) triples and event kinds (or
     (kind, detail) pairs); its time is ``1000 + step`` unless given."""
-    return Report.model_validate(make_report(
-        run, step, [{"name": n, "labels": dict(lb), "value": v} for n, lb, v in samples], rank=rank,
-        events=[{"kind": e} if isinstance(e, str) else {"kind": e[0], "detail": e[1]} for e in events],
-        time=1000.0 + step if time is None else time))
+    return Report.model_validate(
+        make_report(
+            run,
+            step,
+            [{"name": n, "labels": dict(lb), "value": v} for n, lb, v in samples],
+            rank=rank,
+            events=[{"kind": e} if isinstance(e, str) else {"kind": e[0], "detail": e[1]} for e in events],
+            time=1000.0 + step if time is None else time,
+        )
+    )

@@ -44,8 +44,7 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "",
-               interval: float = 0.02) -> Any:
+def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "", interval: float = 0.02) -> Any:
     """Poll until ``predicate()`` is truthy and return it; fail after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while True:
@@ -81,9 +80,16 @@ def stop_process(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def running_process(args: list[str], *, log: Path, ready_url: str, what: str, timeout: float = 30,
-                    env: dict[str, str] | None = None, cwd: Path | None = None
-                    ) -> Iterator[subprocess.Popen]:
+def running_process(
+    args: list[str],
+    *,
+    log: Path,
+    ready_url: str,
+    what: str,
+    timeout: float = 30,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> Iterator[subprocess.Popen]:
     """Start ``args`` with stdout and stderr in the file ``log``; yield the process once
     ``ready_url`` answers 200 (failing, with the log's tail, if it exits first or is not
     ready within ``timeout`` s); stop it when the block exits."""
@@ -91,10 +97,10 @@ def running_process(args: list[str], *, log: Path, ready_url: str, what: str, ti
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         try:
             with httpx.Client(timeout=5.0) as client:
+
                 def ready() -> bool:
                     if proc.poll() is not None:
-                        raise AssertionError(f"{what} exited with {proc.returncode}: "
-                                             f"{log.read_text()[-3000:]}")
+                        raise AssertionError(f"{what} exited with {proc.returncode}: {log.read_text()[-3000:]}")
                     try:
                         return client.get(ready_url).status_code == 200
                     except httpx.TransportError:
@@ -122,8 +128,9 @@ receivers:
 
 
 @contextmanager
-def running_alertmanager(folder: Path, receiver_url: str,
-                         group_by: Iterable[str] = ("alertname", "run")) -> Iterator[str]:
+def running_alertmanager(
+    folder: Path, receiver_url: str, group_by: Iterable[str] = ("alertname", "run")
+) -> Iterator[str]:
     """Debian's prometheus-alertmanager on loopback, no cluster, storage in ``folder``;
     its route sends every alert, grouped by ``group_by``, to ``receiver_url``/webhook.
     Yields its URL."""
@@ -134,9 +141,18 @@ def running_alertmanager(folder: Path, receiver_url: str,
     config.write_text(ALERTMANAGER_CONFIG.format(url=receiver_url, group_by=", ".join(group_by)))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with running_process([ALERTMANAGER, f"--config.file={config}", f"--storage.path={folder / 'data'}",
-                          f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-                         log=folder / "alertmanager.log", ready_url=f"{url}/-/ready", what="alertmanager"):
+    with running_process(
+        [
+            ALERTMANAGER,
+            f"--config.file={config}",
+            f"--storage.path={folder / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ],
+        log=folder / "alertmanager.log",
+        ready_url=f"{url}/-/ready",
+        what="alertmanager",
+    ):
         yield url
 
 
@@ -181,8 +197,9 @@ class Collector:
 
 
 @contextmanager
-def running_collector(settings: Settings | None = None, *, store: SeriesStore | None = None,
-                      **fields: Any) -> Iterator[Collector]:
+def running_collector(
+    settings: Settings | None = None, *, store: SeriesStore | None = None, **fields: Any
+) -> Iterator[Collector]:
     """A real collector: ``create_app`` served by uvicorn on a thread of this process,
     127.0.0.1, port 0. Its settings are ``settings``, else ``Settings(**fields)`` (the
     environment fills the rest: the suite removes developers' TRAINVITALS_* variables);
@@ -234,9 +251,15 @@ def run_ranks(script: Path, out: Path, *extra: str, world: int = 2, timeout: flo
     free loopback port); fail the test on a non-zero exit or after ``timeout`` seconds
     (killing them all); return the JSON that rank 0 wrote to ``out``."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), str(port), str(out), *extra],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(world), str(port), str(out), *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
     finish_all(procs, timeout, "data-parallel ranks")
     return json.loads(out.read_text())
 
@@ -253,7 +276,7 @@ def finish_all(procs: list[subprocess.Popen], timeout: float, what: str) -> list
         for p in procs:
             p.kill()
         pytest.fail(f"{what} did not finish within {timeout} s")
-    for p, log in zip(procs, logs):
+    for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log
     return logs
 

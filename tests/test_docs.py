@@ -21,8 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE_DIRS = ("hooks", "monitor", "alerts", "wire")
 CODE_SUFFIXES = (".py", ".yaml", ".yml", ".md")
 # Not part of the repository's content: VCS data, environments, build outputs.
-SKIP_DIRS = {".git", ".venv", "venv", "build", "dist", "__pycache__", ".ruff_cache",
-             ".pytest_cache", "node_modules"}
+SKIP_DIRS = {".git", ".venv", "venv", "build", "dist", "__pycache__", ".ruff_cache", ".pytest_cache", "node_modules"}
 
 REGENERATE = "python -m trainvitals.wire.reference > docs/metrics.md"
 
@@ -150,10 +149,15 @@ _OUTSIDE = re.compile(r"\.\./shared|DESIGN\.md|INCIDENTS\.md|\bDESIGN\b|\bINCIDE
 
 
 def test_nothing_cites_the_design_notes_outside_the_repository():
-    hits = [f"{_rel(path)}:{number}: {line.strip()}"
-            for path in _code_files() for number, line in _lines(path) if _OUTSIDE.search(line)]
-    assert not hits, ("these lines cite notes that are not in the repository; point them at "
-                      "docs/ instead:\n" + "\n".join(hits))
+    hits = [
+        f"{_rel(path)}:{number}: {line.strip()}"
+        for path in _code_files()
+        for number, line in _lines(path)
+        if _OUTSIDE.search(line)
+    ]
+    assert not hits, (
+        "these lines cite notes that are not in the repository; point them at docs/ instead:\n" + "\n".join(hits)
+    )
 
 
 # -- 4. links inside the docs and the runbooks --------------------------------------
@@ -195,8 +199,10 @@ def test_license_file_is_the_apache_2_license_pyproject_declares():
     assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     text = (ROOT / "LICENSE").read_text(encoding="utf-8")
     assert text.lstrip().startswith("Apache License\n                           Version 2.0, January 2004")
-    for part in ("TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION",
-                 "9. Accepting Warranty or Additional Liability.",
-                 "END OF TERMS AND CONDITIONS",
-                 "APPENDIX: How to apply the Apache License to your work."):
+    for part in (
+        "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION",
+        "9. Accepting Warranty or Additional Liability.",
+        "END OF TERMS AND CONDITIONS",
+        "APPENDIX: How to apply the Apache License to your work.",
+    ):
         assert part in text, part

@@ -22,8 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_readme_example_reaches_metrics_with_the_reference_grad_norm():
     with running_collector() as collector:
         env = {**os.environ, "TRAINVITALS_COLLECTOR": collector.url}
-        out = subprocess.run([sys.executable, str(ROOT / "examples" / "minimal.py")], env=env,
-                             capture_output=True, text=True, timeout=120, check=True)
+        out = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "minimal.py")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         ref = float(re.search(r"grad_norm (\S+)", out.stdout).group(1))
         text = collector.metrics()
         runs = collector.client.get("/v1/runs").json()
@@ -55,8 +61,14 @@ def test_metrics_of_a_real_job_pass_promtool():
 
 def test_example_trains_to_the_end_with_the_collector_down(tmp_path):
     env = {**os.environ, "TRAINVITALS_COLLECTOR": dead_url()}
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "minimal.py")], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "minimal.py")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "step 20 grad_norm" in out.stdout
     assert "Traceback" not in out.stderr

@@ -15,9 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_importing_hooks_does_not_import_the_collector_stack():
-    code = ("import sys, trainvitals.hooks; from trainvitals.hooks import attach; "
-            "bad = [m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, trainvitals.hooks; from trainvitals.hooks import attach; "
+        "bad = [m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
@@ -34,8 +36,11 @@ def test_public_api_is_what_we_mean():
 
 @pytest.mark.slow
 def test_wheel_contains_only_the_trainvitals_package(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
     wheel = next(tmp_path.glob("trainvitals-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     code = [n for n in names if ".dist-info/" not in n]
@@ -50,8 +55,11 @@ def test_ruff_bans_bare_folder_imports(tmp_path):
         pytest.skip("ruff not installed")
     bad = tmp_path / "bad.py"
     bad.write_text("import hooks\nfrom monitor import app\n")
-    out = subprocess.run([ruff, "check", "--config", str(ROOT / "pyproject.toml"), "--select", "TID251",
-                          str(bad)], capture_output=True, text=True)
+    out = subprocess.run(
+        [ruff, "check", "--config", str(ROOT / "pyproject.toml"), "--select", "TID251", str(bad)],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode != 0 and out.stdout.count("TID251") == 2, out.stdout
 
 
@@ -59,6 +67,7 @@ def test_ruff_is_clean_on_the_project():
     ruff = shutil.which("ruff")
     if ruff is None:
         pytest.skip("ruff not installed")
-    out = subprocess.run([ruff, "check", "hooks", "monitor", "alerts", "wire", "demo", "tests"], cwd=ROOT,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [ruff, "check", "hooks", "monitor", "alerts", "wire", "demo", "tests"], cwd=ROOT, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout

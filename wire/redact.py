@@ -16,7 +16,9 @@ _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<user>[^/\s:@
 # ?token=... &key=... (query parameters whose name says secret)
 _QUERY = re.compile(
     r"(?P<head>[?&;](?:[\w.\-]*(?:token|key|secret|password|passwd|pwd|sig|signature|auth|"
-    r"credential|code|session)[\w.\-]*)=)(?P<value>[^&;#\s\"'<>]+)", re.IGNORECASE)
+    r"credential|code|session)[\w.\-]*)=)(?P<value>[^&;#\s\"'<>]+)",
+    re.IGNORECASE,
+)
 
 
 def redact(text: str) -> str:

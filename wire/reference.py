@@ -44,7 +44,9 @@ def reference_markdown() -> str:
         lines += [f"## {title}", "", "| metric | type | unit | labels | meaning |", "|---|---|---|---|---|"]
         for s in specs:
             labels = ", ".join(s.labels) if s.labels else "-"
-            lines.append(f"| `{PREFIX}{s.name}` | {s.type} | {s.unit} | {labels} | {s.help.replace('|', chr(92) + '|')} |")
+            lines.append(
+                f"| `{PREFIX}{s.name}` | {s.type} | {s.unit} | {labels} | {s.help.replace('|', chr(92) + '|')} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

@@ -93,21 +93,52 @@ _LABEL_NAME = re.compile(r"(?:[a-zA-Z]|_[a-zA-Z0-9])[a-zA-Z0-9_]*\Z")
 # operators check an exporter). Patterns over the wire name (the exposed name is the
 # prefix + the wire name), each a word between underscores, shared with the collector's
 # OpenAPI schema. Words: units, their prefixes, abbreviations, from promtool's promlint.
-_BASE_UNITS = ("amperes", "bytes", "celsius", "grams", "joules", "kelvin", "meters", "metres",
-               "seconds", "volts")
-_OTHER_UNITS = {"minutes": "seconds", "hours": "seconds", "days": "seconds", "weeks": "seconds",
-                "kelvins": "kelvin", "fahrenheit": "celsius", "rankine": "celsius", "inches": "meters",
-                "yards": "meters", "miles": "meters", "bits": "bytes", "calories": "joules",
-                "pounds": "grams", "ounces": "grams"}
-_UNIT_PREFIXES = ("pico", "nano", "micro", "milli", "centi", "deci", "deca", "hecto", "kilo", "kibi",
-                  "mega", "mibi", "giga", "gibi", "tera", "tebi", "peta", "pebi")
+_BASE_UNITS = ("amperes", "bytes", "celsius", "grams", "joules", "kelvin", "meters", "metres", "seconds", "volts")
+_OTHER_UNITS = {
+    "minutes": "seconds",
+    "hours": "seconds",
+    "days": "seconds",
+    "weeks": "seconds",
+    "kelvins": "kelvin",
+    "fahrenheit": "celsius",
+    "rankine": "celsius",
+    "inches": "meters",
+    "yards": "meters",
+    "miles": "meters",
+    "bits": "bytes",
+    "calories": "joules",
+    "pounds": "grams",
+    "ounces": "grams",
+}
+_UNIT_PREFIXES = (
+    "pico",
+    "nano",
+    "micro",
+    "milli",
+    "centi",
+    "deci",
+    "deca",
+    "hecto",
+    "kilo",
+    "kibi",
+    "mega",
+    "mibi",
+    "giga",
+    "gibi",
+    "tera",
+    "tebi",
+    "peta",
+    "pebi",
+)
 _ABBREVIATIONS = ("s", "ms", "us", "ns", "sec", "b", "kb", "mb", "gb", "tb", "pb", "m", "h", "d")
 _TYPES = ("counter", "gauge", "summary", "histogram")  # gauge_histogram: has "gauge" in it
 NAME_CONVENTIONS: dict[str, str] = {
-    rf"(^|_)({'|'.join(_UNIT_PREFIXES)})({'|'.join((*_BASE_UNITS, *_OTHER_UNITS))})(_|$)":
-        "a unit with a prefix: use the base unit (seconds, bytes, meters, ...) and scale the value",
-    rf"(^|_)({'|'.join(_OTHER_UNITS)})(_|$)":
-        "a unit that is not a base unit: use seconds, bytes, meters, celsius, joules, grams",
+    rf"(^|_)({'|'.join(_UNIT_PREFIXES)})({'|'.join((*_BASE_UNITS, *_OTHER_UNITS))})(_|$)": (
+        "a unit with a prefix: use the base unit (seconds, bytes, meters, ...) and scale the value"
+    ),
+    rf"(^|_)({'|'.join(_OTHER_UNITS)})(_|$)": (
+        "a unit that is not a base unit: use seconds, bytes, meters, celsius, joules, grams"
+    ),
     rf"(^|_)({'|'.join(_ABBREVIATIONS)})(_|$)": "an abbreviated unit: spell the base unit (seconds, bytes)",
     rf"(^|_)({'|'.join(_TYPES)})(_|$)": "a metric type in the name",
     r"(^|_)(count|sum|bucket)$": "a suffix reserved for histograms and summaries",
@@ -135,8 +166,7 @@ def _name_problem(name: str) -> str | None:
         return f"metric name {name!r} is produced by the collector; samples may not use it"
     for pattern, why in _CONVENTIONS:
         if pattern.search(name):
-            return (f"metric name {name!r} breaks a Prometheus naming convention (promtool check "
-                    f"metrics): {why}")
+            return f"metric name {name!r} breaks a Prometheus naming convention (promtool check metrics): {why}"
     return None
 
 
@@ -147,11 +177,15 @@ def _label_name_problem(name: str, allowed: frozenset[str] | None) -> str | None
             return f"label {name!r} is not one this event kind carries (allowed: {shown})"
         return None
     if len(name) > MAX_LABEL_NAME or not _LABEL_NAME.match(name):
-        return (f"label name {name[:80]!r} is not a Prometheus label name (letters, digits, _, "
-                f"not starting with a digit or __, at most {MAX_LABEL_NAME} characters)")
+        return (
+            f"label name {name[:80]!r} is not a Prometheus label name (letters, digits, _, "
+            f"not starting with a digit or __, at most {MAX_LABEL_NAME} characters)"
+        )
     if name in RESERVED_LABELS:
-        return (f"label {name!r} is reserved (run/rank come from the report; Prometheus renames "
-                "job/instance; alertname/severity identify alerts)")
+        return (
+            f"label {name!r} is reserved (run/rank come from the report; Prometheus renames "
+            "job/instance; alertname/severity identify alerts)"
+        )
     if name in HISTOGRAM_LABELS:
         return f"label {name!r} is reserved for Prometheus histograms and summaries"
     for pattern, why in _LABEL_CONVENTIONS:
@@ -164,8 +198,10 @@ def _value_problem(name: str, value: Any) -> str | None:
     if not isinstance(value, str):
         return f"label {name!r}: value must be a string, got {type(value).__name__}"
     if not value:
-        return (f"label {name!r}: value is empty (Prometheus reads an empty value as no label, "
-                "which would make it another series' duplicate)")
+        return (
+            f"label {name!r}: value is empty (Prometheus reads an empty value as no label, "
+            "which would make it another series' duplicate)"
+        )
     if len(value) > MAX_LABEL_VALUE:
         return f"label {name!r}: value is {len(value)} characters, over the limit of {MAX_LABEL_VALUE}"
     if not value.isprintable():
@@ -237,8 +273,7 @@ def _events_problem(events: Iterable[Any]) -> str | None:
     for i, ev in enumerate(events):
         allowed = EVENT_KINDS.get(ev.kind)
         if allowed is None:
-            return (f"events.{i}.kind: unknown event kind {ev.kind[:80]!r}; "
-                    f"known: {', '.join(sorted(EVENT_KINDS))}")
+            return f"events.{i}.kind: unknown event kind {ev.kind[:80]!r}; known: {', '.join(sorted(EVENT_KINDS))}"
         if ev.labels:
             why = _labels_problem(ev.labels, allowed)
             if why is not None:
@@ -328,9 +363,7 @@ class Report(_Strict):
 class ReportBatch(_Strict):
     """The body of ``POST /v1/reports``."""
 
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, populate_by_name=True, ser_json_inf_nan="constants"
-    )
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, ser_json_inf_nan="constants")
 
     schema_version: Literal[1] = Field(alias="schema")
     reports: Annotated[list[Report], Field(min_length=1, max_length=MAX_REPORTS)]

@@ -39,8 +39,7 @@ class AlertmanagerNotifier(HttpNotifier):
     wants_repeats = True
     max_batch = 64
 
-    def __init__(self, name: str, url: str, *, timeout: float = 10.0,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, url: str, *, timeout: float = 10.0, headers: dict[str, str] | None = None) -> None:
         super().__init__(name, timeout=timeout, headers=headers)
         self._endpoint = url.rstrip("/") + "/api/v2/alerts"
 

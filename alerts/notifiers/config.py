@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -162,7 +162,13 @@ class SlackConfig(_Base):
     def build(self, name: str) -> Notifier:
         url = _registered(_secret(self.webhook_url, self.webhook_url_env, self.webhook_url_file, "webhook_url"))
         if not url.startswith(("http://", "https://")):
-            field = "webhook_url_env" if self.webhook_url_env else "webhook_url_file" if self.webhook_url_file else "webhook_url"
+            field = (
+                "webhook_url_env"
+                if self.webhook_url_env
+                else "webhook_url_file"
+                if self.webhook_url_file
+                else "webhook_url"
+            )
             raise _Field(field, "the webhook URL must start with http:// or https://")
         return SlackNotifier(name, url, timeout=self.timeout)
 
@@ -186,7 +192,7 @@ class WebhookConfig(_Base):
 
 
 NotifierConfig = Annotated[
-    Union[AlertmanagerConfig, PagerDutyConfig, SlackConfig, WebhookConfig], Field(discriminator="type")
+    AlertmanagerConfig | PagerDutyConfig | SlackConfig | WebhookConfig, Field(discriminator="type")
 ]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(NotifierConfig)
 _TYPES = ("alertmanager", "pagerduty", "slack", "webhook")

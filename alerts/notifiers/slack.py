@@ -35,8 +35,10 @@ def slack_message(n: Notification) -> dict:
     elif runbook:
         context += f"  runbook: {_esc(runbook)}"
     blocks: list[dict] = [
-        {"type": "section",
-         "text": {"type": "mrkdwn", "text": f"{emoji} *[{status}] {_esc(n.alertname)}*\n{_esc(summary)}"}},
+        {
+            "type": "section",
+            "text": {"type": "mrkdwn", "text": f"{emoji} *[{status}] {_esc(n.alertname)}*\n{_esc(summary)}"},
+        },
     ]
     if n.firing and n.annotations.get("description"):
         blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": _esc(n.annotations["description"])}})

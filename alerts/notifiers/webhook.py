@@ -14,16 +14,18 @@ def webhook_payload(batch: Sequence[Notification]) -> dict:
     """``{"version": "1", "source": "trainvitals", "status", "alerts": [...]}``."""
     alerts = []
     for n in batch:
-        alerts.append({
-            "status": n.status,
-            "labels": dict(n.labels),
-            "annotations": dict(n.annotations),
-            "startsAt": rfc3339(n.starts_at),
-            "endsAt": rfc3339(n.ends_at) if n.ends_at is not None else None,
-            "value": n.value if math.isfinite(n.value) else None,
-            "generatorURL": n.generator_url,
-            "fingerprint": n.dedup_key(),
-        })
+        alerts.append(
+            {
+                "status": n.status,
+                "labels": dict(n.labels),
+                "annotations": dict(n.annotations),
+                "startsAt": rfc3339(n.starts_at),
+                "endsAt": rfc3339(n.ends_at) if n.ends_at is not None else None,
+                "value": n.value if math.isfinite(n.value) else None,
+                "generatorURL": n.generator_url,
+                "fingerprint": n.dedup_key(),
+            }
+        )
     status = "firing" if any(n.firing for n in batch) else "resolved"
     return {"version": "1", "source": "trainvitals", "status": status, "alerts": alerts}
 
@@ -34,8 +36,7 @@ class WebhookNotifier(HttpNotifier):
     type = "webhook"
     max_batch = 32
 
-    def __init__(self, name: str, url: str, *, headers: Mapping[str, str] | None = None,
-                 timeout: float = 10.0) -> None:
+    def __init__(self, name: str, url: str, *, headers: Mapping[str, str] | None = None, timeout: float = 10.0) -> None:
         super().__init__(name, timeout=timeout, headers=dict(headers or {}))
         self._url = url
 

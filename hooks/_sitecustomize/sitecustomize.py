@@ -85,8 +85,10 @@ def _pre_step(optimizer, args, kwargs):
 
             _impl = autoattach.on_step
         except Exception as exc:  # noqa: BLE001 - never stop the job
-            sys.stderr.write(f"trainvitals run: cannot import trainvitals in {sys.executable} "
-                             f"({type(exc).__name__}: {exc}); this job runs unmonitored\n")
+            sys.stderr.write(
+                f"trainvitals run: cannot import trainvitals in {sys.executable} "
+                f"({type(exc).__name__}: {exc}); this job runs unmonitored\n"
+            )
             _impl = _off
     return _impl(optimizer, args, kwargs)
 
@@ -101,8 +103,10 @@ def _torch_imported(torch):
 
         register_optimizer_step_pre_hook(_pre_step)
     except Exception as exc:  # noqa: BLE001 - an old torch without global hooks
-        sys.stderr.write(f"trainvitals run: cannot hook torch {getattr(torch, '__version__', '?')}'s "
-                         f"optimizers ({type(exc).__name__}: {exc}); this job runs unmonitored\n")
+        sys.stderr.write(
+            f"trainvitals run: cannot hook torch {getattr(torch, '__version__', '?')}'s "
+            f"optimizers ({type(exc).__name__}: {exc}); this job runs unmonitored\n"
+        )
 
 
 def _chain():

@@ -63,8 +63,13 @@ class MomentPlan:
     """One arrangement of Adam entries: how each is sampled, the batches of samples,
     which series and group each entry feeds."""
 
-    def __init__(self, monitor: MonitorView, entries: list[AdamEntry], series_of: dict[int, tuple[int, bool]],
-                 series_labels: list[dict[str, str]]):
+    def __init__(
+        self,
+        monitor: MonitorView,
+        entries: list[AdamEntry],
+        series_of: dict[int, tuple[int, bool]],
+        series_labels: list[dict[str, str]],
+    ):
         dev = monitor.device
         cap = monitor.config.update_sample
         groups = monitor.groups()
@@ -98,7 +103,8 @@ class MomentPlan:
         present = sorted(set(series_bins))
         self.series_keep = torch.tensor(present, dtype=torch.long).to(dev)
         self.labels = [series_labels[b] for b in present] + [
-            {"group": groups[g][0]} for g, _ in sorted(group_slot.items(), key=lambda kv: kv[1])]
+            {"group": groups[g][0]} for g, _ in sorted(group_slot.items(), key=lambda kv: kv[1])
+        ]
         self.all_series_present = len(present) == self.n_series
 
     def _batches(self, sizes: list[int], dev: torch.device) -> list[_Batch]:
@@ -128,8 +134,9 @@ class MomentPlan:
             batches.append(_Batch(segments, dev))
         return batches
 
-    def pair(self, t: torch.Tensor, entry: int, first: int, last: int,
-             out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def pair(
+        self, t: torch.Tensor, entry: int, first: int, last: int, out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(destination, source) views of the same shape for elements ``first:last`` of
         entry ``entry``'s sample of ``t``, to copy with one foreach call per batch."""
         sample = self.samples[entry]
@@ -154,24 +161,31 @@ class AdamMoments:
         if key != self._series_key:
             self._series_key = key
             series = choose(monitor)
-            self._series = ({id(s.param): (i, s.param.ndim <= 1) for i, s in enumerate(series)},
-                            [{"param": s.name} for s in series])
+            self._series = (
+                {id(s.param): (i, s.param.ndim <= 1) for i, s in enumerate(series)},
+                [{"param": s.name} for s in series],
+            )
         return self._series
 
     def _hyperparameters(self, monitor: MonitorView, entries: list[AdamEntry]) -> torch.Tensor:
         """[3, E] float64: beta1, beta2, eps of each entry's group."""
         groups = monitor.optimizer.param_groups
-        per_group = [(g["betas"][0], g["betas"][1], g["eps"]) if is_adam_group(g) else (0.0, 0.0, 0.0)
-                     for g in groups]
+        per_group = [(g["betas"][0], g["betas"][1], g["eps"]) if is_adam_group(g) else (0.0, 0.0, 0.0) for g in groups]
         dev = monitor.device
         if any(isinstance(x, torch.Tensor) for row in per_group for x in row):
-            return torch.stack([torch.stack([torch.as_tensor(x, dtype=torch.float64).to(dev).reshape(())
-                                             for x in per_group[e.group]]) for e in entries], 1)
+            return torch.stack(
+                [
+                    torch.stack(
+                        [torch.as_tensor(x, dtype=torch.float64).to(dev).reshape(()) for x in per_group[e.group]]
+                    )
+                    for e in entries
+                ],
+                1,
+            )
         flat_values = [float(x) for e in entries for x in per_group[e.group]]
         return self._indices.get(flat_values, dev, torch.float64).view(-1, 3).t()
 
-    def collect(self, monitor: MonitorView, ctx: StepContext, key: tuple, walk: StateWalk,
-                now: torch.Tensor) -> None:
+    def collect(self, monitor: MonitorView, ctx: StepContext, key: tuple, walk: StateWalk, now: torch.Tensor) -> None:
         dev = monitor.device
         entries = walk.entries
         series_of, series_labels = self._series_map(monitor, key)
@@ -210,7 +224,7 @@ class AdamMoments:
         for batch in plan.batches:
             m, v = plan.m_buf[: batch.size], plan.v_buf[: batch.size]
             dst, src = [], []
-            for (i, a, b), mo, vo in zip(batch.segments, m.split(batch.lengths), v.split(batch.lengths)):
+            for (i, a, b), mo, vo in zip(batch.segments, m.split(batch.lengths), v.split(batch.lengths), strict=True):
                 for out, t in ((mo, ms[i]), (vo, vs[i])):
                     d, s = plan.pair(t, i, a, b, out)
                     dst.append(d)
@@ -221,8 +235,11 @@ class AdamMoments:
             below = (v < ce).to(torch.float32)
             m.div_(v.add_(ce))
             # Per-segment sums of squares (of 0/1 for the count) in one foreach call.
-            sums = stack_steps(list(torch._foreach_norm([*m.split(batch.lengths), *below.split(batch.lengths)])),
-                               dev).to(torch.float64).square()
+            sums = (
+                stack_steps(list(torch._foreach_norm([*m.split(batch.lengths), *below.split(batch.lengths)])), dev)
+                .to(torch.float64)
+                .square()
+            )
             k = len(batch.lengths)
             update_sq.index_add_(0, batch.owner, sums[:k])
             dominated.index_add_(0, batch.owner, sums[k:].round())
@@ -232,11 +249,15 @@ class AdamMoments:
         parts = []
         if plan.n_series:
             s = torch.zeros(5, plan.n_series, dtype=torch.float64, device=dev).index_add_(
-                1, plan.series_bins, per_entry.index_select(1, plan.series_entries))
+                1, plan.series_bins, per_entry.index_select(1, plan.series_entries)
+            )
             parts.append(s if plan.all_series_present else s.index_select(1, plan.series_keep))
         if plan.n_groups:
-            parts.append(torch.zeros(5, plan.n_groups, dtype=torch.float64, device=dev).index_add_(
-                1, plan.group_bins, per_entry.index_select(1, plan.group_entries)))
+            parts.append(
+                torch.zeros(5, plan.n_groups, dtype=torch.float64, device=dev).index_add_(
+                    1, plan.group_bins, per_entry.index_select(1, plan.group_entries)
+                )
+            )
         if not parts:
             return
         labels = plan.labels

@@ -119,8 +119,13 @@ class Signal:
         self.broken = True
         with contextlib.suppress(Exception):
             self.reset()
-        log.warning("trainvitals: signal %s failed in %s and is turned off: %s: %s",
-                    type(self).__name__, where, type(exc).__name__, exc)
+        log.warning(
+            "trainvitals: signal %s failed in %s and is turned off: %s: %s",
+            type(self).__name__,
+            where,
+            type(exc).__name__,
+            exc,
+        )
 
     @contextlib.contextmanager
     def guard(self, where: str) -> Iterator[None]:

@@ -39,8 +39,7 @@ import torch
 
 from trainvitals.hooks.signals.softmax_math import subsample_stride
 
-__all__ = ["CE_RTOL", "Recovered", "cross_entropy_residual", "recover", "residual_tolerance",
-           "uniform_tolerance"]
+__all__ = ["CE_RTOL", "Recovered", "cross_entropy_residual", "recover", "residual_tolerance", "uniform_tolerance"]
 
 CE_RTOL = 1e-4
 """Relative L1 residual below which a float32 gradient counts as plain cross-entropy:
@@ -89,13 +88,15 @@ def recover(grad: torch.Tensor, logits: torch.Tensor, dtype: torch.dtype) -> Rec
     g_y, g_k = g_min.to(dtype), g_max.to(dtype)
     w_py = g_k * torch.exp(z_y - z_k)  # w_t * p_{t,y}
     weight = torch.where(label, w_py - g_y, 0.0)
-    loss = torch.where(label, torch.log(torch.where(label, weight, 1.0))
-                       - torch.log(torch.where(label, w_py, 1.0)), 0.0)
+    loss = torch.where(
+        label, torch.log(torch.where(label, weight, 1.0)) - torch.log(torch.where(label, w_py, 1.0)), 0.0
+    )
     return Recovered(weight=weight, loss=loss, label=label, target=target)
 
 
-def cross_entropy_residual(grad: torch.Tensor, logits: torch.Tensor, rec: Recovered, *, cap: int,
-                           period: int, chunk_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_residual(
+    grad: torch.Tensor, logits: torch.Tensor, rec: Recovered, *, cap: int, period: int, chunk_bytes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """L1 distance between ``grad`` [N, V] and the cross-entropy gradient rebuilt from
     the recovered weights and labels, and the gradient's own L1 norm, both summed over
     at most ``cap`` positions (a fixed stride, coprime with ``period``: the sequence

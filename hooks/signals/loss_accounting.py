@@ -194,7 +194,8 @@ class LossAccounting(Signal):
             monitor.warn_once(
                 "loss_weights_missing",
                 "track_loss was called but its per-token loss received no gradient before "
-                "optimizer.step(); pass the tensor the loss is reduced from, before its backward")
+                "optimizer.step(); pass the tensor the loss is reduced from, before its backward",
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {"nonfinite": self._nonfinite.cpu() if self._nonfinite is not None else None}
@@ -211,16 +212,27 @@ class LossAccounting(Signal):
         self.reset()
 
     # -- the user call -----------------------------------------------------------
-    def track(self, monitor: MonitorView, per_token: torch.Tensor, *, modality: Any,
-              mask: torch.Tensor | None = None, segments: torch.Tensor | None = None,
-              output: torch.Tensor | None = None, objective: str = "main", weight: float | None = None,
-              normalization: str | None = None) -> None:
+    def track(
+        self,
+        monitor: MonitorView,
+        per_token: torch.Tensor,
+        *,
+        modality: Any,
+        mask: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
+        output: torch.Tensor | None = None,
+        objective: str = "main",
+        weight: float | None = None,
+        normalization: str | None = None,
+    ) -> None:
         """Account one micro-batch's per-token losses; see ``Monitor.track_loss``.
         Wrong types, shapes and unknown names raise here; past the checks nothing does."""
         if self._zero_code:
-            raise ValueError("track_loss: zero-code loss accounting is on (attach(loss_from_logits=...)); "
-                             "it already accounts every token from the logits' gradient, so track_loss "
-                             "would count them twice. Use one or the other")
+            raise ValueError(
+                "track_loss: zero-code loss accounting is on (attach(loss_from_logits=...)); "
+                "it already accounts every token from the logits' gradient, so track_loss "
+                "would count them twice. Use one or the other"
+            )
         rows, cols, codes = check_track_loss(monitor.modalities, per_token, modality, mask, segments, output)
         check_declarations(objective, weight, normalization)
         slot = self._slot(objective)
@@ -229,21 +241,33 @@ class LossAccounting(Signal):
         if self._closed or self.broken:
             return
         with self.guard("track_loss"):
-            self._track(monitor, per_token, rows, cols, codes, mask, segments, output, slot, weight,
-                        normalization)
+            self._track(monitor, per_token, rows, cols, codes, mask, segments, output, slot, weight, normalization)
 
     def _slot(self, objective: str) -> int:
         slot = self._objectives.get(objective)
         if slot is None:
             if len(self._objectives) >= MAX_OBJECTIVES:
-                raise ValueError(f"track_loss: objective {objective!r} would be the {MAX_OBJECTIVES + 1}th; "
-                                 f"at most {MAX_OBJECTIVES} are accounted ({sorted(self._objectives)})")
+                raise ValueError(
+                    f"track_loss: objective {objective!r} would be the {MAX_OBJECTIVES + 1}th; "
+                    f"at most {MAX_OBJECTIVES} are accounted ({sorted(self._objectives)})"
+                )
             slot = self._objectives[objective] = len(self._objectives)
         return slot
 
-    def _track(self, monitor: MonitorView, per_token: torch.Tensor, rows: int, cols: int, codes: Any,
-               mask: torch.Tensor | None, segments: torch.Tensor | None, output: torch.Tensor | None,
-               slot: int, weight: float | None, normalization: str | None) -> None:
+    def _track(
+        self,
+        monitor: MonitorView,
+        per_token: torch.Tensor,
+        rows: int,
+        cols: int,
+        codes: Any,
+        mask: torch.Tensor | None,
+        segments: torch.Tensor | None,
+        output: torch.Tensor | None,
+        slot: int,
+        weight: float | None,
+        normalization: str | None,
+    ) -> None:
         self._late.poll(monitor)
         step = self._current(monitor)
         step.tracked += 1
@@ -294,19 +318,25 @@ class LossAccounting(Signal):
         """Modality codes and packed-row segment ids of the next logits (checked against
         their shape when the logits arrive)."""
         if not self._zero_code:
-            raise ValueError("tag_batch needs zero-code loss accounting: attach(..., loss_from_logits=True); "
-                             "with track_loss pass modality= and segments= to it instead")
+            raise ValueError(
+                "tag_batch needs zero-code loss accounting: attach(..., loss_from_logits=True); "
+                "with track_loss pass modality= and segments= to it instead"
+            )
         if modality is not None and not monitor.modalities:
-            raise ValueError("tag_batch: modality tags need modality names: attach(..., modalities=('text', "
-                             "'image')), then pass codes or names per sample")
-        if segments is not None and (not isinstance(segments, torch.Tensor) or segments.is_floating_point()
-                                     or segments.dtype == torch.bool):
-            raise TypeError(f"tag_batch: segments must be an integer tensor of sample ids [B, T], got "
-                            f"{getattr(segments, 'dtype', type(segments).__name__)}")
+            raise ValueError(
+                "tag_batch: modality tags need modality names: attach(..., modalities=('text', "
+                "'image')), then pass codes or names per sample"
+            )
+        if segments is not None and (
+            not isinstance(segments, torch.Tensor) or segments.is_floating_point() or segments.dtype == torch.bool
+        ):
+            raise TypeError(
+                f"tag_batch: segments must be an integer tensor of sample ids [B, T], got "
+                f"{getattr(segments, 'dtype', type(segments).__name__)}"
+            )
         self._tags = (modality, segments)
 
-    def _watch(self, monitor: MonitorView, logits: torch.Tensor, tags: tuple[Any, Any] | None,
-               slot: int) -> None:
+    def _watch(self, monitor: MonitorView, logits: torch.Tensor, tags: tuple[Any, Any] | None, slot: int) -> None:
         self._late.poll(monitor)
         step = self._current(monitor)
         step.calls[slot] += 1
@@ -321,10 +351,12 @@ class LossAccounting(Signal):
         positions = logits.detach()[..., 0]  # a view: the positions' shape and device
         if modality is None:
             if monitor.modalities:
-                monitor.warn_once("logits_untagged",
-                                  "loss_from_logits: modalities are declared but a micro-batch came without "
-                                  "a modality tag (Monitor.tag_batch, or the callback's modality field); its "
-                                  "tokens count toward the totals only")
+                monitor.warn_once(
+                    "logits_untagged",
+                    "loss_from_logits: modalities are declared but a micro-batch came without "
+                    "a modality tag (Monitor.tag_batch, or the callback's modality field); its "
+                    "tokens count toward the totals only",
+                )
             codes: Any = -1
         else:
             try:
@@ -334,15 +366,24 @@ class LossAccounting(Signal):
         seg = None
         if segments is not None:
             if tuple(segments.shape) != shape:
-                raise ValueError(f"tag_batch: segments have shape {tuple(segments.shape)}, the logits' "
-                                 f"positions {shape}")
+                raise ValueError(
+                    f"tag_batch: segments have shape {tuple(segments.shape)}, the logits' positions {shape}"
+                )
             seg = segments.detach().reshape(rows, cols).to(logits.device, non_blocking=True)
         self._ensure_sums(step, logits.device)
-        logits.register_hook(self._logits_hook(monitor, step, logits.detach(), codes, seg, slot,
-                                               rows, cols))
+        logits.register_hook(self._logits_hook(monitor, step, logits.detach(), codes, seg, slot, rows, cols))
 
-    def _logits_hook(self, monitor: MonitorView, step: _Step, logits: torch.Tensor, codes: Any,
-                     seg: torch.Tensor | None, slot: int, rows: int, cols: int) -> Any:
+    def _logits_hook(
+        self,
+        monitor: MonitorView,
+        step: _Step,
+        logits: torch.Tensor,
+        codes: Any,
+        seg: torch.Tensor | None,
+        slot: int,
+        rows: int,
+        cols: int,
+    ) -> Any:
         # ``logits`` is detached: the hook holds the values, never the autograd graph.
         layout = self._layout
         assert layout is not None
@@ -358,16 +399,15 @@ class LossAccounting(Signal):
             z = logits.reshape(-1, vocab)
             rec = recover(g, z, fdt)
             residual, scale = cross_entropy_residual(
-                g, z, rec, cap=config.logits_max_positions, period=cols,
-                chunk_bytes=config.softmax_chunk_bytes)
+                g, z, rec, cap=config.logits_max_positions, period=cols, chunk_bytes=config.softmax_chunk_bytes
+            )
             step.sums[layout.not_ce].add_((residual > scale * residual_tolerance(grad.dtype)).to(fdt))
             inv = self._inv_scale(monitor, grad.device, fdt)
             w = rec.weight if inv is None else rec.weight * inv
             loss, label = rec.loss.view(rows, cols), rec.label.view(rows, cols)
             self._count_nonfinite(loss, label)
             batch = bin_batch(layout, step.sums, loss, label, seg, codes, probe=False, count_unknown=m > 0)
-            self._add_weights(step, slot, *weight_sums(layout, batch, w,
-                                                       uniform_tolerance(grad.dtype, UNIFORM_RTOL)))
+            self._add_weights(step, slot, *weight_sums(layout, batch, w, uniform_tolerance(grad.dtype, UNIFORM_RTOL)))
             if m:
                 step.outputs += 1
                 step.sums[layout.output].add_(output_sums(layout, batch, g, 1, inv))
@@ -383,8 +423,16 @@ class LossAccounting(Signal):
             step.wmax = torch.full((MAX_OBJECTIVES,), float("-inf"), dtype=fdt, device=device)
             step.wmin = torch.full((MAX_OBJECTIVES,), float("inf"), dtype=fdt, device=device)
 
-    def _add_weights(self, step: _Step, slot: int, block: torch.Tensor, mass: torch.Tensor,
-                     nonuniform: torch.Tensor, wmax: torch.Tensor, wmin: torch.Tensor) -> None:
+    def _add_weights(
+        self,
+        step: _Step,
+        slot: int,
+        block: torch.Tensor,
+        mass: torch.Tensor,
+        nonuniform: torch.Tensor,
+        wmax: torch.Tensor,
+        wmin: torch.Tensor,
+    ) -> None:
         layout = self._layout
         assert layout is not None and step.sums is not None
         assert step.wmax is not None and step.wmin is not None
@@ -443,8 +491,7 @@ class LossAccounting(Signal):
 
         return hook
 
-    def _weight_hook(self, monitor: MonitorView, step: _Step, b: Batch, per_token: torch.Tensor,
-                     slot: int) -> Any:
+    def _weight_hook(self, monitor: MonitorView, step: _Step, b: Batch, per_token: torch.Tensor, slot: int) -> Any:
         layout = self._layout
         assert layout is not None
         # A weak reference: the hook lives in per_token's autograd node, so a strong one
@@ -464,7 +511,8 @@ class LossAccounting(Signal):
                 self._probing = True
                 try:
                     step.probe_grads = self._probe.accumulate(
-                        step.probe_grads, source, grad, b.probe_masks, inv, monitor)
+                        step.probe_grads, source, grad, b.probe_masks, inv, monitor
+                    )
                 finally:
                     self._probing = False
 
@@ -508,34 +556,53 @@ class LossAccounting(Signal):
         if self._nonfinite is not None:
             sums = sums.clone()
             sums[lay.nonfinite] = self._nonfinite.to(sums.device, sums.dtype)
-        self._late.add("loss_mixed_modality",
-                       "%d sample(s) mix modalities among their label tokens; each counts under the "
-                       "highest code. Pass one modality per sample (or per label token of it).",
-                       sums[lay.mixed])
-        self._late.add("loss_unknown_modality",
-                       f"%d label token(s) carry a modality code outside 0..{lay.bins - 2} "
-                       f"(attach(modalities={list(monitor.modalities)})); they count toward totals only",
-                       sums[lay.unknown])
+        self._late.add(
+            "loss_mixed_modality",
+            "%d sample(s) mix modalities among their label tokens; each counts under the "
+            "highest code. Pass one modality per sample (or per label token of it).",
+            sums[lay.mixed],
+        )
+        self._late.add(
+            "loss_unknown_modality",
+            f"%d label token(s) carry a modality code outside 0..{lay.bins - 2} "
+            f"(attach(modalities={list(monitor.modalities)})); they count toward totals only",
+            sums[lay.unknown],
+        )
         if self._zero_code:
-            self._late.add("loss_not_cross_entropy",
-                           "loss_from_logits: %d micro-batch(es) of a reported step had a logits gradient that "
-                           "is not a plain cross-entropy one (label smoothing, a distillation or z-loss term on "
-                           "the same logits, logit soft-capping after the hooked module); their token weights "
-                           "cannot be read from it, so that step's loss-accounting figures are left out. Use "
-                           "track_loss with the per-token cross-entropy (docs/integrations.md)",
-                           sums[lay.not_ce])
+            self._late.add(
+                "loss_not_cross_entropy",
+                "loss_from_logits: %d micro-batch(es) of a reported step had a logits gradient that "
+                "is not a plain cross-entropy one (label smoothing, a distillation or z-loss term on "
+                "the same logits, logit soft-capping after the hooked module); their token weights "
+                "cannot be read from it, so that step's loss-accounting figures are left out. Use "
+                "track_loss with the per-token cross-entropy (docs/integrations.md)",
+                sums[lay.not_ce],
+            )
         if self._nonfinite is not None:
-            self._late.add("loss_nonfinite", "%d micro-batch(es) had a non-finite per-token loss on a "
-                           "label token", self._nonfinite)
-        info = {"step": step,
-                "fired": step is not None and step.fired > 0,
-                "output": step is not None and step.outputs > 0,
-                "probe": probe}
-        ctx.combine([(sums, "sum"), (wmax, "max"), (wmin, "min")],
-                    lambda s, mx, mn: self._emit(monitor, ctx, s, mx, mn, info), across_ranks=True)
+            self._late.add(
+                "loss_nonfinite", "%d micro-batch(es) had a non-finite per-token loss on a label token", self._nonfinite
+            )
+        info = {
+            "step": step,
+            "fired": step is not None and step.fired > 0,
+            "output": step is not None and step.outputs > 0,
+            "probe": probe,
+        }
+        ctx.combine(
+            [(sums, "sum"), (wmax, "max"), (wmin, "min")],
+            lambda s, mx, mn: self._emit(monitor, ctx, s, mx, mn, info),
+            across_ranks=True,
+        )
 
-    def _emit(self, monitor: MonitorView, ctx: StepContext, sums: torch.Tensor, wmax: torch.Tensor,
-              wmin: torch.Tensor, info: dict[str, Any]) -> None:
+    def _emit(
+        self,
+        monitor: MonitorView,
+        ctx: StepContext,
+        sums: torch.Tensor,
+        wmax: torch.Tensor,
+        wmin: torch.Tensor,
+        info: dict[str, Any],
+    ) -> None:
         lay = self._layout
         assert lay is not None
         step: _Step | None = info["step"]
@@ -560,24 +627,35 @@ class LossAccounting(Signal):
         sample_share = samples[:m] / total_samples
         ctx.emit("modality_sample_share_ratio", sample_share, mod_labels, present=some.expand(m))
         ctx.emit("modality_token_share_ratio", tokens[:m] / total_tokens, mod_labels, present=some.expand(m))
-        ctx.event("loss_sample_mixed_modality",
-                  "samples whose label tokens mix modalities (counted under the highest code)",
-                  when=sums[lay.mixed])
-        ctx.event("loss_unknown_modality_code", "label tokens with a modality code outside attach(modalities=...)",
-                  when=sums[lay.unknown])
+        ctx.event(
+            "loss_sample_mixed_modality",
+            "samples whose label tokens mix modalities (counted under the highest code)",
+            when=sums[lay.mixed],
+        )
+        ctx.event(
+            "loss_unknown_modality_code",
+            "label tokens with a modality code outside attach(modalities=...)",
+            when=sums[lay.unknown],
+        )
         # A declared modality that marks positions (inputs) but none of the label tokens:
         # its samples are classed by their label tokens, so it reads as absent.
         unlabeled = (sums[lay.positions][:m] > 0) & (tokens[:m] == 0)
         for k, name in enumerate(names):
-            ctx.event("modality_without_label_tokens",
-                      f"modality {name!r} marks positions but none of the label tokens: samples are classed "
-                      "by their label tokens; to class them by their inputs pass one modality code per "
-                      "sample ([B]) (docs/signals.md, 'Loss accounting')", {"modality": name},
-                      when=unlabeled[k])
-        self._late.add("loss_modality_without_labels",
-                       "%d declared modality(ies) mark positions but none of the label tokens, so they read "
-                       "as absent from the shares; pass one modality code per sample ([B]) to class "
-                       "samples by their inputs (docs/signals.md, 'Loss accounting')", unlabeled.sum())
+            ctx.event(
+                "modality_without_label_tokens",
+                f"modality {name!r} marks positions but none of the label tokens: samples are classed "
+                "by their label tokens; to class them by their inputs pass one modality code per "
+                "sample ([B]) (docs/signals.md, 'Loss accounting')",
+                {"modality": name},
+                when=unlabeled[k],
+            )
+        self._late.add(
+            "loss_modality_without_labels",
+            "%d declared modality(ies) mark positions but none of the label tokens, so they read "
+            "as absent from the shares; pass one modality code per sample ([B]) to class "
+            "samples by their inputs (docs/signals.md, 'Loss accounting')",
+            unlabeled.sum(),
+        )
         if not info["fired"] and monitor.world_size == 1:
             return  # no weights arrived on this step: nothing honest to say about them
 
@@ -591,8 +669,7 @@ class LossAccounting(Signal):
         has_weight = (total_weight != 0).float()
         grad_share = weight[:m] / total_weight
         ctx.emit("modality_grad_share_ratio", grad_share, mod_labels, present=has_weight.expand(m))
-        ctx.emit("modality_dilution_ratio", sample_share / grad_share, mod_labels,
-                 present=samples[:m] * has_weight)
+        ctx.emit("modality_dilution_ratio", sample_share / grad_share, mod_labels, present=samples[:m] * has_weight)
         n, sx, sy, sxx, sxy = sums[lay.fit].unbind()
         var_x = sxx / n - (sx / n) ** 2
         fit_ok = (n >= 2) & (var_x > MIN_LOG_LENGTH_VAR)
@@ -600,18 +677,24 @@ class LossAccounting(Signal):
         ctx.emit("loss_norm_exponent", exponent, present=fit_ok.float())
         declared = (step.normalization if step is not None else None) or monitor.config.loss_normalization
         expected = self._expected_share(sums, exponent, fit_ok, declared)
-        ctx.emit("modality_excess_dilution_ratio", expected[:m] / grad_share, mod_labels,
-                 present=samples[:m] * has_weight)
+        ctx.emit(
+            "modality_excess_dilution_ratio", expected[:m] / grad_share, mod_labels, present=samples[:m] * has_weight
+        )
         self._emit_objectives(ctx, sums, wmax, wmin, calls, step, scale, some, declared)
         if info["output"]:
-            ctx.emit("modality_grad_norm", sums[lay.output][:m].sqrt() / scale,
-                     [{"modality": n, "scope": "output"} for n in names], present=samples[:m])
+            ctx.emit(
+                "modality_grad_norm",
+                sums[lay.output][:m].sqrt() / scale,
+                [{"modality": n, "scope": "output"} for n in names],
+                present=samples[:m],
+            )
         if info["probe"] is not None:
             assert self._probe is not None
             self._probe.emit(ctx, info["probe"], names, scale)
 
-    def _expected_share(self, sums: torch.Tensor, exponent: torch.Tensor, fit_ok: torch.Tensor,
-                        declared: str | None) -> torch.Tensor:
+    def _expected_share(
+        self, sums: torch.Tensor, exponent: torch.Tensor, fit_ok: torch.Tensor, declared: str | None
+    ) -> torch.Tensor:
         """Each bin's share of the gradient weight under the intended normalization: the
         declared one; undeclared, sqrt when the fitted exponent is 0.5 (a known deliberate
         choice), else per sample (every sample weighs the same)."""
@@ -625,9 +708,18 @@ class LossAccounting(Signal):
             weights = torch.where(sqrt_like, by_beta[0.5], by_beta[0.0])
         return weights / weights.sum()
 
-    def _emit_objectives(self, ctx: StepContext, sums: torch.Tensor, wmax: torch.Tensor, wmin: torch.Tensor,
-                         calls: list[int], step: _Step | None, scale: float | torch.Tensor,
-                         some: torch.Tensor, declared: str | None) -> None:
+    def _emit_objectives(
+        self,
+        ctx: StepContext,
+        sums: torch.Tensor,
+        wmax: torch.Tensor,
+        wmin: torch.Tensor,
+        calls: list[int],
+        step: _Step | None,
+        scale: float | torch.Tensor,
+        some: torch.Tensor,
+        declared: str | None,
+    ) -> None:
         """Per objective: its weight mass relative to its declared weight, how that mass
         scales with the step's micro-batches, and its token-weight spread (I2, I3)."""
         lay = self._layout
@@ -663,8 +755,7 @@ class _Gated:
         self.device = ctx.device
         self.step = ctx.step
 
-    def emit(self, name: str, values: torch.Tensor, labels: Any = None, *,
-             present: torch.Tensor | None = None) -> None:
+    def emit(self, name: str, values: torch.Tensor, labels: Any = None, *, present: torch.Tensor | None = None) -> None:
         n = values.numel()
         gate = self._ok.expand(n) if present is None else present.reshape(-1).to(self._ok.dtype) * self._ok
         self._ctx.emit(name, values, labels, present=gate)

@@ -24,38 +24,49 @@ def check_declarations(objective: Any, weight: Any, normalization: Any) -> None:
     """``track_loss``'s declarations of intent: what the objective is called, the
     coefficient it carries in the total loss, and how it normalizes."""
     if not isinstance(objective, str) or not _OBJECTIVE_RE.match(objective):
-        raise ValueError(f"track_loss: objective={objective!r} is not a usable name; pass a short "
-                         "identifier like 'lm' or 'kd' (letters, digits, _; up to 32)")
-    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
-                               or not math.isfinite(weight) or weight <= 0):
-        raise ValueError(f"track_loss: weight={weight!r} must be a positive number: the coefficient "
-                         "this objective carries in the loss you call backward on (e.g. 2.0, or tau**2 "
-                         "for a distillation loss), or None")
+        raise ValueError(
+            f"track_loss: objective={objective!r} is not a usable name; pass a short "
+            "identifier like 'lm' or 'kd' (letters, digits, _; up to 32)"
+        )
+    if weight is not None and (
+        isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0
+    ):
+        raise ValueError(
+            f"track_loss: weight={weight!r} must be a positive number: the coefficient "
+            "this objective carries in the loss you call backward on (e.g. 2.0, or tau**2 "
+            "for a distillation loss), or None"
+        )
     check_normalization("track_loss", normalization)
 
 
 def check_normalization(where: str, normalization: Any) -> None:
     if normalization is not None and normalization not in NORMALIZATIONS:
-        raise ValueError(f"{where}: normalization={normalization!r}; declare one of "
-                         f"{sorted(NORMALIZATIONS)} (per label token, per sqrt of a sample's tokens, "
-                         "per sample) or None")
+        raise ValueError(
+            f"{where}: normalization={normalization!r}; declare one of "
+            f"{sorted(NORMALIZATIONS)} (per label token, per sqrt of a sample's tokens, "
+            "per sample) or None"
+        )
 
 
-def check_track_loss(modalities: tuple[str, ...], per_token: Any, modality: Any, mask: Any, segments: Any,
-                     output: Any) -> tuple[int, int, Any]:
+def check_track_loss(
+    modalities: tuple[str, ...], per_token: Any, modality: Any, mask: Any, segments: Any, output: Any
+) -> tuple[int, int, Any]:
     """Check ``track_loss``'s arguments (types and shapes only: raise at once, saying
     what to pass instead); return the rows and columns of ``per_token`` and the
     modality codes (an int, or a tensor of codes on ``per_token``'s device)."""
     if not isinstance(per_token, torch.Tensor):
-        raise TypeError(f"track_loss(per_token=...) needs a tensor of per-token losses, got "
-                        f"{type(per_token).__name__}; compute the loss with reduction='none'")
+        raise TypeError(
+            f"track_loss(per_token=...) needs a tensor of per-token losses, got "
+            f"{type(per_token).__name__}; compute the loss with reduction='none'"
+        )
     if not per_token.is_floating_point():
         raise TypeError(f"track_loss: per_token must be floating point, got {per_token.dtype}")
     if not per_token.requires_grad:
         raise ValueError(
             "track_loss: per_token does not require grad. Pass the unreduced per-token loss "
             "(e.g. F.cross_entropy(..., reduction='none')) that the loss you call backward on "
-            "is computed from, before reducing it; not a detached copy, and not under torch.no_grad()")
+            "is computed from, before reducing it; not a detached copy, and not under torch.no_grad()"
+        )
     if per_token.dim() not in (1, 2):
         raise ValueError(f"track_loss: per_token must be [B, T] (or [N]), got shape {tuple(per_token.shape)}")
     if per_token.dim() == 1:
@@ -64,38 +75,45 @@ def check_track_loss(modalities: tuple[str, ...], per_token: Any, modality: Any,
         rows, cols = per_token.shape
     shape = tuple(per_token.shape)
     if not modalities:
-        raise ValueError("track_loss needs modality names: attach(..., modalities=('text', 'image')), "
-                         "then pass codes or names per sample")
+        raise ValueError(
+            "track_loss needs modality names: attach(..., modalities=('text', 'image')), "
+            "then pass codes or names per sample"
+        )
     for name, t in (("mask", mask), ("segments", segments)):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"track_loss: {name} must be a tensor shaped like per_token {shape}, "
-                            f"got {type(t).__name__}")
+            raise TypeError(
+                f"track_loss: {name} must be a tensor shaped like per_token {shape}, got {type(t).__name__}"
+            )
         if tuple(t.shape) != shape:
-            raise ValueError(f"track_loss: {name} has shape {tuple(t.shape)}, per_token {shape}; "
-                             f"pass one value per token")
+            raise ValueError(
+                f"track_loss: {name} has shape {tuple(t.shape)}, per_token {shape}; pass one value per token"
+            )
     if mask is not None and mask.dtype != torch.bool:
-        raise TypeError(f"track_loss: mask must be boolean (label tokens), got {mask.dtype}; "
-                        "e.g. mask=labels != -100")
-    if segments is not None and (segments.is_floating_point() or segments.is_complex()
-                                 or segments.dtype == torch.bool):
+        raise TypeError(f"track_loss: mask must be boolean (label tokens), got {mask.dtype}; e.g. mask=labels != -100")
+    if segments is not None and (segments.is_floating_point() or segments.is_complex() or segments.dtype == torch.bool):
         raise TypeError(f"track_loss: segments must hold integer sample ids, got {segments.dtype}")
     if output is not None:
         if not isinstance(output, torch.Tensor):
-            raise TypeError(f"track_loss: output must be the logits or last hidden states tensor, "
-                            f"got {type(output).__name__}")
+            raise TypeError(
+                f"track_loss: output must be the logits or last hidden states tensor, got {type(output).__name__}"
+            )
         if not output.requires_grad:
-            raise ValueError("track_loss: output does not require grad; pass the logits or hidden "
-                             "states the per-token loss is computed from")
+            raise ValueError(
+                "track_loss: output does not require grad; pass the logits or hidden "
+                "states the per-token loss is computed from"
+            )
         lead = tuple(output.shape[: per_token.dim()])
         if lead != shape and not (output.dim() >= 1 and output.shape[0] == per_token.numel()):
-            raise ValueError(f"track_loss: output has shape {tuple(output.shape)}; it must start with "
-                             f"per_token's shape {shape} (e.g. logits [B, T, V])")
+            raise ValueError(
+                f"track_loss: output has shape {tuple(output.shape)}; it must start with "
+                f"per_token's shape {shape} (e.g. logits [B, T, V])"
+            )
     return rows, cols, _modality_codes(modalities, modality, per_token, rows, cols)
 
-def _modality_codes(modalities: tuple[str, ...], modality: Any, per_token: torch.Tensor, rows: int,
-                    cols: int) -> Any:
+
+def _modality_codes(modalities: tuple[str, ...], modality: Any, per_token: torch.Tensor, rows: int, cols: int) -> Any:
     known = list(modalities)
     if isinstance(modality, str):
         return _code_of(modality, known)
@@ -103,15 +121,19 @@ def _modality_codes(modalities: tuple[str, ...], modality: Any, per_token: torch
         return modality
     if isinstance(modality, (list, tuple)):
         if len(modality) != rows or per_token.dim() != 2:
-            raise ValueError(f"track_loss: a list of modalities needs one entry per row of a "
-                             f"[B, T] per_token (B={per_token.shape[0]}), got {len(modality)}")
+            raise ValueError(
+                f"track_loss: a list of modalities needs one entry per row of a "
+                f"[B, T] per_token (B={per_token.shape[0]}), got {len(modality)}"
+            )
         codes = [_code_of(m, known) if isinstance(m, str) else m for m in modality]
         if not all(isinstance(c, int) and not isinstance(c, bool) for c in codes):
             raise TypeError("track_loss: modality list entries must be names or integer codes")
         return torch.tensor(codes, dtype=torch.long).to(per_token.device, non_blocking=True)
     if not isinstance(modality, torch.Tensor):
-        raise TypeError(f"track_loss: modality must be codes (tensor [B] or [B, T]), names "
-                        f"{known} or one name for all, got {type(modality).__name__}")
+        raise TypeError(
+            f"track_loss: modality must be codes (tensor [B] or [B, T]), names "
+            f"{known} or one name for all, got {type(modality).__name__}"
+        )
     if modality.is_floating_point() or modality.is_complex() or modality.dtype == torch.bool:
         raise TypeError(f"track_loss: modality codes must be integers, got {modality.dtype}")
     if modality.dim() == 0:
@@ -121,12 +143,15 @@ def _modality_codes(modalities: tuple[str, ...], modality: Any, per_token: torch
         return modality.to(per_token.device, non_blocking=True)
     if tuple(modality.shape) == shape:
         return modality.reshape(rows, cols).to(per_token.device, non_blocking=True)
-    raise ValueError(f"track_loss: modality has shape {tuple(modality.shape)}; pass one code per "
-                     f"sample {shape[:1]} or per token {shape}")
+    raise ValueError(
+        f"track_loss: modality has shape {tuple(modality.shape)}; pass one code per "
+        f"sample {shape[:1]} or per token {shape}"
+    )
 
 
 def _code_of(name: Any, known: list[str]) -> int:
     if name not in known:
-        raise ValueError(f"track_loss: unknown modality {name!r}; known modalities: {known} "
-                         f"(declared with attach(modalities=...))")
+        raise ValueError(
+            f"track_loss: unknown modality {name!r}; known modalities: {known} (declared with attach(modalities=...))"
+        )
     return known.index(name)

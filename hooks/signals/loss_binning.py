@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["UNIFORM_RTOL", "Batch", "SumsLayout", "bin_batch", "output_sums", "packed_sample_ids",
-           "weight_sums"]
+__all__ = ["UNIFORM_RTOL", "Batch", "SumsLayout", "bin_batch", "output_sums", "packed_sample_ids", "weight_sums"]
 
 UNIFORM_RTOL = 1e-3
 """Token weights of a micro-batch within this relative spread count as uniform
@@ -88,8 +87,17 @@ class Batch:
     probe_masks: torch.Tensor | None = None  # [M, N] label tokens per modality (probe steps)
 
 
-def bin_batch(layout: SumsLayout, sums: torch.Tensor, loss: torch.Tensor, label: torch.Tensor | None,
-              seg: torch.Tensor | None, codes: Any, *, probe: bool, count_unknown: bool = True) -> Batch:
+def bin_batch(
+    layout: SumsLayout,
+    sums: torch.Tensor,
+    loss: torch.Tensor,
+    label: torch.Tensor | None,
+    seg: torch.Tensor | None,
+    codes: Any,
+    *,
+    probe: bool,
+    count_unknown: bool = True,
+) -> Batch:
     """Samples and modality bins of one micro-batch ``loss`` [R, C]; adds its sample,
     token and loss sums (and the mixed / unknown counts) into ``sums``. With
     ``count_unknown=False`` codes outside the declared modalities are not counted as
@@ -124,9 +132,11 @@ def bin_batch(layout: SumsLayout, sums: torch.Tensor, loss: torch.Tensor, label:
     else:
         tok_code = binned.reshape(-1) if codes.dim() == 2 else binned.repeat_interleave(cols)
         hi = torch.full((n_samples,), -1, dtype=torch.long, device=dev).scatter_reduce_(
-            0, sid, torch.where(lab, tok_code, -1), reduce="amax")
+            0, sid, torch.where(lab, tok_code, -1), reduce="amax"
+        )
         lo = torch.full((n_samples,), m + 1, dtype=torch.long, device=dev).scatter_reduce_(
-            0, sid, torch.where(lab, tok_code, m + 1), reduce="amin")
+            0, sid, torch.where(lab, tok_code, m + 1), reduce="amin"
+        )
         s_bin = hi.clamp(0, m)
         mixed = (has & (hi != lo)).sum().to(fdt)
         unknown = (lab & (tok_code == m)).sum().to(fdt)
@@ -140,23 +150,38 @@ def bin_batch(layout: SumsLayout, sums: torch.Tensor, loss: torch.Tensor, label:
 
     zeros = torch.zeros(layout.bins, dtype=fdt, device=dev)
     loss_lab = torch.where(lab, loss.reshape(-1).to(fdt), 0.0)
-    sums[layout.prepared].add_(torch.cat([
-        zeros.index_add(0, s_bin, has.to(fdt)),
-        zeros.index_add(0, s_bin, n_s),
-        zeros.index_add(0, s_bin, n_s.sqrt()),
-        zeros.index_add(0, tok_bin, loss_lab),
-        zeros.index_add(0, pos_code, torch.ones_like(pos_code, dtype=fdt)),
-        mixed.to(fdt).reshape(1), unknown.to(fdt).reshape(1)]))
-    batch = Batch(lab=lab, sid=sid, n_samples=n_samples, has=has, s_bin=s_bin, tok_bin=tok_bin,
-                  log_n=torch.log(n_s.clamp_min(1.0)), fdt=fdt)
+    sums[layout.prepared].add_(
+        torch.cat(
+            [
+                zeros.index_add(0, s_bin, has.to(fdt)),
+                zeros.index_add(0, s_bin, n_s),
+                zeros.index_add(0, s_bin, n_s.sqrt()),
+                zeros.index_add(0, tok_bin, loss_lab),
+                zeros.index_add(0, pos_code, torch.ones_like(pos_code, dtype=fdt)),
+                mixed.to(fdt).reshape(1),
+                unknown.to(fdt).reshape(1),
+            ]
+        )
+    )
+    batch = Batch(
+        lab=lab,
+        sid=sid,
+        n_samples=n_samples,
+        has=has,
+        s_bin=s_bin,
+        tok_bin=tok_bin,
+        log_n=torch.log(n_s.clamp_min(1.0)),
+        fdt=fdt,
+    )
     if probe:
         mods = torch.arange(m, device=dev)[:, None]
         batch.probe_masks = ((tok_bin[None, :] == mods) & lab[None, :]).to(loss.dtype)
     return batch
 
 
-def weight_sums(layout: SumsLayout, b: Batch, w: torch.Tensor, rtol: float = UNIFORM_RTOL
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def weight_sums(
+    layout: SumsLayout, b: Batch, w: torch.Tensor, rtol: float = UNIFORM_RTOL
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the token weights ``w`` [N] (``dL/dl``, unscaled) of one micro-batch of one
     objective: its common block of the sums (weight per bin, the exponent fit's
     sufficient statistics), its weight mass, whether its token weights are
@@ -179,14 +204,19 @@ def weight_sums(layout: SumsLayout, b: Batch, w: torch.Tensor, rtol: float = UNI
     return block, per_bin.sum(), (torch.isfinite(wmin) & ~uniform).to(fdt).reshape(()), wmax, wmin
 
 
-def output_sums(layout: SumsLayout, b: Batch, grad: torch.Tensor, lead_dims: int,
-                inv_scale: torch.Tensor | None) -> torch.Tensor:
+def output_sums(
+    layout: SumsLayout, b: Batch, grad: torch.Tensor, lead_dims: int, inv_scale: torch.Tensor | None
+) -> torch.Tensor:
     """Squared per-token norms of the output gradient, summed per modality bin."""
     g = grad.detach()
     dims = tuple(range(lead_dims, g.dim()))
     # One fused reduction over the feature dims: no [B, T, V] temporary.
-    sq = (torch.linalg.vector_norm(g, dim=dims, dtype=torch.float32) if dims
-          else g.float().abs()).reshape(-1).to(b.fdt).square()
+    sq = (
+        (torch.linalg.vector_norm(g, dim=dims, dtype=torch.float32) if dims else g.float().abs())
+        .reshape(-1)
+        .to(b.fdt)
+        .square()
+    )
     if inv_scale is not None:
         sq = sq * (inv_scale * inv_scale)
     return torch.zeros(layout.bins, dtype=b.fdt, device=sq.device).index_add_(0, b.tok_bin, sq)

@@ -44,10 +44,14 @@ class ModalityProbe:
         self.modalities = len(monitor.modalities)
         self._last_period = -1
         self.supported = not monitor.sharded and not any(
-            type(m).__name__ == "FullyShardedDataParallel" for m in monitor.model.modules())
+            type(m).__name__ == "FullyShardedDataParallel" for m in monitor.model.modules()
+        )
         if not self.supported:
-            monitor.warn_once("probe_sharded", "probe_every is not supported with sharded parameters "
-                              "(FSDP/DTensor); the per-modality parameter probe is off")
+            monitor.warn_once(
+                "probe_sharded",
+                "probe_every is not supported with sharded parameters "
+                "(FSDP/DTensor); the per-modality parameter probe is off",
+            )
 
     def due(self, monitor: MonitorView, step: int) -> bool:
         """Whether optimizer step ``step`` is a probe step: the first report step of each
@@ -65,8 +69,15 @@ class ModalityProbe:
                     out.append(p)
         return out
 
-    def accumulate(self, buf: torch.Tensor | None, per_token: torch.Tensor, grad: torch.Tensor,
-                   masks: torch.Tensor, inv_scale: torch.Tensor | None, monitor: MonitorView) -> torch.Tensor:
+    def accumulate(
+        self,
+        buf: torch.Tensor | None,
+        per_token: torch.Tensor,
+        grad: torch.Tensor,
+        masks: torch.Tensor,
+        inv_scale: torch.Tensor | None,
+        monitor: MonitorView,
+    ) -> torch.Tensor:
         """Add this micro-batch's per-modality parameter gradients into ``buf`` [M, P].
         Called from the per-token loss hook, during the user's backward."""
         params = self._params(monitor)
@@ -80,10 +91,11 @@ class ModalityProbe:
             off += p.numel()
         grad = grad.detach()
         for m in range(self.modalities):
-            grads = torch.autograd.grad(per_token, params, grad_outputs=grad * masks[m].view_as(grad),
-                                        retain_graph=True, allow_unused=True)
+            grads = torch.autograd.grad(
+                per_token, params, grad_outputs=grad * masks[m].view_as(grad), retain_graph=True, allow_unused=True
+            )
             dst, src = [], []
-            for p, o, g in zip(params, offsets, grads):
+            for p, o, g in zip(params, offsets, grads, strict=True):
                 if g is not None:
                     dst.append(buf[m, o : o + p.numel()])
                     src.append(g.reshape(-1).to(buf.device, torch.float32))
@@ -112,8 +124,11 @@ class ModalityProbe:
 
     def emit(self, ctx: StepContext, gram: torch.Tensor, names: list[str], scale: float | torch.Tensor) -> None:
         norms = gram.diagonal().clamp_min(0).sqrt()
-        ctx.emit("modality_grad_norm", norms / (scale.to(norms.dtype) if isinstance(scale, torch.Tensor) else scale),
-                 [{"modality": n, "scope": "params"} for n in names])
+        ctx.emit(
+            "modality_grad_norm",
+            norms / (scale.to(norms.dtype) if isinstance(scale, torch.Tensor) else scale),
+            [{"modality": n, "scope": "params"} for n in names],
+        )
         pairs = [(i, j) for i in range(len(names)) for j in range(len(names)) if i != j]
         if not pairs:
             return
@@ -121,6 +136,9 @@ class ModalityProbe:
         rows = torch.tensor([i for i, _ in pairs]).to(gram.device, non_blocking=True)
         cols = torch.tensor([j for _, j in pairs]).to(gram.device, non_blocking=True)
         cos = gram[rows, cols] / (norms[rows] * norms[cols])
-        ctx.emit("modality_grad_cosine", cos,
-                 [{"modality": names[i], "other": names[j]} for i, j in pairs],
-                 present=((norms[rows] > 0) & (norms[cols] > 0)).float())
+        ctx.emit(
+            "modality_grad_cosine",
+            cos,
+            [{"modality": names[i], "other": names[j]} for i, j in pairs],
+            present=((norms[rows] > 0) & (norms[cols] > 0)).float(),
+        )

@@ -76,8 +76,9 @@ class OptimizerStats(Signal):
         if fresh is not None:  # taken at the end of the backward: no second pass
             monitor.offer_grad_norms(*fresh)
         _, self._grad_norms = monitor.grad_norms()  # same order: the groups' params with a grad
-        self._grad_group = self._indices.get([g for p, g in zip(params, group_of) if p.grad is not None],
-                                             monitor.device)
+        self._grad_group = self._indices.get(
+            [g for p, g in zip(params, group_of, strict=True) if p.grad is not None], monitor.device
+        )
         self._before = self._sampled(monitor, params, group_of)
 
     def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
@@ -113,8 +114,10 @@ class OptimizerStats(Signal):
             after = self._sampled(monitor, params, group_of)
             if after.shape == self._before.shape:
                 idx = self._sample_group
-                upd = (with_total(group_sum((after - self._before).square(), idx, n_groups)),
-                       with_total(group_sum(after.square(), idx, n_groups)))
+                upd = (
+                    with_total(group_sum((after - self._before).square(), idx, n_groups)),
+                    with_total(group_sum(after.square(), idx, n_groups)),
+                )
         self._before = None
         sq = torch.stack(parts + list(upd or ()))
         has_grad = self._grad_norms is not None

@@ -76,15 +76,15 @@ class DriftTracker:
         """The local elements of the 1D parameters, end to end, as float32."""
         if not self.one_d:
             return torch.zeros(0, device=dev)
-        return torch.cat([flat(local(s.param).detach()).to(dev, torch.float32, non_blocking=True)
-                          for s in self.one_d])
+        return torch.cat([flat(local(s.param).detach()).to(dev, torch.float32, non_blocking=True) for s in self.one_d])
 
     def displacement(self, values: torch.Tensor) -> torch.Tensor:
         """Per parameter, the largest |x - ref| over its local elements."""
         return group_amax((values - self.ref_values).abs(), self.owner, self.n)
 
-    def drift_bits(self, values: torch.Tensor, absmax: torch.Tensor, scale: torch.Tensor,
-                   moved: torch.Tensor) -> torch.Tensor:
+    def drift_bits(
+        self, values: torch.Tensor, absmax: torch.Tensor, scale: torch.Tensor, moved: torch.Tensor
+    ) -> torch.Tensor:
         """``param_drift_log2`` from the combined absmax, reference scale and displacement.
         A parameter still all zeros at its reference takes, at the first report where it
         is not, its values then as its reference (drift 0 there)."""
@@ -96,7 +96,9 @@ class DriftTracker:
 
     def save_references(self) -> None:
         """Write the (possibly updated) references back to the per-parameter table."""
-        for s, ref_values, scale in zip(self.one_d, self.ref_values.split(self.counts), self.scale.unbind()):
+        for s, ref_values, scale in zip(
+            self.one_d, self.ref_values.split(self.counts), self.scale.unbind(), strict=True
+        ):
             self.refs[id(s.param)] = Reference(ref_values, scale)
 
     def record_change(self, now: torch.Tensor) -> None:
@@ -118,10 +120,14 @@ class DriftTracker:
         self.save_references()
         per_param: dict[str, Any] = {}
         sizes = self.consistency.sizes
-        for s, prev, ring in zip(self.one_d, self.prev.split(sizes), self.ring.split(sizes, dim=1)):
+        for s, prev, ring in zip(self.one_d, self.prev.split(sizes), self.ring.split(sizes, dim=1), strict=True):
             ref = self.refs[id(s.param)]
-            per_param[s.name] = {"ref": ref.values.cpu(), "scale": ref.scale.cpu(), "prev": prev.cpu(),
-                                 "ring": ring.cpu()}
+            per_param[s.name] = {
+                "ref": ref.values.cpu(),
+                "scale": ref.scale.cpu(),
+                "prev": prev.cpu(),
+                "ring": ring.cpu(),
+            }
         return {"changes": self.changes, "window": self.window, "params": per_param}
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
@@ -131,7 +137,7 @@ class DriftTracker:
         restored = []
         sizes = self.consistency.sizes
         start = 0
-        for s, count, size in zip(self.one_d, self.counts, sizes):
+        for s, count, size in zip(self.one_d, self.counts, sizes, strict=True):
             entry = saved.get(s.name)
             if entry is not None and entry["ref"].numel() == count:
                 dev = self.prev.device

@@ -104,8 +104,9 @@ class ParamHealth(Signal):
         restored = self._drift.load_state_dict(state)
         if restored:
             self._fresh = False  # the saved previous values are the baseline of the next change
-        log.info("trainvitals: 1D drift continues from the checkpoint for %d of %d parameters",
-                 len(restored), self._drift.n)
+        log.info(
+            "trainvitals: 1D drift continues from the checkpoint for %d of %d parameters", len(restored), self._drift.n
+        )
 
     # -- step ------------------------------------------------------------------
     def _tracker(self, monitor: MonitorView) -> DriftTracker:
@@ -136,8 +137,7 @@ class ParamHealth(Signal):
         groups = monitor.optimizer.param_groups
         wds = [groups[s.group].get("weight_decay", 0.0) for s in drift.one_d]
         if any(isinstance(w, torch.Tensor) for w in wds):
-            return torch.stack([torch.as_tensor(w, dtype=torch.float32).to(monitor.device).reshape(())
-                                for w in wds])
+            return torch.stack([torch.as_tensor(w, dtype=torch.float32).to(monitor.device).reshape(()) for w in wds])
         return self._indices.get([float(w) for w in wds], monitor.device, torch.float32)
 
     def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
@@ -149,8 +149,9 @@ class ParamHealth(Signal):
         if n:
             values = drift.values(dev)
             parts.append((group_amin(values, drift.owner, n), "min"))
-            parts.append((torch.cat([group_amax(values, drift.owner, n), drift.scale,
-                                     drift.displacement(values)]), "max"))
+            parts.append(
+                (torch.cat([group_amax(values, drift.owner, n), drift.scale, drift.displacement(values)]), "max")
+            )
             now = drift.consistency.take_from(values)
             if not self._fresh:
                 drift.record_change(now)
@@ -158,8 +159,9 @@ class ParamHealth(Signal):
                 drift.prev.copy_(now)
             if drift.changes:
                 consistency = True
-                parts.append((torch.cat([group_sum(drift.mean_abs_sign(), drift.sampled_owner, n),
-                                         drift.sampled]), "sum"))
+                parts.append(
+                    (torch.cat([group_sum(drift.mean_abs_sign(), drift.sampled_owner, n), drift.sampled]), "sum")
+                )
         self._fresh = False
         grads = self._grad_sq is not None and bool(self._grad_labels)
         if grads:

@@ -45,17 +45,25 @@ def choose(monitor: MonitorView) -> list[Series]:
     cap = monitor.config.max_param_series
     chosen = one_d[:cap]
     if len(one_d) > cap:
-        monitor.warn_once("param_series_cap_1d",
-                          "%d 1D parameters but max_param_series=%d: per-parameter series for the "
-                          "first %d by name only; raise max_param_series to see all",
-                          len(one_d), cap, cap)
+        monitor.warn_once(
+            "param_series_cap_1d",
+            "%d 1D parameters but max_param_series=%d: per-parameter series for the "
+            "first %d by name only; raise max_param_series to see all",
+            len(one_d),
+            cap,
+            cap,
+        )
     if monitor.config.per_param:
         multi.sort(key=lambda s: s.name)
         room = cap - len(chosen)
         chosen += multi[:room]
         if len(multi) > room:
-            monitor.warn_once("param_series_cap_2d",
-                              "per_param=True: %d parameters with ndim >= 2 but only %d series left "
-                              "under max_param_series=%d; the rest are reported per group only",
-                              len(multi), room, cap)
+            monitor.warn_once(
+                "param_series_cap_2d",
+                "per_param=True: %d parameters with ndim >= 2 but only %d series left "
+                "under max_param_series=%d; the rest are reported per group only",
+                len(multi),
+                room,
+                cap,
+            )
     return chosen

@@ -106,16 +106,20 @@ def _check_temperature(where: str, value: Any) -> float:
 
 def _check_logits(where: str, name: str, logits: Any) -> None:
     if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"{where}: {name} must be a torch.Tensor of shape [B, T, V] or [N, V], "
-                        f"got {type(logits).__name__}")
+        raise TypeError(
+            f"{where}: {name} must be a torch.Tensor of shape [B, T, V] or [N, V], got {type(logits).__name__}"
+        )
     if not logits.is_floating_point():
-        raise TypeError(f"{where}: {name} must be floating point (float32, bfloat16 or float16), got "
-                        f"{logits.dtype}; pass the model's output logits, not token ids or labels")
+        raise TypeError(
+            f"{where}: {name} must be floating point (float32, bfloat16 or float16), got "
+            f"{logits.dtype}; pass the model's output logits, not token ids or labels"
+        )
     if logits.ndim not in (2, 3):
         raise ValueError(f"{where}: {name} must be [B, T, V] or [N, V], got shape {tuple(logits.shape)}")
     if logits.shape[-1] < 2:
-        raise ValueError(f"{where}: {name} needs at least 2 classes in its last dimension, "
-                         f"got shape {tuple(logits.shape)}")
+        raise ValueError(
+            f"{where}: {name} needs at least 2 classes in its last dimension, got shape {tuple(logits.shape)}"
+        )
 
 
 def _check_mask(where: str, mask: Any, logits: torch.Tensor) -> None:
@@ -126,8 +130,10 @@ def _check_mask(where: str, mask: Any, logits: torch.Tensor) -> None:
     if mask.dtype != torch.bool:
         raise TypeError(f"{where}: mask must be a bool tensor (e.g. labels != -100), got {mask.dtype}")
     if tuple(mask.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"{where}: mask shape {tuple(mask.shape)} must equal the logits' positions "
-                         f"{tuple(logits.shape[:-1])} (logits.shape[:-1])")
+        raise ValueError(
+            f"{where}: mask shape {tuple(mask.shape)} must equal the logits' positions "
+            f"{tuple(logits.shape[:-1])} (logits.shape[:-1])"
+        )
 
 
 class _Positions:
@@ -146,8 +152,11 @@ class _Positions:
         self.period = logits.shape[1] if logits.ndim == 3 else 1
         self.stride = sm.subsample_stride(positions, cap, self.period)
         self.count = -(-positions // self.stride)
-        self.weights = None if mask is None else (
-            mask.detach().reshape(-1)[:: self.stride].to(logits.device, torch.float32, non_blocking=True))
+        self.weights = (
+            None
+            if mask is None
+            else (mask.detach().reshape(-1)[:: self.stride].to(logits.device, torch.float32, non_blocking=True))
+        )
         self._buffer: torch.Tensor | None = None
         try:
             self.flat: torch.Tensor | None = self.logits.view(-1, self.vocab)[:: self.stride]
@@ -201,7 +210,9 @@ class _Pending:
     @staticmethod
     def cat(sums: list[torch.Tensor], weights: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
         """All calls' sums side by side and their weights (``[3, N]``, ``[N]``)."""
-        weights = [torch.ones(s.shape[1], device=s.device) if w is None else w for s, w in zip(sums, weights)]
+        weights = [
+            torch.ones(s.shape[1], device=s.device) if w is None else w for s, w in zip(sums, weights, strict=True)
+        ]
         if len(sums) == 1:
             return sums[0], weights[0]
         return torch.cat(sums, 1), torch.cat(weights)
@@ -228,8 +239,16 @@ class Softmax(Signal):
         self._grids: dict[torch.device, sm.TemperatureGrid] = {}
 
     # -- user calls (through Monitor) ----------------------------------------
-    def observe_logits(self, monitor: MonitorView, logits: torch.Tensor, *, mask: torch.Tensor | None = None,
-                       task: str = "all", role: str = "student", temperature: float = 1.0) -> None:
+    def observe_logits(
+        self,
+        monitor: MonitorView,
+        logits: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
+        task: str = "all",
+        role: str = "student",
+        temperature: float = 1.0,
+    ) -> None:
         where = "observe_logits"
         _check_logits(where, "logits", logits)
         _check_mask(where, mask, logits)
@@ -242,14 +261,24 @@ class Softmax(Signal):
             positions = _Positions(logits, mask, monitor.config.softmax_max_positions)
             self._add_saturation((task, role), positions, tau, monitor.config)
 
-    def observe_distillation(self, monitor: MonitorView, student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-                             *, temperature: float, mask: torch.Tensor | None = None, task: str = "all") -> None:
+    def observe_distillation(
+        self,
+        monitor: MonitorView,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        *,
+        temperature: float,
+        mask: torch.Tensor | None = None,
+        task: str = "all",
+    ) -> None:
         where = "observe_distillation"
         _check_logits(where, "student_logits", student_logits)
         _check_logits(where, "teacher_logits", teacher_logits)
         if tuple(teacher_logits.shape) != tuple(student_logits.shape):
-            raise ValueError(f"{where}: teacher_logits shape {tuple(teacher_logits.shape)} must equal "
-                             f"student_logits shape {tuple(student_logits.shape)}")
+            raise ValueError(
+                f"{where}: teacher_logits shape {tuple(teacher_logits.shape)} must equal "
+                f"student_logits shape {tuple(student_logits.shape)}"
+            )
         _check_mask(where, mask, student_logits)
         _check_name("task", task, "ie")
         tau = _check_temperature(where, temperature)
@@ -275,12 +304,16 @@ class Softmax(Signal):
         statistics and top-1 curves waits for the report (``_compact``): it is a few
         dozen small tensor ops, paid once per step instead of once per call."""
         device, count = positions.logits.device, positions.count
-        step = sm.rows_per_chunk(positions.vocab, config.softmax_chunk_bytes, copies=positions.copies,
-                                 itemsize=positions.logits.element_size(), device=device)
+        step = sm.rows_per_chunk(
+            positions.vocab,
+            config.softmax_chunk_bytes,
+            copies=positions.copies,
+            itemsize=positions.logits.element_size(),
+            device=device,
+        )
         workspace = sm.Workspace(min(step, count), positions.vocab, device)
         sums = torch.empty((3, count), device=device)
-        sub = sm.subsample_stride(count, sm.temperature_positions(config.softmax_max_positions),
-                                  positions.period)
+        sub = sm.subsample_stride(count, sm.temperature_positions(config.softmax_max_positions), positions.period)
         knots = torch.empty((len(sm.CHAIN_POWERS), len(range(0, count, sub))), device=device)
         for start in range(0, count, step):
             stop = min(start + step, count)
@@ -307,26 +340,35 @@ class Softmax(Signal):
         grid = self._grid(sums.device)
         # every kept position, then the knot sub-sample again: one pass of small ops
         per_position = sm.saturation_stats(torch.cat([sums, sub_sums], dim=1), 1.0 / tau)
-        covariate = sm.covariate_on_grid(per_position[:, _N_STATS:_N_STATS + 2], grid, 1.0 / tau)
+        covariate = sm.covariate_on_grid(per_position[:, _N_STATS : _N_STATS + 2], grid, 1.0 / tau)
         knots = pending.knots[0] if len(pending.knots) == 1 else torch.cat(pending.knots, 1)
         top1 = sm.top1_on_grid(sm.knot_logs(knots, per_position[n:, -1]), grid)
-        total = torch.cat([
-            _weighted_sum(weight, torch.cat([per_position[:n, :_N_STATS], covariate[:n]], dim=1)),
-            _weighted_sum(sub_weight, top1.sub_(covariate[n:]))])
+        total = torch.cat(
+            [
+                _weighted_sum(weight, torch.cat([per_position[:n, :_N_STATS], covariate[:n]], dim=1)),
+                _weighted_sum(sub_weight, top1.sub_(covariate[n:])),
+            ]
+        )
         self._saturation[key] = self._add(self._saturation.get(key), total)
 
-    def _add_distillation(self, task: str, student: _Positions, teacher: _Positions, tau: float,
-                          chunk_bytes: int) -> None:
+    def _add_distillation(
+        self, task: str, student: _Positions, teacher: _Positions, tau: float, chunk_bytes: int
+    ) -> None:
         device = student.logits.device
-        step = sm.rows_per_chunk(student.vocab, chunk_bytes, copies=student.copies + teacher.copies,
-                                 itemsize=max(student.logits.element_size(), teacher.logits.element_size()),
-                                 device=device)
+        step = sm.rows_per_chunk(
+            student.vocab,
+            chunk_bytes,
+            copies=student.copies + teacher.copies,
+            itemsize=max(student.logits.element_size(), teacher.logits.element_size()),
+            device=device,
+        )
         workspace = sm.Workspace(min(step, student.count), student.vocab, device)
         total = torch.zeros(_DISTILL_LEN, device=device)
         for start in range(0, student.count, step):
             stop = min(start + step, student.count)
-            per_position = sm.distillation_chunk(student.rows(start, stop), teacher.rows(start, stop),
-                                                 1.0 / tau, workspace)
+            per_position = sm.distillation_chunk(
+                student.rows(start, stop), teacher.rows(start, stop), 1.0 / tau, workspace
+            )
             total += _weighted_sum(student.weight(start, stop, device), per_position)
         self._distillation[task] = self._add(self._distillation.get(task), total)
 
@@ -350,24 +392,29 @@ class Softmax(Signal):
             ctx.emit("distill_top1_grad_share_ratio", raise_top / raise_all, labels, present=raise_all > 0)
             ctx.emit("distill_dark_knowledge_mass", dark / weight, labels, present=weight > 0)
 
-    def _emit_saturation(self, monitor: MonitorView, ctx: StepContext,
-                         saturation: dict[tuple[str, str], torch.Tensor]) -> None:
+    def _emit_saturation(
+        self, monitor: MonitorView, ctx: StepContext, saturation: dict[tuple[str, str], torch.Tensor]
+    ) -> None:
         keys = list(saturation)
         acc = torch.stack([saturation[k].to(ctx.device) for k in keys])
-        weight, sub_weight = acc[:, :1], acc[:, _SUB_WEIGHT:_SUB_WEIGHT + 1]
+        weight, sub_weight = acc[:, :1], acc[:, _SUB_WEIGHT : _SUB_WEIGHT + 1]
         present = weight[:, 0] > 0
-        top1, sat99, sat999, jac, entropy = (acc[:, 1:1 + _N_STATS] / weight).unbind(1)
+        top1, sat99, sat999, jac, entropy = (acc[:, 1 : 1 + _N_STATS] / weight).unbind(1)
         # mean top-1 on the grid: covariate over every position + residual over the sub-sample
         residual = torch.where(sub_weight > 0, acc[:, _RESIDUAL] / sub_weight, 0.0)
         curve = acc[:, _COVARIATE] / weight + residual
-        recommended = sm.temperature_for_target(self._grid(ctx.device).temperatures, curve,
-                                                monitor.config.softmax_target)
+        recommended = sm.temperature_for_target(
+            self._grid(ctx.device).temperatures, curve, monitor.config.softmax_target
+        )
         labels = [{"task": task, "role": role} for task, role in keys]
         ctx.emit("softmax_top1_prob_mean", top1, labels, present=present)
         thresholds = [str(t) for t in sm.SATURATION_THRESHOLDS]
-        ctx.emit("softmax_saturated_ratio", torch.cat([sat99, sat999]),
-                 [{**lab, "threshold": t} for t in thresholds for lab in labels],
-                 present=torch.cat([present, present]))
+        ctx.emit(
+            "softmax_saturated_ratio",
+            torch.cat([sat99, sat999]),
+            [{**lab, "threshold": t} for t in thresholds for lab in labels],
+            present=torch.cat([present, present]),
+        )
         ctx.emit("softmax_jacobian_mean", jac, labels, present=present)
         ctx.emit("softmax_entropy_nats", entropy, labels, present=present)
         ctx.emit("softmax_recommended_temperature", recommended, labels, present=present)

@@ -133,8 +133,9 @@ def logit_change(q_from: float, q_to: float, classes: int = 2) -> float:
     return logit_gap_for_prob(q_to, classes) - logit_gap_for_prob(q_from, classes)
 
 
-def temperature_grid(device: torch.device | str = "cpu", *, t_max: float = TEMPERATURE_MAX,
-                     points: int = TEMPERATURE_POINTS) -> torch.Tensor:
+def temperature_grid(
+    device: torch.device | str = "cpu", *, t_max: float = TEMPERATURE_MAX, points: int = TEMPERATURE_POINTS
+) -> torch.Tensor:
     """Candidate temperatures, log-spaced from 1 to ``t_max`` (float32, ``[points]``)."""
     return torch.logspace(0.0, math.log10(t_max), points, dtype=torch.float64).to(device, torch.float32)
 
@@ -160,8 +161,9 @@ def temperature_positions(cap: int) -> int:
     return max(TEMPERATURE_POSITIONS, cap // TEMPERATURE_SHARE)
 
 
-def rows_per_chunk(vocab: int, chunk_bytes: int, *, copies: int = 0, itemsize: int = 4,
-                   device: torch.device | str = "cpu") -> int:
+def rows_per_chunk(
+    vocab: int, chunk_bytes: int, *, copies: int = 0, itemsize: int = 4, device: torch.device | str = "cpu"
+) -> int:
     """Positions processed at once so that the extra buffers stay within
     ``chunk_bytes`` (at least one row). ``copies``: row copies of ``itemsize`` bytes
     per logit made when the selected positions are not a view of the input. On a
@@ -214,8 +216,9 @@ def _log2_gaps(rows: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Ten
     return out.mul_(scale)
 
 
-def saturation_chunk(rows: torch.Tensor, inv_temperature: float, workspace: Workspace,
-                     out: torch.Tensor) -> torch.Tensor:
+def saturation_chunk(
+    rows: torch.Tensor, inv_temperature: float, workspace: Workspace, out: torch.Tensor
+) -> torch.Tensor:
     """Per-position sums of one chunk into ``out`` (``[3, r]``, float32): ``Z``, ``D``
     and the mass outside the top-1 and its ties (see the module docstring), at
     ``beta_s = inv_temperature``. ``rows``: ``[r, V]`` logits, any float dtype
@@ -224,7 +227,7 @@ def saturation_chunk(rows: torch.Tensor, inv_temperature: float, workspace: Work
     e, g = workspace.take(r)
     _log2_gaps(rows, inv_temperature * LOG2E, out=g)
     torch.exp2(g, out=e)
-    torch.sum(e, -1, out=out[0])          # holds the top-1's 1.0: Z - 1 to ~5e-7 only
+    torch.sum(e, -1, out=out[0])  # holds the top-1's 1.0: Z - 1 to ~5e-7 only
     # D = sum e g: the top-1 adds 0; -inf classes add 0 * -inf = NaN (skipped)
     torch.nansum(e.mul_(g), -1, out=out[1])
     # (e g) / g gives e back, and 0/0 = NaN at the top-1 and its ties: the rest exactly
@@ -242,15 +245,26 @@ def saturation_stats(sums: torch.Tensor, inv_temperature: float) -> torch.Tensor
     z, d, rest = sums
     # ties: Z - 1 - rest rounded (Z alone is good to ~5e-7, enough to count them)
     ties = torch.sub(z, rest).sub_(1.0).round_().clamp_(min=0.0)
-    outside = ties + rest                                # Z - 1, exact when tiny
+    outside = ties + rest  # Z - 1, exact when tiny
     top1 = outside.add(1.0).reciprocal_()
     not_top1 = outside * top1
     entropy = torch.addcmul(torch.log1p(outside), d, top1, value=-LN2)  # H = ln Z + beta_s E_p[u]
     floor = outside.clamp(min=_TINY)
     # tangent: dh/dbeta = -E[u | outside the top-1] = D ln2 / (beta_s (Z - 1))
     slope = torch.div(d, floor).mul_(LN2 / inv_temperature)
-    return torch.stack([top1, top1 > SATURATION_THRESHOLDS[0], top1 > SATURATION_THRESHOLDS[1],
-                        top1 * not_top1, entropy, floor.log_(), slope, ties], dim=1)
+    return torch.stack(
+        [
+            top1,
+            top1 > SATURATION_THRESHOLDS[0],
+            top1 > SATURATION_THRESHOLDS[1],
+            top1 * not_top1,
+            entropy,
+            floor.log_(),
+            slope,
+            ties,
+        ],
+        dim=1,
+    )
 
 
 def temperature_chunk(rows: torch.Tensor, workspace: Workspace, out: torch.Tensor) -> torch.Tensor:
@@ -261,19 +275,19 @@ def temperature_chunk(rows: torch.Tensor, workspace: Workspace, out: torch.Tenso
     w = workspace.chains(rows.shape[0])
     a, b, c, d = w
     g = _log2_gaps(rows, LOG2E / CHAIN_BASE, out=d)
-    torch.exp2(g, out=a)                                  # r = 2^(g / 64)
+    torch.exp2(g, out=a)  # r = 2^(g / 64)
     a.mul_(g).div_(g)  # r again, but 0/0 = NaN at the top-1 and its ties: they drop out
-    torch.mul(a, a, out=b)                                # r^2
-    torch.mul(b, a, out=c)                                # r^3
-    torch.mul(b, b, out=d)                                # r^4
-    torch.nansum(w, -1, out=out[0:4])                     # 1, 2, 3, 4
-    a.mul_(d)                                             # r^5
-    b.mul_(a)                                             # r^7
-    torch.nansum(w[:2], -1, out=out[4:6])                 # 5, 7
-    for j in range(3):                                    # (10, 14, 6, 8) ... (40, 56, 24, 32)
+    torch.mul(a, a, out=b)  # r^2
+    torch.mul(b, a, out=c)  # r^3
+    torch.mul(b, b, out=d)  # r^4
+    torch.nansum(w, -1, out=out[0:4])  # 1, 2, 3, 4
+    a.mul_(d)  # r^5
+    b.mul_(a)  # r^7
+    torch.nansum(w[:2], -1, out=out[4:6])  # 5, 7
+    for j in range(3):  # (10, 14, 6, 8) ... (40, 56, 24, 32)
         w.square_()
-        torch.nansum(w, -1, out=out[6 + 4 * j:10 + 4 * j])
-    w[2:].square_()                                       # 48, 64
+        torch.nansum(w, -1, out=out[6 + 4 * j : 10 + 4 * j])
+    w[2:].square_()  # 48, 64
     torch.nansum(w[2:], -1, out=out[18:20])
     return out
 
@@ -293,8 +307,6 @@ def knot_logs(sums: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
     return outside.clamp_(min=_TINY).log_()
 
 
-
-
 class TemperatureGrid:
     """What every call on one device shares: the grid temperatures ``[K]`` and the
     linear maps that turn knots into top-1 curves on the grid (``top1_on_grid``)."""
@@ -304,7 +316,7 @@ class TemperatureGrid:
         self.temperatures = temperature_grid(device)
         x = torch.tensor(knot_betas(), dtype=torch.float64)
         n = len(x)
-        beta = temperature_grid("cpu").double().reciprocal()                 # [K], descending
+        beta = temperature_grid("cpu").double().reciprocal()  # [K], descending
         self.betas = beta.to(device, torch.float32)
         steps = x.diff()
         # secants of h between knots: h @ secant, [n, n - 1]
@@ -340,12 +352,12 @@ class TemperatureGrid:
 def top1_on_grid(h: torch.Tensor, grid: TemperatureGrid) -> torch.Tensor:
     """Top-1 probability at each grid temperature (``[r, K]``) from ``h`` at the knots
     (``[r, knots]``), by a monotone piecewise-cubic (PCHIP) interpolation of ``h`` in beta."""
-    secant = h @ grid.secant                                             # [r, knots - 1]
+    secant = h @ grid.secant  # [r, knots - 1]
     left, right = secant[:, :-1], secant[:, 1:]
     harmonic = (grid.w_left + grid.w_right) / (grid.w_left / left + grid.w_right / right)
     inner = torch.where(left * right > 0, harmonic, 0.0)  # 0 at a local extremum (flat h)
     interpolated = torch.cat([h, secant[:, :1], inner, secant[:, -1:]], dim=1) @ grid.hermite
-    return torch.sigmoid(interpolated.neg_())                            # q = 1 / (1 + e^h)
+    return torch.sigmoid(interpolated.neg_())  # q = 1 / (1 + e^h)
 
 
 def covariate_on_grid(tangent: torch.Tensor, grid: TemperatureGrid, beta_s: float) -> torch.Tensor:
@@ -355,8 +367,9 @@ def covariate_on_grid(tangent: torch.Tensor, grid: TemperatureGrid, beta_s: floa
     return torch.sigmoid((tangent @ grid.tangent_map(beta_s)).neg_())
 
 
-def distillation_chunk(student_rows: torch.Tensor, teacher_rows: torch.Tensor,
-                       inv_temperature: float, workspace: Workspace) -> torch.Tensor:
+def distillation_chunk(
+    student_rows: torch.Tensor, teacher_rows: torch.Tensor, inv_temperature: float, workspace: Workspace
+) -> torch.Tensor:
     """Per position ``[r, 3]``: how much the KL gradient raises the teacher's top-1
     logit, half the gradient's L1 norm, and the teacher's mass outside its top-1.
 

@@ -41,21 +41,23 @@ class ResetDetector:
         self.report_step = monitor.step
         self._indices = IndexCache()
 
-    def observe(self, monitor: MonitorView, ctx: StepContext, walk: StateWalk,
-                now: torch.Tensor | None) -> None:
+    def observe(self, monitor: MonitorView, ctx: StepContext, walk: StateWalk, now: torch.Tensor | None) -> None:
         dev = monitor.device
         key = groups_key(monitor)
         reasons: list[str] = []
         if key != self.groups_key:
             params = {id(p) for g in monitor.optimizer.param_groups for p in g["params"]}
             added, removed = len(params - self.groups_params), len(self.groups_params - params)
-            reasons.append(f"param groups changed ({len(self.groups_key)} -> {len(key)} groups, "
-                           f"{added} parameters added, {removed} removed)")
+            reasons.append(
+                f"param groups changed ({len(self.groups_key)} -> {len(key)} groups, "
+                f"{added} parameters added, {removed} removed)"
+            )
             self.groups_key, self.groups_params = key, params
         if walk.vanished:
             more = f" and {len(walk.vanished) - 3} more" if len(walk.vanished) > 3 else ""
-            reasons.append(f"optimizer state emptied for {len(walk.vanished)} parameter(s) "
-                           f"({', '.join(walk.vanished[:3])}{more})")
+            reasons.append(
+                f"optimizer state emptied for {len(walk.vanished)} parameter(s) ({', '.join(walk.vanished[:3])}{more})"
+            )
         flag = None
         elapsed = monitor.step - self.report_step
         ids = tuple(walk.ids)
@@ -64,8 +66,11 @@ class ResetDetector:
                 flag = (now < self.steps).any()  # the usual case: one compare, no index
             else:
                 prev_pos = {pid: j for j, pid in enumerate(self.order)}
-                kept = [(j, prev_pos[pid]) for j, (pid, rec) in enumerate(zip(ids, walk.recreated))
-                        if pid in prev_pos and not rec]
+                kept = [
+                    (j, prev_pos[pid])
+                    for j, (pid, rec) in enumerate(zip(ids, walk.recreated, strict=True))
+                    if pid in prev_pos and not rec
+                ]
                 fresh = [j for j, rec in enumerate(walk.recreated) if rec]
                 flag = torch.zeros((), dtype=torch.bool, device=dev)
                 if kept:
@@ -80,7 +85,10 @@ class ResetDetector:
             ctx.event("optimizer_state_reset", "; ".join(reasons))
         elif flag is not None:
             self.count = self.count + flag.to(self.count.dtype)
-            ctx.event("optimizer_state_reset",
-                      f"a step count went back or restarted since step {monitor.step - elapsed} "
-                      "(optimizer state cleared, zeroed or rebuilt)", when=flag)
+            ctx.event(
+                "optimizer_state_reset",
+                f"a step count went back or restarted since step {monitor.step - elapsed} "
+                "(optimizer state cleared, zeroed or rebuilt)",
+                when=flag,
+            )
         ctx.emit("optimizer_state_resets_total", self.count, {})

@@ -19,20 +19,35 @@ from trainvitals.alerts.engine import Engine
 from trainvitals.alerts.loading import resolve_rules
 from trainvitals.wire import Report, Sample
 
-PARAM_METRICS = ["param_min", "param_max", "param_absmax", "param_drift_log2", "param_grad_relative_rms",
-                 "param_drift_consistency_ratio", "param_weight_decay", "adam_eps_dominated_ratio",
-                 "adam_normalized_update_rms", "adam_exp_avg_norm", "adam_exp_avg_sq_norm"]
+PARAM_METRICS = [
+    "param_min",
+    "param_max",
+    "param_absmax",
+    "param_drift_log2",
+    "param_grad_relative_rms",
+    "param_drift_consistency_ratio",
+    "param_weight_decay",
+    "adam_eps_dominated_ratio",
+    "adam_normalized_update_rms",
+    "adam_exp_avg_norm",
+    "adam_exp_avg_sq_norm",
+]
 
 
 def make_report(step: int, value) -> Report:
-    samples = [Sample(name=n, labels={"param": f"layers.{p}.norm.weight"}, value=value())
-               for p in range(180) for n in PARAM_METRICS]
+    samples = [
+        Sample(name=n, labels={"param": f"layers.{p}.norm.weight"}, value=value())
+        for p in range(180)
+        for n in PARAM_METRICS
+    ]
     for m in ("text", "image"):
         for n in ("modality_dilution_ratio", "modality_sample_share_ratio", "modality_grad_share_ratio", "loss"):
             samples.append(Sample(name=n, labels={"modality": m}, value=1.0))
-    samples += [Sample(name="grad_norm_max", labels={}, value=1.0),
-                Sample(name="loss_weight_mass", labels={}, value=1.0),
-                Sample(name="nonfinite_total", labels={"what": "loss"}, value=0.0)]
+    samples += [
+        Sample(name="grad_norm_max", labels={}, value=1.0),
+        Sample(name="loss_weight_mass", labels={}, value=1.0),
+        Sample(name="nonfinite_total", labels={"what": "loss"}, value=0.0),
+    ]
     return Report(run="bench", step=step, time=0.0, samples=samples[-2000:])
 
 
@@ -49,8 +64,10 @@ def main() -> None:
             engine.observe(r, now=1000.0 + i)
         elapsed = time.perf_counter() - start
         n = sum(len(r.samples) for r in reports)
-        print(f"{label:9s} {elapsed / len(reports) * 1e3:6.2f} ms/report  "
-              f"{elapsed / n * 1e9:6.0f} ns/sample  {n / elapsed / 1e6:5.2f} M samples/s")
+        print(
+            f"{label:9s} {elapsed / len(reports) * 1e3:6.2f} ms/report  "
+            f"{elapsed / n * 1e9:6.0f} ns/sample  {n / elapsed / 1e6:5.2f} M samples/s"
+        )
 
 
 if __name__ == "__main__":

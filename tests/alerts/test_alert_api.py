@@ -9,10 +9,28 @@ from pathlib import Path
 import trainvitals.alerts as alerts_pkg
 
 EXPECTED = {
-    "Alert", "AlertService", "AlertState", "Condition", "Dispatcher", "Engine", "EventRule",
-    "LocalEvaluator", "Notification", "Notifier", "NotifierConfigError", "NotifyError",
-    "RetryPolicy", "Rule", "RuleError", "SilenceRule", "ThresholdRule", "Transition",
-    "build_notifiers", "export_prometheus", "load_rules", "resolve_rules",
+    "Alert",
+    "AlertService",
+    "AlertState",
+    "Condition",
+    "Dispatcher",
+    "Engine",
+    "EventRule",
+    "LocalEvaluator",
+    "Notification",
+    "Notifier",
+    "NotifierConfigError",
+    "NotifyError",
+    "RetryPolicy",
+    "Rule",
+    "RuleError",
+    "SilenceRule",
+    "ThresholdRule",
+    "Transition",
+    "build_notifiers",
+    "export_prometheus",
+    "load_rules",
+    "resolve_rules",
 }
 
 

@@ -53,8 +53,7 @@ def test_pending_then_firing_after_for_steps():
     assert feed(eng, [17, 17, 17]) == [(0, IN, P), (20, P, F)]
     (alert,) = eng.firing()
     assert alert.labels == {"run": "r1", "modality": "image"}
-    assert alert.alert_labels == {"alertname": "GradientDilution", "severity": "page",
-                                  "run": "r1", "modality": "image"}
+    assert alert.alert_labels == {"alertname": "GradientDilution", "severity": "page", "run": "r1", "modality": "image"}
     assert alert.summary == "image 17.0x in r1"
     assert alert.since == 1020.0 and alert.value == 17
 
@@ -81,11 +80,15 @@ def test_series_are_independent():
     out = []
     for i, (img, aud) in enumerate([(17, 1), (17, 17), (17, 17), (1, 17), (1, 17)]):
         step = i * 10
-        r = wire_report(step, [("modality_dilution_ratio", {"modality": "image"}, img),
-                               ("modality_dilution_ratio", {"modality": "audio"}, aud)])
+        r = wire_report(
+            step,
+            [
+                ("modality_dilution_ratio", {"modality": "image"}, img),
+                ("modality_dilution_ratio", {"modality": "audio"}, aud),
+            ],
+        )
         out += [(step, t.labels["modality"], t.state) for t in eng.observe(r, now=step)]
-    assert out == [(0, "image", P), (10, "audio", P), (20, "image", F),
-                   (30, "image", R), (30, "audio", F)]
+    assert out == [(0, "image", P), (10, "audio", P), (20, "image", F), (30, "image", R), (30, "audio", F)]
 
 
 def test_runs_and_ranks_are_independent():
@@ -147,8 +150,9 @@ def test_below_rule_and_hold_steps():
 """)
     trans = []
     for step, v in enumerate([0.25, 0.7, 0.9, 0.9, 0.6, 0.9, 0.9, 0.9, 0.9]):
-        trans += [(step * 10, t.state) for t in
-                  eng.observe(wire_report(step * 10, [("loss_weight_mass", {}, v)]), now=step)]
+        trans += [
+            (step * 10, t.state) for t in eng.observe(wire_report(step * 10, [("loss_weight_mass", {}, v)]), now=step)
+        ]
     # 0.6 at step 40 is inside the band: the clear streak restarts at 50.
     assert trans == [(0, F), (80, R)]
 
@@ -179,15 +183,25 @@ def drift_report(step, drift, consistency=0.9, decay=0.0, param="norm.weight", e
 def test_and_conditions_match_series_by_labels():
     eng = engine(PARAM_DRIFT)
     # Another parameter's consistency must not satisfy this one's condition.
-    r = wire_report(0, [("param_drift_log2", {"param": "a"}, 3.0),
-                        ("param_drift_consistency_ratio", {"param": "a"}, 0.1),
-                        ("param_drift_consistency_ratio", {"param": "b"}, 0.9),
-                        ("param_weight_decay", {"param": "a"}, 0.0)])
+    r = wire_report(
+        0,
+        [
+            ("param_drift_log2", {"param": "a"}, 3.0),
+            ("param_drift_consistency_ratio", {"param": "a"}, 0.1),
+            ("param_drift_consistency_ratio", {"param": "b"}, 0.9),
+            ("param_weight_decay", {"param": "a"}, 0.0),
+        ],
+    )
     assert eng.observe(r, now=0) == []
     # Conditions are looked up across the whole report, in any order.
-    r = wire_report(10, [("param_weight_decay", {"param": "a"}, 0.0),
-                         ("param_drift_consistency_ratio", {"param": "a"}, 0.9),
-                         ("param_drift_log2", {"param": "a"}, 3.0)])
+    r = wire_report(
+        10,
+        [
+            ("param_weight_decay", {"param": "a"}, 0.0),
+            ("param_drift_consistency_ratio", {"param": "a"}, 0.9),
+            ("param_drift_log2", {"param": "a"}, 3.0),
+        ],
+    )
     (t,) = eng.observe(r, now=1)
     assert t.state is F and t.labels == {"run": "r1", "param": "a"}
 
@@ -215,8 +229,9 @@ def test_and_condition_with_fewer_labels_matches_by_restriction():
   and: [{metric: loss_weight_mass, above: 1.5}]
   summary: "{modality} {scope}"
 """)
-    r = wire_report(0, [("modality_grad_norm", {"modality": "image", "scope": "output"}, 3.0),
-                        ("loss_weight_mass", {}, 4.0)])
+    r = wire_report(
+        0, [("modality_grad_norm", {"modality": "image", "scope": "output"}, 3.0), ("loss_weight_mass", {}, 4.0)]
+    )
     (t,) = eng.observe(r, now=0)
     assert t.state is F and t.summary == "image output"
 
@@ -280,8 +295,7 @@ def test_run_end_event_silences_run_silent_and_old_runs_are_forgotten():
     feed(eng, [17, 17, 17], run="b")  # firing GradientDilution, now=1000..1020
     assert {a.alertname for a in eng.firing()} == {"GradientDilution"}
     trans = eng.tick(1020 + 3600)
-    assert {(t.alertname, t.state, t.reason) for t in trans} == {
-        ("GradientDilution", R, "run expired")}
+    assert {(t.alertname, t.state, t.reason) for t in trans} == {("GradientDilution", R, "run expired")}
     assert eng.alerts() == []
 
 
@@ -307,8 +321,10 @@ def test_counter_increase_transform():
 """)
 
     def nf(step, v, what="loss"):
-        return [(t.state, t.summary) for t in
-                eng.observe(wire_report(step, [("nonfinite_total", {"what": what}, v)]), now=step)]
+        return [
+            (t.state, t.summary)
+            for t in eng.observe(wire_report(step, [("nonfinite_total", {"what": what}, v)]), now=step)
+        ]
 
     assert nf(0, 3) == []  # the first report is the baseline
     assert nf(10, 3) == []
@@ -332,8 +348,7 @@ def test_ratio_to_median_transform():
     out = []
     values = [100, 50, 20, 30, 25, 24, 26, 400, 150, 70, 26, 25]
     for i, v in enumerate(values):
-        out += [(i, t.state, t.summary) for t in
-                eng.observe(wire_report(i, [("grad_norm", {}, v)]), now=i)]
+        out += [(i, t.state, t.summary) for t in eng.observe(wire_report(i, [("grad_norm", {}, v)]), now=i)]
     # No verdict for the first 5 reports (warm-up norms fall); then 400 / median(20,30,25,24,26)
     # = 16x; 150 is 5.8x (inside the band: still firing); 70 is 2.7x: back under clear.
     assert out == [(7, F, "16x"), (9, R, "16x")]  # a resolve renders the value it fired with
@@ -341,6 +356,7 @@ def test_ratio_to_median_transform():
 
 def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
     """The shipped rules against the incidents' values (docs/incidents.md, I1-I5) and healthy values."""
+
     def run_values(samples_at, steps=range(0, 300, 10), events_at=None):
         eng = Engine(load_rules("default"))
         fired = set()
@@ -354,57 +370,79 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
     p = {"param": "final_norm.weight"}
     obj = {"objective": "main"}
     incident = {
-        "GradientDilution": lambda s: [("modality_dilution_ratio", {"modality": "image"}, 17.0),
-                                       ("modality_dilution_ratio", {"modality": "text"}, 0.85),
-                                       ("modality_excess_dilution_ratio", {"modality": "image"}, 17.0),
-                                       ("modality_excess_dilution_ratio", {"modality": "text"}, 0.85)],
+        "GradientDilution": lambda s: [
+            ("modality_dilution_ratio", {"modality": "image"}, 17.0),
+            ("modality_dilution_ratio", {"modality": "text"}, 0.85),
+            ("modality_excess_dilution_ratio", {"modality": "image"}, 17.0),
+            ("modality_excess_dilution_ratio", {"modality": "text"}, 0.85),
+        ],
         # sqrt normalization with 2-8 token answers: 12x, as intended.
-        "LossNormalizationDilutes": lambda s: [("modality_dilution_ratio", {"modality": "image"}, 12.0),
-                                               ("modality_excess_dilution_ratio", {"modality": "image"}, 1.02)],
-        "LossNotAccumNormalized": lambda s: [("loss_weight_mass", obj, 4.0),
-                                             ("loss_accumulation_exponent", obj, 1.0)],
-        "LossWeightMassLow": lambda s: [("loss_weight_mass", obj, 0.25),
-                                        ("loss_accumulation_exponent", obj, -1.0)],
+        "LossNormalizationDilutes": lambda s: [
+            ("modality_dilution_ratio", {"modality": "image"}, 12.0),
+            ("modality_excess_dilution_ratio", {"modality": "image"}, 1.02),
+        ],
+        "LossNotAccumNormalized": lambda s: [("loss_weight_mass", obj, 4.0), ("loss_accumulation_exponent", obj, 1.0)],
+        "LossWeightMassLow": lambda s: [("loss_weight_mass", obj, 0.25), ("loss_accumulation_exponent", obj, -1.0)],
         "MeanOfMeansLoss": lambda s: [("token_weight_spread_ratio", obj, 1.8 + 0.3 * math.sin(s))],
-        "ParamDrift": lambda s: [("param_drift_log2", p, min(5.8, s / 40)),
-                                 ("param_drift_consistency_ratio", p, 0.9),
-                                 ("param_weight_decay", p, 0.0),
-                                 ("param_grad_relative_rms", p, 1e-4)],
-        "AdamEpsilonDominated": lambda s: [("adam_eps_dominated_ratio", p, 1.0),
-                                           ("adam_normalized_update_rms", p, 0.95),
-                                           ("param_weight_decay", p, 0.0)],
-        "SoftmaxSaturation": lambda s: [("softmax_saturated_ratio",
-                                         {"task": "ie", "role": "teacher", "threshold": "0.99"}, 0.97)],
+        "ParamDrift": lambda s: [
+            ("param_drift_log2", p, min(5.8, s / 40)),
+            ("param_drift_consistency_ratio", p, 0.9),
+            ("param_weight_decay", p, 0.0),
+            ("param_grad_relative_rms", p, 1e-4),
+        ],
+        "AdamEpsilonDominated": lambda s: [
+            ("adam_eps_dominated_ratio", p, 1.0),
+            ("adam_normalized_update_rms", p, 0.95),
+            ("param_weight_decay", p, 0.0),
+        ],
+        "SoftmaxSaturation": lambda s: [
+            ("softmax_saturated_ratio", {"task": "ie", "role": "teacher", "threshold": "0.99"}, 0.97)
+        ],
         "NonFiniteLoss": lambda s: [("nonfinite_total", {"what": "loss"}, float(s >= 150))],
         "GradNormSpike": lambda s: [("grad_norm_max", {}, 500.0 if s == 250 else 1.0 + 0.3 * math.sin(s))],
     }
     healthy = {
-        "GradientDilution": lambda s: [("modality_dilution_ratio", {"modality": "image"}, 1.0),
-                                       ("modality_dilution_ratio", {"modality": "text"}, 1.0)],
-        "LossNotAccumNormalized": lambda s: [("loss_weight_mass", obj, 1.0 + 1e-6),
-                                             ("loss_accumulation_exponent", obj, 0.0)],
+        "GradientDilution": lambda s: [
+            ("modality_dilution_ratio", {"modality": "image"}, 1.0),
+            ("modality_dilution_ratio", {"modality": "text"}, 1.0),
+        ],
+        "LossNotAccumNormalized": lambda s: [
+            ("loss_weight_mass", obj, 1.0 + 1e-6),
+            ("loss_accumulation_exponent", obj, 0.0),
+        ],
         # An undeclared coefficient: a hard-label term weighted 2 in one micro-batch (no
         # exponent), a KD loss scaled by tau^2 = 16 over 4 micro-batches (exponent 2).
         "LossNotAccumNormalized-weighted": lambda s: [("loss_weight_mass", obj, 2.0)],
-        "LossNotAccumNormalized-kd": lambda s: [("loss_weight_mass", obj, 16.0),
-                                                ("loss_accumulation_exponent", obj, 2.0)],
+        "LossNotAccumNormalized-kd": lambda s: [
+            ("loss_weight_mass", obj, 16.0),
+            ("loss_accumulation_exponent", obj, 2.0),
+        ],
         # A deliberate alpha = 0.1 over 2 micro-batches: log 0.1 / log 2 = -3.3.
-        "LossWeightMassLow-alpha": lambda s: [("loss_weight_mass", obj, 0.1),
-                                              ("loss_accumulation_exponent", obj, -3.32)],
+        "LossWeightMassLow-alpha": lambda s: [
+            ("loss_weight_mass", obj, 0.1),
+            ("loss_accumulation_exponent", obj, -3.32),
+        ],
         "MeanOfMeansLoss": lambda s: [("token_weight_spread_ratio", obj, 1.0)],
         # A norm gain that grows with its gradient and is decayed: not Adam drift.
-        "ParamDrift": lambda s: [("param_drift_log2", p, 1.5),
-                                 ("param_drift_consistency_ratio", p, 0.9),
-                                 ("param_weight_decay", p, 0.0),
-                                 ("param_grad_relative_rms", p, 0.8)],
+        "ParamDrift": lambda s: [
+            ("param_drift_log2", p, 1.5),
+            ("param_drift_consistency_ratio", p, 0.9),
+            ("param_weight_decay", p, 0.0),
+            ("param_grad_relative_rms", p, 0.8),
+        ],
         # A parameter with an exactly zero gradient: eps-dominated but it does not move.
-        "AdamEpsilonDominated": lambda s: [("adam_eps_dominated_ratio", p, 1.0),
-                                           ("adam_normalized_update_rms", p, 0.0),
-                                           ("param_weight_decay", p, 0.0)],
-        "SoftmaxSaturation": lambda s: [("softmax_saturated_ratio",
-                                         {"task": "ie", "role": "teacher", "threshold": "0.99"}, 0.35)],
-        "NonFiniteLoss": lambda s: [("nonfinite_total", {"what": "loss"}, 0.0),
-                                    ("nonfinite_total", {"what": "grad"}, float(s))],
+        "AdamEpsilonDominated": lambda s: [
+            ("adam_eps_dominated_ratio", p, 1.0),
+            ("adam_normalized_update_rms", p, 0.0),
+            ("param_weight_decay", p, 0.0),
+        ],
+        "SoftmaxSaturation": lambda s: [
+            ("softmax_saturated_ratio", {"task": "ie", "role": "teacher", "threshold": "0.99"}, 0.35)
+        ],
+        "NonFiniteLoss": lambda s: [
+            ("nonfinite_total", {"what": "loss"}, 0.0),
+            ("nonfinite_total", {"what": "grad"}, float(s)),
+        ],
         "GradNormSpike": lambda s: [("grad_norm_max", {}, 1.0 + 0.5 * math.sin(s))],
     }
     assert set(incident) | {"OptimizerStateReset", "RunSilent"} == {r.alert for r in load_rules("default")}

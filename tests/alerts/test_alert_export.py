@@ -34,7 +34,9 @@ def test_export_structure_matches_the_rules(tmp_path):
     by = {r["alert"]: r for r in group["rules"]}
     assert set(by) == {r.alert for r in load_rules("default")}
     gd = by["GradientDilution"]
-    assert gd["expr"].startswith("(trainvitals_modality_excess_dilution_ratio > 5 or (trainvitals_modality_excess_dilution_ratio > 3 and ")
+    assert gd["expr"].startswith(
+        "(trainvitals_modality_excess_dilution_ratio > 5 or (trainvitals_modality_excess_dilution_ratio > 3 and "
+    )
     assert 'ALERTS{alertname="GradientDilution", alertstate="firing"}' in gd["expr"]
     assert gd["for"] == "20s" and gd["labels"] == {"severity": "page"}
     assert gd["annotations"]["runbook_url"] == "RUNBOOKS.md#gradientdilution"
@@ -42,8 +44,9 @@ def test_export_structure_matches_the_rules(tmp_path):
     assert by["NonFiniteLoss"]["expr"] == 'increase(trainvitals_nonfinite_total{what="loss"}[5m]) > 0'
     assert by["NonFiniteLoss"]["keep_firing_for"] == "1m40s"
     assert by["OptimizerStateReset"]["expr"] == "increase(trainvitals_optimizer_state_resets_total[5m]) > 0"
-    assert by["RunSilent"]["expr"] == ("time() - trainvitals_last_report_timestamp_seconds > 600"
-                                       " unless on(run) trainvitals_run_ended == 1")
+    assert by["RunSilent"]["expr"] == (
+        "time() - trainvitals_last_report_timestamp_seconds > 600 unless on(run) trainvitals_run_ended == 1"
+    )
     assert "quantile_over_time(0.5, trainvitals_grad_norm_max[3m20s])" in by["GradNormSpike"]["expr"]
 
 
@@ -53,14 +56,19 @@ def test_run_silent_export_names_the_collectors_run_ended_gauge():
     assert (spec.owner, spec.type, spec.labels) == ("collector", "gauge", ())
     assert RUN_ENDED in METRIC_LABELS  # a per-run series: it carries `run`
     text = export_prometheus(load_rules("default"))
-    assert ("# RunSilent:\n  #   a run whose last report carried run_end (trainvitals_run_ended == 1)"
-            " stays quiet, as in the collector") in text
+    assert (
+        "# RunSilent:\n  #   a run whose last report carried run_end (trainvitals_run_ended == 1)"
+        " stays quiet, as in the collector"
+    ) in text
     assert "still fires" not in text
 
 
 def test_export_options_scale_durations(tmp_path):
-    doc = yaml.safe_load(_exported(tmp_path, "--step-seconds", "3", "--report-every", "1",
-                                   "--runbook-base-url", "https://x.org/rb/").read_text())
+    doc = yaml.safe_load(
+        _exported(
+            tmp_path, "--step-seconds", "3", "--report-every", "1", "--runbook-base-url", "https://x.org/rb/"
+        ).read_text()
+    )
     by = {r["alert"]: r for r in doc["groups"][0]["rules"]}
     assert by["GradientDilution"]["for"] == "1m"  # 20 steps x 3 s
     assert "[1m]" in by["GradNormSpike"]["expr"]  # 20 reports x 1 step x 3 s
@@ -68,7 +76,8 @@ def test_export_options_scale_durations(tmp_path):
 
 
 def test_export_says_what_it_cannot_express():
-    rules = parse_rules(yaml.safe_load("""
+    rules = parse_rules(
+        yaml.safe_load("""
 - alert: AuditFinding
   event: mixed_modality_sample
   summary: "{detail}"
@@ -76,7 +85,8 @@ def test_export_says_what_it_cannot_express():
   metric: loss_weight_mass
   above: 2
   summary: "{value:.0%} {step} {above}"
-"""))
+""")
+    )
     text = export_prometheus(rules)
     assert "# AuditFinding:\n  #   event 'mixed_modality_sample' has no counter metric: not exported" in text
     assert "- alert: AuditFinding" not in text
@@ -88,17 +98,19 @@ def test_export_says_what_it_cannot_express():
 
 
 def test_template_conversion():
-    (rule,) = parse_rules(yaml.safe_load(
-        "- {alert: A, metric: modality_dilution_ratio, above: 5, summary: s}"))
+    (rule,) = parse_rules(yaml.safe_load("- {alert: A, metric: modality_dilution_ratio, above: 5, summary: s}"))
     assert promql_template("{modality} {value:.1f} {value} {run}x", rule) == (
-        '{{ $labels.modality }} {{ printf "%.1f" $value }} {{ $value }} {{ $labels.run }}x')
+        '{{ $labels.modality }} {{ printf "%.1f" $value }} {{ $value }} {{ $labels.run }}x'
+    )
 
 
 def test_cli_check_lists_rules_and_fails_with_the_field(tmp_path):
     runner = CliRunner()
     ok = runner.invoke(rules_cli, ["check"])
     assert ok.exit_code == 0
-    assert "GradientDilution" in ok.output and "modality_excess_dilution_ratio > 5 (clear at 3) for 20 steps" in ok.output
+    assert (
+        "GradientDilution" in ok.output and "modality_excess_dilution_ratio > 5 (clear at 3) for 20 steps" in ok.output
+    )
     assert ok.output.rstrip().endswith("rules OK in the default rules")
     bad = tmp_path / "x.yaml"
     bad.write_text("- alert: GradientDilution\n  metric: modality_dilution_ratio\n  above: lots\n  summary: s\n")
@@ -133,6 +145,7 @@ def test_promtool_checks_the_exported_default_rules(tmp_path):
 def test_promtool_unit_tests_pass_on_the_export(tmp_path, test_file):
     _exported(tmp_path)
     shutil.copy(test_file, tmp_path / test_file.name)
-    proc = subprocess.run([PROMTOOL, "test", "rules", test_file.name], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [PROMTOOL, "test", "rules", test_file.name], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr

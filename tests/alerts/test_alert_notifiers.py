@@ -26,7 +26,8 @@ from trainvitals.wire import ReportBatch
 
 FAST = RetryPolicy(attempts=3, initial=0.01, maximum=0.05)
 
-RULES = parse_rules(yaml.safe_load("""
+RULES = parse_rules(
+    yaml.safe_load("""
 - alert: GradientDilution
   metric: modality_dilution_ratio
   above: 5
@@ -35,11 +36,13 @@ RULES = parse_rules(yaml.safe_load("""
   summary: "{modality} gets {value:.1f}x less gradient in run {run}"
   description: "diluted"
   runbook: "RUNBOOKS.md#gradientdilution"
-"""))
+""")
+)
 
 
-def fire(svc: AlertService, step: int, value: float, modality: str = "image", run: str = "r1",
-         now: float = 1_764_400_000.0):
+def fire(
+    svc: AlertService, step: int, value: float, modality: str = "image", run: str = "r1", now: float = 1_764_400_000.0
+):
     r = wire_report(step, [("modality_dilution_ratio", {"modality": modality}, value)], run=run)
     return svc.observe(r, now=now)
 
@@ -51,9 +54,12 @@ def service(configs, **kw) -> AlertService:
 
 def test_alertmanager_payload_resend_and_resolve():
     with RecordingServer() as server:
-        svc = service([{"type": "alertmanager", "url": server.url + "/"}],
-                      resend_interval=60, external_url="http://collector:9477/",
-                      runbook_base_url="https://example.org/runbooks")
+        svc = service(
+            [{"type": "alertmanager", "url": server.url + "/"}],
+            resend_interval=60,
+            external_url="http://collector:9477/",
+            runbook_base_url="https://example.org/runbooks",
+        )
         svc.start()
         try:
             t0 = 1_764_400_000.0
@@ -71,8 +77,11 @@ def test_alertmanager_payload_resend_and_resolve():
         (a,) = first
         assert a == {
             "labels": {"alertname": "GradientDilution", "severity": "page", "run": "r1", "modality": "image"},
-            "annotations": {"summary": "image gets 17.0x less gradient in run r1", "description": "diluted",
-                            "runbook_url": "https://example.org/runbooks/RUNBOOKS.md#gradientdilution"},
+            "annotations": {
+                "summary": "image gets 17.0x less gradient in run r1",
+                "description": "diluted",
+                "runbook_url": "https://example.org/runbooks/RUNBOOKS.md#gradientdilution",
+            },
             "startsAt": "2025-11-29T07:06:40.000Z",
             "endsAt": "2025-11-29T07:10:40.000Z",  # now + 4 * resend
             "generatorURL": "http://collector:9477/v1/alerts",
@@ -114,8 +123,11 @@ def test_dead_receiver_does_not_slow_observe_and_counts_failures(receiver):
     dead = RecordingServer(hang=True)
     url = dead.url if receiver == "hangs" else dead_url()
     try:
-        svc = service([{"type": "webhook", "url": url, "timeout": 0.2}], queue_size=20,
-                      retry=RetryPolicy(attempts=2, initial=0.01, maximum=0.02))
+        svc = service(
+            [{"type": "webhook", "url": url, "timeout": 0.2}],
+            queue_size=20,
+            retry=RetryPolicy(attempts=2, initial=0.01, maximum=0.02),
+        )
         svc.start()
         try:
             done = []
@@ -168,12 +180,15 @@ def test_pagerduty_trigger_resolve_and_dedup_key(monkeypatch, tmp_path):
         assert body["routing_key"] == "FILEKEY" and body["dedup_key"] == key
 
 
-@pytest.mark.parametrize(("status", "requests", "outcome"), [
-    (400, 1, "failed"),   # a bad event: never retried
-    (403, 1, "failed"),
-    (429, 2, "sent"),     # rate limited: retried
-    (502, 2, "sent"),
-])
+@pytest.mark.parametrize(
+    ("status", "requests", "outcome"),
+    [
+        (400, 1, "failed"),  # a bad event: never retried
+        (403, 1, "failed"),
+        (429, 2, "sent"),  # rate limited: retried
+        (502, 2, "sent"),
+    ],
+)
 def test_pagerduty_retries_only_429_and_5xx(status, requests, outcome):
     with RecordingServer(responses=[status], default=202) as server:
         svc = service([{"type": "pagerduty", "url": server.url, "routing_key": "k"}])
@@ -187,8 +202,7 @@ def test_pagerduty_retries_only_429_and_5xx(status, requests, outcome):
 def test_slack_message_shape_and_rate_limit(monkeypatch):
     with RecordingServer(responses=[(429, b"rate_limited", {"Retry-After": "0"})]) as server:
         monkeypatch.setenv("SLACK_URL", server.url + "/services/T000/B000/XXXX")
-        svc = service([{"type": "slack", "webhook_url_env": "SLACK_URL"}],
-                      runbook_base_url="https://example.org/rb")
+        svc = service([{"type": "slack", "webhook_url_env": "SLACK_URL"}], runbook_base_url="https://example.org/rb")
         with svc:
             fire(svc, 0, 17.0)
             fire(svc, 10, 1.0)
@@ -198,7 +212,9 @@ def test_slack_message_shape_and_rate_limit(monkeypatch):
         assert first["text"] == ":rotating_light: [FIRING] GradientDilution: image gets 17.0x less gradient in run r1"
         assert [b["type"] for b in first["blocks"]] == ["section", "section", "context"]
         context = first["blocks"][-1]["elements"][0]["text"]
-        assert "`modality=image`" in context and "<https://example.org/rb/RUNBOOKS.md#gradientdilution|runbook>" in context
+        assert (
+            "`modality=image`" in context and "<https://example.org/rb/RUNBOOKS.md#gradientdilution|runbook>" in context
+        )
         assert resolved["text"].startswith(":white_check_mark: [RESOLVED] GradientDilution")
         assert svc.stats()["slack"]["retries"] == 1
 
@@ -206,8 +222,16 @@ def test_slack_message_shape_and_rate_limit(monkeypatch):
 def test_webhook_headers_and_body(monkeypatch):
     monkeypatch.setenv("HOOK_TOKEN", "Bearer t0ken")
     with RecordingServer() as server:
-        svc = service([{"type": "webhook", "url": server.url, "headers": {"X-Team": "ml"},
-                        "headers_env": {"Authorization": "HOOK_TOKEN"}}])
+        svc = service(
+            [
+                {
+                    "type": "webhook",
+                    "url": server.url,
+                    "headers": {"X-Team": "ml"},
+                    "headers_env": {"Authorization": "HOOK_TOKEN"},
+                }
+            ]
+        )
         with svc:
             fire(svc, 0, 17.0)
             wait_until(lambda: server.count() == 1)
@@ -223,9 +247,11 @@ def test_secrets_never_in_repr_or_logs(caplog, monkeypatch):
     with RecordingServer() as server:
         secret_url = server.url + "/services/T000/B000/SECRETPART"
         monkeypatch.setenv("SLACK_URL", secret_url)
-        configs = [{"type": "slack", "webhook_url_env": "SLACK_URL"},
-                   {"type": "pagerduty", "routing_key": "SECRETKEY", "url": dead_url()},
-                   {"type": "webhook", "url": server.url, "headers": {"Authorization": "SECRETTOKEN"}}]
+        configs = [
+            {"type": "slack", "webhook_url_env": "SLACK_URL"},
+            {"type": "pagerduty", "routing_key": "SECRETKEY", "url": dead_url()},
+            {"type": "webhook", "url": server.url, "headers": {"Authorization": "SECRETTOKEN"}},
+        ]
         parsed = parse_notifier_configs(configs)
         svc = service(configs, retry=RetryPolicy(attempts=2, initial=0.01, maximum=0.01))
         with caplog.at_level(logging.DEBUG):
@@ -242,22 +268,35 @@ def test_secrets_never_in_repr_or_logs(caplog, monkeypatch):
 def test_config_errors_name_the_entry_and_field(monkeypatch):
     monkeypatch.delenv("NOPE", raising=False)
     cases = [
-        ([{"type": "pagerduty", "routing_key_env": "NOPE"}],
-         "notifiers[0] (pagerduty): field 'routing_key_env': environment variable NOPE is not set"),
-        ([{"type": "alertmanager", "url": "http://a"}, {"type": "alertmanager", "url": "am:9093"}],
-         "notifiers[1] (alertmanager): field 'url': must be an http:// or https:// URL"),
+        (
+            [{"type": "pagerduty", "routing_key_env": "NOPE"}],
+            "notifiers[0] (pagerduty): field 'routing_key_env': environment variable NOPE is not set",
+        ),
+        (
+            [{"type": "alertmanager", "url": "http://a"}, {"type": "alertmanager", "url": "am:9093"}],
+            "notifiers[1] (alertmanager): field 'url': must be an http:// or https:// URL",
+        ),
         ([{"type": "pagerduty"}], "notifiers[0] (pagerduty): give exactly one of"),
         ([{"type": "email"}], "notifiers[0] (email): field 'type': must be one of"),
-        ([{"type": "slack", "webhook_url": "x", "colour": "red"}], "notifiers[0] (slack): field 'colour': Extra inputs"),
-        ([{"type": "webhook", "url": "http://a", "name": "x"}, {"type": "webhook", "url": "http://b", "name": "x"}],
-         "notifiers[1] (webhook): field 'name': duplicate name 'x'"),
+        (
+            [{"type": "slack", "webhook_url": "x", "colour": "red"}],
+            "notifiers[0] (slack): field 'colour': Extra inputs",
+        ),
+        (
+            [{"type": "webhook", "url": "http://a", "name": "x"}, {"type": "webhook", "url": "http://b", "name": "x"}],
+            "notifiers[1] (webhook): field 'name': duplicate name 'x'",
+        ),
     ]
     for configs, message in cases:
         with pytest.raises(NotifierConfigError) as info:
             build_notifiers(configs)
         assert str(info.value).startswith(message), str(info.value)
-    names = [n.name for n in build_notifiers([{"type": "alertmanager", "url": "http://a"},
-                                              {"type": "alertmanager", "url": "http://b"}])]
+    names = [
+        n.name
+        for n in build_notifiers(
+            [{"type": "alertmanager", "url": "http://a"}, {"type": "alertmanager", "url": "http://b"}]
+        )
+    ]
     assert names == ["alertmanager", "alertmanager-2"]
 
 
@@ -305,9 +344,13 @@ def test_dedup_key_is_stable_and_bounded():
 
 def test_observe_batch_takes_a_whole_ingest_body():
     svc = service([])
-    batch = ReportBatch(schema=1, reports=[
-        wire_report(0, [("modality_dilution_ratio", {"modality": "image"}, 17.0)], run="a"),
-        wire_report(0, [("modality_dilution_ratio", {"modality": "image"}, 17.0)], run="b")])
+    batch = ReportBatch(
+        schema=1,
+        reports=[
+            wire_report(0, [("modality_dilution_ratio", {"modality": "image"}, 17.0)], run="a"),
+            wire_report(0, [("modality_dilution_ratio", {"modality": "image"}, 17.0)], run="b"),
+        ],
+    )
     assert sorted(t.labels["run"] for t in svc.observe_batch(batch, 10.0)) == ["a", "b"]
     assert [f.name for f in svc.metric_families()] == ["trainvitals_alerts_firing"]  # no notifiers
 
@@ -326,9 +369,12 @@ def test_service_views_and_metrics(monkeypatch):
 
     registry = CollectorRegistry()
     registry.register(svc)
-    assert registry.get_sample_value("trainvitals_alerts_firing",
-                                     {"alertname": "GradientDilution", "severity": "page"}) == 1
-    assert registry.get_sample_value("trainvitals_notifications_total",
-                                     {"notifier": "webhook", "outcome": "dropped"}) == 0
+    assert (
+        registry.get_sample_value("trainvitals_alerts_firing", {"alertname": "GradientDilution", "severity": "page"})
+        == 1
+    )
+    assert (
+        registry.get_sample_value("trainvitals_notifications_total", {"notifier": "webhook", "outcome": "dropped"}) == 0
+    )
     assert registry.get_sample_value("trainvitals_notifications_queued", {"notifier": "webhook"}) == 3
     svc.stop(timeout=0.1)

@@ -31,9 +31,16 @@ from trainvitals.alerts.templates import render_template
 from trainvitals.wire import METRICS, Sample, series_labels
 
 REQUIRED = {
-    "GradientDilution", "LossNotAccumNormalized", "MeanOfMeansLoss", "ParamDrift",
-    "OptimizerStateReset", "AdamEpsilonDominated", "SoftmaxSaturation", "NonFiniteLoss",
-    "GradNormSpike", "RunSilent",
+    "GradientDilution",
+    "LossNotAccumNormalized",
+    "MeanOfMeansLoss",
+    "ParamDrift",
+    "OptimizerStateReset",
+    "AdamEpsilonDominated",
+    "SoftmaxSaturation",
+    "NonFiniteLoss",
+    "GradNormSpike",
+    "RunSilent",
 }
 
 
@@ -52,7 +59,10 @@ def test_default_rules_cover_every_incident_name():
     assert by["LossNotAccumNormalized"].metric == "loss_weight_mass"
     assert by["MeanOfMeansLoss"].metric == "token_weight_spread_ratio"
     assert {c.metric for c in by["ParamDrift"].and_} == {
-        "param_drift_consistency_ratio", "param_weight_decay", "param_grad_relative_rms"}
+        "param_drift_consistency_ratio",
+        "param_weight_decay",
+        "param_grad_relative_rms",
+    }
     assert isinstance(by["OptimizerStateReset"], EventRule)
     assert isinstance(by["RunSilent"], SilenceRule)
     assert by["NonFiniteLoss"].transform == "increase"
@@ -61,8 +71,10 @@ def test_default_rules_cover_every_incident_name():
 
 def test_every_default_rule_has_summary_runbook_and_anchor():
     text = resources.files("trainvitals.alerts").joinpath("RUNBOOKS.md").read_text()
-    anchors = {re.sub(r"[^a-z0-9-]", "", h.strip().lower().replace(" ", "-"))
-               for h in re.findall(r"^## (.+)$", text, flags=re.M)}
+    anchors = {
+        re.sub(r"[^a-z0-9-]", "", h.strip().lower().replace(" ", "-"))
+        for h in re.findall(r"^## (.+)$", text, flags=re.M)
+    }
     for rule in load_rules("default"):
         assert rule.summary and rule.description, rule.alert
         assert rule.runbook.startswith("RUNBOOKS.md#"), rule.alert
@@ -79,8 +91,7 @@ def test_default_rule_thresholds_are_commented():
 
 
 def test_error_names_file_rule_and_field(tmp_path):
-    p = _write(tmp_path, "- alert: GradientDilution\n  metric: modality_dilution_ratio\n"
-                         "  above: lots\n  summary: s\n")
+    p = _write(tmp_path, "- alert: GradientDilution\n  metric: modality_dilution_ratio\n  above: lots\n  summary: s\n")
     with pytest.raises(RuleError) as info:
         load_rule_file(p)
     msg = str(info.value)
@@ -102,7 +113,11 @@ def test_error_names_file_rule_and_field(tmp_path):
         ("metric: loss\n  above: 1\n  labels: {modality: '=~('}", "labels", "invalid regular expression"),
         ("metric: loss\n  above: 1\n  window: 5", "window", "only to 'transform: ratio_to_median'"),
         ("metric: loss\n  above: 1\n  and: [{metric: param_weight_decay}]", "and[0]", "exactly one"),
-        ("metric: loss_weight_mass\n  above: 1\n  summary: '{modality}'", "summary", "unknown template field {modality}"),
+        (
+            "metric: loss_weight_mass\n  above: 1\n  summary: '{modality}'",
+            "summary",
+            "unknown template field {modality}",
+        ),
         ("metric: loss\n  above: 1\n  summary: '{run:.1f}'", "summary", "does not render"),
         ("metric: loss\n  above: 1\n  summary: '{0}'", "summary", "named fields only"),
         ("metric: loss\n  above: 1\n  summary: '{run.__class__}'", "summary", "attribute"),
@@ -154,13 +169,15 @@ def test_mapping_with_rules_key_and_folder(tmp_path):
 
 
 def test_matchers_and_numbers_as_label_values():
-    (rule,) = parse_rules(yaml.safe_load("""
+    (rule,) = parse_rules(
+        yaml.safe_load("""
 - alert: S
   metric: softmax_saturated_ratio
   labels: {threshold: 0.99, role: "!=student", task: "=~ie|ner"}
   above: 0.9
   summary: "{task} {role} {threshold}"
-"""))
+""")
+    )
     assert isinstance(rule, ThresholdRule)
     ops = {m.name: (m.op, m.value) for m in rule.labels}
     assert ops == {"threshold": ("=", "0.99"), "role": ("!=", "student"), "task": ("=~", "ie|ner")}
@@ -169,8 +186,9 @@ def test_matchers_and_numbers_as_label_values():
     assert preds["role"](None) and not preds["role"]("student")
 
 
-@pytest.mark.parametrize(("text", "seconds"), [
-    (90, 90.0), ("30s", 30.0), ("5m", 300.0), ("1h30m", 5400.0), ("500ms", 0.5), ("2.5", 2.5)])
+@pytest.mark.parametrize(
+    ("text", "seconds"), [(90, 90.0), ("30s", 30.0), ("5m", 300.0), ("1h30m", 5400.0), ("500ms", 0.5), ("2.5", 2.5)]
+)
 def test_durations(text, seconds):
     assert parse_duration(text) == seconds
 
@@ -182,6 +200,7 @@ def test_render_never_raises():
 
 
 # ------------------------------------------------------------ resolve_rules
+
 
 def test_resolve_takes_every_spec_in_the_order_given(tmp_path):
     folder = tmp_path / "more"
@@ -201,8 +220,9 @@ def test_resolve_takes_every_spec_in_the_order_given(tmp_path):
 
 
 def test_every_caller_resolves_the_same_way(tmp_path):
-    path = _write(tmp_path, "- {alert: C, metric: loss, above: 1, summary: s}\n"
-                            "- {alert: Quiet, silent_for: 5m, summary: s}\n")
+    path = _write(
+        tmp_path, "- {alert: C, metric: loss, above: 1, summary: s}\n- {alert: Quiet, silent_for: 5m, summary: s}\n"
+    )
     (obj,) = parse_rules([{"alert": "D", "event": "run_end", "summary": "s"}])
     spec = [obj, path]
     service = AlertService.from_config(rules=spec)
@@ -214,19 +234,25 @@ def test_every_caller_resolves_the_same_way(tmp_path):
 def test_resolve_checks_names_across_objects_and_files(tmp_path):
     path = _write(tmp_path, "- {alert: A, silent_for: 5m, summary: s}\n")
     (obj,) = parse_rules([{"alert": "A", "event": "run_end", "summary": "s"}])
-    with pytest.raises(RuleError, match=r"x.yaml: rule 'A' \(#1\): field 'alert': duplicate alert name "
-                                        r"\(also <rule objects> #1\)"):
+    with pytest.raises(
+        RuleError,
+        match=r"x.yaml: rule 'A' \(#1\): field 'alert': duplicate alert name "
+        r"\(also <rule objects> #1\)",
+    ):
         resolve_rules([obj, path])
     with pytest.raises(RuleError, match=r"<rule objects>: rule 'A' \(#2\): field 'alert': duplicate"):
         resolve_rules([obj, obj])
 
 
-@pytest.mark.parametrize(("spec", "fragment"), [
-    (5, "rules: int 5 names no rules"),
-    ({"rules": []}, "rules: dict {'rules': []} names no rules"),
-    (["default", 3.5], "rules: item #2: float 3.5 names no rules"),
-    ([{"alert": "A"}], "rules: item #1: dict"),
-])
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        (5, "rules: int 5 names no rules"),
+        ({"rules": []}, "rules: dict {'rules': []} names no rules"),
+        (["default", 3.5], "rules: item #2: float 3.5 names no rules"),
+        ([{"alert": "A"}], "rules: item #1: dict"),
+    ],
+)
 def test_resolve_rejects_what_names_no_rules(spec, fragment):
     with pytest.raises(RuleError) as info:
         resolve_rules(spec)
@@ -258,8 +284,7 @@ def test_a_rule_offers_exactly_its_metrics_labels(metric):
     stored = series_labels("r", 1, sample.labels)
     fields = " ".join(f"{{{k}}}" for k in stored)
     (rule,) = parse_rules([{"alert": "A", "metric": metric, "above": 1, "summary": fields}])
-    assert rule.template_fields() - {"alertname", "severity", "value", "step", "above", "below",
-                                     "clear"} == set(stored)
+    assert rule.template_fields() - {"alertname", "severity", "value", "step", "above", "below", "clear"} == set(stored)
     unknown = sorted(KNOWN_LABELS - set(stored))
     if unknown:
         with pytest.raises(RuleError, match=f"unknown template field {{{unknown[0]}}}"):
@@ -271,8 +296,7 @@ def test_known_labels_are_every_label_of_a_run_series():
     assert {"loss", "step", "last_report_timestamp_seconds"} <= set(METRIC_LABELS)
     # The collector's own metrics belong to no run: their labels are not series labels.
     assert "alerts_firing" not in METRIC_LABELS and "notifier" not in KNOWN_LABELS
-    assert KNOWN_LABELS == {label for s in run_specs
-                            for label in series_labels("r", 1, dict.fromkeys(s.labels, "v"))}
+    assert KNOWN_LABELS == {label for s in run_specs for label in series_labels("r", 1, dict.fromkeys(s.labels, "v"))}
     # An event may come from any series of a run: its template offers every label.
     (rule,) = parse_rules([{"alert": "E", "event": "x", "summary": "{modality} {param} {rank}"}])
     assert KNOWN_LABELS <= rule.template_fields()

@@ -25,16 +25,23 @@ pytestmark = [
 @pytest.fixture
 def alertmanager(tmp_path):
     """(Alertmanager URL, recording webhook receiver)."""
-    with RecordingServer() as receiver, \
-            running_alertmanager(tmp_path / "alertmanager", receiver.url,
-                                 group_by=("alertname", "run", "modality")) as url:
+    with (
+        RecordingServer() as receiver,
+        running_alertmanager(tmp_path / "alertmanager", receiver.url, group_by=("alertname", "run", "modality")) as url,
+    ):
         yield url, receiver
 
 
 def _dilution(step: int, value: float):
-    return wire_report(step, [("modality_excess_dilution_ratio", {"modality": "image"}, value),
-                              ("modality_excess_dilution_ratio", {"modality": "text"}, 0.85)],
-                       run="mm-pt1", time=time.time())
+    return wire_report(
+        step,
+        [
+            ("modality_excess_dilution_ratio", {"modality": "image"}, value),
+            ("modality_excess_dilution_ratio", {"modality": "text"}, 0.85),
+        ],
+        run="mm-pt1",
+        time=time.time(),
+    )
 
 
 def _webhooks(receiver: RecordingServer, status: str) -> list[dict]:
@@ -43,8 +50,7 @@ def _webhooks(receiver: RecordingServer, status: str) -> list[dict]:
 
 def test_alertmanager_delivers_firing_then_resolved(alertmanager):
     url, receiver = alertmanager
-    service = AlertService.from_config("default", [{"type": "alertmanager", "url": url}],
-                                       resend_interval=5)
+    service = AlertService.from_config("default", [{"type": "alertmanager", "url": url}], resend_interval=5)
     with service:
         # I1 values: dilution 17x for three reports (for_steps 20), then the fix.
         for step in (0, 10, 20):
@@ -53,10 +59,15 @@ def test_alertmanager_delivers_firing_then_resolved(alertmanager):
 
         (firing,) = wait_until(lambda: _webhooks(receiver, "firing"), timeout=30)
         (alert,) = firing["alerts"]
-        assert alert["labels"] == {"alertname": "GradientDilution", "severity": "page",
-                                   "run": "mm-pt1", "modality": "image"}
+        assert alert["labels"] == {
+            "alertname": "GradientDilution",
+            "severity": "page",
+            "run": "mm-pt1",
+            "modality": "image",
+        }
         assert alert["annotations"]["summary"] == (
-            "image gets 17.0x less gradient than the intended loss normalization gives it in run mm-pt1")
+            "image gets 17.0x less gradient than the intended loss normalization gives it in run mm-pt1"
+        )
         assert alert["annotations"]["runbook_url"] == "RUNBOOKS.md#gradientdilution"
 
         service.observe(_dilution(30, 1.0))

@@ -119,9 +119,7 @@ def start_server(cpu: int | None, state: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.1)
 
 
-def ingest_rate(
-    url: str, pid: int, reports_per_body: int, seconds: float, threads: int, gz: bool = False
-) -> float:
+def ingest_rate(url: str, pid: int, reports_per_body: int, seconds: float, threads: int, gz: bool = False) -> float:
     tag = os.urandom(4).hex()  # a fresh sender per case: its seq starts again at 1
     templates = [
         body([report(f"bench-{t}-{k}", step, sender=f"bench{tag}{t}{k}") for k in range(reports_per_body)])
@@ -169,7 +167,8 @@ def ingest_rate(
     samples = sum(counts) * reports_per_body * SAMPLES_PER_REPORT
     print(
         f"ingest, {reports_per_body} report(s) of {SAMPLES_PER_REPORT} samples per body "
-        f"({len(request(0, templates[0])) / 1e3:.0f} kB{' gzipped' if gz else ''}): {sum(counts) / wall:.1f} requests/s, "
+        f"({len(request(0, templates[0])) / 1e3:.0f} kB{' gzipped' if gz else ''}): "
+        f"{sum(counts) / wall:.1f} requests/s, "
         f"{samples / wall:,.0f} samples/s wall, {samples / cpu:,.0f} samples per server CPU-second "
         f"(server CPU {100 * cpu / wall:.0f}% of one core)"
     )
@@ -231,7 +230,7 @@ def in_process_breakdown(rounds: int = 7, n: int = 40) -> dict[str, float]:
             spent[0] += t1 - t0
             spent[1] += t2 - t1
             spent[2] += t3 - t2
-        for key, value in zip(totals, spent):
+        for key, value in zip(totals, spent, strict=True):
             totals[key].append(1e6 * value / (n * SAMPLES_PER_REPORT))
     out = {k: statistics.median(v) for k, v in totals.items()}
     print(
@@ -249,8 +248,12 @@ def main() -> None:
     ap.add_argument("--series", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3, help="ingest measurements per case (median taken)")
-    ap.add_argument("--server-cpu", type=int, default=None,
-                    help="CPU to pin the collector to (default: the first); the client gets the others")
+    ap.add_argument(
+        "--server-cpu",
+        type=int,
+        default=None,
+        help="CPU to pin the collector to (default: the first); the client gets the others",
+    )
     args = ap.parse_args()
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -284,9 +287,14 @@ def main() -> None:
     for name, value in medians.items():
         print(f"| {name} | {value:,.0f} |")
     print()
-    print(" ".join([f"{k}_samples_per_cpu_s={v:.0f}" for k, v in medians.items()]
-                   + [f"{k}={v:.3f}" for k, v in parts.items()] + [f"scrape_s={scrape:.3f}"]
-                   + [f"load_average={os.getloadavg()[0]:.1f}"]))
+    print(
+        " ".join(
+            [f"{k}_samples_per_cpu_s={v:.0f}" for k, v in medians.items()]
+            + [f"{k}={v:.3f}" for k, v in parts.items()]
+            + [f"scrape_s={scrape:.3f}"]
+            + [f"load_average={os.getloadavg()[0]:.1f}"]
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,9 @@ def child(arm: str, steps: int) -> None:
     if arm in ("every1", "default"):
         from trainvitals.hooks import attach
 
-        mon = attach(model, opt, run="mem", sink="null", every=1 if arm == "every1" else 10,
-                     modalities=("text", "image"))
+        mon = attach(
+            model, opt, run="mem", sink="null", every=1 if arm == "every1" else 10, modalities=("text", "image")
+        )
     elif arm == "wandb":
         import wandb
 
@@ -110,8 +111,13 @@ def main(argv: list[str] | None = None) -> None:
     peaks: dict[str, list[tuple[int, int]]] = {n: [] for n in names}
     for _ in range(args.repeats):
         for n in names:
-            out = subprocess.run([sys.executable, __file__, "--child", n, "--steps", str(args.steps)],
-                                 capture_output=True, text=True, check=True, cwd=ROOT)
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", n, "--steps", str(args.steps)],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=ROOT,
+            )
             got = json.loads(out.stdout.strip().splitlines()[-1])
             peaks[n].append((got["own_kib"], got["helpers_kib"]))
     base = statistics.median(own for own, _ in peaks["unmonitored"])

@@ -34,13 +34,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--every", type=int, default=10, help="report interval (1: all signals every step)")
     ap.add_argument("--signals", default="all", help="built-in signals: all, none, or a list of optimizer,params,adam")
     ap.add_argument("--track-loss", action="store_true", help="call track_loss(..., output=logits) per micro-batch")
-    ap.add_argument("--zero-code", action="store_true",
-                    help="zero-code loss accounting: attach(loss_from_logits=True), micro-batches tagged "
-                         "by a forward pre-hook (no track_loss call)")
+    ap.add_argument(
+        "--zero-code",
+        action="store_true",
+        help="zero-code loss accounting: attach(loss_from_logits=True), micro-batches tagged "
+        "by a forward pre-hook (no track_loss call)",
+    )
     ap.add_argument("--observe-logits", action="store_true", help="call observe_logits(logits) per micro-batch")
     ap.add_argument("--blocks", type=int, default=6, help="blocks per arm (interleaved)")
-    ap.add_argument("--steps", type=int, default=0,
-                    help="steps per block (default: the report interval; rounded up to a multiple of it)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="steps per block (default: the report interval; rounded up to a multiple of it)",
+    )
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--option", action="append", default=[], help="extra attach option name=value (int/float/str)")
@@ -65,8 +72,16 @@ def main(argv: list[str] | None = None) -> None:
     mon_model, mon_opt = build(0)
     if args.zero_code:
         options["loss_from_logits"] = True
-    mon = attach(mon_model, mon_opt, run="bench", sink="null", every=args.every, signals=signals,
-                 modalities=("text", "image"), **options)
+    mon = attach(
+        mon_model,
+        mon_opt,
+        run="bench",
+        sink="null",
+        every=args.every,
+        signals=signals,
+        modalities=("text", "image"),
+        **options,
+    )
     if args.zero_code:
         # The reference batches carry modality codes [0, 0, 0, 1]; a real job tags each batch.
         codes = make_batches(1)[0].modality
@@ -77,8 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         micro = [batches[(i * ACCUM + k) % len(batches)] for k in range(ACCUM)]
         t0 = time.perf_counter()
         if monitored:
-            train_step(mon_model, mon_opt, micro, mon, track_loss=args.track_loss,
-                       observe_logits=args.observe_logits)
+            train_step(mon_model, mon_opt, micro, mon, track_loss=args.track_loss, observe_logits=args.observe_logits)
         else:
             train_step(base_model, base_opt, micro)
         return time.perf_counter() - t0
@@ -103,17 +117,25 @@ def main(argv: list[str] | None = None) -> None:
         i += args.steps
         ratios.append(total[True] / total[False])
     mon.close()
-    what = f"signals={args.signals} every={args.every}" + (" +track_loss(output)" if args.track_loss else "") + (
-        " +zero_code" if args.zero_code else "") + (
-        " +observe_logits" if args.observe_logits else "")
+    what = (
+        f"signals={args.signals} every={args.every}"
+        + (" +track_loss(output)" if args.track_loss else "")
+        + (" +zero_code" if args.zero_code else "")
+        + (" +observe_logits" if args.observe_logits else "")
+    )
     ratio = statistics.median(ratios)
     width = max(len(what), 12)
     print(f"{'configuration':<{width}} {'ms/step':>9} {'ratio median':>13} {'min':>7} {'max':>7}")
     print(f"{'unmonitored':<{width}} {statistics.median(base_all) * 1e3:9.1f} {'1.000':>13}")
-    print(f"{what:<{width}} {statistics.median(mon_all) * 1e3:9.1f} {ratio:13.4f} {min(ratios):7.4f} {max(ratios):7.4f}")
+    print(
+        f"{what:<{width}} {statistics.median(mon_all) * 1e3:9.1f} {ratio:13.4f} {min(ratios):7.4f} {max(ratios):7.4f}"
+    )
     print(f"({len(ratios)} interleaved blocks x {args.steps} steps; ratio of block totals)")
-    print(f"ratio={ratio:.4f} ratio_min={min(ratios):.4f} ratio_max={max(ratios):.4f} "
-          f"unmonitored_ms={statistics.median(base_all) * 1e3:.1f} monitored_ms={statistics.median(mon_all) * 1e3:.1f}")
+    print(
+        f"ratio={ratio:.4f} ratio_min={min(ratios):.4f} ratio_max={max(ratios):.4f} "
+        f"unmonitored_ms={statistics.median(base_all) * 1e3:.1f} monitored_ms={statistics.median(mon_all) * 1e3:.1f}"
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -42,8 +42,14 @@ def _arm(name: str, tmp: Path) -> tuple[Callable[[list], None], Callable[[], Non
     if name == "unmonitored":
         return (lambda micro: train_step(model, opt, micro)), (lambda: None)
     if name in ("every1", "default"):
-        mon = attach(model, opt, run=f"bench-{name}", sink="null", every=1 if name == "every1" else 10,
-                     modalities=("text", "image"))
+        mon = attach(
+            model,
+            opt,
+            run=f"bench-{name}",
+            sink="null",
+            every=1 if name == "every1" else 10,
+            modalities=("text", "image"),
+        )
         return (lambda micro: train_step(model, opt, micro, mon, track_loss=True, observe_logits=True)), mon.close
     if name == "wandb":
         import wandb
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         step_ms: dict[str, list[float]] = {n: [] for n in names}
         i = args.warmup
         for blk in range(args.blocks):
-            order = names[blk % len(names):] + names[: blk % len(names)]
+            order = names[blk % len(names) :] + names[: blk % len(names)]
             totals = {}
             for n in order:
                 step, _ = arms[n]
@@ -128,8 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'arm':<14} {'ms/step':>9} {'ratio median':>13} {'min':>7} {'max':>7}")
     print(f"{'unmonitored':<14} {statistics.median(step_ms['unmonitored']):9.1f} {'1.000':>13}")
     for n, r in ratios.items():
-        print(f"{n:<14} {statistics.median(step_ms[n]):9.1f} {statistics.median(r):13.3f} "
-              f"{min(r):7.3f} {max(r):7.3f}")
+        print(f"{n:<14} {statistics.median(step_ms[n]):9.1f} {statistics.median(r):13.3f} {min(r):7.3f} {max(r):7.3f}")
     figures = {f"ratio_{n}": f"{statistics.median(r):.3f}" for n, r in ratios.items()}
     figures["unmonitored_ms"] = f"{statistics.median(step_ms['unmonitored']):.1f}"
     print(" ".join(f"{k}={v}" for k, v in figures.items()))

@@ -58,14 +58,29 @@ def job(steps: int, warmup: int) -> None:
     for i in range(1, warmup):
         step(i)
     times = [step(warmup + i) for i in range(steps)]
-    print("BENCH " + json.dumps({"first_step_s": first,
-                                 "loop_s_per_step": sum(t for t, _ in times) / steps,
-                                 "loop_cpu_s_per_step": sum(c for _, c in times) / steps}), flush=True)
+    print(
+        "BENCH "
+        + json.dumps(
+            {
+                "first_step_s": first,
+                "loop_s_per_step": sum(t for t, _ in times) / steps,
+                "loop_cpu_s_per_step": sum(c for _, c in times) / steps,
+            }
+        ),
+        flush=True,
+    )
 
 
 def run_arm(monitored: bool, args: argparse.Namespace, sink: str) -> dict[str, float]:
-    script = [sys.executable, str(Path(__file__).resolve()), "--job", "--steps", str(args.steps),
-              "--warmup", str(args.warmup)]
+    script = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--job",
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+    ]
     cmd = [TRAINVITALS, "run", "--run", "bench-run", "--collector", sink, "--", *script] if monitored else script
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINVITALS_")}
     env["OMP_NUM_THREADS"] = "1"
@@ -77,7 +92,7 @@ def run_arm(monitored: bool, args: argparse.Namespace, sink: str) -> dict[str, f
     line = next(x for x in proc.stdout.splitlines() if x.startswith("BENCH "))
     if monitored and "trainvitals run: watching" not in proc.stderr:
         raise SystemExit(f"the run arm did not attach:\n{proc.stderr[-3000:]}")
-    return {"wall_s": wall, **json.loads(line[len("BENCH "):])}
+    return {"wall_s": wall, **json.loads(line[len("BENCH ") :])}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -108,18 +123,27 @@ def main(argv: list[str] | None = None) -> None:
             sink = "null"
         results: dict[bool, list[dict[str, float]]] = {False: [], True: []}
         for r in range(args.runs):
-            for monitored in ((False, True) if r % 2 == 0 else (True, False)):
+            for monitored in (False, True) if r % 2 == 0 else (True, False):
                 results[monitored].append(run_arm(monitored, args, sink))
-                print(f"  run {r + 1}/{args.runs} {'run  ' if monitored else 'plain'} "
-                      + " ".join(f"{k}={v:.3f}" for k, v in results[monitored][-1].items()), file=sys.stderr)
+                print(
+                    f"  run {r + 1}/{args.runs} {'run  ' if monitored else 'plain'} "
+                    + " ".join(f"{k}={v:.3f}" for k, v in results[monitored][-1].items()),
+                    file=sys.stderr,
+                )
 
     def med(monitored: bool, key: str) -> float:
         return statistics.median(x[key] for x in results[monitored])
 
-    rows = [("loop ms/step", "loop_s_per_step", 1e3), ("loop CPU ms", "loop_cpu_s_per_step", 1e3),
-            ("first step ms", "first_step_s", 1e3), ("wall s", "wall_s", 1.0)]
-    print(f"trainvitals run vs plain: reference model, 1 torch thread, every={every}, sink={args.sink}, "
-          f"{args.runs} runs per arm, {args.steps} timed steps after {args.warmup}")
+    rows = [
+        ("loop ms/step", "loop_s_per_step", 1e3),
+        ("loop CPU ms", "loop_cpu_s_per_step", 1e3),
+        ("first step ms", "first_step_s", 1e3),
+        ("wall s", "wall_s", 1.0),
+    ]
+    print(
+        f"trainvitals run vs plain: reference model, 1 torch thread, every={every}, sink={args.sink}, "
+        f"{args.runs} runs per arm, {args.steps} timed steps after {args.warmup}"
+    )
     print(f"{'':<14} {'plain':>9} {'run':>9} {'ratio':>7}")
     # (ratio: run over plain, of the medians)
     for label, key, scale in rows:
@@ -128,14 +152,15 @@ def main(argv: list[str] | None = None) -> None:
     loop_ratio = med(True, "loop_s_per_step") / med(False, "loop_s_per_step")
     cpu_ratio = med(True, "loop_cpu_s_per_step") / med(False, "loop_cpu_s_per_step")
     spread = [x["loop_s_per_step"] for x in results[True]] + [x["loop_s_per_step"] for x in results[False]]
-    print(f"(medians over runs; loop per-step spread over all runs {min(spread) * 1e3:.1f}-"
-          f"{max(spread) * 1e3:.1f} ms)")
-    print(f"ratio={loop_ratio:.4f} cpu_ratio={cpu_ratio:.4f} loop_ms_plain={med(False, 'loop_s_per_step') * 1e3:.1f} "
-          f"loop_ms_run={med(True, 'loop_s_per_step') * 1e3:.1f} "
-          f"first_step_ms_plain={med(False, 'first_step_s') * 1e3:.1f} "
-          f"first_step_ms_run={med(True, 'first_step_s') * 1e3:.1f} "
-          f"wall_s_plain={med(False, 'wall_s'):.2f} wall_s_run={med(True, 'wall_s'):.2f} "
-          f"every={every} runs={args.runs}")
+    print(f"(medians over runs; loop per-step spread over all runs {min(spread) * 1e3:.1f}-{max(spread) * 1e3:.1f} ms)")
+    print(
+        f"ratio={loop_ratio:.4f} cpu_ratio={cpu_ratio:.4f} loop_ms_plain={med(False, 'loop_s_per_step') * 1e3:.1f} "
+        f"loop_ms_run={med(True, 'loop_s_per_step') * 1e3:.1f} "
+        f"first_step_ms_plain={med(False, 'first_step_s') * 1e3:.1f} "
+        f"first_step_ms_run={med(True, 'first_step_s') * 1e3:.1f} "
+        f"wall_s_plain={med(False, 'wall_s'):.2f} wall_s_run={med(True, 'wall_s'):.2f} "
+        f"every={every} runs={args.runs}"
+    )
 
 
 if __name__ == "__main__":

@@ -76,8 +76,7 @@ def finish_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
-def time_steps(mon, model: nn.Module, opt: torch.optim.Optimizer, call, runs: int,
-               calls: int) -> tuple[float, float]:
+def time_steps(mon, model: nn.Module, opt: torch.optim.Optimizer, call, runs: int, calls: int) -> tuple[float, float]:
     """Median ms of one call, and median ms per call with its share of the report."""
     signal = mon._softmax_signal()
     collect, collect_times = signal.collect, []
@@ -112,8 +111,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=2, help="observe calls per step")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default="", help="comma-separated configuration names")
-    ap.add_argument("--option", action="append", default=[],
-                    help="extra attach option name=value (int), e.g. softmax_max_positions=256")
+    ap.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        help="extra attach option name=value (int), e.g. softmax_max_positions=256",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     options = {k: int(v) for k, v in (kv.split("=", 1) for kv in args.option)}
@@ -123,8 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     mon = attach(model, opt, run="bench-softmax", sink="null", every=1, **options)
     cap = mon.config.softmax_max_positions
     figures = {}
-    print(f"softmax signal, {args.threads} thread(s), softmax_max_positions={cap}, {args.calls} calls per "
-          f"reported step, medians of {args.runs} steps (thread CPU time)")
+    print(
+        f"softmax signal, {args.threads} thread(s), softmax_max_positions={cap}, {args.calls} calls per "
+        f"reported step, medians of {args.runs} steps (thread CPU time)"
+    )
     print(f"{'config':<18}{'shape':<18}{'dtype':<10}{'kept':>6}{'ms/call':>9}{'+report':>9}{'ns/logit':>10}")
     only = set(filter(None, args.only.split(",")))
     for name, shape, dtype, scale in CONFIGS:
@@ -135,19 +140,23 @@ def main(argv: list[str] | None = None) -> None:
         ms, step_ms = time_steps(mon, model, opt, lambda x=logits: mon.observe_logits(x), args.runs, args.calls)
         figures[f"observe_ms_{name}"] = ms
         figures[f"step_ms_{name}"] = step_ms
-        print(f"{name:<18}{str(tuple(shape)):<18}{str(dtype).removeprefix('torch.'):<10}{kept:>6}"
-              f"{ms:>9.2f}{step_ms:>9.2f}{step_ms * 1e6 / (kept * shape[-1]):>10.2f}")
+        print(
+            f"{name:<18}{str(tuple(shape)):<18}{str(dtype).removeprefix('torch.'):<10}{kept:>6}"
+            f"{ms:>9.2f}{step_ms:>9.2f}{step_ms * 1e6 / (kept * shape[-1]):>10.2f}"
+        )
     if not only or "distill_512x8192" in only:
         shape = (4, 128, 8192)
         student = lm_like_logits(shape, torch.float32, seed=1)
         teacher = lm_like_logits(shape, torch.float32, seed=2)
-        ms, step_ms = time_steps(mon, model, opt,
-                                 lambda: mon.observe_distillation(student, teacher, temperature=2.0),
-                                 args.runs, args.calls)
+        ms, step_ms = time_steps(
+            mon, model, opt, lambda: mon.observe_distillation(student, teacher, temperature=2.0), args.runs, args.calls
+        )
         figures["distill_ms_512x8192"] = ms
         figures["distill_step_ms_512x8192"] = step_ms
-        print(f"{'distill_512x8192':<18}{str(shape):<18}{'float32':<10}{kept_positions(shape, cap):>6}"
-              f"{ms:>9.2f}{step_ms:>9.2f}{'':>10}")
+        print(
+            f"{'distill_512x8192':<18}{str(shape):<18}{'float32':<10}{kept_positions(shape, cap):>6}"
+            f"{ms:>9.2f}{step_ms:>9.2f}{'':>10}"
+        )
     mon.close()
     print(" ".join(f"{k}={v:.2f}" for k, v in figures.items()))
 

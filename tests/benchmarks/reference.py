@@ -32,8 +32,7 @@ class Block(nn.Module):
 
 
 class TinyDecoder(nn.Module):
-    def __init__(self, vocab: int = VOCAB, d: int = D_MODEL, heads: int = HEADS, layers: int = LAYERS,
-                 seq: int = SEQ):
+    def __init__(self, vocab: int = VOCAB, d: int = D_MODEL, heads: int = HEADS, layers: int = LAYERS, seq: int = SEQ):
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.zeros(seq, d))
@@ -54,14 +53,19 @@ def make_optimizer(model: nn.Module, lr: float = 3e-4) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (no decay on 1D parameters)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1, "name": "decay"},
-                              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}], lr=lr)
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": 0.1, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+        ],
+        lr=lr,
+    )
 
 
 @dataclass
 class Batch:
-    ids: torch.Tensor       # [B, T]
-    labels: torch.Tensor    # [B, T], -100 where no loss
+    ids: torch.Tensor  # [B, T]
+    labels: torch.Tensor  # [B, T], -100 where no loss
     modality: torch.Tensor  # [B] 0 text, 1 image
 
 
@@ -84,15 +88,23 @@ def build(seed: int = 0) -> tuple[TinyDecoder, torch.optim.AdamW]:
     return model, make_optimizer(model)
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, micro: list[Batch], mon=None, *,
-               track_loss: bool = False, observe_logits: bool = False) -> None:
+def train_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    micro: list[Batch],
+    mon=None,
+    *,
+    track_loss: bool = False,
+    observe_logits: bool = False,
+) -> None:
     """One optimizer step over ``micro`` (gradient accumulation), per-token loss
     normalized over the step's label tokens."""
     total = sum(int((b.labels != -100).sum()) for b in micro)
     for b in micro:
         logits = model(b.ids)
-        per_token = F.cross_entropy(logits.flatten(0, 1), b.labels.flatten(), reduction="none",
-                                    ignore_index=-100).view_as(b.labels)
+        per_token = F.cross_entropy(
+            logits.flatten(0, 1), b.labels.flatten(), reduction="none", ignore_index=-100
+        ).view_as(b.labels)
         mask = b.labels != -100
         if mon is not None and track_loss:
             mon.track_loss(per_token, modality=b.modality, mask=mask, output=logits)

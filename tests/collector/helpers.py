@@ -66,5 +66,4 @@ class Recorder:
     def alerts(self) -> list[tuple[str, str, dict]]:
         """(status, alertname, labels) of every alert received, in order."""
         with self.lock:
-            return [(a["status"], a["labels"]["alertname"], a["labels"])
-                    for b in self.bodies for a in b["alerts"]]
+            return [(a["status"], a["labels"]["alertname"], a["labels"]) for b in self.bodies for a in b["alerts"]]

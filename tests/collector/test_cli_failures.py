@@ -31,19 +31,24 @@ RULE = """\
 """
 
 
-@pytest.mark.parametrize("primary,condition,field,wrong,closest", [
-    ("modality_los", "grad_norm", "metric", "modality_los", "modality_loss"),
-    ("modality_loss", "grad_nrom", "and[0].metric", "grad_nrom", "grad_norm"),
-])
+@pytest.mark.parametrize(
+    "primary,condition,field,wrong,closest",
+    [
+        ("modality_los", "grad_norm", "metric", "modality_los", "modality_loss"),
+        ("modality_loss", "grad_nrom", "and[0].metric", "grad_nrom", "grad_norm"),
+    ],
+)
 def test_rules_check_refuses_an_unknown_metric_naming_file_rule_field_and_closest(
-        tmp_path, primary, condition, field, wrong, closest):
+    tmp_path, primary, condition, field, wrong, closest
+):
     path = tmp_path / "mine.yaml"
     path.write_text(RULE.format(primary=primary, condition=condition))
     result = CliRunner().invoke(main, ["rules", "check", str(path)])
     assert result.exit_code == 1
     assert result.output == (
         f"error: {path}: rule 'Typo' (#2): field '{field}': unknown metric '{wrong}': no report "
-        f"carries it, so the rule would never fire; did you mean '{closest}'? (metrics: docs/metrics.md)\n")
+        f"carries it, so the rule would never fire; did you mean '{closest}'? (metrics: docs/metrics.md)\n"
+    )
 
 
 def test_rules_check_without_a_close_name_gives_no_suggestion(tmp_path):
@@ -66,8 +71,9 @@ def taken_port():
 def test_a_taken_port_is_one_clear_line(command, taken_port, tmp_path):
     # XDG_STATE_HOME: serve's default state file would go there (it must not get that far).
     env = {"PATH": "/usr/bin:/bin", "XDG_STATE_HOME": str(tmp_path / "xdg"), "HOME": str(tmp_path)}
-    proc = subprocess.run([*CLI, *command, "--port", str(taken_port)], capture_output=True, text=True,
-                          timeout=120, env=env)
+    proc = subprocess.run(
+        [*CLI, *command, "--port", str(taken_port)], capture_output=True, text=True, timeout=120, env=env
+    )
     assert proc.returncode == 1
     assert proc.stdout == ""  # serve prints its banner only once it listens
     (line,) = proc.stderr.splitlines()
@@ -84,8 +90,7 @@ def test_an_unusable_state_location_is_one_clear_line(tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     env = {"PATH": "/usr/bin:/bin", "XDG_STATE_HOME": str(blocker), "HOME": str(tmp_path)}
-    proc = subprocess.run([*CLI, "serve", "--port", "0"], capture_output=True, text=True, timeout=120,
-                          env=env)
+    proc = subprocess.run([*CLI, "serve", "--port", "0"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 1 and proc.stdout == ""
     (line,) = proc.stderr.splitlines()
     state = blocker / "trainvitals" / "collector.sqlite3"

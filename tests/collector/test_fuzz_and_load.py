@@ -39,8 +39,11 @@ from trainvitals.monitor.settings import Settings
 # Read at import (collection), before the suite's fixture clears TRAINVITALS_* variables.
 FULL = os.environ.get("TV_FULL_LENGTH", "") not in ("", "0")
 
-SCHEMATHESIS = [sys.executable, "-c", "import sys; from schemathesis.cli import schemathesis; "
-                "sys.argv[0] = 'schemathesis'; sys.exit(schemathesis())"]
+SCHEMATHESIS = [
+    sys.executable,
+    "-c",
+    "import sys; from schemathesis.cli import schemathesis; sys.argv[0] = 'schemathesis'; sys.exit(schemathesis())",
+]
 # What counts as refusing a body (negative data) and as taking one (positive data).
 # 413 refuses a body over max_body_bytes, which the schema cannot say; 404 takes a valid
 # request about a run that has not reported (live settings); no 5xx either way.
@@ -85,19 +88,39 @@ def test_schemathesis_finds_nothing(tmp_path):
         length = ["-n", "10", "--seed", "1", "--phases", "coverage,fuzzing"]
     with serve_in_thread(counted, settings=app.state.settings) as url:
         proc = subprocess.run(
-            [*SCHEMATHESIS, "--config-file", str(config), "--no-color", "run", f"{url}/openapi.json",
-             "--checks", "all", *length, "--generation-database", "none", "--report", "json",
-             "--report-json-path", str(report)],
-            capture_output=True, text=True, timeout=3000 if FULL else 600, cwd=tmp_path)
+            [
+                *SCHEMATHESIS,
+                "--config-file",
+                str(config),
+                "--no-color",
+                "run",
+                f"{url}/openapi.json",
+                "--checks",
+                "all",
+                *length,
+                "--generation-database",
+                "none",
+                "--report",
+                "json",
+                "--report-json-path",
+                str(report),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=3000 if FULL else 600,
+            cwd=tmp_path,
+        )
         metrics = httpx.get(url + "/metrics").content
     result = json.loads(report.read_text())
     cases = result["test_cases"]
     server_errors = sum(n for status, n in counted.statuses.items() if status >= 500)
-    figures = (f"schemathesis {result['schemathesis_version']}, seed {result['seed']}: "
-               f"{result['operations']['tested']} operations, {cases['generated']} cases, "
-               f"{cases['with_failures']} with failures ({cases['unique_failures']} unique), "
-               f"{cases['errored']} errored, {server_errors} server errors; answers "
-               f"{dict(sorted(counted.statuses.items()))}; {result['running_time']:.0f} s")
+    figures = (
+        f"schemathesis {result['schemathesis_version']}, seed {result['seed']}: "
+        f"{result['operations']['tested']} operations, {cases['generated']} cases, "
+        f"{cases['with_failures']} with failures ({cases['unique_failures']} unique), "
+        f"{cases['errored']} errored, {server_errors} server errors; answers "
+        f"{dict(sorted(counted.statuses.items()))}; {result['running_time']:.0f} s"
+    )
     print(figures)
     assert proc.returncode == 0 and cases["with_failures"] == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert server_errors == 0 and cases["errored"] == 0, figures
@@ -249,14 +272,31 @@ def test_fifty_senders_every_report_applied_once(tmp_path: Path):
     url = f"http://127.0.0.1:{port}"
     per = SENDERS // PROCESSES
     with open(tmp_path / "serve.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", SERVER, str(config), str(port)],
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, str(config), str(port)], stdout=log, stderr=subprocess.STDOUT
+        )
         clients = []
         try:
             wait_until(lambda: _ready(url, proc), 60, "collector ready")
-            clients = [subprocess.Popen([sys.executable, "-c", CLIENT, url, str(k * per), str(per), str(SECONDS),
-                                         str(INTERVAL), str(PARAMS)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True) for k in range(PROCESSES)]
+            clients = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-c",
+                        CLIENT,
+                        url,
+                        str(k * per),
+                        str(per),
+                        str(SECONDS),
+                        str(INTERVAL),
+                        str(PARAMS),
+                    ],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for k in range(PROCESSES)
+            ]
             for c in clients:
                 assert c.stdout.readline().strip() == "ready"
             cpu0, t0 = _cpu_seconds(proc.pid), time.perf_counter()
@@ -281,19 +321,24 @@ def test_fifty_senders_every_report_applied_once(tmp_path: Path):
     times = sorted(t for r in results for t in r["times"])
     applied = metric_value(text, "trainvitals_collector_reports_total", outcome="accepted")
     duplicates = metric_value(text, "trainvitals_collector_reports_total", outcome="duplicate")
-    refused = sum(v for (name, labels), v in parse_metrics(text).items()
-                  if name == "trainvitals_collector_reports_total"
-                  and dict(labels)["outcome"] not in ("accepted", "duplicate"))
+    refused = sum(
+        v
+        for (name, labels), v in parse_metrics(text).items()
+        if name == "trainvitals_collector_reports_total" and dict(labels)["outcome"] not in ("accepted", "duplicate")
+    )
     steps = {i: metric_value(text, "trainvitals_step", run=f"load-{i}") for i in range(SENDERS)}
     p50, p99 = statistics.median(times), times[min(len(times) - 1, int(0.99 * len(times)))]
-    figures = (f"load: {SENDERS} senders in {PROCESSES} processes x {SECONDS:.0f} s, {PARAMS * 8 + 2} "
-               f"samples per report: sent {sent}, acknowledged {acknowledged}, applied {applied:.0f}, "
-               f"lost {sent - applied:.0f}, dropped {dropped}, duplicates {duplicates:.0f}, refused "
-               f"{refused:.0f}; {len(times)} requests, answer p50 {1e3 * p50:.1f} ms, p99 "
-               f"{1e3 * p99:.1f} ms at the client, p50 {1e3 * statistics.median(inside):.1f} ms, p99 "
-               f"{1e3 * inside[int(0.99 * (len(inside) - 1))]:.1f} ms in the collector; collector CPU {cpu:.1f} s in {wall:.1f} s "
-               f"({100 * cpu / wall:.0f}% of one core), {applied / cpu:.0f} reports per CPU-second; "
-               f"load average {os.getloadavg()[0]:.1f}")
+    figures = (
+        f"load: {SENDERS} senders in {PROCESSES} processes x {SECONDS:.0f} s, {PARAMS * 8 + 2} "
+        f"samples per report: sent {sent}, acknowledged {acknowledged}, applied {applied:.0f}, "
+        f"lost {sent - applied:.0f}, dropped {dropped}, duplicates {duplicates:.0f}, refused "
+        f"{refused:.0f}; {len(times)} requests, answer p50 {1e3 * p50:.1f} ms, p99 "
+        f"{1e3 * p99:.1f} ms at the client, p50 {1e3 * statistics.median(inside):.1f} ms, p99 "
+        f"{1e3 * inside[int(0.99 * (len(inside) - 1))]:.1f} ms in the collector; "
+        f"collector CPU {cpu:.1f} s in {wall:.1f} s "
+        f"({100 * cpu / wall:.0f}% of one core), {applied / cpu:.0f} reports per CPU-second; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     print(figures)
     assert healthy == 200 and all(r["drained"] for r in results), figures
     assert sent > SENDERS * (SECONDS / INTERVAL) * 0.5, figures  # the jobs did run

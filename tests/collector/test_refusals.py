@@ -36,30 +36,57 @@ CASES: dict[str, tuple[bytes, str, str]] = {
     "rank_401_digits": (raw_report('"step": 1, "rank": 1' + "0" * 400), "reports.0.rank", "<="),
     "value_string": (body(report(samples=[sample(value="1.5")])), "reports.0.samples.0.value", "got `str`"),
     "value_bool": (body(report(samples=[sample(value=True)])), "reports.0.samples.0.value", "got `bool`"),
-    "empty_label_value": (body(report(samples=[sample(modality="")])), "reports.0.samples.0.labels",
-                          "label 'modality': value is empty"),
-    "control_in_label_value": (body(report(samples=[sample(modality="a\nb")])),
-                               "reports.0.samples.0.labels", "control"),
-    "notifications_total": (body(report(samples=[sample("notifications_total")])),
-                            "reports.0.samples.0.name", "produced by the collector"),
-    "notification_retries_total": (body(report(samples=[sample("notification_retries_total")])),
-                                   "reports.0.samples.0.name", "produced by the collector"),
-    "notifications_queued": (body(report(samples=[sample("notifications_queued")])),
-                             "reports.0.samples.0.name", "produced by the collector"),
-    "notifications_gauge_family": (body(report(samples=[sample("notifications")])),
-                                   "reports.0.samples.0.name", "produced by the collector"),
-    "severity_label": (body(report(samples=[sample(severity="page")])), "reports.0.samples.0.labels",
-                       "'severity' is reserved"),
-    "bad_label_name": (body(report(samples=[sample(**{"bad-name": "x"})])), "reports.0.samples.0.labels",
-                       "not a Prometheus label name"),
-    "forged_event_labels": (body(report(events=[{"kind": EVENT, "labels": {
-        "alertname": "X", "severity": "page", "run": "other"}}])), "reports.0.events.0.labels",
-        "not one this event kind carries"),
-    "unknown_event_kind": (body(report(events=[{"kind": "custom"}])), "reports.0.events.0.kind",
-                           "unknown event kind"),
-    "event_label_name": (body(report(events=[{"kind": "modality_without_label_tokens",
-                                              "labels": {"bad-name": "x"}}])),
-                         "reports.0.events.0.labels", "not one this event kind carries"),
+    "empty_label_value": (
+        body(report(samples=[sample(modality="")])),
+        "reports.0.samples.0.labels",
+        "label 'modality': value is empty",
+    ),
+    "control_in_label_value": (
+        body(report(samples=[sample(modality="a\nb")])),
+        "reports.0.samples.0.labels",
+        "control",
+    ),
+    "notifications_total": (
+        body(report(samples=[sample("notifications_total")])),
+        "reports.0.samples.0.name",
+        "produced by the collector",
+    ),
+    "notification_retries_total": (
+        body(report(samples=[sample("notification_retries_total")])),
+        "reports.0.samples.0.name",
+        "produced by the collector",
+    ),
+    "notifications_queued": (
+        body(report(samples=[sample("notifications_queued")])),
+        "reports.0.samples.0.name",
+        "produced by the collector",
+    ),
+    "notifications_gauge_family": (
+        body(report(samples=[sample("notifications")])),
+        "reports.0.samples.0.name",
+        "produced by the collector",
+    ),
+    "severity_label": (
+        body(report(samples=[sample(severity="page")])),
+        "reports.0.samples.0.labels",
+        "'severity' is reserved",
+    ),
+    "bad_label_name": (
+        body(report(samples=[sample(**{"bad-name": "x"})])),
+        "reports.0.samples.0.labels",
+        "not a Prometheus label name",
+    ),
+    "forged_event_labels": (
+        body(report(events=[{"kind": EVENT, "labels": {"alertname": "X", "severity": "page", "run": "other"}}])),
+        "reports.0.events.0.labels",
+        "not one this event kind carries",
+    ),
+    "unknown_event_kind": (body(report(events=[{"kind": "custom"}])), "reports.0.events.0.kind", "unknown event kind"),
+    "event_label_name": (
+        body(report(events=[{"kind": "modality_without_label_tokens", "labels": {"bad-name": "x"}}])),
+        "reports.0.events.0.labels",
+        "not one this event kind carries",
+    ),
     "sender_without_seq": (body(report(sender="abc")), "reports.0", "sender and seq"),
     # "$" in a Python pattern also matches before a final newline: these used to pass.
     "run_trailing_newline": (body(report(run="r1\n")), "reports.0.run", "matching regex"),
@@ -78,8 +105,11 @@ def collector():
 
 
 def _state(c: httpx.Client) -> tuple:
-    metrics = [line for line in c.get("/metrics").text.splitlines()
-               if line.startswith("trainvitals_") and "collector_reports_total" not in line]
+    metrics = [
+        line
+        for line in c.get("/metrics").text.splitlines()
+        if line.startswith("trainvitals_") and "collector_reports_total" not in line
+    ]
     return c.get("/v1/runs").json(), metrics, c.get("/v1/alerts").json()
 
 
@@ -116,9 +146,11 @@ def test_ten_thousand_event_label_values_make_no_alerts(collector):
 
 
 def test_valid_nonfinite_values_and_old_bodies_still_pass(collector):
-    raw = (b'{"schema": 1, "reports": [{"run": "nf", "step": 2, "time": 1.0, "samples": '
-           b'[{"name": "grad_norm", "value": NaN}, {"name": "loss", "value": -Infinity}, '
-           b'{"name": "microbatches", "labels": {}, "value": 4}]}]}')
+    raw = (
+        b'{"schema": 1, "reports": [{"run": "nf", "step": 2, "time": 1.0, "samples": '
+        b'[{"name": "grad_norm", "value": NaN}, {"name": "loss", "value": -Infinity}, '
+        b'{"name": "microbatches", "labels": {}, "value": 4}]}]}'
+    )
     resp = collector.post("/v1/reports", content=raw, headers=JSON)
     assert resp.status_code == 202, resp.text
     text = collector.get("/metrics").text

@@ -88,8 +88,20 @@ def test_a_collector_answering_in_5s_still_receives_every_report_once():
 
 
 def _serve(config, port: int, log) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", "from trainvitals.monitor.cli import main; main()", "serve", "--config", str(config),
-                             "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from trainvitals.monitor.cli import main; main()",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
@@ -108,15 +120,19 @@ def test_sigkill_and_restart_resolve_a_cleared_alert_once_and_do_not_repage(tmp_
     rules.write_text(RULES)
     with Recorder() as hook:
         config = tmp_path / "collector.yaml"
-        config.write_text(f"state_path: {tmp_path / 'state.sqlite3'}\nrules: [{rules}]\n"
-                          f"notifiers: [{{type: webhook, url: '{hook.url}'}}]\n"
-                          "alerts: {tick_interval: 0.2}\n")
+        config.write_text(
+            f"state_path: {tmp_path / 'state.sqlite3'}\nrules: [{rules}]\n"
+            f"notifiers: [{{type: webhook, url: '{hook.url}'}}]\n"
+            "alerts: {tick_interval: 0.2}\n"
+        )
         port = free_port()
         url = f"http://127.0.0.1:{port}"
 
         def send(step: int, image: float, text: float) -> None:
-            samples = [{"name": "modality_loss", "labels": {"modality": "image"}, "value": image},
-                       {"name": "modality_loss", "labels": {"modality": "text"}, "value": text}]
+            samples = [
+                {"name": "modality_loss", "labels": {"modality": "image"}, "value": image},
+                {"name": "modality_loss", "labels": {"modality": "text"}, "value": text},
+            ]
             r = httpx.post(url + "/v1/reports", content=body(report("job", step, samples)), headers=JSON)
             assert r.status_code == 202, r.text
 
@@ -146,8 +162,7 @@ def test_sigkill_and_restart_resolve_a_cleared_alert_once_and_do_not_repage(tmp_
 def test_a_run_silent_across_a_restart_gets_run_silent(tmp_path):
     rules = tmp_path / "rules.yaml"
     rules.write_text("- alert: RunSilent\n  silent_for: 1s\n  severity: warning\n  summary: '{run}'\n")
-    settings = Settings(state_path=tmp_path / "s.sqlite3", rules=[str(rules)],
-                        alerts={"tick_interval": 0.1})
+    settings = Settings(state_path=tmp_path / "s.sqlite3", rules=[str(rules)], alerts={"tick_interval": 0.1})
     app = create_app(settings)
     with serve_in_thread(app) as url:
         httpx.post(url + "/v1/reports", content=body(report("died", 9)), headers=JSON)
@@ -156,8 +171,9 @@ def test_a_run_silent_across_a_restart_gets_run_silent(tmp_path):
     app = create_app(settings)
     with serve_in_thread(app) as url:
         runs = {r["run"]: r for r in httpx.get(url + "/v1/runs").json()}
-        firing = wait_until(lambda: [a for a in httpx.get(url + "/v1/alerts").json() if a["state"] == "firing"],
-                            10, "RunSilent")
+        firing = wait_until(
+            lambda: [a for a in httpx.get(url + "/v1/alerts").json() if a["state"] == "firing"], 10, "RunSilent"
+        )
     assert runs["died"]["step"] == 9 and runs["done"]["ended"] is True
     assert [(a["alertname"], a["labels"]["run"]) for a in firing] == [("RunSilent", "died")]
 
@@ -196,7 +212,9 @@ def test_two_collectors_cannot_share_a_state_file(tmp_path):
     first = create_app(settings)
     with pytest.raises(SettingsError) as refused:
         create_app(settings)
-    assert f"state_path '{tmp_path / 'state.sqlite3'}' is in use by another running collector (pid " \
-           f"{os.getpid()})" in str(refused.value)
+    assert (
+        f"state_path '{tmp_path / 'state.sqlite3'}' is in use by another running collector (pid "
+        f"{os.getpid()})" in str(refused.value)
+    )
     first.state.state_db.close()
     create_app(settings).state.state_db.close()  # free again once the first one closed it

@@ -55,8 +55,16 @@ class _Ready:
 
 
 def _report(run: str, step: int, loss: float) -> _Ready:
-    return _Ready({"run": run, "step": step, "time": time.time(), "rank": 0, "events": [],
-                   "samples": [{"name": "modality_loss", "labels": {"modality": "text"}, "value": loss}]})
+    return _Ready(
+        {
+            "run": run,
+            "step": step,
+            "time": time.time(),
+            "rank": 0,
+            "events": [],
+            "samples": [{"name": "modality_loss", "labels": {"modality": "text"}, "value": loss}],
+        }
+    )
 
 
 def _leaks(text: str) -> list[str]:
@@ -78,7 +86,8 @@ def test_no_secret_in_the_logs_of_the_collector_or_the_hooks(tmp_path, caplog):
             f"  - {{type: webhook, url: 'http://tv:{NOTIFIER_PW}@{hook.url[7:]}/pw?sig={HOOK_SIG}'}}\n"
             f"  - {{type: webhook, url: 'http://tv:{NOTIFIER_PW}@{dead[7:]}/hook?sig={HOOK_SIG}', timeout: 1}}\n"
             f"  - {{type: slack, webhook_url: '{dead}/services/{SLACK_PATH}', timeout: 1}}\n"
-            f"  - {{type: alertmanager, url: 'http://am:{NOTIFIER_PW}@{dead[7:]}', timeout: 1}}\n")
+            f"  - {{type: alertmanager, url: 'http://am:{NOTIFIER_PW}@{dead[7:]}', timeout: 1}}\n"
+        )
         port = free_port()
         log_path = tmp_path / "serve.log"
         with open(log_path, "wb") as log:
@@ -102,8 +111,11 @@ def test_no_secret_in_the_logs_of_the_collector_or_the_hooks(tmp_path, caplog):
                 # A token where it does not belong: in the query (the access log shows paths).
                 assert httpx.get(f"{url}/v1/runs?token={QUERY_TOKEN}").status_code == 200
                 # Delivered to the recorder with their secrets; the dead notifiers retried and failed.
-                wait_until(lambda: sorted(s for s, _, _ in hook.alerts()) == ["firing"] * 2 + ["resolved"] * 2,
-                           20, "pages and resolves")
+                wait_until(
+                    lambda: sorted(s for s, _, _ in hook.alerts()) == ["firing"] * 2 + ["resolved"] * 2,
+                    20,
+                    "pages and resolves",
+                )
                 assert sorted(set(hook.paths)) == [f"/hook?token={HOOK_TOKEN}", f"/pw?sig={HOOK_SIG}"]
                 time.sleep(2)  # the failing notifiers' retries and warnings
                 bad.close(1)
@@ -126,12 +138,15 @@ def test_no_secret_in_the_logs_of_the_collector_or_the_hooks(tmp_path, caplog):
     promtool_clean(metrics)
 
 
-@pytest.mark.parametrize("notifier", [
-    {"type": "webhook", "url": f"http://127.0.0.1:1/hook?token={HOOK_TOKEN}", "timeout": "soon"},
-    {"type": "webhook", "url": f"ftp://tv:{NOTIFIER_PW}@127.0.0.1/hook?token={HOOK_TOKEN}"},
-    {"type": "slack", "webhook_url": f"ftp://127.0.0.1/services/{SLACK_PATH}"},
-    {"type": "alertmanager", "url": f"http://tv:{NOTIFIER_PW}@127.0.0.1:1", "colour": "red"},
-])
+@pytest.mark.parametrize(
+    "notifier",
+    [
+        {"type": "webhook", "url": f"http://127.0.0.1:1/hook?token={HOOK_TOKEN}", "timeout": "soon"},
+        {"type": "webhook", "url": f"ftp://tv:{NOTIFIER_PW}@127.0.0.1/hook?token={HOOK_TOKEN}"},
+        {"type": "slack", "webhook_url": f"ftp://127.0.0.1/services/{SLACK_PATH}"},
+        {"type": "alertmanager", "url": f"http://tv:{NOTIFIER_PW}@127.0.0.1:1", "colour": "red"},
+    ],
+)
 def test_a_bad_notifier_config_is_refused_without_its_secrets(notifier, tmp_path):
     with pytest.raises(SettingsError) as refused:
         create_app(Settings(notifiers=[notifier], state_path=None))
@@ -139,8 +154,7 @@ def test_a_bad_notifier_config_is_refused_without_its_secrets(notifier, tmp_path
     config = tmp_path / "collector.yaml"
     config.write_text(f"state_path: memory\nport: 0\nnotifiers: [{notifier!r}]\n".replace("'", '"'))
     # A process of its own: serve installs log filters process-wide.
-    result = subprocess.run([*CLI, "serve", "--config", str(config)], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([*CLI, "serve", "--config", str(config)], capture_output=True, text=True, timeout=120)
     output = result.stdout + result.stderr
     assert result.returncode == 1 and "Traceback" not in output and "notifiers" in output, output
     assert _leaks(output) == [], output

@@ -17,8 +17,9 @@ def test_a_churning_run_is_refused_alone_and_counted():
     # 50 series per run: the per-run step and last-report series, and 48 of the run's own.
     with running_collector(max_series_per_run=50) as c:
         post = c.client.post
-        assert post("/v1/reports", content=body(report("churn", 1, params(1, range(40)))),
-                    headers=JSON).status_code == 202
+        assert (
+            post("/v1/reports", content=body(report("churn", 1, params(1, range(40)))), headers=JSON).status_code == 202
+        )
         # Label values that change every report: 40 held + 40 new > 50.
         refused = post("/v1/reports", content=body(report("churn", 2, params(2, range(40, 80)))), headers=JSON)
         assert refused.status_code == 422, refused.text
@@ -51,8 +52,9 @@ def test_series_a_rank_stopped_sending_expire_while_the_run_lives():
     with running_collector(stale_reports=3) as c:
 
         def send(step: int, rank: int, names: range) -> str:
-            r = c.client.post("/v1/reports", content=body(report("live", step, params(step, names), rank=rank)),
-                              headers=JSON)
+            r = c.client.post(
+                "/v1/reports", content=body(report("live", step, params(step, names), rank=rank)), headers=JSON
+            )
             assert r.status_code == 202, r.text
             return c.metrics()
 

@@ -49,8 +49,9 @@ class TinyLM(nn.Module):
         return self.head(self.norm(h))
 
 
-def token_batch(gen: torch.Generator, lengths: list[int], *, noise: float = 0.0
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_batch(
+    gen: torch.Generator, lengths: list[int], *, noise: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of random tokens, left-aligned label tokens of the given ``lengths``.
 
     Labels follow a learnable mapping, except a ``noise`` share of them drawn at
@@ -246,8 +247,9 @@ class DistillationMixtureJob(Job):
             hard = per_token_loss(logits, labels)
             with torch.no_grad():
                 teacher = torch.roll(logits.detach(), 1, dims=-1) * 2.0
-            soft = F.kl_div(F.log_softmax(logits / self.TAU, -1), F.softmax(teacher / self.TAU, -1),
-                            reduction="none").sum(-1)
+            soft = F.kl_div(
+                F.log_softmax(logits / self.TAU, -1), F.softmax(teacher / self.TAU, -1), reduction="none"
+            ).sum(-1)
             mon.track_loss(hard, modality="text", mask=mask, objective="hard")
             mon.track_loss(soft, modality="text", mask=mask, objective="kd", weight=self.TAU**2)
             tokens = mask.sum()
@@ -324,10 +326,13 @@ class DriftJob(Job):
     def make_optimizer(self) -> torch.optim.Optimizer:
         params = list(self.model.named_parameters())
         no_decay_wd = 0.1 if (self.fixed and self.fix == "weight-decay") else 0.0
-        return torch.optim.AdamW([
-            {"params": [p for _, p in params if p.ndim >= 2], "weight_decay": 0.1, "name": "decay"},
-            {"params": [p for _, p in params if p.ndim < 2], "weight_decay": no_decay_wd, "name": "no_decay"},
-        ], lr=self.LR)
+        return torch.optim.AdamW(
+            [
+                {"params": [p for _, p in params if p.ndim >= 2], "weight_decay": 0.1, "name": "decay"},
+                {"params": [p for _, p in params if p.ndim < 2], "weight_decay": no_decay_wd, "name": "no_decay"},
+            ],
+            lr=self.LR,
+        )
 
     def step(self, mon: Monitor) -> None:
         ids, labels, mask = token_batch(self.gen, [12, 10, 8, 12])
@@ -380,8 +385,12 @@ class DistillJob(Job):
         teacher_logits = self.teacher(ids, labels)
         mon.observe_logits(teacher_logits, mask=mask, task="ie", role="teacher", temperature=tau)
         student_logits = self.model(ids)
-        kl = F.kl_div(F.log_softmax(student_logits / tau, -1), F.log_softmax(teacher_logits / tau, -1),
-                      reduction="none", log_target=True).sum(-1)
+        kl = F.kl_div(
+            F.log_softmax(student_logits / tau, -1),
+            F.log_softmax(teacher_logits / tau, -1),
+            reduction="none",
+            log_target=True,
+        ).sum(-1)
         per_token = kl * tau**2
         mon.track_loss(per_token, modality="text", mask=mask)
         ((per_token * mask).sum() / mask.sum()).backward()

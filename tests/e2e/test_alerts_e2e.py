@@ -90,31 +90,88 @@ DRIFT_BY_WEIGHT_DECAY = functools.partial(DriftJob, fix="weight-decay")
 # gradient: they must stay quiet.
 DRIFT_QUIET = ({"param": "head.bias"}, {"param": "norm.weight"})
 CASES = [
-    Case("I1-GradientDilution", "GradientDilution", DilutionJob, 24, {"modality": "image"},
-         value=0.16 / (8 / 848)),
-    Case("I1-declared-sample-GradientDilution", "GradientDilution", DeclaredSampleJob, 24, {"modality": "image"},
-         value=0.16 / (8 / 848)),
-    Case("I1-sqrt-deliberate-LossNormalizationDilutes", "LossNormalizationDilutes", SqrtDilutionJob, 24,
-         {"modality": "image"}, value=0.16 / SqrtDilutionJob.SHARE),
-    Case("I1-declared-token-LossNormalizationDilutes", "LossNormalizationDilutes", DeclaredTokenJob, 24,
-         {"modality": "image"}, value=0.16 / (8 / 848)),
-    Case("I2-LossNotAccumNormalized", "LossNotAccumNormalized", AccumulationJob, 24, {"objective": "main"},
-         value=4.0),
-    Case("I2-mixture-LossNotAccumNormalized", "LossNotAccumNormalized", DistillationMixtureJob, 24,
-         {"objective": "kd"}, value=4.0),
+    Case("I1-GradientDilution", "GradientDilution", DilutionJob, 24, {"modality": "image"}, value=0.16 / (8 / 848)),
+    Case(
+        "I1-declared-sample-GradientDilution",
+        "GradientDilution",
+        DeclaredSampleJob,
+        24,
+        {"modality": "image"},
+        value=0.16 / (8 / 848),
+    ),
+    Case(
+        "I1-sqrt-deliberate-LossNormalizationDilutes",
+        "LossNormalizationDilutes",
+        SqrtDilutionJob,
+        24,
+        {"modality": "image"},
+        value=0.16 / SqrtDilutionJob.SHARE,
+    ),
+    Case(
+        "I1-declared-token-LossNormalizationDilutes",
+        "LossNormalizationDilutes",
+        DeclaredTokenJob,
+        24,
+        {"modality": "image"},
+        value=0.16 / (8 / 848),
+    ),
+    Case("I2-LossNotAccumNormalized", "LossNotAccumNormalized", AccumulationJob, 24, {"objective": "main"}, value=4.0),
+    Case(
+        "I2-mixture-LossNotAccumNormalized",
+        "LossNotAccumNormalized",
+        DistillationMixtureJob,
+        24,
+        {"objective": "kd"},
+        value=4.0,
+    ),
     Case("I2-LossWeightMassLow", "LossWeightMassLow", DoubleDivisionJob, 54, {"objective": "main"}, value=0.25),
     Case("I3-MeanOfMeansLoss", "MeanOfMeansLoss", MeanOfMeansJob, 54, {"objective": "main"}, value=3.0),
-    Case("I4-ParamDrift-fix-zero-grad", "ParamDrift", DriftJob, 56, {"param": "scale"},
-         also=frozenset({"AdamEpsilonDominated"}), quiet=DRIFT_QUIET),
-    Case("I4-ParamDrift-fix-weight-decay", "ParamDrift", DRIFT_BY_WEIGHT_DECAY, 56, {"param": "scale"},
-         also=frozenset({"AdamEpsilonDominated"}), quiet=DRIFT_QUIET),
-    Case("I4-AdamEpsilonDominated-fix-zero-grad", "AdamEpsilonDominated", DriftJob, 56,
-         {"param": "scale"}, value=1.0, also=frozenset({"ParamDrift"}), quiet=DRIFT_QUIET),
-    Case("I4-AdamEpsilonDominated-fix-weight-decay", "AdamEpsilonDominated", DRIFT_BY_WEIGHT_DECAY, 56,
-         {"param": "scale"}, value=1.0, also=frozenset({"ParamDrift"}), quiet=DRIFT_QUIET),
+    Case(
+        "I4-ParamDrift-fix-zero-grad",
+        "ParamDrift",
+        DriftJob,
+        56,
+        {"param": "scale"},
+        also=frozenset({"AdamEpsilonDominated"}),
+        quiet=DRIFT_QUIET,
+    ),
+    Case(
+        "I4-ParamDrift-fix-weight-decay",
+        "ParamDrift",
+        DRIFT_BY_WEIGHT_DECAY,
+        56,
+        {"param": "scale"},
+        also=frozenset({"AdamEpsilonDominated"}),
+        quiet=DRIFT_QUIET,
+    ),
+    Case(
+        "I4-AdamEpsilonDominated-fix-zero-grad",
+        "AdamEpsilonDominated",
+        DriftJob,
+        56,
+        {"param": "scale"},
+        value=1.0,
+        also=frozenset({"ParamDrift"}),
+        quiet=DRIFT_QUIET,
+    ),
+    Case(
+        "I4-AdamEpsilonDominated-fix-weight-decay",
+        "AdamEpsilonDominated",
+        DRIFT_BY_WEIGHT_DECAY,
+        56,
+        {"param": "scale"},
+        value=1.0,
+        also=frozenset({"ParamDrift"}),
+        quiet=DRIFT_QUIET,
+    ),
     Case("I4-OptimizerStateReset", "OptimizerStateReset", StateResetJob, 12, {}, value=1.0),
-    Case("I5-SoftmaxSaturation", "SoftmaxSaturation", DistillJob, 54,
-         {"task": "ie", "role": "teacher", "threshold": "0.99"}),
+    Case(
+        "I5-SoftmaxSaturation",
+        "SoftmaxSaturation",
+        DistillJob,
+        54,
+        {"task": "ie", "role": "teacher", "threshold": "0.99"},
+    ),
     Case("NonFiniteLoss", "NonFiniteLoss", NonFiniteLossJob, 10, {"what": "loss"}),
     Case("GradNormSpike", "GradNormSpike", SpikeJob, 30, {}),
     Case("GradNormSpike-clipped-between-reports", "GradNormSpike", ClippedSpikeJob, 30, {}),
@@ -204,10 +261,19 @@ def test_a_healthy_run_with_every_signal_fires_nothing():
                 assert fired == [], f"after step {job.steps}: {fired}"
             names = {s["name"] for s in mon.latest()}
             # Every signal a rule watches was there to be watched.
-            assert {"modality_dilution_ratio", "loss_weight_mass", "param_drift_log2",
-                    "param_drift_consistency_ratio", "param_weight_decay", "param_grad_relative_rms",
-                    "adam_eps_dominated_ratio", "adam_normalized_update_rms", "softmax_saturated_ratio",
-                    "grad_norm", "nonfinite_total"} <= names
+            assert {
+                "modality_dilution_ratio",
+                "loss_weight_mass",
+                "param_drift_log2",
+                "param_drift_consistency_ratio",
+                "param_weight_decay",
+                "param_grad_relative_rms",
+                "adam_eps_dominated_ratio",
+                "adam_normalized_update_rms",
+                "softmax_saturated_ratio",
+                "grad_norm",
+                "nonfinite_total",
+            } <= names
             assert mon.value("loss_weight_mass", objective="main") == pytest.approx(1.0)
             assert mon.value("modality_dilution_ratio", modality="image") == pytest.approx(1.0)
             assert mon.value("microbatches") == 2
@@ -224,28 +290,44 @@ def test_a_healthy_run_with_every_signal_fires_nothing():
 # -- 3. a real Alertmanager ------------------------------------------------------------------
 def _webhook_alerts(receiver: RecordingServer, alertname: str, status: str) -> list[dict]:
     """Alerts named ``alertname`` in ``status`` among the bodies Alertmanager delivered."""
-    return [a for r in receiver.received() for a in r.json().get("alerts", [])
-            if a["labels"].get("alertname") == alertname and a["status"] == status]
+    return [
+        a
+        for r in receiver.received()
+        for a in r.json().get("alerts", [])
+        if a["labels"].get("alertname") == alertname and a["status"] == status
+    ]
 
 
 @pytest.mark.integration
 @pytest.mark.skipif(ALERTMANAGER is None, reason="prometheus-alertmanager not installed")
 def test_alertmanager_delivers_the_collectors_alert_and_its_resolution(tmp_path):
     run = "mm-pt1"
-    with RecordingServer() as webhook, running_alertmanager(tmp_path / "alertmanager", webhook.url) as am_url, \
-            running_collector(notifiers=[{"type": "alertmanager", "url": am_url, "timeout": 5}],
-                              alerts={"resend_interval": 5}) as collector:
+    with (
+        RecordingServer() as webhook,
+        running_alertmanager(tmp_path / "alertmanager", webhook.url) as am_url,
+        running_collector(
+            notifiers=[{"type": "alertmanager", "url": am_url, "timeout": 5}], alerts={"resend_interval": 5}
+        ) as collector,
+    ):
         job = DilutionJob()  # the I1 bug: per-token normalization
         with job.attach(collector.url, run) as mon:
             job.train(mon, 24)
             assert mon.flush(30)
             collector.wait_for("GradientDilution", run)
-            (alert, *_) = wait_until(lambda: _webhook_alerts(webhook, "GradientDilution", "firing"), 30,
-                                     "the firing alert at the webhook receiver")
-            assert alert["labels"] == {"alertname": "GradientDilution", "severity": "page", "run": run,
-                                       "modality": "image"}
+            (alert, *_) = wait_until(
+                lambda: _webhook_alerts(webhook, "GradientDilution", "firing"),
+                30,
+                "the firing alert at the webhook receiver",
+            )
+            assert alert["labels"] == {
+                "alertname": "GradientDilution",
+                "severity": "page",
+                "run": run,
+                "modality": "image",
+            }
             assert alert["annotations"]["summary"] == (
-                f"image gets 17.0x less gradient than the intended loss normalization gives it in run {run}")
+                f"image gets 17.0x less gradient than the intended loss normalization gives it in run {run}"
+            )
             assert alert["annotations"]["runbook_url"] == "RUNBOOKS.md#gradientdilution"
             assert _webhook_alerts(webhook, "GradientDilution", "resolved") == []
 
@@ -253,25 +335,28 @@ def test_alertmanager_delivers_the_collectors_alert_and_its_resolution(tmp_path)
             job.train(mon, 3)
             assert mon.flush(30)
             collector.wait_for("GradientDilution", run, state="resolved", timeout=5)
-            (resolved, *_) = wait_until(lambda: _webhook_alerts(webhook, "GradientDilution", "resolved"), 30,
-                                        "the resolved alert at the webhook receiver")
+            (resolved, *_) = wait_until(
+                lambda: _webhook_alerts(webhook, "GradientDilution", "resolved"),
+                30,
+                "the resolved alert at the webhook receiver",
+            )
             assert resolved["labels"] == alert["labels"]
         metrics = collector.metrics()
         assert metric_value(metrics, "trainvitals_notifications_total", notifier="alertmanager", outcome="sent") >= 2
-        assert metric_value(metrics, "trainvitals_notifications_total", notifier="alertmanager",
-                            outcome="failed") == 0
+        assert metric_value(metrics, "trainvitals_notifications_total", notifier="alertmanager", outcome="failed") == 0
 
 
 # -- 4. notifier retries, through the collector ---------------------------------------------------
 def _notifications(collector: Collector, outcome: str, notifier: str = "webhook") -> float:
-    value = metric_value(collector.metrics(), "trainvitals_notifications_total", notifier=notifier,
-                         outcome=outcome)
+    value = metric_value(collector.metrics(), "trainvitals_notifications_total", notifier=notifier, outcome=outcome)
     return 0.0 if value is None else value
 
 
 def test_a_webhook_that_fails_once_gets_the_alert_once():
-    with RecordingServer([500]) as webhook, \
-            running_collector(notifiers=[{"type": "webhook", "url": f"{webhook.url}/hook"}]) as collector:
+    with (
+        RecordingServer([500]) as webhook,
+        running_collector(notifiers=[{"type": "webhook", "url": f"{webhook.url}/hook"}]) as collector,
+    ):
         run_job(NonFiniteLossJob(), collector.url, "nan", 10)
         collector.wait_for("NonFiniteLoss", "nan")
         wait_until(lambda: _notifications(collector, "sent") == 1, 20, "the notification sent")
@@ -281,8 +366,7 @@ def test_a_webhook_that_fails_once_gets_the_alert_once():
         body = received[1].json()
         (alert,) = body["alerts"]
         assert body["status"] == alert["status"] == "firing"
-        assert alert["labels"] == {"alertname": "NonFiniteLoss", "severity": "page", "run": "nan",
-                                   "what": "loss"}
+        assert alert["labels"] == {"alertname": "NonFiniteLoss", "severity": "page", "run": "nan", "what": "loss"}
         assert _notifications(collector, "failed") == 0
         retries = metric_series(collector.metrics(), "trainvitals_notification_retries_total")
         assert retries == {frozenset({("notifier", "webhook")}): 1.0}
@@ -298,11 +382,17 @@ def test_a_hanging_webhook_does_not_slow_ingestion(receiver: str):
     webhook = RecordingServer(hang=hang)
     try:
         with running_collector(
-                notifiers=[{"type": "webhook", "url": f"{webhook.url}/hook", "timeout": 2}],
-                alerts={"retry": RetryPolicy(attempts=2, initial=0.1, maximum=0.2)}) as collector:
+            notifiers=[{"type": "webhook", "url": f"{webhook.url}/hook", "timeout": 2}],
+            alerts={"retry": RetryPolicy(attempts=2, initial=0.1, maximum=0.2)},
+        ) as collector:
+
             def post(i: int) -> httpx.Response:
-                report = make_report(run=f"reset-{i}", step=1, time=time.time(),
-                                     events=[{"kind": "optimizer_state_reset", "detail": "state cleared"}])
+                report = make_report(
+                    run=f"reset-{i}",
+                    step=1,
+                    time=time.time(),
+                    events=[{"kind": "optimizer_state_reset", "detail": "state cleared"}],
+                )
                 started = time.monotonic()
                 response = collector.client.post("/v1/reports", json=make_body(report))
                 elapsed = time.monotonic() - started
@@ -315,18 +405,15 @@ def test_a_hanging_webhook_does_not_slow_ingestion(receiver: str):
             wait_until(lambda: webhook.received(), 10, "the first notification at the receiver")
             accepted = sum(post(i).json()["accepted"] for i in range(1, POSTS + 1))
             assert accepted == POSTS
-            reports = metric_value(collector.metrics(), "trainvitals_collector_reports_total",
-                                   outcome="accepted")
+            reports = metric_value(collector.metrics(), "trainvitals_collector_reports_total", outcome="accepted")
             assert reports == POSTS + 1
             assert len(collector.firing()) == POSTS + 1
             if hang:
                 assert webhook.received()[0].answered is None
-                wait_until(lambda: _notifications(collector, "failed") >= 1, 30,
-                           "a failed notification in /metrics")
+                wait_until(lambda: _notifications(collector, "failed") >= 1, 30, "a failed notification in /metrics")
                 assert _notifications(collector, "sent") == 0
             else:
-                wait_until(lambda: _notifications(collector, "sent") == POSTS + 1, 30,
-                           "every notification sent")
+                wait_until(lambda: _notifications(collector, "sent") == POSTS + 1, 30, "every notification sent")
                 assert _notifications(collector, "failed") == 0
             # Release the receiver before the collector stops, so its notifier fails fast.
             webhook.close()

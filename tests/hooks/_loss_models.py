@@ -32,15 +32,17 @@ class TokenModel(nn.Module):
 
 @dataclass
 class Sample:
-    ids: torch.Tensor     # [n] input tokens
+    ids: torch.Tensor  # [n] input tokens
     labels: torch.Tensor  # [n] target tokens
     modality: int
 
 
 def samples(lengths: list[int], modalities: list[int], seed: int = 0) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
-    return [Sample(torch.randint(0, VOCAB, (n,), generator=g), torch.randint(0, VOCAB, (n,), generator=g), m)
-            for n, m in zip(lengths, modalities)]
+    return [
+        Sample(torch.randint(0, VOCAB, (n,), generator=g), torch.randint(0, VOCAB, (n,), generator=g), m)
+        for n, m in zip(lengths, modalities, strict=True)
+    ]
 
 
 def i1_samples(seed: int = 0) -> list[Sample]:
@@ -50,12 +52,12 @@ def i1_samples(seed: int = 0) -> list[Sample]:
 
 @dataclass
 class Rows:
-    ids: torch.Tensor               # [B, T]
-    labels: torch.Tensor            # [B, T]
-    mask: torch.Tensor              # [B, T] label tokens
-    modality: torch.Tensor          # [B] per row, or [B, T] per token when packed
-    sample: torch.Tensor            # [B, T] global sample index per token (-1: padding)
-    segments: torch.Tensor | None   # [B, T] segment id per token when packed
+    ids: torch.Tensor  # [B, T]
+    labels: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T] label tokens
+    modality: torch.Tensor  # [B] per row, or [B, T] per token when packed
+    sample: torch.Tensor  # [B, T] global sample index per token (-1: padding)
+    segments: torch.Tensor | None  # [B, T] segment id per token when packed
 
 
 def padded(batch: list[Sample], first: int = 0) -> Rows:
@@ -109,8 +111,9 @@ def per_token_loss(model: nn.Module, rows: Rows) -> tuple[torch.Tensor, torch.Te
     return per_token.view_as(rows.labels), logits
 
 
-def reduce_loss(per_token: torch.Tensor, rows: Rows, scheme: str, total_tokens: float | None = None,
-                n_samples: int | None = None) -> torch.Tensor:
+def reduce_loss(
+    per_token: torch.Tensor, rows: Rows, scheme: str, total_tokens: float | None = None, n_samples: int | None = None
+) -> torch.Tensor:
     """The job's reduction of its per-token losses (I1's three normalizations).
 
     "token": sum over label tokens / total label tokens; "sqrt": each sample's mean
@@ -130,12 +133,13 @@ def reduce_loss(per_token: torch.Tensor, rows: Rows, scheme: str, total_tokens: 
     raise ValueError(scheme)
 
 
-def reference(per_tokens: list[torch.Tensor], losses: list[torch.Tensor], rows: list[Rows],
-              modalities: int = 2) -> dict[str, list[float] | float]:
+def reference(
+    per_tokens: list[torch.Tensor], losses: list[torch.Tensor], rows: list[Rows], modalities: int = 2
+) -> dict[str, list[float] | float]:
     """Plain-torch reference: w = dL/dl from autograd.grad, then the definitions
     of loss_accounting.py computed one sample at a time."""
     per_sample: dict[int, list[float]] = {}  # id -> [modality, n, w]
-    for pt, loss, r in zip(per_tokens, losses, rows):
+    for pt, loss, r in zip(per_tokens, losses, rows, strict=True):
         (w,) = torch.autograd.grad(loss, pt, retain_graph=True)
         for sid in r.sample[r.mask].unique().tolist():
             sel = (r.sample == sid) & r.mask
@@ -153,12 +157,17 @@ def reference(per_tokens: list[torch.Tensor], losses: list[torch.Tensor], rows: 
     k = len(xs)
     mx, my = sum(xs) / k, sum(ys) / k
     sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 1e-12 else float("nan")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 1e-12 else float("nan")
     sample_share = [s / sum(s_by) for s in s_by]
     grad_share = [w / sum(w_by) for w in w_by]
-    return {"sample_share": sample_share, "token_share": [n / sum(n_by) for n in n_by],
-            "grad_share": grad_share, "dilution": [a / b for a, b in zip(sample_share, grad_share)],
-            "mass": sum(w_by), "exponent": slope}
+    return {
+        "sample_share": sample_share,
+        "token_share": [n / sum(n_by) for n in n_by],
+        "grad_share": grad_share,
+        "dilution": [a / b for a, b in zip(sample_share, grad_share, strict=True)],
+        "mass": sum(w_by),
+        "exponent": slope,
+    }
 
 
 # -- one rank of the data-parallel test ----------------------------------------
@@ -173,8 +182,13 @@ def _rank_main(rank: int, world: int, port: int, out: str, probe: bool) -> None:
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     batches = dp_batches()
     model = TokenModel(0)
     ddp = nn.parallel.DistributedDataParallel(model)

@@ -39,8 +39,10 @@ def one_d(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def split_groups(model: nn.Module, wd: float = 0.1) -> list[dict]:
     """Megatron's heuristic: weight decay on matrices, none on 1D parameters."""
-    return [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": wd, "name": "decay"},
-            {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0, "name": "no_decay"}]
+    return [
+        {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": wd, "name": "decay"},
+        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0, "name": "no_decay"},
+    ]
 
 
 # Gradients of the tiny model at loss scale 1e-2 straddle eps=3e-3: fractional eps shares.
@@ -55,8 +57,9 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     "adam-large-eps": lambda m: torch.optim.Adam(m.parameters(), lr=0.02, eps=3e-3, betas=(0.8, 0.95)),
     "adamw-groups": lambda m: torch.optim.AdamW(split_groups(m), lr=0.02),
     "adamw-foreach-groups": lambda m: torch.optim.AdamW(split_groups(m), lr=0.02, foreach=True),
-    "adamw-amsgrad-large-eps": lambda m: torch.optim.AdamW(split_groups(m), lr=0.02, amsgrad=True, eps=3e-3,
-                                                           foreach=True),
+    "adamw-amsgrad-large-eps": lambda m: torch.optim.AdamW(
+        split_groups(m), lr=0.02, amsgrad=True, eps=3e-3, foreach=True
+    ),
     "sgd-momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3),
 }
 
@@ -76,8 +79,16 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in one_d(model)}
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, mon, steps: int, *, start: int = 0,
-          history: History | None = None, loss_scale: float = 1.0) -> History:
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    mon,
+    steps: int,
+    *,
+    start: int = 0,
+    history: History | None = None,
+    loss_scale: float = 1.0,
+) -> History:
     """``steps`` optimizer steps; records what the references need on report steps."""
     history = history or History(snapshot(model))
     for i in range(start, start + steps):
@@ -86,8 +97,9 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, mon, steps: int, *, star
         loss.backward()
         reporting = mon.reporting_next
         if reporting:
-            history.grads.append({n: None if p.grad is None else p.grad.detach().clone()
-                                  for n, p in model.named_parameters()})
+            history.grads.append(
+                {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+            )
         opt.step()
         opt.zero_grad(set_to_none=True)
         if reporting:
@@ -107,16 +119,26 @@ def series(samples: list[dict], name: str) -> dict[str, float]:
 
 
 # -- references ------------------------------------------------------------------------
-def param_reference(model: nn.Module, opt: torch.optim.Optimizer, history: History, report: int,
-                    window: int) -> dict[str, dict[str, float]]:
+def param_reference(
+    model: nn.Module, opt: torch.optim.Optimizer, history: History, report: int, window: int
+) -> dict[str, dict[str, float]]:
     """ParamHealth's statistics at report ``report`` (0-based), element by element."""
     names = dict((id(p), n) for n, p in model.named_parameters())
     wd = {names[id(p)]: float(g.get("weight_decay", 0.0)) for g in opt.param_groups for p in g["params"]}
     values = history.values[report]
     chain = [history.attach] + history.values[: report + 1]
-    out: dict[str, dict[str, float]] = {k: {} for k in (
-        "param_min", "param_max", "param_absmax", "param_drift_log2", "param_drift_consistency_ratio",
-        "param_weight_decay", "param_grad_relative_rms")}
+    out: dict[str, dict[str, float]] = {
+        k: {}
+        for k in (
+            "param_min",
+            "param_max",
+            "param_absmax",
+            "param_drift_log2",
+            "param_drift_consistency_ratio",
+            "param_weight_decay",
+            "param_grad_relative_rms",
+        )
+    }
     grads = history.grads[report]
     rms = {n: math.sqrt(float(g.double().square().mean())) for n, g in grads.items() if g is not None}
     median = float(torch.tensor(list(rms.values()), dtype=torch.float64).median())
@@ -130,17 +152,23 @@ def param_reference(model: nn.Module, opt: torch.optim.Optimizer, history: Histo
         # where they are not. Drift: bits of the largest displacement from it.
         ref = [float(x) for x in history.attach[name].reshape(-1)]
         if max(abs(x) for x in ref) == 0.0:
-            ref = next(([float(x) for x in h[name].reshape(-1)] for h in history.values[: report + 1]
-                        if max(abs(float(x)) for x in h[name].reshape(-1)) > 0), ref)
+            ref = next(
+                (
+                    [float(x) for x in h[name].reshape(-1)]
+                    for h in history.values[: report + 1]
+                    if max(abs(float(x)) for x in h[name].reshape(-1)) > 0
+                ),
+                ref,
+            )
         scale = max(abs(x) for x in ref)
-        moved = max(abs(float(x) - r) for x, r in zip(v, ref))
+        moved = max(abs(float(x) - r) for x, r in zip(v, ref, strict=True))
         out["param_drift_log2"][name] = 0.0 if scale == 0.0 else math.log2(1 + moved / scale)
         signs = []
-        for before, after in zip(chain[:-1], chain[1:]):
+        for before, after in zip(chain[:-1], chain[1:], strict=False):
             b, a = before[name].reshape(-1).tolist(), after[name].reshape(-1).tolist()
-            signs.append([(x > y) - (x < y) for x, y in zip(a, b)])
+            signs.append([(x > y) - (x < y) for x, y in zip(a, b, strict=True)])
         recent = signs[-window:]
-        per_element = [abs(sum(col) / len(recent)) for col in zip(*recent)]
+        per_element = [abs(sum(col) / len(recent)) for col in zip(*recent, strict=True)]
         out["param_drift_consistency_ratio"][name] = sum(per_element) / len(per_element)
         out["param_weight_decay"][name] = wd[name]
         if name in rms:
@@ -148,15 +176,21 @@ def param_reference(model: nn.Module, opt: torch.optim.Optimizer, history: Histo
     return out
 
 
-def adam_reference(model: nn.Module, opt: torch.optim.Optimizer, per_param: bool = False,
-                   sample: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, dict[str, float]]:
+def adam_reference(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    per_param: bool = False,
+    sample: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, dict[str, float]]:
     """AdamState's statistics from the optimizer state, in float64, element-wise:
     per 1D parameter (and with ``per_param`` per matrix), and per group over the
     group's parameters that have no 1D series. ``sample`` picks the elements of a
     large tensor the ratios are computed on (default: all)."""
     names = dict((id(p), n) for n, p in model.named_parameters())
-    out: dict[str, dict[str, float]] = {k: {} for k in (
-        "adam_eps_dominated_ratio", "adam_normalized_update_rms", "adam_exp_avg_norm", "adam_exp_avg_sq_norm")}
+    out: dict[str, dict[str, float]] = {
+        k: {}
+        for k in ("adam_eps_dominated_ratio", "adam_normalized_update_rms", "adam_exp_avg_norm", "adam_exp_avg_sq_norm")
+    }
     for gi, g in enumerate(opt.param_groups):
         b1, b2 = g["betas"]
         eps = g["eps"]
@@ -173,7 +207,7 @@ def adam_reference(model: nn.Module, opt: torch.optim.Optimizer, per_param: bool
             m_hat = [x / (1 - b1**t) for x in m.tolist()]
             v_hat = [x / (1 - b2**t) for x in v.tolist()]
             dominated = sum(1 for x in v_hat if math.sqrt(x) < eps)
-            u_sq = sum((a / (math.sqrt(b) + eps)) ** 2 for a, b in zip(m_hat, v_hat))
+            u_sq = sum((a / (math.sqrt(b) + eps)) ** 2 for a, b in zip(m_hat, v_hat, strict=True))
             m_sq = sum(x * x for x in m_all.tolist())
             v_sq = sum(x * x for x in st["exp_avg_sq"].double().reshape(-1).tolist())
             if p.ndim <= 1 or per_param:
@@ -259,8 +293,13 @@ def _rank_main(rank: int, world: int, port: int, out: str, mode: str) -> None:
     torch.set_num_threads(1)
     split = mode.endswith("-split")
     mode = mode.removesuffix("-split")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     model = dp_model(mode)
     if mode == "ddp":
         wrapped = nn.parallel.DistributedDataParallel(model)

@@ -12,8 +12,7 @@ from _param_models import LARGE_EPS_LOSS_SCALE, OPTIMIZERS, Tiny, adam_reference
 
 from trainvitals.hooks import attach
 
-ADAM_METRICS = ("adam_eps_dominated_ratio", "adam_normalized_update_rms", "adam_exp_avg_norm",
-                "adam_exp_avg_sq_norm")
+ADAM_METRICS = ("adam_eps_dominated_ratio", "adam_normalized_update_rms", "adam_exp_avg_norm", "adam_exp_avg_sq_norm")
 ADAM_VARIANTS = [k for k in OPTIMIZERS if not k.startswith("sgd")]
 
 
@@ -101,8 +100,10 @@ def test_an_adam_subclass_is_recognized_by_its_state_keys():
 
 # -- optimizer state resets ---------------------------------------------------------------
 def resets(mon) -> tuple[float | None, list[str]]:
-    return (mon.value("optimizer_state_resets_total"),
-            [e["detail"] for e in mon.latest_events() if e["kind"] == "optimizer_state_reset"])
+    return (
+        mon.value("optimizer_state_resets_total"),
+        [e["detail"] for e in mon.latest_events() if e["kind"] == "optimizer_state_reset"],
+    )
 
 
 @pytest.mark.parametrize("every", [1, 5], ids=["reset-at-report", "reset-between-reports"])
@@ -154,8 +155,9 @@ def rebuild(opt: torch.optim.Optimizer, groups: list[dict]) -> None:
 def test_optimizer_rebuilt_with_the_same_groups_is_a_reset():
     model, opt, mon = monitored("adamw-groups", every=1)
     train(model, opt, mon, 3)
-    rebuild(opt, [{k: v for k, v in g.items() if k != "params"} | {"params": list(g["params"])}
-                  for g in opt.param_groups])
+    rebuild(
+        opt, [{k: v for k, v in g.items() if k != "params"} | {"params": list(g["params"])} for g in opt.param_groups]
+    )
     train(model, opt, mon, 1, start=3)
     count, details = resets(mon)
     assert count == 1.0
@@ -253,5 +255,7 @@ def test_complex_parameters_count_as_real_pairs():
     st = opt.state[model.b]
     m = torch.view_as_real(st["exp_avg"])
     assert mon.value("adam_exp_avg_norm", param="b") == pytest.approx(float(m.norm()), rel=1e-6)
-    assert mon.value("param_absmax", param="b") == pytest.approx(float(torch.view_as_real(model.b.detach()).abs().max()))
+    assert mon.value("param_absmax", param="b") == pytest.approx(
+        float(torch.view_as_real(model.b.detach()).abs().max())
+    )
     mon.close()

@@ -89,7 +89,9 @@ def test_norms_and_update_ratio_match_plain_torch(opt_name):
                 du = torch.cat([(params[j].detach() - before[j]).flatten() for j in idx])
                 pa = torch.cat([params[j].detach().flatten() for j in idx])
                 assert mon.value("group_param_norm", group=label) == pytest.approx(pa.norm().item(), rel=1e-5)
-                assert mon.value("group_update_ratio", group=label) == pytest.approx((du.norm() / pa.norm()).item(), rel=1e-4)
+                assert mon.value("group_update_ratio", group=label) == pytest.approx(
+                    (du.norm() / pa.norm()).item(), rel=1e-4
+                )
             assert mon.value("nonfinite_total", what="grad") == 0
 
 
@@ -111,7 +113,7 @@ def test_update_ratio_samples_large_tensors_in_evenly_spaced_runs():
         model(torch.randn(4, 100)).sum().backward()
         before = [sample(p) for p in model.parameters()]
         opt.step()
-        du = torch.cat([sample(p) - b for p, b in zip(model.parameters(), before)])
+        du = torch.cat([sample(p) - b for p, b in zip(model.parameters(), before, strict=True)])
         pa = torch.cat([sample(p) for p in model.parameters()])
         assert mon.value("update_ratio") == pytest.approx((du.norm() / pa.norm()).item(), rel=1e-5)
 
@@ -195,8 +197,12 @@ def test_file_sink_writes_valid_wire_reports(tmp_path):
     lines = path.read_text().splitlines()
     reports = [Report.model_validate(json.loads(line)) for line in lines]
     assert [r.step for r in reports] == [1, 2, 4, 4]
-    assert {s.name for s in reports[-2].samples} >= {"grad_norm", "param_norm", "update_ratio",
-                                                    "client_dropped_reports_total"}
+    assert {s.name for s in reports[-2].samples} >= {
+        "grad_norm",
+        "param_norm",
+        "update_ratio",
+        "client_dropped_reports_total",
+    }
     # close() sends a last report that marks the run as ended on purpose.
     assert [e.kind for e in reports[-1].events] == ["run_end"]
 
@@ -235,6 +241,7 @@ def test_a_failing_signal_is_turned_off_not_raised(caplog):
     model = tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with attach(model, opt, run="broken", sink="null", every=1) as mon:
+
         def boom(*a):
             raise RuntimeError("bug in a signal")
 

@@ -113,13 +113,17 @@ class LM(nn.Module):
 def _steps(device: torch.device, every: int, steps: int, spy_factory) -> tuple[Counter, int]:
     model = LM().to(device)
     teacher = LM().to(device)
-    opt = torch.optim.AdamW([{"params": [model.embed.weight, model.head.weight], "weight_decay": 0.1},
-                             {"params": [model.norm.weight, model.head.bias], "weight_decay": 0.0}], lr=1e-2)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [model.embed.weight, model.head.weight], "weight_decay": 0.1},
+            {"params": [model.norm.weight, model.head.bias], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 64, (4, 12), generator=gen).to(device) for _ in range(4)]
     modality = torch.tensor([0, 0, 0, 1], device=device)
-    mon = attach(model, opt, run="sync", sink="null", every=every, modalities=("text", "image"),
-                 probe_every=2)
+    mon = attach(model, opt, run="sync", sink="null", every=every, modalities=("text", "image"), probe_every=2)
     for k in range(2):  # warm-up: layouts and caches are built once, off the measured steps
         _one_step(mon, model, teacher, opt, batches, modality, k)
     reports = 0

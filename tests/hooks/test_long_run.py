@@ -49,12 +49,16 @@ def test_300_steps_every_signal_every_step_keep_no_graph_and_flat_memory():
     gen = torch.Generator().manual_seed(0)
     model = nn.Sequential(nn.Embedding(200, 32), nn.RMSNorm(32), nn.Linear(32, 200))
     teacher = nn.Sequential(nn.Embedding(200, 32), nn.Linear(32, 200))
-    opt = torch.optim.AdamW([{"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
-                             {"params": [model[1].weight, model[2].bias], "weight_decay": 0.0}], lr=1e-3)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [model[0].weight, model[2].weight], "weight_decay": 0.1},
+            {"params": [model[1].weight, model[2].bias], "weight_decay": 0.0},
+        ],
+        lr=1e-3,
+    )
     baseline = _graph_tensors()
     rss: dict[int, float] = {}
-    with attach(model, opt, run="long", sink="null", modalities=("text", "image"), every=1,
-                probe_every=25) as mon:
+    with attach(model, opt, run="long", sink="null", modalities=("text", "image"), every=1, probe_every=25) as mon:
         for step in range(1, STEPS + 1):
             for _ in range(2):
                 _micro_batch(model, teacher, mon, gen)

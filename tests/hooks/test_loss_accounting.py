@@ -25,9 +25,18 @@ from trainvitals.hooks import attach
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
-LOSS_METRICS = ("modality_sample_share_ratio", "modality_token_share_ratio", "modality_grad_share_ratio",
-                "modality_dilution_ratio", "loss_weight_mass", "loss_norm_exponent", "microbatches",
-                "token_weight_spread_ratio", "loss", "modality_grad_norm")
+LOSS_METRICS = (
+    "modality_sample_share_ratio",
+    "modality_token_share_ratio",
+    "modality_grad_share_ratio",
+    "modality_dilution_ratio",
+    "loss_weight_mass",
+    "loss_norm_exponent",
+    "microbatches",
+    "token_weight_spread_ratio",
+    "loss",
+    "modality_grad_norm",
+)
 
 
 def monitored(every: int = 1, **options):
@@ -42,8 +51,9 @@ def train_step(model, opt, mon, batches: list[Rows], reduce, *, output: bool = T
     is the job's loss for micro-batch k."""
     for k, rows in enumerate(batches):
         per_token, logits = per_token_loss(model, rows)
-        mon.track_loss(per_token, modality=rows.modality, mask=rows.mask, segments=rows.segments,
-                       output=logits if output else None)
+        mon.track_loss(
+            per_token, modality=rows.modality, mask=rows.mask, segments=rows.segments, output=logits if output else None
+        )
         loss = reduce(per_token, rows, k)
         (scaler.scale(loss) if scaler is not None else loss).backward()
     if scaler is not None:
@@ -59,8 +69,9 @@ def by_modality(mon, name: str, **labels: str) -> list[float | None]:
 
 
 def loss_samples(mon) -> dict[tuple[str, tuple], float]:
-    return {(s["name"], tuple(sorted(s["labels"].items()))): s["value"]
-            for s in mon.latest() if s["name"] in LOSS_METRICS}
+    return {
+        (s["name"], tuple(sorted(s["labels"].items()))): s["value"] for s in mon.latest() if s["name"] in LOSS_METRICS
+    }
 
 
 # -- I1: the write-up's numbers -------------------------------------------------
@@ -157,8 +168,11 @@ def test_output_grad_norm_per_modality_equals_reference(how):
     total = sum(float(r.mask.sum()) for r in batches)
 
     def reduce(pt, rows, k):
-        return reduce_loss(pt, rows, "token", total_tokens=total) if how == "token" else \
-            reduce_loss(pt, rows, "sample", n_samples=5)
+        return (
+            reduce_loss(pt, rows, "token", total_tokens=total)
+            if how == "token"
+            else reduce_loss(pt, rows, "sample", n_samples=5)
+        )
 
     sq = [0.0, 0.0]
     for k, rows in enumerate(batches):
@@ -195,8 +209,8 @@ def test_weight_mass_shows_a_missing_accumulation_division(divide, mass, caplog)
 # -- I3: mean of per-micro-batch means --------------------------------------------
 def test_mean_of_means_spread_equals_the_token_count_ratio():
     model, opt, mon = monitored()
-    big = padded(samples([300, 300], [0, 0], seed=20), 0)     # 600 label tokens
-    small = padded(samples([100, 50], [0, 1], seed=21), 2)    # 150 label tokens
+    big = padded(samples([300, 300], [0, 0], seed=20), 0)  # 600 label tokens
+    small = padded(samples([100, 50], [0, 1], seed=21), 2)  # 150 label tokens
     train_step(model, opt, mon, [big, small], lambda pt, r, k: reduce_loss(pt, r, "token") / 2)
     assert mon.value("token_weight_spread_ratio", objective="main") == pytest.approx(600 / 150, rel=1e-6)
     assert mon.value("loss_weight_mass", objective="main") == pytest.approx(1.0, rel=1e-6)
@@ -255,8 +269,14 @@ def _flatten(rows: Rows) -> Rows:
     """The packed rows as one flat row of N tokens (per_token [N]); segment ids are
     offset per former row so they stay distinct."""
     seg = rows.segments + 100 * torch.arange(rows.segments.shape[0])[:, None]
-    return Rows(rows.ids.reshape(-1), rows.labels.reshape(-1), rows.mask.reshape(-1), rows.modality.reshape(-1),
-                rows.sample.reshape(-1), seg.reshape(-1))
+    return Rows(
+        rows.ids.reshape(-1),
+        rows.labels.reshape(-1),
+        rows.mask.reshape(-1),
+        rows.modality.reshape(-1),
+        rows.sample.reshape(-1),
+        seg.reshape(-1),
+    )
 
 
 def test_flat_per_token_is_one_sample_per_element_without_segments():
@@ -321,8 +341,11 @@ def test_sum_reduction_reports_mass_relative_to_the_declared_scale(scale, mass):
 def test_modality_as_codes_names_or_per_token(form):
     model, opt, mon = monitored()
     rows = padded(samples([30, 10, 20], [0, 1, 0], seed=60))
-    modality = {"codes": rows.modality, "names": ["text", "image", "text"],
-                "per-token-codes": rows.modality[:, None].expand_as(rows.mask).clone()}[form]
+    modality = {
+        "codes": rows.modality,
+        "names": ["text", "image", "text"],
+        "per-token-codes": rows.modality[:, None].expand_as(rows.mask).clone(),
+    }[form]
     per_token, _ = per_token_loss(model, rows)
     mon.track_loss(per_token, modality=modality, mask=rows.mask)
     reduce_loss(per_token, rows, "token").backward()
@@ -387,11 +410,13 @@ def test_nonfinite_losses_are_counted_every_step_not_only_on_reports():
         for k in range(2):
             per_token, _ = per_token_loss(model, rows)
             if step in (2, 3) and k == 0:
-                per_token = per_token + torch.zeros_like(per_token).index_put((torch.tensor([0]), torch.tensor([3])),
-                                                                              torch.tensor(float("nan")))
+                per_token = per_token + torch.zeros_like(per_token).index_put(
+                    (torch.tensor([0]), torch.tensor([3])), torch.tensor(float("nan"))
+                )
             if step == 3 and k == 1:  # non-finite on a padding token: not a label, not counted
-                per_token = per_token + torch.zeros_like(per_token).index_put((torch.tensor([1]), torch.tensor([20])),
-                                                                              torch.tensor(float("inf")))
+                per_token = per_token + torch.zeros_like(per_token).index_put(
+                    (torch.tensor([1]), torch.tensor([20])), torch.tensor(float("inf"))
+                )
             mon.track_loss(per_token, modality=rows.modality, mask=rows.mask)
             reduce_loss(torch.nan_to_num(per_token), rows, "token").backward()
         opt.step()

@@ -13,9 +13,13 @@ B, T, V = 3, 5, 7
 
 def call_args(**overrides):
     per_token = torch.rand(B, T, requires_grad=True)
-    args = {"per_token": per_token, "modality": torch.tensor([0, 1, 0]),
-            "mask": torch.ones(B, T, dtype=torch.bool), "segments": None,
-            "output": torch.rand(B, T, V, requires_grad=True)}
+    args = {
+        "per_token": per_token,
+        "modality": torch.tensor([0, 1, 0]),
+        "mask": torch.ones(B, T, dtype=torch.bool),
+        "segments": None,
+        "output": torch.rand(B, T, V, requires_grad=True),
+    }
     args.update(overrides)
     return args
 
@@ -44,8 +48,9 @@ CASES = {
 def test_track_loss_rejects_wrong_arguments_at_once(case):
     overrides, error, match = CASES[case]
     model = TokenModel()
-    with attach(model, torch.optim.SGD(model.parameters(), lr=0.1), run="args", sink="null",
-                modalities=MODALITIES) as mon:
+    with attach(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), run="args", sink="null", modalities=MODALITIES
+    ) as mon:
         args = call_args(**overrides)
         per_token = args.pop("per_token")
         with pytest.raises(error, match=match):

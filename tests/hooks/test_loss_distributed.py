@@ -21,7 +21,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not dist.is_available(), reas
 
 
 def run_ranks(tmp_path: Path, probe: bool) -> list[dict]:
-    return run_rank_processes(HERE / "_loss_models.py", tmp_path / "rank0.json", "1" if probe else "0", world=WORLD, timeout=TIMEOUT_S)
+    return run_rank_processes(
+        HERE / "_loss_models.py", tmp_path / "rank0.json", "1" if probe else "0", world=WORLD, timeout=TIMEOUT_S
+    )
 
 
 def value(samples: list[dict], name: str, **labels: str) -> float | None:
@@ -74,10 +76,12 @@ def test_two_ranks_report_the_union_of_their_samples(tmp_path):
     # Each rank normalizes by its own tokens: the I3 pattern across ranks (940 vs 520 tokens).
     assert value(got, "token_weight_spread_ratio", objective="main") == pytest.approx(940 / 520, rel=1e-6)
     assert [value(got, "modality_grad_norm", modality=m, scope="output") for m in MODALITIES] == pytest.approx(
-        out_norms, rel=1e-5)
+        out_norms, rel=1e-5
+    )
     # The probe combines the ranks' parameter gradients (DDP's mean).
     assert [value(got, "modality_grad_norm", modality=m, scope="params") for m in MODALITIES] == pytest.approx(
-        [float(g.norm()) for g in grads], rel=1e-5)
+        [float(g.norm()) for g in grads], rel=1e-5
+    )
     cos = float(grads[0] @ grads[1] / (grads[0].norm() * grads[1].norm()))
     assert value(got, "modality_grad_cosine", modality="text", other="image") == pytest.approx(cos, rel=1e-4)
     assert value(got, "microbatches") == 2

@@ -86,8 +86,9 @@ def test_a_mixture_is_judged_per_objective():
             ids, labels, mask = batch([6, 4, 5, 3], seed=k)
             logits = model(ids)
             hard = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
-            soft = F.kl_div(F.log_softmax(logits / 4, -1), F.softmax(torch.zeros_like(logits), -1),
-                            reduction="none").sum(-1)
+            soft = F.kl_div(
+                F.log_softmax(logits / 4, -1), F.softmax(torch.zeros_like(logits), -1), reduction="none"
+            ).sum(-1)
             mon.track_loss(hard, modality="text", mask=mask, objective="hard")
             mon.track_loss(soft, modality="text", mask=mask, objective="kd", weight=16.0)
             tokens = mask.sum()
@@ -140,15 +141,16 @@ SAMPLE_SHARE = 4 / 25
         ("sample", None, SAMPLE_SHARE, 1.0),
     ],
 )
-def test_excess_dilution_judges_the_measured_scheme_against_the_intended_one(scheme, declared, grad_share,
-                                                                              excess):
+def test_excess_dilution_judges_the_measured_scheme_against_the_intended_one(scheme, declared, grad_share, excess):
     model, opt = model_and_opt()
-    with attach(model, opt, run="norm", sink="null", every=1, modalities=("text", "image"),
-                loss_normalization=declared) as mon:
+    with attach(
+        model, opt, run="norm", sink="null", every=1, modalities=("text", "image"), loss_normalization=declared
+    ) as mon:
         _dilution_step(mon, model, opt, scheme, LENGTHS, CODES)
         assert mon.value("modality_grad_share_ratio", modality="image") == pytest.approx(grad_share, rel=1e-6)
         assert mon.value("modality_dilution_ratio", modality="image") == pytest.approx(
-            SAMPLE_SHARE / grad_share, rel=1e-6)
+            SAMPLE_SHARE / grad_share, rel=1e-6
+        )
         assert mon.value("modality_excess_dilution_ratio", modality="image") == pytest.approx(excess, rel=1e-6)
 
 
@@ -166,8 +168,9 @@ def test_declared_per_sample_weighting_reports_no_token_weight_spread():
     declared per sample, there is nothing to report."""
     for declared, spread in ((None, 8 / 2), ("sample", None)):
         model, opt = model_and_opt()
-        with attach(model, opt, run="mom", sink="null", every=1, modalities=("text",),
-                    loss_normalization=declared) as mon:
+        with attach(
+            model, opt, run="mom", sink="null", every=1, modalities=("text",), loss_normalization=declared
+        ) as mon:
             for k, length in enumerate((8, 2)):
                 ids, labels, mask = batch([length], seed=k)
                 pt = per_token(model, ids, labels)
@@ -187,8 +190,10 @@ def test_a_modality_marked_on_input_positions_only_is_reported(caplog):
     mask[:, :4] = False  # the first 4 positions are the image, not labels
     codes = torch.zeros(2, 8, dtype=torch.long)
     codes[:, :4] = 1
-    with caplog.at_level(logging.WARNING, logger="trainvitals"), \
-            attach(model, opt, run="vlm", sink="null", every=1, modalities=("text", "image")) as mon:
+    with (
+        caplog.at_level(logging.WARNING, logger="trainvitals"),
+        attach(model, opt, run="vlm", sink="null", every=1, modalities=("text", "image")) as mon,
+    ):
         for _ in range(2):  # the warning is read a step later (no host sync)
             pt = per_token(model, ids, labels)
             mon.track_loss(pt, modality=codes, mask=mask)

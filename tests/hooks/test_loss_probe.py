@@ -30,7 +30,7 @@ def modality_grads(how: str) -> list[list[torch.Tensor]]:
         model.zero_grad()
         for rows in BATCHES:
             pt, _ = per_token_loss(model, rows)
-            keep = ((rows.modality == m)[:, None] & rows.mask)
+            keep = (rows.modality == m)[:, None] & rows.mask
             pt = torch.where(keep, pt, pt.detach())
             reduce(how)(pt, rows).backward()
         out.append([p.grad.clone() for p in model.parameters()])
@@ -49,8 +49,7 @@ def test_probe_norms_and_cosine_equal_separate_backward_passes(how, scaled, capl
     model = TokenModel(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaled else None
-    mon = attach(model, opt, run="probe", sink="null", every=1, probe_every=1, modalities=MODALITIES,
-                 scaler=scaler)
+    mon = attach(model, opt, run="probe", sink="null", every=1, probe_every=1, modalities=MODALITIES, scaler=scaler)
     for rows in BATCHES:
         pt, logits = per_token_loss(model, rows)
         mon.track_loss(pt, modality=rows.modality, mask=rows.mask, output=logits)
@@ -65,7 +64,8 @@ def test_probe_norms_and_cosine_equal_separate_backward_passes(how, scaled, capl
 
     for m, name in enumerate(MODALITIES):
         assert mon.value("modality_grad_norm", modality=name, scope="params") == pytest.approx(
-            float(ref[m].norm()), rel=1e-5)
+            float(ref[m].norm()), rel=1e-5
+        )
     cos = float(ref[0] @ ref[1] / (ref[0].norm() * ref[1].norm()))
     assert mon.value("modality_grad_cosine", modality="text", other="image") == pytest.approx(cos, rel=1e-4, abs=1e-6)
     assert mon.value("modality_grad_cosine", modality="image", other="text") == pytest.approx(cos, rel=1e-4, abs=1e-6)

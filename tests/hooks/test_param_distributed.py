@@ -27,8 +27,11 @@ def run_ranks(tmp_path: Path, mode: str) -> dict:
 
 
 def keyed(samples: list[dict]) -> dict[tuple, float]:
-    return {(s["name"], tuple(sorted(s["labels"].items()))): s["value"] for s in samples
-            if s["name"].startswith(("param_", "adam_", "optimizer_state"))}
+    return {
+        (s["name"], tuple(sorted(s["labels"].items()))): s["value"]
+        for s in samples
+        if s["name"].startswith(("param_", "adam_", "optimizer_state"))
+    }
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
@@ -37,7 +40,7 @@ def test_rank0_reports_what_one_process_reports(tmp_path, mode):
     assert got["sharded"] == (mode == "fsdp")
     want = dp_single_process(mode)
     assert len(got["reports"]) == len(want) == 4  # steps 1, 2, 4, 6
-    for k, (g, w) in enumerate(zip(got["reports"], want)):
+    for k, (g, w) in enumerate(zip(got["reports"], want, strict=True)):
         g, w = keyed(g), keyed(w)
         assert g.keys() == w.keys(), k
         assert any(name == "adam_exp_avg_norm" for name, _ in g)
@@ -57,7 +60,7 @@ def test_grad_norm_is_the_global_norm_before_clipping(tmp_path, mode):
     got = run_ranks(tmp_path, f"{mode}-split")["reports"]
     want = grad_norm_reference(mode)
     assert len(got) == len(want) == 4
-    for report, steps in zip(got, want):
+    for report, steps in zip(got, want, strict=True):
         value = {s["name"]: s["value"] for s in report if not s["labels"]}
         assert value["grad_norm"] == pytest.approx(steps[-1], rel=1e-5)
         assert value["grad_norm_max"] == pytest.approx(max(steps), rel=1e-5)

@@ -12,8 +12,15 @@ from _param_models import OPTIMIZERS, Tiny, param_reference, series, train
 
 from trainvitals.hooks import attach
 
-PARAM_METRICS = ("param_min", "param_max", "param_absmax", "param_drift_log2", "param_drift_consistency_ratio",
-                 "param_weight_decay", "param_grad_relative_rms")
+PARAM_METRICS = (
+    "param_min",
+    "param_max",
+    "param_absmax",
+    "param_drift_log2",
+    "param_drift_consistency_ratio",
+    "param_weight_decay",
+    "param_grad_relative_rms",
+)
 
 
 def monitored(opt_name: str = "adam", **options):

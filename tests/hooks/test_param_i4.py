@@ -38,17 +38,26 @@ def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
 def param_drift(mon, param: str) -> bool:
     """The default ParamDrift rule's conditions on one report."""
     v = lambda name: mon.value(name, param=param)  # noqa: E731
-    return (v("param_drift_log2") > 1 and v("param_drift_consistency_ratio") > 0.6
-            and v("param_weight_decay") < 1e-12 and v("param_grad_relative_rms") < 0.01)
+    return (
+        v("param_drift_log2") > 1
+        and v("param_drift_consistency_ratio") > 0.6
+        and v("param_weight_decay") < 1e-12
+        and v("param_grad_relative_rms") < 0.01
+    )
 
 
 def run(variant: str, reset: bool = True) -> list[dict]:
     """Train; return per report the values the assertions need."""
     model = Readout()
     if variant == "weight-decay":
-        opt = torch.optim.AdamW([{"params": [model.out_scale], "weight_decay": 1.0},
-                                 {"params": [p for n, p in model.named_parameters() if n != "out_scale"],
-                                  "weight_decay": 0.0}], lr=0.05, eps=1e-8)
+        opt = torch.optim.AdamW(
+            [
+                {"params": [model.out_scale], "weight_decay": 1.0},
+                {"params": [p for n, p in model.named_parameters() if n != "out_scale"], "weight_decay": 0.0},
+            ],
+            lr=0.05,
+            eps=1e-8,
+        )
     else:
         opt = torch.optim.Adam(model.parameters(), lr=0.05, eps=1e-8)
     noise = torch.Generator().manual_seed(7)
@@ -67,12 +76,23 @@ def run(variant: str, reset: bool = True) -> list[dict]:
         if reset and i == RESET_AFTER:
             opt.state.clear()  # a new stage rebuilds the optimizer state
         if mon.reports_at(i):
-            row = {"step": i, "resets": mon.value("optimizer_state_resets_total"),
-                   "events": [e["kind"] for e in mon.latest_events()]}
+            row = {
+                "step": i,
+                "resets": mon.value("optimizer_state_resets_total"),
+                "events": [e["kind"] for e in mon.latest_events()],
+            }
             for p in ("out_scale", "lin1.bias", "lin2.bias"):
-                row[p] = {name: mon.value(name, param=p) for name in (
-                    "param_drift_log2", "param_drift_consistency_ratio", "param_weight_decay",
-                    "param_grad_relative_rms", "adam_eps_dominated_ratio", "adam_normalized_update_rms")}
+                row[p] = {
+                    name: mon.value(name, param=p)
+                    for name in (
+                        "param_drift_log2",
+                        "param_drift_consistency_ratio",
+                        "param_weight_decay",
+                        "param_grad_relative_rms",
+                        "adam_eps_dominated_ratio",
+                        "adam_normalized_update_rms",
+                    )
+                }
                 row[p]["rule"] = param_drift(mon, p)
             out.append(row)
     mon.close()
@@ -86,7 +106,7 @@ def bug() -> list[dict]:
 
 def test_the_drifting_scale_shows_while_it_happens(bug):
     drift = [r["out_scale"]["param_drift_log2"] for r in bug]
-    assert all(b > a for a, b in zip(drift, drift[1:]))  # a monotonic walk, report after report
+    assert all(b > a for a, b in zip(drift, drift[1:], strict=False))  # a monotonic walk, report after report
     assert drift[-1] > 1.0  # more than a bit of dynamic range gained
     for r in bug:
         s = r["out_scale"]

@@ -17,8 +17,7 @@ SEGMENT = 40  # steps between checkpoint resumes
 
 def _biased_noise_hook(model: Readout, gen: torch.Generator, sign: float, size: float = 4e-9) -> None:
     """A tiny gradient of constant sign, as biased low-precision rounding noise gives."""
-    model.out_scale.register_hook(
-        lambda g: g * 1e-9 + sign * size * (1 + torch.randn((), generator=gen) * 0.5))
+    model.out_scale.register_hook(lambda g: g * 1e-9 + sign * size * (1 + torch.randn((), generator=gen) * 0.5))
 
 
 def _train(model, opt, mon, start: int, steps: int) -> None:

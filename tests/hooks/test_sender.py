@@ -22,8 +22,9 @@ def collector_stub(*statuses: int) -> RecordingServer:
     """A stand-in collector: answers ``statuses`` in order, the last one from then on,
     each with a JSON detail as the collector's refusals carry."""
     *first, last = statuses
-    return RecordingServer(first, default=last, body=b'{"detail": "scripted"}',
-                           headers={"Content-Type": "application/json"})
+    return RecordingServer(
+        first, default=last, body=b'{"detail": "scripted"}', headers={"Content-Type": "application/json"}
+    )
 
 
 def accepted_bodies(rec: RecordingServer) -> list[dict]:
@@ -63,7 +64,11 @@ def test_a_refused_batch_is_dropped_counted_and_logged(caplog):
         sender.close(1)
     assert [r["step"] for r in accepted_reports(rec)] == [2]
     assert sender.dropped == 1
-    assert accepted_reports(rec)[0]["samples"][-1] == {"name": "client_dropped_reports_total", "labels": {}, "value": 1.0}
+    assert accepted_reports(rec)[0]["samples"][-1] == {
+        "name": "client_dropped_reports_total",
+        "labels": {},
+        "value": 1.0,
+    }
     assert any("refused" in r.getMessage() and "422" in r.getMessage() for r in caplog.records)
 
 
@@ -75,8 +80,10 @@ def test_batches_are_gzipped_and_carry_the_token():
         assert sender.flush(5)
         sender.close(1)
     assert sorted(r["step"] for r in accepted_reports(rec)) == list(range(5))
-    assert all(r.headers["Content-Encoding"] == "gzip" and r.headers["Authorization"] == "Bearer s3cret"
-               for r in rec.received())
+    assert all(
+        r.headers["Content-Encoding"] == "gzip" and r.headers["Authorization"] == "Bearer s3cret"
+        for r in rec.received()
+    )
     assert all(b["schema"] == 1 for b in accepted_bodies(rec))
 
 

@@ -14,8 +14,13 @@ from torch import nn
 from trainvitals.hooks import attach
 from trainvitals.hooks.signals import softmax_math as sm
 
-SATURATION = ("softmax_top1_prob_mean", "softmax_saturated_ratio", "softmax_jacobian_mean",
-              "softmax_entropy_nats", "softmax_recommended_temperature")
+SATURATION = (
+    "softmax_top1_prob_mean",
+    "softmax_saturated_ratio",
+    "softmax_jacobian_mean",
+    "softmax_entropy_nats",
+    "softmax_recommended_temperature",
+)
 
 
 def monitor(every: int = 1, **options):
@@ -53,8 +58,13 @@ def selected(logits: torch.Tensor, mask: torch.Tensor | None, cap: int) -> tuple
     return flat[::stride], w[::stride]
 
 
-def reference(logits: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0,
-              cap: int = 4096, target: float = 0.7) -> dict[str, float]:
+def reference(
+    logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    cap: int = 4096,
+    target: float = 0.7,
+) -> dict[str, float]:
     z, w = selected(logits, mask, cap)
     keep = w > 0
     z, w = z[keep].double(), w[keep]
@@ -87,8 +97,7 @@ def reference(logits: torch.Tensor, mask: torch.Tensor | None = None, temperatur
 
 
 def reported(mon, task: str = "all", role: str = "student") -> dict[str, float]:
-    out = {name: mon.value(name, task=task, role=role) for name in SATURATION
-           if name != "softmax_saturated_ratio"}
+    out = {name: mon.value(name, task=task, role=role) for name in SATURATION if name != "softmax_saturated_ratio"}
     for t in ("0.99", "0.999"):
         out[t] = mon.value("softmax_saturated_ratio", task=task, role=role, threshold=t)
     return out
@@ -98,12 +107,15 @@ def assert_matches(got: dict[str, float], ref: dict[str, float], *, exact_t: boo
     for key in ("softmax_top1_prob_mean", "softmax_jacobian_mean", "0.99", "0.999"):
         assert got[key] == pytest.approx(ref[key], abs=2e-6), key
     assert got["softmax_entropy_nats"] == pytest.approx(ref["softmax_entropy_nats"], rel=1e-4, abs=1e-5)
-    assert got["softmax_recommended_temperature"] == pytest.approx(ref["softmax_recommended_temperature"],
-                                                                   rel=0.01)
+    assert got["softmax_recommended_temperature"] == pytest.approx(ref["softmax_recommended_temperature"], rel=0.01)
 
 
-SHAPES = {"BTV-small-vocab": (3, 7, 50), "NV-small-vocab": (21, 50), "BTV-binned-vocab": (2, 9, 700),
-          "NV-binned-vocab": (17, 3000)}
+SHAPES = {
+    "BTV-small-vocab": (3, 7, 50),
+    "NV-small-vocab": (21, 50),
+    "BTV-binned-vocab": (2, 9, 700),
+    "NV-binned-vocab": (17, 3000),
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -147,6 +159,7 @@ def test_subsampled_positions_are_the_documented_stride():
 
 def bisected_temperature(z: torch.Tensor, target: float = 0.7) -> float:
     """Exact bisection on the rows of ``z`` (the reference's, as a function)."""
+
     def mean_top1_at(t: float) -> float:
         return torch.softmax(z.double() / t, -1).amax(-1).mean().item()
 
@@ -197,7 +210,7 @@ def test_a_mask_that_hides_every_knot_position_leaves_the_tangents():
     kept_index = torch.arange(0, 256, stride)
     mask = torch.zeros(256, dtype=torch.bool)
     mask[kept_index] = True
-    mask[kept_index[::3]] = False   # the knot positions
+    mask[kept_index[::3]] = False  # the knot positions
     mon, model, opt = monitor()
     mon.observe_logits(logits, mask=mask.view(4, 64))
     finish_step(model, opt)
@@ -265,12 +278,12 @@ def test_only_reported_steps_do_any_work(monkeypatch):
     saturated = torch.zeros(6, 100)
     saturated[:, 0] = 50
     mon, model, opt = monitor(every=3)
-    finish_step(model, opt)                      # step 1 (reported)
-    mon.observe_logits(saturated)                # step 2: not reported -> ignored
+    finish_step(model, opt)  # step 1 (reported)
+    mon.observe_logits(saturated)  # step 2: not reported -> ignored
     assert calls == []
     finish_step(model, opt)
     soft = torch.zeros(6, 100)
-    mon.observe_logits(soft)                     # step 3: reported
+    mon.observe_logits(soft)  # step 3: reported
     assert calls
     finish_step(model, opt)
     assert mon.value("softmax_top1_prob_mean", task="all", role="student") == pytest.approx(0.01)
@@ -287,7 +300,8 @@ def test_a_failure_past_the_checks_turns_the_signal_off_instead_of_raising(monke
         mon.observe_logits(torch.randn(4, 10))
         mon.observe_logits(torch.randn(4, 10))
     assert [r.getMessage() for r in caplog.records if "Softmax" in r.getMessage()] == [
-        "trainvitals: signal Softmax failed in observe_logits and is turned off: RuntimeError: boom"]
+        "trainvitals: signal Softmax failed in observe_logits and is turned off: RuntimeError: boom"
+    ]
     finish_step(model, opt)
     assert not [s for s in mon.latest() if s["name"] in SATURATION]
     with pytest.raises(ValueError, match="short identifier"):  # argument checks still apply
@@ -329,8 +343,9 @@ def test_observing_detaches_and_works_under_inference_mode():
 
 
 # -- distillation statistics ---------------------------------------------------------
-def distill_reference(student: torch.Tensor, teacher: torch.Tensor, tau: float,
-                      mask: torch.Tensor | None = None) -> tuple[float, float]:
+def distill_reference(
+    student: torch.Tensor, teacher: torch.Tensor, tau: float, mask: torch.Tensor | None = None
+) -> tuple[float, float]:
     v = student.shape[-1]
     s, t = student.reshape(-1, v).double(), teacher.reshape(-1, v).double()
     if mask is not None:
@@ -341,8 +356,8 @@ def distill_reference(student: torch.Tensor, teacher: torch.Tensor, tau: float,
     kl = F.kl_div(torch.log_softmax(s / tau, -1), p_t, reduction="sum") * tau**2
     (g,) = torch.autograd.grad(kl, s)
     top = p_t.argmax(-1, keepdim=True)
-    raise_top = (-g.gather(1, top)).clamp(min=0).sum()       # the descent step raises it by this
-    raise_all = (-g).clamp(min=0).sum()                      # everything the step raises
+    raise_top = (-g.gather(1, top)).clamp(min=0).sum()  # the descent step raises it by this
+    raise_all = (-g).clamp(min=0).sum()  # everything the step raises
     dark = (1 - p_t.max(-1).values).mean()
     return (raise_top / raise_all).item(), dark.item()
 
@@ -361,8 +376,11 @@ def test_distillation_statistics_match_plain_torch(shape, tau, masked):
     assert mon.value("distill_top1_grad_share_ratio", task="ie") == pytest.approx(share, rel=1e-4)
     assert mon.value("distill_dark_knowledge_mass", task="ie") == pytest.approx(dark, rel=1e-4, abs=1e-7)
     for role, logits in (("student", student), ("teacher", teacher.bfloat16().float())):
-        assert_matches(reported(mon, "ie", role), reference(logits, mask, temperature=tau)
-                       | {"softmax_recommended_temperature": reference(logits, mask)["softmax_recommended_temperature"]})
+        assert_matches(
+            reported(mon, "ie", role),
+            reference(logits, mask, temperature=tau)
+            | {"softmax_recommended_temperature": reference(logits, mask)["softmax_recommended_temperature"]},
+        )
     mon.close()
 
 
@@ -380,25 +398,29 @@ def test_grad_share_is_low_when_the_student_is_more_confident_than_a_soft_teache
 GOOD = torch.randn(2, 3, 10)
 
 
-@pytest.mark.parametrize(("kwargs", "error", "match"), [
-    ({"logits": [[1.0, 2.0]]}, TypeError, "torch.Tensor"),
-    ({"logits": torch.ones(2, 3, 10, dtype=torch.long)}, TypeError, "not token ids"),
-    ({"logits": torch.randn(10)}, ValueError, r"\[B, T, V\] or \[N, V\]"),
-    ({"logits": torch.randn(2, 3, 4, 10)}, ValueError, r"\[B, T, V\] or \[N, V\]"),
-    ({"logits": torch.randn(5, 1)}, ValueError, "at least 2 classes"),
-    ({"mask": torch.ones(2, 3)}, TypeError, "bool tensor"),
-    ({"mask": [True]}, TypeError, "bool torch.Tensor"),
-    ({"mask": torch.ones(3, 2, dtype=torch.bool)}, ValueError, r"logits.shape\[:-1\]"),
-    ({"mask": torch.ones(6, dtype=torch.bool)}, ValueError, r"must equal the logits' positions \(2, 3\)"),
-    ({"temperature": 0.0}, ValueError, "positive finite"),
-    ({"temperature": -1}, ValueError, "positive finite"),
-    ({"temperature": float("inf")}, ValueError, "positive finite"),
-    ({"temperature": torch.tensor(2.0)}, TypeError, "Python number"),
-    ({"temperature": True}, TypeError, "Python number"),
-    ({"task": "in form"}, ValueError, "short identifier"),
-    ({"task": ""}, ValueError, "short identifier"),
-    ({"role": 3}, ValueError, "short identifier"),
-], ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"logits": [[1.0, 2.0]]}, TypeError, "torch.Tensor"),
+        ({"logits": torch.ones(2, 3, 10, dtype=torch.long)}, TypeError, "not token ids"),
+        ({"logits": torch.randn(10)}, ValueError, r"\[B, T, V\] or \[N, V\]"),
+        ({"logits": torch.randn(2, 3, 4, 10)}, ValueError, r"\[B, T, V\] or \[N, V\]"),
+        ({"logits": torch.randn(5, 1)}, ValueError, "at least 2 classes"),
+        ({"mask": torch.ones(2, 3)}, TypeError, "bool tensor"),
+        ({"mask": [True]}, TypeError, "bool torch.Tensor"),
+        ({"mask": torch.ones(3, 2, dtype=torch.bool)}, ValueError, r"logits.shape\[:-1\]"),
+        ({"mask": torch.ones(6, dtype=torch.bool)}, ValueError, r"must equal the logits' positions \(2, 3\)"),
+        ({"temperature": 0.0}, ValueError, "positive finite"),
+        ({"temperature": -1}, ValueError, "positive finite"),
+        ({"temperature": float("inf")}, ValueError, "positive finite"),
+        ({"temperature": torch.tensor(2.0)}, TypeError, "Python number"),
+        ({"temperature": True}, TypeError, "Python number"),
+        ({"task": "in form"}, ValueError, "short identifier"),
+        ({"task": ""}, ValueError, "short identifier"),
+        ({"role": 3}, ValueError, "short identifier"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
 def test_observe_logits_rejects_wrong_arguments_at_once(kwargs, error, match):
     mon, _, _ = monitor(every=5)  # even on a step that would not be reported
     args = {"logits": GOOD} | kwargs
@@ -407,13 +429,17 @@ def test_observe_logits_rejects_wrong_arguments_at_once(kwargs, error, match):
     mon.close()
 
 
-@pytest.mark.parametrize(("student", "teacher", "kwargs", "error", "match"), [
-    (GOOD, torch.randn(2, 3, 11), {}, ValueError, "must equal student_logits shape"),
-    (GOOD, GOOD.long(), {}, TypeError, "teacher_logits must be floating point"),
-    (GOOD, GOOD, {"temperature": 0}, ValueError, "positive finite"),
-    (GOOD, GOOD, {"task": "a b"}, ValueError, "short identifier"),
-    (GOOD, GOOD, {"mask": torch.ones(2, dtype=torch.bool)}, ValueError, "mask shape"),
-], ids=["shape", "dtype", "temperature", "task", "mask"])
+@pytest.mark.parametrize(
+    ("student", "teacher", "kwargs", "error", "match"),
+    [
+        (GOOD, torch.randn(2, 3, 11), {}, ValueError, "must equal student_logits shape"),
+        (GOOD, GOOD.long(), {}, TypeError, "teacher_logits must be floating point"),
+        (GOOD, GOOD, {"temperature": 0}, ValueError, "positive finite"),
+        (GOOD, GOOD, {"task": "a b"}, ValueError, "short identifier"),
+        (GOOD, GOOD, {"mask": torch.ones(2, dtype=torch.bool)}, ValueError, "mask shape"),
+    ],
+    ids=["shape", "dtype", "temperature", "task", "mask"],
+)
 def test_observe_distillation_rejects_wrong_arguments_at_once(student, teacher, kwargs, error, match):
     mon, _, _ = monitor()
     with pytest.raises(error, match=match):
@@ -436,7 +462,7 @@ class Student(nn.Module):
 
 
 def teacher_logits(task: str, ids: torch.Tensor) -> torch.Tensor:
-    """"ie": an extraction teacher, near one-hot (margin 40 over its noise);
+    """ "ie": an extraction teacher, near one-hot (margin 40 over its noise);
     "chat": a soft teacher (top-1 ~ 0.3)."""
     g = torch.Generator().manual_seed(100)
     table = torch.randn(TOKENS, VOCAB, generator=g)
@@ -466,8 +492,10 @@ def test_i5_a_near_one_hot_teacher_saturates_and_its_healthy_twin_does_not():
                 t = teacher_logits(task, ids)
             s = student(ids)
             mon.observe_distillation(s, t, temperature=tau, mask=mask, task=task)
-            kd = F.kl_div(torch.log_softmax(s[mask] / tau, -1), torch.softmax(t[mask] / tau, -1),
-                          reduction="batchmean") * tau**2
+            kd = (
+                F.kl_div(torch.log_softmax(s[mask] / tau, -1), torch.softmax(t[mask] / tau, -1), reduction="batchmean")
+                * tau**2
+            )
             kd.backward()
             last[task] = t[mask]
         opt.step()

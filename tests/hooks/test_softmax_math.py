@@ -12,9 +12,11 @@ from trainvitals.hooks.signals import softmax_math as sm
 
 
 # -- the write-up's table (INCIDENTS.md, I5) -------------------------------------
-@pytest.mark.parametrize(("q", "expected", "shrink"),
-                         [(0.5, 0.25, 1), (0.9, 0.09, 3), (0.99, 0.0099, 25), (0.999, 0.000999, 250)],
-                         ids=["q=0.5", "q=0.9", "q=0.99", "q=0.999"])
+@pytest.mark.parametrize(
+    ("q", "expected", "shrink"),
+    [(0.5, 0.25, 1), (0.9, 0.09, 3), (0.99, 0.0099, 25), (0.999, 0.000999, 250)],
+    ids=["q=0.5", "q=0.9", "q=0.99", "q=0.999"],
+)
 def test_jacobian_of_the_top_class_matches_the_table(q, expected, shrink):
     assert sm.jacobian(q) == pytest.approx(expected, rel=1e-9)
     assert sm.jacobian(0.5) / sm.jacobian(q) == pytest.approx(shrink, rel=0.12)
@@ -24,12 +26,14 @@ def test_jacobian_of_the_top_class_matches_the_table(q, expected, shrink):
     assert z.grad[0].item() == pytest.approx(expected, rel=1e-9)
 
 
-@pytest.mark.parametrize(("q_from", "q_to", "change"), [(0.95, 0.99, 1.65), (0.99, 0.999, 2.31)],
-                         ids=["0.95->0.99", "0.99->0.999"])
+@pytest.mark.parametrize(
+    ("q_from", "q_to", "change"), [(0.95, 0.99, 1.65), (0.99, 0.999, 2.31)], ids=["0.95->0.99", "0.99->0.999"]
+)
 def test_logit_change_matches_the_table(q_from, q_to, change):
     assert sm.logit_change(q_from, q_to) == pytest.approx(change, abs=0.005)
     assert sm.logit_change(q_from, q_to) == pytest.approx(
-        math.log((q_to / (1 - q_to)) / (q_from / (1 - q_from))), rel=1e-12)
+        math.log((q_to / (1 - q_to)) / (q_from / (1 - q_from))), rel=1e-12
+    )
 
 
 @pytest.mark.parametrize("classes", [2, 10, 150_000])
@@ -47,13 +51,17 @@ def test_logit_gap_rejects_impossible_inputs(q, classes):
 
 
 # -- subsampling and chunk sizes ---------------------------------------------------
-@pytest.mark.parametrize(("positions", "cap", "period", "stride"), [
-    (100, 4096, 1, 1),          # under the cap: every position
-    (100, 10, 1, 10),
-    (101, 10, 1, 11),           # ceil
-    (32 * 4, 2, 4, 65),         # 64 shares a factor with T = 4 -> next coprime
-    (4096 * 8, 4096, 4096, 9),  # 8 would pick the same 512 phases in every sequence
-], ids=["under-cap", "exact", "ceil", "coprime-with-T", "coprime-long-T"])
+@pytest.mark.parametrize(
+    ("positions", "cap", "period", "stride"),
+    [
+        (100, 4096, 1, 1),  # under the cap: every position
+        (100, 10, 1, 10),
+        (101, 10, 1, 11),  # ceil
+        (32 * 4, 2, 4, 65),  # 64 shares a factor with T = 4 -> next coprime
+        (4096 * 8, 4096, 4096, 9),  # 8 would pick the same 512 phases in every sequence
+    ],
+    ids=["under-cap", "exact", "ceil", "coprime-with-T", "coprime-long-T"],
+)
 def test_subsample_stride(positions, cap, period, stride):
     got = sm.subsample_stride(positions, cap, period)
     assert got == stride
@@ -124,17 +132,17 @@ def _cases(vocab: int) -> dict[str, torch.Tensor]:
     out["mixed-margins"] = z
     z = base.clone()
     z[: n // 2, 0] += 80
-    z[n // 2:, 0] += 14
+    z[n // 2 :, 0] += 14
     out["half-saturated"] = z
     z = base.clone()
     z[:, 0] += 30
-    z[:, 1: vocab // 10] = float("-inf")
+    z[:, 1 : vocab // 10] = float("-inf")
     out["masked-minus-inf"] = z
     out["gumbel"] = -torch.log(-torch.log(torch.rand(n, vocab, generator=g))) * 2
     # the whole bulk on two gap values: h(beta) bends where one takes over from the other
     z = torch.zeros(n, vocab)
-    z[:, 1: vocab // 2] = -24.0001
-    z[:, vocab // 2:] = -24.9999
+    z[:, 1 : vocab // 2] = -24.0001
+    z[:, vocab // 2 :] = -24.9999
     out["two-point"] = z
     # Zipf-like power laws (logit = -a log rank, shuffled): the mass outside the top-1
     # moves from the head to the tail over a narrow range of T, so h bends sharply
@@ -197,11 +205,11 @@ def test_knots_are_the_partition_function_at_t_64_over_k():
     rounding of r, so the top (T = 1) is ~64 ulp off at most."""
     g = torch.Generator().manual_seed(3)
     z = torch.randn(6, 3000, generator=g) * 3
-    z[0, 0] += 40                          # saturated at T = 1, not at T = 64
-    z[1, :2000] = float("-inf")            # masked classes
-    z[2] += 1000                           # a large offset
-    z[3, 5:9] = z[3].max()                 # ties at the top
-    z[4] *= 30                             # gaps of hundreds of nats: underflow at T = 1
+    z[0, 0] += 40  # saturated at T = 1, not at T = 64
+    z[1, :2000] = float("-inf")  # masked classes
+    z[2] += 1000  # a large offset
+    z[3, 5:9] = z[3].max()  # ties at the top
+    z[4] *= 30  # gaps of hundreds of nats: underflow at T = 1
     z = torch.cat([z, z[:1].bfloat16().float()])
     u = z.double().amax(-1, keepdim=True) - z.double()
     ties = (u == 0).sum(-1, keepdim=True) - 1
@@ -229,7 +237,7 @@ def test_one_logit_gap_is_interpolated_exactly():
     for tau in (0.5, 1.0, 4.0):
         sums = torch.empty(3, z.shape[0])
         sm.saturation_chunk(z, 1 / tau, sm.Workspace(z.shape[0], 2, "cpu"), sums)
-        tangent = sm.saturation_stats(sums, 1 / tau)[:, len(sm.STATS):len(sm.STATS) + 2]
+        tangent = sm.saturation_stats(sums, 1 / tau)[:, len(sm.STATS) : len(sm.STATS) + 2]
         # unless the runner-up underflows float32 at tau (gap / tau > 87): then 1 at every T
         resolved = gaps / tau < 87
         got = sm.covariate_on_grid(tangent, grid, 1 / tau).double()
@@ -249,9 +257,9 @@ def test_the_mass_outside_the_top1_is_exact_when_tiny():
     """Z - 1 from a float32 sum that holds the top-1's 1.0 is good to ~5e-7 only; the
     sums keep tails of 1e-20 and count ties."""
     z = torch.zeros(4, 1000)
-    z[0, 0] = 50.0                    # 999 e^-50: 1.9e-19 outside
-    z[1, 0] = 20.0                    # 2.1e-6 outside
-    z[2, :3] = 7.0                    # three tied at the top
+    z[0, 0] = 50.0  # 999 e^-50: 1.9e-19 outside
+    z[1, 0] = 20.0  # 2.1e-6 outside
+    z[2, :3] = 7.0  # three tied at the top
     z[3] = torch.randn(1000, generator=torch.Generator().manual_seed(4))
     sums = torch.empty(3, 4)
     sm.saturation_chunk(z, 1.0, sm.Workspace(4, 1000, "cpu"), sums)

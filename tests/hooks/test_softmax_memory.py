@@ -69,22 +69,31 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
-@pytest.mark.parametrize(("layout", "chunk_bytes"), [("view", 64 * MIB), ("gathered", 2 * MIB)],
-                         ids=["default-chunk-view", "2MiB-chunk-gathered-rows"])
+@pytest.mark.parametrize(
+    ("layout", "chunk_bytes"),
+    [("view", 64 * MIB), ("gathered", 2 * MIB)],
+    ids=["default-chunk-view", "2MiB-chunk-gathered-rows"],
+)
 def test_observing_a_131k_class_batch_stays_within_one_chunk(layout, chunk_bytes):
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(chunk=chunk_bytes, vocab=V), layout],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(chunk=chunk_bytes, vocab=V), layout],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["top1"] is not None and 0 < result["top1"] <= 1
     copies = 0 if layout == "view" else 1
     rows = sm.rows_per_chunk(V, chunk_bytes, copies=copies)
-    assert rows * (sm.BYTES_PER_LOGIT + 4 * copies) * V <= max(min(chunk_bytes, sm.CPU_CHUNK_BYTES),
-                                                               (sm.BYTES_PER_LOGIT + 4 * copies) * V)
+    assert rows * (sm.BYTES_PER_LOGIT + 4 * copies) * V <= max(
+        min(chunk_bytes, sm.CPU_CHUNK_BYTES), (sm.BYTES_PER_LOGIT + 4 * copies) * V
+    )
     chunk = sm.workspace_bytes(rows, V) + rows * 4 * copies * V  # at least one position's 4 chains
     # Without chunking, 128 positions x 131072 classes x 8 bytes would be 128 MiB.
     # The workspace is allocated once per call and reused by every chunk; the bound
     # stays two chunks, as the allocator may still hold earlier buffers (seen here:
     # 2.1 to 3.6 MiB for 2.5 and 4 MiB workspaces).
     assert result["extra"] <= 2 * chunk + OVERHEAD, (
-        f"extra peak {result['extra'] / MIB:.1f} MiB for a {chunk / MIB:.1f} MiB chunk")
+        f"extra peak {result['extra'] / MIB:.1f} MiB for a {chunk / MIB:.1f} MiB chunk"
+    )

@@ -54,8 +54,9 @@ class TinyLM(nn.Module):
         return self.head(self.norm(self.embed(ids) * self.scale))
 
 
-def _micro_batch(gen: torch.Generator, text: list[int], image: list[int]
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _micro_batch(
+    gen: torch.Generator, text: list[int], image: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids, labels, label mask [B, T] and per-sample modality codes [B] (0 text, 1 image)."""
     lengths = text + image
     width = max(lengths)
@@ -68,8 +69,14 @@ def _micro_batch(gen: torch.Generator, text: list[int], image: list[int]
     return ids, labels, mask, modality
 
 
-def train(mon: Monitor, model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 0,
-          before_step: Callable[[Monitor, int], None] | None = None) -> None:
+def train(
+    mon: Monitor,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    seed: int = 0,
+    before_step: Callable[[Monitor, int], None] | None = None,
+) -> None:
     """``steps`` optimizer steps of two micro-batches each, observed by ``mon``;
     ``before_step(mon, step)`` runs first on each (0-based) step."""
     gen = torch.Generator().manual_seed(seed)
@@ -85,17 +92,16 @@ def train(mon: Monitor, model: nn.Module, opt: torch.optim.Optimizer, steps: int
             if step == NONFINITE_AT and i == 0:
                 overflow = torch.ones(len(ids), 1, 1)
                 overflow[0] = math.inf
-                bad = F.cross_entropy((logits * overflow).flatten(0, 1), labels.flatten(),
-                                      reduction="none").view_as(labels)
+                bad = F.cross_entropy((logits * overflow).flatten(0, 1), labels.flatten(), reduction="none").view_as(
+                    labels
+                )
                 mon.track_loss(bad, modality=modality, mask=mask)
                 # What a GradScaler does with a non-finite loss: no backward for it.
                 logits = model(ids)
-            teacher = 6.0 * F.one_hot(labels, VOCAB).float() + torch.randn(
-                (*labels.shape, VOCAB), generator=gen)
+            teacher = 6.0 * F.one_hot(labels, VOCAB).float() + torch.randn((*labels.shape, VOCAB), generator=gen)
             mon.observe_logits(logits.detach(), mask=mask, task="lm", role="student")
             mon.observe_distillation(logits.detach(), teacher, temperature=2.0, mask=mask, task="ie")
-            per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
-                                        reduction="none").view_as(labels)
+            per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
             mon.track_loss(per_token, modality=modality, mask=mask, output=logits)
             ((per_token * mask).sum() / mask.sum() / len(micro)).backward()
         opt.step()
@@ -106,15 +112,19 @@ def make_job(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model and an AdamW without weight decay on its 1D parameters."""
     model = TinyLM(seed)
     params = list(model.named_parameters())
-    opt = torch.optim.AdamW([
-        {"params": [p for _, p in params if p.ndim >= 2], "weight_decay": 0.1, "name": "decay"},
-        {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0, "name": "no_decay"},
-    ], lr=0.02)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for _, p in params if p.ndim >= 2], "weight_decay": 0.1, "name": "decay"},
+            {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0, "name": "no_decay"},
+        ],
+        lr=0.02,
+    )
     return model, opt
 
 
-def run_job(url: str, run: str, steps: int = 12, *,
-            before_step: Callable[[Monitor, int], None] | None = None, **options: Any) -> Monitor:
+def run_job(
+    url: str, run: str, steps: int = 12, *, before_step: Callable[[Monitor, int], None] | None = None, **options: Any
+) -> Monitor:
     """Train ``steps`` steps reporting every step to the collector at ``url``, deliver
     every report and close the monitor (its ``run_end`` report); return the monitor.
     ``before_step``: see :func:`train`; ``options`` go to ``attach``."""

@@ -32,8 +32,13 @@ def host_port(url: str) -> str:
     return url.split("://", 1)[1].rstrip("/")
 
 
-def prometheus_config(collector_url: str, *, rule_files: list[Path] | None = None,
-                      alertmanager_url: str | None = None, relabel: bool = True) -> dict[str, Any]:
+def prometheus_config(
+    collector_url: str,
+    *,
+    rule_files: list[Path] | None = None,
+    alertmanager_url: str | None = None,
+    relabel: bool = True,
+) -> dict[str, Any]:
     """``deploy/prometheus.yml`` pointed at the test's collector and Alertmanager, with a
     1 s scrape and evaluation cadence; everything else (``honor_labels``, the alert
     relabeling) as shipped. ``relabel=False`` drops the alert relabeling (a control)."""
@@ -80,8 +85,7 @@ class Prometheus:
 
     def label_values(self, label: str, match: str, start: float) -> list[str]:
         """What Grafana's ``label_values(match, label)`` lists."""
-        return self._get(f"/api/v1/label/{label}/values",
-                         **{"match[]": match, "start": start, "end": time.time()})
+        return self._get(f"/api/v1/label/{label}/values", **{"match[]": match, "start": start, "end": time.time()})
 
     def alerts(self) -> list[dict[str, Any]]:
         """Alerts of the rules Prometheus evaluates (pending and firing)."""
@@ -99,10 +103,20 @@ def running_prometheus(folder: Path, config: dict[str, Any]) -> Iterator[Prometh
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with running_process([PROMETHEUS, f"--config.file={path}", f"--storage.tsdb.path={folder / 'data'}",
-                          f"--web.listen-address=127.0.0.1:{port}"],
-                         log=folder / "prometheus.log", ready_url=f"{url}/-/ready", what="prometheus"), \
-            httpx.Client(base_url=url, timeout=5.0) as client:
+    with (
+        running_process(
+            [
+                PROMETHEUS,
+                f"--config.file={path}",
+                f"--storage.tsdb.path={folder / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            log=folder / "prometheus.log",
+            ready_url=f"{url}/-/ready",
+            what="prometheus",
+        ),
+        httpx.Client(base_url=url, timeout=5.0) as client,
+    ):
         prom = Prometheus(url, client)
         wait_until(lambda: prom.query('up{job="trainvitals"} == 1'), 15, "prometheus scraping the collector")
         yield prom
@@ -142,13 +156,14 @@ def resolve_variables(prom: Prometheus, dashboard: dict[str, Any], start: float)
         query = var["query"] if isinstance(var["query"], str) else var["query"]["query"]
         parsed = _LABEL_VALUES.match(query)
         if parsed is None:
-            raise AssertionError(f"{dashboard['title']}: variable {var['name']}: not a label_values() "
-                                 f"query: {query!r}")
+            raise AssertionError(f"{dashboard['title']}: variable {var['name']}: not a label_values() query: {query!r}")
         match = substitute(parsed["match"], values)
         found = prom.label_values(parsed["label"], match, start)
         if not found:
-            raise AssertionError(f"{dashboard['title']}: variable {var['name']} lists no values "
-                                 f"({query!r} -> label_values({match}, {parsed['label']}))")
+            raise AssertionError(
+                f"{dashboard['title']}: variable {var['name']} lists no values "
+                f"({query!r} -> label_values({match}, {parsed['label']}))"
+            )
         values[var["name"]] = found
     return values
 

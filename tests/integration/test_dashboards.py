@@ -17,8 +17,7 @@ from trainvitals.wire import METRICS, PREFIX
 
 
 def _generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("trainvitals_dashboards_generate",
-                                                  DASHBOARDS / "generate.py")
+    spec = importlib.util.spec_from_file_location("trainvitals_dashboards_generate", DASHBOARDS / "generate.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
@@ -68,7 +67,6 @@ def test_stable_uids_and_current_schema() -> None:
         assert TAG in d["tags"]
 
 
-
 def test_variables_datasource_and_units() -> None:
     for name, d in load_dashboards().items():
         variables = {v["name"]: v for v in d["templating"]["list"]}
@@ -103,8 +101,9 @@ def test_units_follow_the_catalogue() -> None:
             plain = [re.fullmatch(rf"(?:topk\(\d+, )?{PREFIX}(\w+)\{{[^}}]*\}}\)?", e) for e in exprs]
             if all(plain) and len({m.group(1) for m in plain}) == 1:  # type: ignore[union-attr]
                 metric = plain[0].group(1)  # type: ignore[union-attr]
-                assert p["fieldConfig"]["defaults"]["unit"] == GENERATE.UNITS[METRICS[metric].unit], \
+                assert p["fieldConfig"]["defaults"]["unit"] == GENERATE.UNITS[METRICS[metric].unit], (
                     f"{name} / {p['title']}: unit of {metric}"
+                )
                 checked += 1
     assert checked > 30
 
@@ -119,19 +118,37 @@ def test_only_catalogue_metrics_and_every_one_on_a_panel() -> None:
             assert not unknown, f"{name}: {expr!r} uses names outside the catalogue: {unknown}"
             shown |= names
     missing = sorted(families - shown - {PREFIX + n for n in GENERATE.NOT_ON_DASHBOARDS})
-    assert not missing, (f"catalogue metrics on no dashboard panel: {missing}; add a panel in "
-                         "dashboards/generate.py (or list the metric in NOT_ON_DASHBOARDS with why)")
+    assert not missing, (
+        f"catalogue metrics on no dashboard panel: {missing}; add a panel in "
+        "dashboards/generate.py (or list the metric in NOT_ON_DASHBOARDS with why)"
+    )
 
 
 # What the issue asks each dashboard to show, as the metrics it must query.
 REQUIRED = {
     "trainvitals-overview.json": ["step", "last_report_timestamp_seconds", "alerts_firing", "loss", "grad_norm"],
-    "trainvitals-loss.json": ["modality_sample_share_ratio", "modality_grad_share_ratio", "modality_dilution_ratio",
-                              "loss_norm_exponent", "loss_weight_mass", "microbatches", "token_weight_spread_ratio"],
-    "trainvitals-params.json": ["param_drift_log2", "param_drift_consistency_ratio", "param_weight_decay",
-                                "adam_eps_dominated_ratio", "adam_normalized_update_rms"],
-    "trainvitals-softmax.json": ["softmax_top1_prob_mean", "softmax_saturated_ratio", "softmax_entropy_nats",
-                                 "distill_top1_grad_share_ratio"],
+    "trainvitals-loss.json": [
+        "modality_sample_share_ratio",
+        "modality_grad_share_ratio",
+        "modality_dilution_ratio",
+        "loss_norm_exponent",
+        "loss_weight_mass",
+        "microbatches",
+        "token_weight_spread_ratio",
+    ],
+    "trainvitals-params.json": [
+        "param_drift_log2",
+        "param_drift_consistency_ratio",
+        "param_weight_decay",
+        "adam_eps_dominated_ratio",
+        "adam_normalized_update_rms",
+    ],
+    "trainvitals-softmax.json": [
+        "softmax_top1_prob_mean",
+        "softmax_saturated_ratio",
+        "softmax_entropy_nats",
+        "distill_top1_grad_share_ratio",
+    ],
 }
 
 
@@ -141,8 +158,12 @@ def test_each_dashboard_shows_what_it_is_for() -> None:
         text = " ".join(_exprs(dashboards[name]))
         missing = [m for m in metrics if not re.search(rf"\b{PREFIX}{m}\b", text)]
         assert not missing, f"{name}: no panel queries {missing}"
-    softmax_legends = [t["legendFormat"] for p in panels(dashboards["trainvitals-softmax.json"])
-                       for t in p["targets"] if "softmax_" in t["expr"]]
+    softmax_legends = [
+        t["legendFormat"]
+        for p in panels(dashboards["trainvitals-softmax.json"])
+        for t in p["targets"]
+        if "softmax_" in t["expr"]
+    ]
     assert all("{{task}}" in lf and "{{role}}" in lf for lf in softmax_legends), softmax_legends
 
 
@@ -156,20 +177,26 @@ def test_a_threshold_line_sits_where_its_rule_fires() -> None:
     assert [(s["value"], s["color"]) for s in steps] == [(None, "orange"), (0.5, "green"), (1.5, "red")]
 
 
-def test_a_metric_without_a_curated_panel_gets_one_on_its_groups_dashboard(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_metric_without_a_curated_panel_gets_one_on_its_groups_dashboard(monkeypatch: pytest.MonkeyPatch) -> None:
     from trainvitals.wire import MetricSpec
 
-    spec = MetricSpec("probe_share_ratio", "gauge", "Share of something per modality.", "ratio",
-                      ("modality",), "hooks", "loss")
+    spec = MetricSpec(
+        "probe_share_ratio", "gauge", "Share of something per modality.", "ratio", ("modality",), "hooks", "loss"
+    )
     monkeypatch.setitem(METRICS, spec.name, spec)
     boards = GENERATE.boards()
     auto = {p.title: p for b in boards.values() for p in b.auto}
-    curated = {name for b in boards.values() for _, panels in b.rows for p in panels
-               for expr, _ in p.queries for name in re.findall(rf"\b{PREFIX}(\w+)", expr)}
+    curated = {
+        name
+        for b in boards.values()
+        for _, panels in b.rows
+        for p in panels
+        for expr, _ in p.queries
+        for name in re.findall(rf"\b{PREFIX}(\w+)", expr)
+    }
     assert "probe_share_ratio" in auto and not set(auto) & curated
     assert auto["probe_share_ratio"] in boards["trainvitals-loss.json"].auto
-    (expr, legend), = auto["probe_share_ratio"].queries
+    ((expr, legend),) = auto["probe_share_ratio"].queries
     assert expr == f'{PREFIX}probe_share_ratio{{run=~"$run", modality=~"$modality"}}'
     assert legend == "{{run}} {{modality}}"
     assert auto["probe_share_ratio"].grafana_unit() == "percentunit"

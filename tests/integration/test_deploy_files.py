@@ -35,11 +35,17 @@ AMTOOL = shutil.which("amtool")
 KUBECTL = shutil.which("kubectl")
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 COMPOSE_FILES = [DEPLOY / "compose.yaml", DEPLOY / "scale-out" / "compose.scale-out.yaml"]
-PROMETHEUS_CONFIGS = [DEPLOY / "prometheus.yml", DEPLOY / "scale-out" / "prometheus-sharded.yml",
-                      DEPLOY / "scale-out" / "prometheus-remote-write.yml"]
+PROMETHEUS_CONFIGS = [
+    DEPLOY / "prometheus.yml",
+    DEPLOY / "scale-out" / "prometheus-sharded.yml",
+    DEPLOY / "scale-out" / "prometheus-remote-write.yml",
+]
 STATE_FILE = "/var/lib/trainvitals/collector.sqlite3"  # on a volume in every deployment
-COLLECTOR_CONFIGS = [DEPLOY / "collector.yaml", DEPLOY / "systemd" / "collector.yaml",
-                     DEPLOY / "scale-out" / "collector-stateless.yaml"]
+COLLECTOR_CONFIGS = [
+    DEPLOY / "collector.yaml",
+    DEPLOY / "systemd" / "collector.yaml",
+    DEPLOY / "scale-out" / "collector-stateless.yaml",
+]
 
 
 def _tool(path: str | None, name: str) -> str:
@@ -98,8 +104,16 @@ def test_amtool_accepts_alertmanager_yml_and_routes_by_severity() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     routes = {}
     for severity in ("page", "warning", "info"):
-        out = _run(amtool, "config", "routes", "test", f"--config.file={config}",
-                   f"severity={severity}", "alertname=GradientDilution", "run=r")
+        out = _run(
+            amtool,
+            "config",
+            "routes",
+            "test",
+            f"--config.file={config}",
+            f"severity={severity}",
+            "alertname=GradientDilution",
+            "run=r",
+        )
         assert out.returncode == 0, out.stderr
         routes[severity] = out.stdout.strip()
     assert routes == {"page": "pagerduty,slack", "warning": "slack", "info": "null"}
@@ -110,12 +124,14 @@ def test_amtool_accepts_alertmanager_yml_and_routes_by_severity() -> None:
 
 def test_rule_files_equal_trainvitals_rules_export() -> None:
     export = _exported_rules()
-    assert (DEPLOY / "rules" / "trainvitals.rules.yml").read_text() == export, \
+    assert (DEPLOY / "rules" / "trainvitals.rules.yml").read_text() == export, (
         "deploy/rules is stale: run `python deploy/generate.py`"
+    )
     resource = yaml.safe_load((DEPLOY / "k8s" / "prometheusrule.yaml").read_text())
     assert resource["kind"] == "PrometheusRule"
-    assert resource["spec"] == yaml.safe_load(export), \
+    assert resource["spec"] == yaml.safe_load(export), (
         "deploy/k8s/prometheusrule.yaml is stale: run `python deploy/generate.py`"
+    )
     rules_dirs = {p.parent for p in DEPLOY.rglob("*.rules.yml")}
     assert rules_dirs == {DEPLOY / "rules"}, "one copy of the exported rules"
 
@@ -202,8 +218,9 @@ def test_compose_wires_the_stack_together() -> None:
             flag = re.match(r"--(?:config\.file)=(.+)", arg)
             path = flag.group(1) if flag else (arg if arg.startswith("/etc/") else None)
             if path:
-                assert any(path == t or path.startswith(t.rstrip("/") + "/") for t in targets_mounted), \
+                assert any(path == t or path.startswith(t.rstrip("/") + "/") for t in targets_mounted), (
                     f"{name}: reads {path}, which no volume provides"
+                )
     # The prometheus rule glob resolves inside the container to the mounted rules.
     assert ("./rules", "/etc/prometheus/rules") in _mounts(base["prometheus"])
     # The collector's state file is on a named volume (it survives `compose down`/up).
@@ -237,8 +254,14 @@ def _kustomize() -> list[dict[str, Any]]:
 
 def test_kubernetes_manifests_build_and_fit_together() -> None:
     docs = {d["kind"]: d for d in _kustomize()}
-    assert set(docs) == {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "ServiceMonitor",
-                         "PrometheusRule"}
+    assert set(docs) == {
+        "ConfigMap",
+        "PersistentVolumeClaim",
+        "Deployment",
+        "Service",
+        "ServiceMonitor",
+        "PrometheusRule",
+    }
     deployment, service, monitor = docs["Deployment"], docs["Service"], docs["ServiceMonitor"]
     pod = deployment["spec"]["template"]
     (container,) = pod["spec"]["containers"]
@@ -285,10 +308,9 @@ def _dockerfile() -> list[tuple[str, str]]:
 def test_dockerfile_slim_pinned_non_root_with_healthcheck() -> None:
     instructions = _dockerfile()
     args = {k: v for k, v in (a.split("=", 1) for i, a in instructions if i == "ARG")}
-    bases = [re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], a.split()[0])
-             for i, a in instructions if i == "FROM"]
+    bases = [re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], a.split()[0]) for i, a in instructions if i == "FROM"]
     assert bases and all(_pinned(b) and re.match(r"python:[\d.]+-slim", b) for b in bases), bases
-    final = instructions[max(n for n, (i, _) in enumerate(instructions) if i == "FROM"):]
+    final = instructions[max(n for n, (i, _) in enumerate(instructions) if i == "FROM") :]
     users = [a for i, a in final if i == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root"), users
     last_user = max(n for n, (i, _) in enumerate(final) if i == "USER")
@@ -319,8 +341,9 @@ def test_image_requirements_are_the_packages_minus_torch() -> None:
     """The RUN line that writes the image's requirements, run here on pyproject.toml."""
     run = next(a for i, a in _dockerfile() if i == "RUN" and "tomllib" in a)
     snippet = re.search(r'python -c "(.+?)" >', run).group(1)  # type: ignore[union-attr]
-    out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, cwd=ROOT,
-                         timeout=30, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", snippet], capture_output=True, text=True, cwd=ROOT, timeout=30, check=True
+    ).stdout.split()
     names = {re.split(r"[<>=!~ \[]", r, maxsplit=1)[0].lower() for r in out}
     assert "torch" not in names
     assert {"fastapi", "uvicorn", "prometheus-client", "pydantic", "pyyaml", "httpx", "click"} <= names
@@ -331,17 +354,26 @@ def test_entrypoint_serves_without_torch_and_the_healthcheck_sees_it(tmp_path: P
     with torch absent (the image does not install it); then the HEALTHCHECK command
     itself, passing while the collector answers and failing once it is gone."""
     port = free_port()
-    env = {**os.environ, "TRAINVITALS_HOST": "127.0.0.1", "TRAINVITALS_PORT": str(port),
-           "TRAINVITALS_LOG_LEVEL": "warning", "TRAINVITALS_STATE_PATH": str(tmp_path / "state.sqlite3")}
-    no_torch = ("import sys; sys.modules['torch'] = None; "
-                "from trainvitals.monitor.cli import main; main()")
+    env = {
+        **os.environ,
+        "TRAINVITALS_HOST": "127.0.0.1",
+        "TRAINVITALS_PORT": str(port),
+        "TRAINVITALS_LOG_LEVEL": "warning",
+        "TRAINVITALS_STATE_PATH": str(tmp_path / "state.sqlite3"),
+    }
+    no_torch = "import sys; sys.modules['torch'] = None; from trainvitals.monitor.cli import main; main()"
     log = tmp_path / "collector.log"
     healthcheck = json.loads(next(a for i, a in _dockerfile() if i == "HEALTHCHECK").split("CMD", 1)[1])
     assert healthcheck[0] == "python"
     check = [sys.executable, *healthcheck[1:]]
-    with running_process([sys.executable, "-c", no_torch, "serve", "--config", str(DEPLOY / "collector.yaml")],
-                         log=log, ready_url=f"http://127.0.0.1:{port}/readyz", what="the collector without torch",
-                         env=env, cwd=tmp_path):
+    with running_process(
+        [sys.executable, "-c", no_torch, "serve", "--config", str(DEPLOY / "collector.yaml")],
+        log=log,
+        ready_url=f"http://127.0.0.1:{port}/readyz",
+        what="the collector without torch",
+        env=env,
+        cwd=tmp_path,
+    ):
         body = make_body(make_report("img", 1, [make_sample("loss", 1.5)], time=time.time()))
         assert httpx.post(f"http://127.0.0.1:{port}/v1/reports", json=body).status_code == 202
         assert 'trainvitals_loss{run="img"} 1.5' in httpx.get(f"http://127.0.0.1:{port}/metrics").text
@@ -359,8 +391,7 @@ def test_systemd_unit_verifies_and_its_command_parses(tmp_path: Path) -> None:
     program, *argv = shlex.split(exec_start)
     assert program == "/opt/trainvitals/bin/trainvitals"
     # The arguments are what `trainvitals serve` accepts (the config: the shipped one).
-    argv = [str(DEPLOY / "systemd" / "collector.yaml") if a == "/etc/trainvitals/collector.yaml" else a
-            for a in argv]
+    argv = [str(DEPLOY / "systemd" / "collector.yaml") if a == "/etc/trainvitals/collector.yaml" else a for a in argv]
     assert argv[0] == "serve"
     ctx = serve.make_context("serve", argv[1:])
     assert ctx.params["config_file"] == DEPLOY / "systemd" / "collector.yaml"

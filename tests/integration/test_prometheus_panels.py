@@ -51,10 +51,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The collector (default rules, a webhook notifier), Prometheus with the shipped
     config and rules, and the job's 12 reported steps, all delivered and scraped."""
     folder = tmp_path_factory.mktemp("prometheus")
-    with one_torch_thread(), RecordingServer() as notified, \
-            running_collector(notifiers=[{"type": "webhook", "url": f"{notified.url}/hook"}]) as collector, \
-            running_prometheus(folder, prometheus_config(
-                collector.url, rule_files=sorted((DEPLOY / "rules").glob("*.yml")))) as prom:
+    with (
+        one_torch_thread(),
+        RecordingServer() as notified,
+        running_collector(notifiers=[{"type": "webhook", "url": f"{notified.url}/hook"}]) as collector,
+        running_prometheus(
+            folder, prometheus_config(collector.url, rule_files=sorted((DEPLOY / "rules").glob("*.yml")))
+        ) as prom,
+    ):
         start = time.time() - 1
 
         def scraped_before_nonfinite(mon: Monitor, step: int) -> None:
@@ -62,13 +66,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             # 0; the job is faster than the 1 s scrape, so wait for that scrape.
             if step == _job.NONFINITE_AT:
                 assert mon.flush(10), "reports not delivered"
-                wait_until(lambda: prom.query(
-                    f'{PREFIX}nonfinite_total{{run="{RUN}", what="loss"}} == 0'),
-                    10, "the loss counter at 0 in Prometheus")
+                wait_until(
+                    lambda: prom.query(f'{PREFIX}nonfinite_total{{run="{RUN}", what="loss"}} == 0'),
+                    10,
+                    "the loss counter at 0 in Prometheus",
+                )
 
         _job.run_job(collector.url, RUN, STEPS, before_step=scraped_before_nonfinite)
-        wait_until(lambda: prom.query(f'{PREFIX}step{{run="{RUN}"}} == {STEPS}'), 10,
-                   "the last step scraped")
+        wait_until(lambda: prom.query(f'{PREFIX}step{{run="{RUN}"}} == {STEPS}'), 10, "the last step scraped")
         yield Stack(prom, start, notified)
 
 
@@ -133,11 +138,11 @@ def test_series_carry_the_catalogues_labels(stack: Stack) -> None:
         allowed = SCRAPE_LABELS | set(spec.labels) | (RUN_LABELS if _per_run(spec.name) else set())
         seen = {label for s in series for label in s}
         if seen - allowed:
-            problems.append(f"{PREFIX}{spec.name}: labels {sorted(seen - allowed)} not in the "
-                            f"catalogue (labels={spec.labels})")
+            problems.append(
+                f"{PREFIX}{spec.name}: labels {sorted(seen - allowed)} not in the catalogue (labels={spec.labels})"
+            )
         if series and set(spec.labels) - seen:
-            problems.append(f"{PREFIX}{spec.name}: catalogue labels {sorted(set(spec.labels) - seen)} "
-                            "on no series")
+            problems.append(f"{PREFIX}{spec.name}: catalogue labels {sorted(set(spec.labels) - seen)} on no series")
     assert not problems, "\n".join(problems)
 
 
@@ -164,13 +169,24 @@ def test_variables_see_the_jobs_labels(stack: Stack) -> None:
 
 def test_an_empty_panel_fails_with_its_title(stack: Stack) -> None:
     """The check itself: a panel whose query matches nothing is reported by title."""
-    dashboard = {"title": "probe", "templating": {"list": []}, "panels": [
-        {"type": "row", "title": "a row", "panels": [
-            {"type": "timeseries", "title": "Nothing here",
-             "targets": [{"expr": f"{PREFIX}no_such_metric", "refId": "A"}]}]},
-        {"type": "stat", "title": "Steps", "targets": [
-            {"expr": f"{PREFIX}step", "instant": True, "refId": "A"}]},
-        {"type": "stat", "title": "No targets"},
-    ]}
+    dashboard = {
+        "title": "probe",
+        "templating": {"list": []},
+        "panels": [
+            {
+                "type": "row",
+                "title": "a row",
+                "panels": [
+                    {
+                        "type": "timeseries",
+                        "title": "Nothing here",
+                        "targets": [{"expr": f"{PREFIX}no_such_metric", "refId": "A"}],
+                    }
+                ],
+            },
+            {"type": "stat", "title": "Steps", "targets": [{"expr": f"{PREFIX}step", "instant": True, "refId": "A"}]},
+            {"type": "stat", "title": "No targets"},
+        ],
+    }
     empty = _empty_panels(stack.prom, stack.start, [dashboard])
     assert empty == [f"probe / Nothing here: {PREFIX}no_such_metric", "probe / No targets: no queries"]

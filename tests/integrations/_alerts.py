@@ -15,8 +15,12 @@ def read_reports(path: str | Path) -> list[dict]:
 
 def figures(reports: list[dict], name: str, **labels: str) -> dict[int, float]:
     """Step -> value of one series over the reports."""
-    return {r["step"]: s["value"] for r in reports for s in r.get("samples", [])
-            if s["name"] == name and s["labels"] == labels}
+    return {
+        r["step"]: s["value"]
+        for r in reports
+        for s in r.get("samples", [])
+        if s["name"] == name and s["labels"] == labels
+    }
 
 
 def firing(reports: list[dict]) -> set[str]:

@@ -41,8 +41,15 @@ LENGTHS = (6, 30, 12, 24)  # one sample per micro-batch, in this order: token co
 
 def tiny_llama() -> torch.nn.Module:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -71,8 +78,12 @@ def collate(items: list[dict]) -> dict:
     for i, x in enumerate(items):
         n = len(x["input_ids"])
         ids[i, :n], labels[i, :n], mask[i, :n] = x["input_ids"], x["labels"], 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask,
-            "modality": torch.tensor([x["modality"] for x in items])}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "attention_mask": mask,
+        "modality": torch.tensor([x["modality"] for x in items]),
+    }
 
 
 class Truth(TrainerCallback):
@@ -103,8 +114,14 @@ class Truth(TrainerCallback):
             p_y = torch.softmax(z, -1).gather(-1, y[..., None])[..., 0]
             w = torch.where(lab, -g.gather(-1, y[..., None])[..., 0] / (1 - p_y), 0.0)
             per_mod = [float(w[modality == m].sum()) for m in (0, 1)]
-            self._micro.append({"mass": float(w.sum()), "wmax": float(w[lab].max()),
-                                "wmin": float(w[lab].min()), "per_modality": per_mod})
+            self._micro.append(
+                {
+                    "mass": float(w.sum()),
+                    "wmax": float(w[lab].max()),
+                    "wmin": float(w[lab].min()),
+                    "per_modality": per_mod,
+                }
+            )
 
         output.register_hook(grab)
 
@@ -114,9 +131,15 @@ class Truth(TrainerCallback):
         per_mod = [sum(m["per_modality"][k] for m in micro) for k in (0, 1)]
         uniform = all(m["wmax"] <= m["wmin"] * (1 + 1e-3) for m in micro)
         spread = max(m["wmax"] for m in micro) / min(m["wmin"] for m in micro)
-        self.steps.append({"step": state.global_step, "mass": mass, "microbatches": len(micro),
-                           "spread": spread if uniform else None,
-                           "grad_share": [x / sum(per_mod) for x in per_mod]})
+        self.steps.append(
+            {
+                "step": state.global_step,
+                "mass": mass,
+                "microbatches": len(micro),
+                "spread": spread if uniform else None,
+                "grad_share": [x / sum(per_mod) for x in per_mod],
+            }
+        )
 
 
 class ForgetfulTrainer(Trainer):
@@ -137,8 +160,17 @@ def _ddp_args() -> dict:
     return {"ddp_backend": "gloo", "accelerator_config": {"dispatch_batches": False}}
 
 
-def train(out_dir: str, *, steps: int = 6, every: int = 1, accum: int = 4, trainer: str = "default",
-          save_steps: int = 0, resume: bool = False, rank: int = 0) -> dict:
+def train(
+    out_dir: str,
+    *,
+    steps: int = 6,
+    every: int = 1,
+    accum: int = 4,
+    trainer: str = "default",
+    save_steps: int = 0,
+    resume: bool = False,
+    rank: int = 0,
+) -> dict:
     """Train in ``out_dir`` (the working folder too: the callback's default sink writes
     ``./trainvitals-hf.jsonl`` there). Returns the truth per step and what the callback saw."""
     torch.set_num_threads(1)
@@ -148,19 +180,34 @@ def train(out_dir: str, *, steps: int = 6, every: int = 1, accum: int = 4, train
     truth = Truth(model)
     callback = TrainvitalsCallback(run="hf", every=every, modalities=("text", "image"), modality_field="modality")
     args = TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=accum,
-        max_steps=steps, learning_rate=1e-3, report_to="none", use_cpu=True, seed=0,
+        output_dir=out_dir,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=accum,
+        max_steps=steps,
+        learning_rate=1e-3,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
         label_names=["labels", "modality"],  # keeps the modality field through the column pruning
-        logging_steps=10_000, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        disable_tqdm=True, **(_ddp_args() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}))
+        logging_steps=10_000,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        disable_tqdm=True,
+        **(_ddp_args() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}),
+    )
     cls = ForgetfulTrainer if trainer == "forgetful" else Trainer
-    job = cls(model=model, args=args, train_dataset=Samples(rank), data_collator=collate,
-              callbacks=[callback, truth])
+    job = cls(model=model, args=args, train_dataset=Samples(rank), data_collator=collate, callbacks=[callback, truth])
     job.train(resume_from_checkpoint=True if resume else None)
     mon = callback.monitor
-    return {"version": transformers.__version__, "truth": truth.steps, "step": mon.step,
-            "reports": str(Path(out_dir) / "trainvitals-hf.jsonl"), "state_files": sorted(
-                str(p.relative_to(out_dir)) for p in Path(out_dir).glob("checkpoint-*/trainvitals-rank*.pt"))}
+    return {
+        "version": transformers.__version__,
+        "truth": truth.steps,
+        "step": mon.step,
+        "reports": str(Path(out_dir) / "trainvitals-hf.jsonl"),
+        "state_files": sorted(
+            str(p.relative_to(out_dir)) for p in Path(out_dir).glob("checkpoint-*/trainvitals-rank*.pt")
+        ),
+    }
 
 
 if __name__ == "__main__":

@@ -79,14 +79,27 @@ class Truth(pl.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         micro, self._micro = self._micro, []
         uniform = all(m["wmax"] <= m["wmin"] * (1 + 1e-3) for m in micro)
-        self.steps.append({"step": trainer.global_step + 1, "mass": sum(m["mass"] for m in micro),
-                           "microbatches": len(micro),
-                           "spread": max(m["wmax"] for m in micro) / min(m["wmin"] for m in micro)
-                           if uniform else None})
+        self.steps.append(
+            {
+                "step": trainer.global_step + 1,
+                "mass": sum(m["mass"] for m in micro),
+                "microbatches": len(micro),
+                "spread": max(m["wmax"] for m in micro) / min(m["wmin"] for m in micro) if uniform else None,
+            }
+        )
 
 
-def train(out_dir: str, *, steps: int = 6, every: int = 1, accum: int = 2, devices: int = 1, rank: int = 0,
-          ckpt: str = "", resume: str = "") -> dict:
+def train(
+    out_dir: str,
+    *,
+    steps: int = 6,
+    every: int = 1,
+    accum: int = 2,
+    devices: int = 1,
+    rank: int = 0,
+    ckpt: str = "",
+    resume: str = "",
+) -> dict:
     """Train in ``out_dir`` (also the working folder: the default sink writes
     ``./trainvitals-lightning.jsonl`` there); ``ckpt``: save a checkpoint there at the
     end; ``resume``: start from that checkpoint."""
@@ -97,16 +110,27 @@ def train(out_dir: str, *, steps: int = 6, every: int = 1, accum: int = 2, devic
     module = TinyLM()
     truth = Truth(module)
     callback = TrainvitalsCallback(every=every, modalities=("text", "image"), modality="modality")
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
-                         accumulate_grad_batches=accum, max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[callback, truth])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        accumulate_grad_batches=accum,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback, truth],
+    )
     data = torch.utils.data.DataLoader(batches(rank, steps * accum), batch_size=None)
     trainer.fit(module, data, ckpt_path=resume or None)
     if ckpt:
         trainer.save_checkpoint(ckpt)
-    return {"truth": truth.steps, "step": callback.monitor.step,
-            "reports": str(Path(out_dir) / "trainvitals-lightning.jsonl")}
+    return {
+        "truth": truth.steps,
+        "step": callback.monitor.step,
+        "reports": str(Path(out_dir) / "trainvitals-lightning.jsonl"),
+    }
 
 
 if __name__ == "__main__":

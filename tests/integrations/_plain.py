@@ -25,10 +25,22 @@ from tests.hooks._loss_models import (  # noqa: E402
 )
 from trainvitals.hooks import attach  # noqa: E402
 
-LOSS_METRICS = ("loss", "modality_loss", "modality_sample_share_ratio", "modality_token_share_ratio",
-                "modality_grad_share_ratio", "modality_dilution_ratio", "modality_excess_dilution_ratio",
-                "loss_weight_mass", "loss_accumulation_exponent", "loss_norm_exponent", "microbatches",
-                "token_weight_spread_ratio", "modality_grad_norm", "nonfinite_total")
+LOSS_METRICS = (
+    "loss",
+    "modality_loss",
+    "modality_sample_share_ratio",
+    "modality_token_share_ratio",
+    "modality_grad_share_ratio",
+    "modality_dilution_ratio",
+    "modality_excess_dilution_ratio",
+    "loss_weight_mass",
+    "loss_accumulation_exponent",
+    "loss_norm_exponent",
+    "microbatches",
+    "token_weight_spread_ratio",
+    "modality_grad_norm",
+    "nonfinite_total",
+)
 
 
 def micro_batches(accum: int, layout: str, seed: int = 0) -> list[Rows]:
@@ -82,11 +94,11 @@ def run_job(zero_code: bool, scheme: str, steps: list[list[Rows]], model=None, *
             if zero_code:
                 mon.tag_batch(modality=rows.modality, segments=rows.segments)
             logits = model(rows.ids)
-            per_token = F.cross_entropy(logits.reshape(-1, VOCAB), rows.labels.reshape(-1),
-                                        reduction="none").view_as(rows.labels)
+            per_token = F.cross_entropy(logits.reshape(-1, VOCAB), rows.labels.reshape(-1), reduction="none").view_as(
+                rows.labels
+            )
             if not zero_code:
-                mon.track_loss(per_token, modality=rows.modality, mask=rows.mask, segments=rows.segments,
-                               output=logits)
+                mon.track_loss(per_token, modality=rows.modality, mask=rows.mask, segments=rows.segments, output=logits)
             job_loss(per_token, rows, k, batches, scheme).backward()
         opt.step()
         opt.zero_grad()
@@ -96,8 +108,7 @@ def run_job(zero_code: bool, scheme: str, steps: list[list[Rows]], model=None, *
 
 
 def loss_figures(samples_: list[dict]) -> dict[tuple, float]:
-    return {(s["name"], tuple(sorted(s["labels"].items()))): s["value"]
-            for s in samples_ if s["name"] in LOSS_METRICS}
+    return {(s["name"], tuple(sorted(s["labels"].items()))): s["value"] for s in samples_ if s["name"] in LOSS_METRICS}
 
 
 # -- one rank of the data-parallel test ------------------------------------------
@@ -111,8 +122,13 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     # Each rank its own micro-batches (different lengths and modality mixes).
     steps = [micro_batches(2, "padded", seed=10 * rank + s) for s in range(2)]
     results = {}

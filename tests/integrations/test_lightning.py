@@ -31,11 +31,31 @@ def run_job(tmp_path: Path, *options: str, ranks: int = 1, timeout: float = 300)
     for rank in range(ranks):
         env = dict(os.environ)
         if ranks > 1:
-            env.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(JOB), str(out), f"out_dir={tmp_path / 'run'}",
-                                       f"rank={rank}", f"devices={ranks}", *options], env=env, cwd=tmp_path,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            env.update(
+                LOCAL_RANK=str(rank),
+                NODE_RANK="0",
+                WORLD_SIZE=str(ranks),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(JOB),
+                    str(out),
+                    f"out_dir={tmp_path / 'run'}",
+                    f"rank={rank}",
+                    f"devices={ranks}",
+                    *options,
+                ],
+                env=env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     logs = []
     try:
         for p in procs:
@@ -44,7 +64,7 @@ def run_job(tmp_path: Path, *options: str, ranks: int = 1, timeout: float = 300)
         for p in procs:
             p.kill()
         pytest.fail(f"the Lightning job did not finish within {timeout} s")
-    for p, log in zip(procs, logs):
+    for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-6000:]
     return json.loads(out.read_text())
 

@@ -25,15 +25,18 @@ def examples() -> list[str]:
     return blocks
 
 
-@pytest.mark.parametrize(("index", "report_file", "printed"),
-                         [(0, "trainvitals-out.jsonl", 1.0), (1, "trainvitals-lightning.jsonl", 2.0)],
-                         ids=["trainer", "lightning"])
+@pytest.mark.parametrize(
+    ("index", "report_file", "printed"),
+    [(0, "trainvitals-out.jsonl", 1.0), (1, "trainvitals-lightning.jsonl", 2.0)],
+    ids=["trainer", "lightning"],
+)
 def test_readme_example_runs_and_reports(tmp_path, index, report_file, printed):
     code = examples()[index]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINVITALS_")}
     env.update(HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert float(proc.stdout.strip().splitlines()[-1]) == pytest.approx(printed, rel=1e-5)
     reports = [json.loads(line) for line in (tmp_path / report_file).read_text().splitlines()]

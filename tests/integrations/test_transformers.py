@@ -24,11 +24,12 @@ ROOT = HERE.parents[1]
 
 OLD_TRANSFORMERS_ENV = "TRAINVITALS_OLD_TRANSFORMERS"
 OLD_TRANSFORMERS = os.environ.get(OLD_TRANSFORMERS_ENV, "/tmp/tv-old-transformers")
-OLD_INSTALL = (f'pip install --target {OLD_TRANSFORMERS} "tokenizers==0.20.3" "huggingface-hub==0.26.5" && '
-               f'pip install --target {OLD_TRANSFORMERS} --no-deps "transformers==4.45.2" "accelerate==1.0.1"')
+OLD_INSTALL = (
+    f'pip install --target {OLD_TRANSFORMERS} "tokenizers==0.20.3" "huggingface-hub==0.26.5" && '
+    f'pip install --target {OLD_TRANSFORMERS} --no-deps "transformers==4.45.2" "accelerate==1.0.1"'
+)
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",
-                                        "ignore::UserWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning")
 
 
 def run_job(tmp_path: Path, *options: str, env: dict | None = None, ranks: int = 1, timeout: float = 300) -> dict:
@@ -41,11 +42,23 @@ def run_job(tmp_path: Path, *options: str, env: dict | None = None, ranks: int =
     for rank in range(ranks):
         rank_env = dict(base)
         if ranks > 1:
-            rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, str(JOB), str(out), f"out_dir={tmp_path / 'run'}",
-                                       f"rank={rank}", *options], env=rank_env, cwd=tmp_path,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            rank_env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(ranks),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(JOB), str(out), f"out_dir={tmp_path / 'run'}", f"rank={rank}", *options],
+                env=rank_env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     logs = []
     try:
         for p in procs:
@@ -54,7 +67,7 @@ def run_job(tmp_path: Path, *options: str, env: dict | None = None, ranks: int =
         for p in procs:
             p.kill()
         pytest.fail(f"the Trainer job did not finish within {timeout} s")
-    for p, log in zip(procs, logs):
+    for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-6000:]
     return json.loads(out.read_text())
 
@@ -100,8 +113,10 @@ def test_a_compute_loss_that_forgets_the_division_fires_loss_not_accum_normalize
 
 def test_a_release_before_the_mean_of_means_fix_fires_mean_of_means_loss(tmp_path):
     if not (Path(OLD_TRANSFORMERS) / "transformers").is_dir():
-        pytest.fail(f"transformers 4.45.2 is not installed in {OLD_TRANSFORMERS} (set ${OLD_TRANSFORMERS_ENV} "
-                    f"to where it is); install it with: {OLD_INSTALL}")
+        pytest.fail(
+            f"transformers 4.45.2 is not installed in {OLD_TRANSFORMERS} (set ${OLD_TRANSFORMERS_ENV} "
+            f"to where it is); install it with: {OLD_INSTALL}"
+        )
     env = {"PYTHONPATH": os.pathsep.join([OLD_TRANSFORMERS, str(ROOT)])}
     result = run_job(tmp_path, "steps=60", "every=5", "accum=4", env=env)
     assert result["version"] == "4.45.2"

@@ -33,7 +33,7 @@ def _one_thread():
 
 def assert_same_figures(track: list[dict], zero: list[dict]) -> None:
     a, b = loss_figures(track), loss_figures(zero)
-    assert set(a) == set(b), (sorted(set(a) ^ set(b)))
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
     for key in a:
         assert b[key] == pytest.approx(a[key], rel=2e-5, abs=1e-6), key
 
@@ -105,8 +105,9 @@ def _peaked_step(loss_kind: str, dtype: torch.dtype, caplog) -> object:
             loss = F.cross_entropy(logits, labels, label_smoothing=0.1)
         elif loss_kind == "distillation":
             teacher = torch.randn_like(logits)
-            loss = ce + F.kl_div(F.log_softmax(logits, -1), F.log_softmax(teacher, -1), log_target=True,
-                                 reduction="batchmean")
+            loss = ce + F.kl_div(
+                F.log_softmax(logits, -1), F.log_softmax(teacher, -1), log_target=True, reduction="batchmean"
+            )
         elif loss_kind == "z-loss":
             loss = ce + 1e-3 * torch.logsumexp(logits, -1).pow(2).mean()
         loss.backward()
@@ -218,8 +219,9 @@ def test_200_zero_code_steps_keep_no_graph_and_flat_memory():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     baseline = _graph_tensors()
     rss = {}
-    with attach(model, opt, run="long-zero", sink="null", modalities=("text", "image"), every=1,
-                loss_from_logits=True) as mon:
+    with attach(
+        model, opt, run="long-zero", sink="null", modalities=("text", "image"), every=1, loss_from_logits=True
+    ) as mon:
         for step in range(1, 201):
             for _ in range(2):
                 _long_run_micro_batch(model, mon, gen)

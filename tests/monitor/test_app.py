@@ -68,7 +68,11 @@ def test_run_end_event_shows_as_run_ended_until_the_run_reports_again(client):
 
 
 def test_gzip_body_and_nonfinite_values_are_accepted(client):
-    raw = b'{"schema": 1, "reports": [{"run": "g", "step": 3, "time": 1.0, "samples": [{"name": "grad_norm", "labels": {"group": "all"}, "value": NaN}, {"name": "loss", "labels": {"modality": "text"}, "value": Infinity}]}]}'
+    raw = (
+        b'{"schema": 1, "reports": [{"run": "g", "step": 3, "time": 1.0, "samples": ['
+        b'{"name": "grad_norm", "labels": {"group": "all"}, "value": NaN}, '
+        b'{"name": "loss", "labels": {"modality": "text"}, "value": Infinity}]}]}'
+    )
     resp = client.post(
         "/v1/reports",
         content=gzip.compress(raw),
@@ -89,10 +93,7 @@ def test_metrics_endpoint_is_a_plain_route_with_prometheus_content_type(client):
 
 def test_large_metrics_response_is_gzipped_when_asked(client):
     samples = [make_sample("param_absmax", 1.0, param=f"layers.{i}.norm.weight") for i in range(2000)]
-    assert (
-        client.post("/v1/reports", json=make_body(make_report("big", 1, samples))).status_code
-        == 202
-    )
+    assert client.post("/v1/reports", json=make_body(make_report("big", 1, samples))).status_code == 202
     resp = client.get("/metrics", headers={"Accept-Encoding": "gzip"})
     assert resp.headers["content-encoding"] == "gzip"
     assert resp.text.count("trainvitals_param_absmax{") == 2000
@@ -126,17 +127,13 @@ def test_promtool_check_metrics_passes_on_the_endpoint(client):
     )
     client.post("/v1/reports", content=b"nope", headers={"Content-Type": "application/json"})
     text = client.get("/metrics").content
-    proc = subprocess.run(
-        ["promtool", "check", "metrics"], input=text, capture_output=True, timeout=30
-    )
+    proc = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, timeout=30)
     assert (proc.returncode, proc.stdout + proc.stderr) == (0, b"")
 
 
 # -- refusing: each bad body gets its 4xx and changes nothing -----------------
 
-LIMITS = dict(
-    token=TOKEN, max_body_bytes=64 * 1024, max_decompressed_bytes=256 * 1024, max_series=20
-)
+LIMITS = dict(token=TOKEN, max_body_bytes=64 * 1024, max_decompressed_bytes=256 * 1024, max_series=20)
 
 
 @pytest.fixture(scope="module")
@@ -144,20 +141,14 @@ def guarded():
     """A collector with a token and small limits, holding one accepted report."""
     with running_collector(Settings(**LIMITS, state_path=None)) as collector:
         c = collector.client
-        seeded = c.post(
-            "/v1/reports", content=encode(make_body(make_report("seed", 7))), headers=JSON
-        )
+        seeded = c.post("/v1/reports", content=encode(make_body(make_report("seed", 7))), headers=JSON)
         assert seeded.status_code == 202
         yield c
 
 
 def _state(c: httpx.Client) -> tuple[list, str]:
     metrics = c.get("/metrics").text
-    lines = [
-        ln
-        for ln in metrics.splitlines()
-        if not ln.startswith("trainvitals_collector_reports_total")
-    ]
+    lines = [ln for ln in metrics.splitlines() if not ln.startswith("trainvitals_collector_reports_total")]
     return c.get("/v1/runs").json(), "\n".join(lines)
 
 
@@ -232,13 +223,7 @@ BAD = {
         "produced by the collector",
     ),
     "series_limit": (
-        encode(
-            make_body(
-                make_report(
-                    "new-run", 1, [make_sample("param_max", 1.0, param=f"p{i}") for i in range(30)]
-                )
-            )
-        ),
+        encode(make_body(make_report("new-run", 1, [make_sample("param_max", 1.0, param=f"p{i}") for i in range(30)]))),
         JSON,
         503,
         "series_limit",

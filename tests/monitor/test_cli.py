@@ -49,9 +49,7 @@ def test_replay_sends_both_line_forms(tmp_path):
     path = tmp_path / "run.jsonl"
     path.write_text(json.dumps(lines[0]) + "\n\n" + json.dumps(lines[1]) + "\n")  # NaN as JSON NaN
     with running_collector() as collector:
-        result = CliRunner().invoke(
-            main, ["replay", str(path), "--collector", collector.url, "--batch-size", "2"]
-        )
+        result = CliRunner().invoke(main, ["replay", str(path), "--collector", collector.url, "--batch-size", "2"])
         assert result.exit_code == 0, result.output
         assert "3 reports" in result.output
         store = collector.app.state.store
@@ -70,9 +68,7 @@ def test_replay_with_token(tmp_path):
         assert refused.exit_code == 1
         assert "HTTP 401: missing bearer token" in refused.output
         assert "Traceback" not in refused.output
-        ok = CliRunner().invoke(
-            main, ["replay", path, "--collector", url, "--token-file", str(token_file)]
-        )
+        ok = CliRunner().invoke(main, ["replay", path, "--collector", url, "--token-file", str(token_file)])
         assert ok.exit_code == 0, ok.output
         ok = CliRunner().invoke(main, ["replay", path, "--collector", url, "--token", "tok"])
         assert ok.exit_code == 0, ok.output
@@ -90,9 +86,7 @@ def test_replay_reports_a_refusal_with_lines_and_detail(tmp_path):
 
 def test_replay_names_a_bad_line(tmp_path):
     path = tmp_path / "run.jsonl"
-    path.write_text(
-        json.dumps(make_report("a", 1)) + "\n" + '{"run": "a", "step": -1, "time": 1}\n'
-    )
+    path.write_text(json.dumps(make_report("a", 1)) + "\n" + '{"run": "a", "step": -1, "time": 1}\n')
     result = CliRunner().invoke(main, ["replay", str(path), "--collector", "http://127.0.0.1:1"])
     assert result.exit_code == 1
     assert f"{path}:2: step: Input should be greater than or equal to 0" in result.output
@@ -116,14 +110,19 @@ def test_serve_runs_the_collector(tmp_path):
     cmd = [sys.executable, "-c", "from trainvitals.monitor.cli import main; main()"]
     # The default state file lives under XDG_STATE_HOME: here, this test's folder.
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg")}
-    with running_process([*cmd, "serve", "--port", str(port), "--token-file", str(token_file)], log=log,
-                         ready_url=f"http://127.0.0.1:{port}/readyz", what="trainvitals serve", timeout=60,
-                         env=env), \
-            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as c:
+    with (
+        running_process(
+            [*cmd, "serve", "--port", str(port), "--token-file", str(token_file)],
+            log=log,
+            ready_url=f"http://127.0.0.1:{port}/readyz",
+            what="trainvitals serve",
+            timeout=60,
+            env=env,
+        ),
+        httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as c,
+    ):
         assert c.post("/v1/reports", json=make_body()).status_code == 401
-        ok = c.post(
-            "/v1/reports", json=make_body(), headers={"Authorization": "Bearer tok-5f3a9c"}
-        )
+        ok = c.post("/v1/reports", json=make_body(), headers={"Authorization": "Bearer tok-5f3a9c"})
         assert ok.status_code == 202
     out = log.read_text()
     assert f"http://127.0.0.1:{port}" in out

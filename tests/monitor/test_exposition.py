@@ -55,8 +55,10 @@ def test_store_series_appear_with_run_label_and_per_run_series(store, exporter):
         now=now,
     )
     got = scrape(exporter)
-    assert got[("trainvitals_modality_grad_share_ratio",
-                frozenset({"run": "mm-pt1", "modality": "image"}.items()))] == 0.0094
+    assert (
+        got[("trainvitals_modality_grad_share_ratio", frozenset({"run": "mm-pt1", "modality": "image"}.items()))]
+        == 0.0094
+    )
     # Rank 0 speaks for the run (no rank label); other ranks are labelled.
     assert got[("trainvitals_grad_norm", frozenset({"run": "mm-pt1", "rank": "3"}.items()))] == 2.0
     assert got[("trainvitals_grad_norm", frozenset({"run": "mm-pt1"}.items()))] == 1.0
@@ -91,8 +93,7 @@ def test_help_and_type_come_from_the_wire_table(store, exporter):
         make_report("a", 1, [make_sample("loss", 1.0), make_sample("brand_new", 1.0)], events=[RUN_END]),
     )
     families = {f.name: f for f in text_string_to_metric_families(exporter.render().decode())}
-    own = ["step", "last_report_timestamp_seconds", "run_ended", "collector_reports",
-           "collector_series"]
+    own = ["step", "last_report_timestamp_seconds", "run_ended", "collector_reports", "collector_series"]
     for name in [*own, "loss"]:
         spec = METRICS.get(name) or METRICS[name + "_total"]
         family = families["trainvitals_" + name]
@@ -121,9 +122,7 @@ def test_report_outcomes_are_all_present_from_the_start(store):
 
 def test_family_sources_extend_the_scrape_and_can_be_removed(exporter, caplog):
     def alerts():
-        fam = GaugeMetricFamily(
-            "trainvitals_alerts_firing", "Alerts firing now.", labels=["alertname", "severity"]
-        )
+        fam = GaugeMetricFamily("trainvitals_alerts_firing", "Alerts firing now.", labels=["alertname", "severity"])
         fam.add_metric(["GradientDilution", "page"], 1)
         return [fam]
 
@@ -145,7 +144,9 @@ def test_family_sources_extend_the_scrape_and_can_be_removed(exporter, caplog):
 def test_nan_and_inf_render(store, exporter):
     ingest(
         store,
-        make_report("a", 1, [make_sample("grad_norm", math.nan), make_sample("modality_loss", -math.inf, modality="x")]),
+        make_report(
+            "a", 1, [make_sample("grad_norm", math.nan), make_sample("modality_loss", -math.inf, modality="x")]
+        ),
     )
     text = exporter.render().decode()
     assert 'trainvitals_grad_norm{run="a"} NaN' in text
@@ -193,8 +194,11 @@ def test_render_parses_back_to_exactly_what_the_store_holds(store, exporter):
         ("trainvitals_grad_norm", run_b, 1e300),
         ("trainvitals_nonfinite_total", {**run_a, "what": "grad"}, 4.0),
         ("trainvitals_modality_loss", {**run_a, "modality": tricky}, 0.5),
-        ("trainvitals_softmax_saturated_ratio",
-         {**run_a, "rank": "3", "task": "ie", "role": "s", "threshold": "0.99"}, -math.inf),
+        (
+            "trainvitals_softmax_saturated_ratio",
+            {**run_a, "rank": "3", "task": "ie", "role": "s", "threshold": "0.99"},
+            -math.inf,
+        ),
         ("trainvitals_brand_new", {**run_a, "rank": "3"}, 0.1),
         ("trainvitals_param_min", {**run_a, "rank": "1", "param": "w"}, -1e-9),
         ("trainvitals_param_min", {**run_a, "rank": "1", "param": "v"}, 12345678.0),
@@ -229,9 +233,7 @@ def test_promtool_check_metrics_passes(store, exporter, populated):
             make_report("a", 1, samples[:1], rank=1, events=[RUN_END]),
         )
         assert "trainvitals_run_ended{" in exporter.render().decode()
-    proc = subprocess.run(
-        ["promtool", "check", "metrics"], input=exporter.render(), capture_output=True, timeout=30
-    )
+    proc = subprocess.run(["promtool", "check", "metrics"], input=exporter.render(), capture_output=True, timeout=30)
     assert (proc.returncode, proc.stdout + proc.stderr) == (0, b"")
 
 

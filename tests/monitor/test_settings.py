@@ -57,9 +57,7 @@ def test_bad_file_names_file_and_field(tmp_path):
 
 def test_bad_env_names_the_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINVITALS_MAX_SERIES", "lots")
-    with pytest.raises(
-        SettingsError, match="environment variable TRAINVITALS_MAX_SERIES: max_series"
-    ):
+    with pytest.raises(SettingsError, match="environment variable TRAINVITALS_MAX_SERIES: max_series"):
         Settings.from_file(None)
 
 

@@ -36,7 +36,11 @@ def test_seq_memory_is_bounded_and_its_floor_survives_a_reload(tmp_path):
     for run, rank, sender, floor, seqs in db.load_seqs():
         store.restore_seqs(run, rank, sender, floor, seqs)
     db.close()
-    old, recent, new = _batch("r", range(3, 4)), _batch("r", range(total, total + 1)), _batch("r", range(total + 1, total + 2))
+    old, recent, new = (
+        _batch("r", range(3, 4)),
+        _batch("r", range(total, total + 1)),
+        _batch("r", range(total + 1, total + 2)),
+    )
     assert store.apply(old, now=12.0).duplicates == (0,)  # below the floor: counted as applied
     assert store.apply(recent, now=12.0).duplicates == (0,)
     assert store.apply(new, now=12.0).accepted == 1

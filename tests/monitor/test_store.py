@@ -67,9 +67,7 @@ def test_ranks_keep_distinct_series():
 def test_counters_store_the_latest_cumulative_value():
     store = SeriesStore()
     for step, total in [(1, 1.0), (2, 3.0)]:
-        store.ingest(
-            make_batch(make_report("a", step, [make_sample("nonfinite_total", total, what="loss")])), T0
-        )
+        store.ingest(make_batch(make_report("a", step, [make_sample("nonfinite_total", total, what="loss")])), T0)
     assert series(store) == {("a", 0, "nonfinite_total"): [((("what", "loss"),), 3.0)]}
 
 
@@ -85,9 +83,7 @@ def test_series_limit_refuses_the_whole_batch_and_changes_nothing():
     before = series(store)
 
     too_many = make_batch(
-        make_report(
-            "a", 2, [make_sample("loss", 9.0, modality="text"), make_sample("loss", 9.0, modality="x")]
-        ),
+        make_report("a", 2, [make_sample("loss", 9.0, modality="text"), make_sample("loss", 9.0, modality="x")]),
         make_report("b", 2, [make_sample("loss", 9.0, modality="text")]),  # +3 with step/timestamp
     )
     with pytest.raises(SeriesLimitExceeded, match="series limit"):
@@ -121,8 +117,16 @@ def test_collector_owned_names_are_refused(name):
     with pytest.raises(ValueError, match="produced by the collector"):
         make_batch(make_report("a", 1, [make_sample(name, 1.0)]))
     store = SeriesStore()
-    report = Report.model_construct(run="a", step=1, time=T0, rank=0, events=[], sender=None, seq=None,
-                                    samples=[Sample.model_construct(name=name, labels={}, value=1.0)])
+    report = Report.model_construct(
+        run="a",
+        step=1,
+        time=T0,
+        rank=0,
+        events=[],
+        sender=None,
+        seq=None,
+        samples=[Sample.model_construct(name=name, labels={}, value=1.0)],
+    )
     with pytest.raises(IngestRefused, match="produced by the collector"):
         store.ingest(ReportBatch.model_construct(schema_version=1, reports=[report]), T0)
     assert store.runs(T0) == [] and len(store) == 0

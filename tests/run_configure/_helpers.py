@@ -55,16 +55,25 @@ class Recorder:
     def _seen(self, batch: Any, now: float) -> None:
         with self._lock:
             for r in batch.reports:
-                self.reports.append(Got(
-                    r.run, r.step, r.rank, now,
-                    {(s.name, frozenset(s.labels.items())): s.value for s in r.samples},
-                    [e.kind for e in r.events]))
+                self.reports.append(
+                    Got(
+                        r.run,
+                        r.step,
+                        r.rank,
+                        now,
+                        {(s.name, frozenset(s.labels.items())): s.value for s in r.samples},
+                        [e.kind for e in r.events],
+                    )
+                )
 
     def of(self, run: str, rank: int | None = None) -> list[Got]:
         """The run's step reports (not the run_end report ``close()`` sends)."""
         with self._lock:
-            return [g for g in self.reports
-                    if g.run == run and "run_end" not in g.events and (rank is None or g.rank == rank)]
+            return [
+                g
+                for g in self.reports
+                if g.run == run and "run_end" not in g.events and (rank is None or g.rank == rank)
+            ]
 
     def steps(self, run: str, rank: int | None = None) -> list[int]:
         return [g.step for g in self.of(run, rank)]
@@ -89,11 +98,18 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def trainvitals(*args: str, env: dict[str, str] | None = None, cwd: Path = JOBS,
-                timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def trainvitals(
+    *args: str, env: dict[str, str] | None = None, cwd: Path = JOBS, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
     """``trainvitals ARGS`` to completion (output captured)."""
-    return subprocess.run([TRAINVITALS, *args], capture_output=True, text=True, cwd=cwd,
-                          env=env if env is not None else job_env(), timeout=timeout)
+    return subprocess.run(
+        [TRAINVITALS, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env if env is not None else job_env(),
+        timeout=timeout,
+    )
 
 
 def printed(stdout: str, step: int, key: str) -> float:

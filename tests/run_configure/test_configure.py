@@ -61,12 +61,17 @@ def test_settings_ride_in_the_answers_of_their_run_until_they_expire():
     with running_collector(state_path=None) as c:
         assert c.client.post("/v1/reports", json=report("a/b")).json() == {"accepted": 1, "duplicates": []}
         c.client.post("/v1/reports", json=report("other"))
-        put = c.client.put("/v1/runs/a/b/settings", json={"every": 1, "signals": ["adam", "params"],
-                                                          "probe_every": None, "ttl_seconds": 1.5})
+        put = c.client.put(
+            "/v1/runs/a/b/settings",
+            json={"every": 1, "signals": ["adam", "params"], "probe_every": None, "ttl_seconds": 1.5},
+        )
         assert put.status_code == 200, put.text
         shown = put.json()["settings"]
         assert {k: shown[k] for k in ("every", "signals", "probe_every")} == {
-            "every": 1, "signals": ["params", "adam"], "probe_every": None}
+            "every": 1,
+            "signals": ["params", "adam"],
+            "probe_every": None,
+        }
         assert shown["expires_at"] == pytest.approx(time.time() + 1.5, abs=1.0)
         answer = c.client.post("/v1/reports", json=report("a/b", 2)).json()
         entry = answer["settings"]["a/b"]
@@ -77,8 +82,11 @@ def test_settings_ride_in_the_answers_of_their_run_until_they_expire():
         assert runs["a/b"]["settings"]["every"] == 1 and runs["other"]["settings"] is None
         assert c.client.get("/v1/runs/a/b/settings").json()["settings"]["every"] == 1
         # Expired: the job is told nothing, so it uses its own settings.
-        wait_until(lambda: "settings" not in c.client.post("/v1/reports", json=report("a/b", 3)).json(),
-                   10, "the settings expired")
+        wait_until(
+            lambda: "settings" not in c.client.post("/v1/reports", json=report("a/b", 3)).json(),
+            10,
+            "the settings expired",
+        )
         assert c.client.get("/v1/runs/a/b/settings").json() == {"run": "a/b", "settings": None}
         assert {r["run"]: r["settings"] for r in c.client.get("/v1/runs").json()}["a/b"] is None
         # A PUT replaces; DELETE goes back to the job's own at once.
@@ -88,17 +96,20 @@ def test_settings_ride_in_the_answers_of_their_run_until_they_expire():
         assert "settings" not in c.client.post("/v1/reports", json=report("a/b", 5)).json()
 
 
-@pytest.mark.parametrize(("body", "status", "detail"), [
-    ({"every": 0}, 422, "every: Input should be greater than or equal to 1"),
-    ({"every": "1"}, 422, "every: Input should be a valid integer"),
-    ({"every": None}, 422, "every: null is not a value here; leave the field out to keep the job's own"),
-    ({"signals": ["params", "grads"]}, 422, "signals.1: Input should be 'optimizer', 'params' or 'adam'"),
-    ({"per_param": 1}, 422, "per_param: Input should be a valid boolean"),
-    ({"every": 2, "ttl_seconds": 30 * 86400}, 422, "ttl_seconds: Input should be less than or equal to 604800"),
-    ({"every": 2, "colour": "red"}, 422, "colour: Extra inputs are not permitted"),
-    ({}, 422, "no settings given: set one of every, signals, per_param, probe_every"),
-    (None, 400, "body is not JSON"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "detail"),
+    [
+        ({"every": 0}, 422, "every: Input should be greater than or equal to 1"),
+        ({"every": "1"}, 422, "every: Input should be a valid integer"),
+        ({"every": None}, 422, "every: null is not a value here; leave the field out to keep the job's own"),
+        ({"signals": ["params", "grads"]}, 422, "signals.1: Input should be 'optimizer', 'params' or 'adam'"),
+        ({"per_param": 1}, 422, "per_param: Input should be a valid boolean"),
+        ({"every": 2, "ttl_seconds": 30 * 86400}, 422, "ttl_seconds: Input should be less than or equal to 604800"),
+        ({"every": 2, "colour": "red"}, 422, "colour: Extra inputs are not permitted"),
+        ({}, 422, "no settings given: set one of every, signals, per_param, probe_every"),
+        (None, 400, "body is not JSON"),
+    ],
+)
 def test_bad_settings_are_refused_naming_the_field(body, status, detail):
     with running_collector(state_path=None) as c:
         c.client.post("/v1/reports", json=report("r"))
@@ -152,14 +163,27 @@ def test_settings_survive_a_collector_restart_and_still_expire(tmp_path):
 # -- the job's side -------------------------------------------------------------------------
 def test_answer_entries_are_checked_and_the_collective_encoding_round_trips():
     assert parse_entry({"every": 3, "signals": ["adam", "optimizer"], "expires_in": 5, "new": 1}) == (
-        {"every": 3, "signals": ("optimizer", "adam")}, 5.0)
-    for bad, what in [({"every": 3}, "expires_in"), ({"every": 0, "expires_in": 5}, "every"),
-                      ({"per_param": "yes", "expires_in": 5}, "per_param"),
-                      ({"signals": ["x"], "expires_in": 5}, "signals"), ([], "object")]:
+        {"every": 3, "signals": ("optimizer", "adam")},
+        5.0,
+    )
+    for bad, what in [
+        ({"every": 3}, "expires_in"),
+        ({"every": 0, "expires_in": 5}, "every"),
+        ({"per_param": "yes", "expires_in": 5}, "per_param"),
+        ({"signals": ["x"], "expires_in": 5}, "signals"),
+        ([], "object"),
+    ]:
         with pytest.raises(ValueError, match=what):
             parse_entry(bad)
-    for override in ({}, {"every": 1}, {"signals": None}, {"signals": ()}, {"signals": ("params",)},
-                     {"per_param": False, "probe_every": None}, {"per_param": True, "probe_every": 7}):
+    for override in (
+        {},
+        {"every": 1},
+        {"signals": None},
+        {"signals": ()},
+        {"signals": ("params",)},
+        {"per_param": False, "probe_every": None},
+        {"per_param": True, "probe_every": 7},
+    ):
         assert decode(encode(12, override)) == (12, override)
 
 
@@ -236,15 +260,22 @@ def test_signals_and_per_parameter_series_switch_live_keeping_their_state():
         assert narrow.step == 5
         assert not {"adam_exp_avg_norm", "grad_norm", "update_ratio"} & narrow.names
         assert narrow.labels_of("param_grad_relative_rms", "param") == {
-            "0.bias", "1.weight", "1.bias", "2.bias", "0.weight", "2.weight"}  # per_param: 2D too
+            "0.bias",
+            "1.weight",
+            "1.bias",
+            "2.bias",
+            "0.weight",
+            "2.weight",
+        }  # per_param: 2D too
         got.collector.client.delete("/v1/runs/sig/settings")
         job.step(3)
         back = got.of("sig")[-1]
         assert back.step == 8
         assert {"adam_exp_avg_norm", "grad_norm"} <= back.names
         assert back.labels_of("param_grad_relative_rms", "param") == {"0.bias", "1.weight", "1.bias", "2.bias"}
-        assert not any("optimizer_state_reset" in g.events or "weight_decay_audit" in g.events
-                       for g in got.of("sig")[1:])
+        assert not any(
+            "optimizer_state_reset" in g.events or "weight_decay_audit" in g.events for g in got.of("sig")[1:]
+        )
         assert back.value("optimizer_state_resets_total") == 0
         # The drift is still measured from the values at attach, through both rebuilds.
         for name in ("0.bias", "2.bias"):
@@ -286,12 +317,19 @@ def test_data_parallel_ranks_switch_on_the_same_step(tmp_path):
     out = tmp_path / "out.json"
     with recording_collector() as got:
         port = free_port()
-        procs = [subprocess.Popen([sys.executable, str(JOBS / "ddp_live.py"), str(r), "2", str(port), str(out),
-                                   got.collector.url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for r in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(JOBS / "ddp_live.py"), str(r), "2", str(port), str(out), got.collector.url],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in range(2)
+        ]
         try:
-            wait_until(lambda: got.steps("ddp-live") or any(p.poll() is not None for p in procs), 120,
-                       "the first report")
+            wait_until(
+                lambda: got.steps("ddp-live") or any(p.poll() is not None for p in procs), 120, "the first report"
+            )
             resp = got.collector.client.put("/v1/runs/ddp-live/settings", json={"every": 1})
             assert resp.status_code == 200, resp.text
         finally:
@@ -311,9 +349,29 @@ def test_data_parallel_ranks_switch_on_the_same_step(tmp_path):
 def test_trainvitals_configure_changes_a_running_job_and_it_goes_back():
     with recording_collector() as got:
         url = got.collector.url
-        job = subprocess.Popen([TRAINVITALS, "run", "--run", "cli-live", "--collector", url, "--every", "5", "--",
-                                sys.executable, "plain.py", "150", "--sleep", "0.04"], cwd=JOBS, env=job_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        job = subprocess.Popen(
+            [
+                TRAINVITALS,
+                "run",
+                "--run",
+                "cli-live",
+                "--collector",
+                url,
+                "--every",
+                "5",
+                "--",
+                sys.executable,
+                "plain.py",
+                "150",
+                "--sleep",
+                "0.04",
+            ],
+            cwd=JOBS,
+            env=job_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             wait_until(lambda: got.steps("cli-live") or job.poll() is not None, 120, "the first report")
             cfg = trainvitals("configure", "cli-live", "--every", "1", "--for", "3s", "--collector", url)
@@ -333,7 +391,9 @@ def test_trainvitals_configure_changes_a_running_job_and_it_goes_back():
         assert job.returncode == 0, err
         reports = got.of("cli-live")
         gone = trainvitals("configure", "cli-live", "--reset", "--collector", url)
-        assert gone.stdout.strip() == "run 'cli-live': back to the job's own settings at its next report (none were set)"
+        assert (
+            gone.stdout.strip() == "run 'cli-live': back to the job's own settings at its next report (none were set)"
+        )
     steps = [g.step for g in reports]
     # The first report after the configure carries it; from two steps after that report,
     # every step reports, until the settings expire; then every 5th step again.
@@ -342,7 +402,8 @@ def test_trainvitals_configure_changes_a_running_job_and_it_goes_back():
     assert live, steps
     first, last = live[0], live[-1]
     assert first <= k + 2, (k, steps)
-    assert steps == sorted(set([s for s in steps if s <= first]) | set(range(first, last + 1))
-                           | {s for s in steps if s > last})
+    assert steps == sorted(
+        set([s for s in steps if s <= first]) | set(range(first, last + 1)) | {s for s in steps if s > last}
+    )
     assert [s for s in steps if s > last + 1] and all(s % 5 == 0 for s in steps if s > last + 1), steps
     assert last - first >= 10  # in force for a while: 3 s at 40 ms a step

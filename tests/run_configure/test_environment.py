@@ -57,15 +57,18 @@ def test_each_variable_parses_with_its_fields_type(name):
     assert Config.from_env({env_name(name): raw}) == {name: expected}
 
 
-@pytest.mark.parametrize(("env", "message"), [
-    ({"TRAINVITALS_EVERY": "ten"}, "TRAINVITALS_EVERY='ten': not an integer"),
-    ({"TRAINVITALS_EVERY": "0"}, "TRAINVITALS_EVERY: every must be a positive integer"),
-    ({"TRAINVITALS_PER_PARAM": "maybe"}, "TRAINVITALS_PER_PARAM='maybe': not a boolean"),
-    ({"TRAINVITALS_LOSS_REDUCTION": "avg"}, "TRAINVITALS_LOSS_REDUCTION='avg': choose one of mean, sum"),
-    ({"TRAINVITALS_SOFTMAX_TARGET": "high"}, "TRAINVITALS_SOFTMAX_TARGET='high': not a number"),
-    ({"TRAINVITALS_SIGNALS": "params,grads"}, "TRAINVITALS_SIGNALS: signals: unknown ['grads']"),
-    ({"TRAINVITALS_LOSS_SCALE": "4"}, "TRAINVITALS_LOSS_SCALE: loss_scale applies only with loss_reduction='sum'"),
-])
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"TRAINVITALS_EVERY": "ten"}, "TRAINVITALS_EVERY='ten': not an integer"),
+        ({"TRAINVITALS_EVERY": "0"}, "TRAINVITALS_EVERY: every must be a positive integer"),
+        ({"TRAINVITALS_PER_PARAM": "maybe"}, "TRAINVITALS_PER_PARAM='maybe': not a boolean"),
+        ({"TRAINVITALS_LOSS_REDUCTION": "avg"}, "TRAINVITALS_LOSS_REDUCTION='avg': choose one of mean, sum"),
+        ({"TRAINVITALS_SOFTMAX_TARGET": "high"}, "TRAINVITALS_SOFTMAX_TARGET='high': not a number"),
+        ({"TRAINVITALS_SIGNALS": "params,grads"}, "TRAINVITALS_SIGNALS: signals: unknown ['grads']"),
+        ({"TRAINVITALS_LOSS_SCALE": "4"}, "TRAINVITALS_LOSS_SCALE: loss_scale applies only with loss_reduction='sum'"),
+    ],
+)
 def test_a_bad_variable_is_refused_naming_it(env, message):
     with pytest.raises(EnvError) as err:
         Config.from_env(env)
@@ -77,9 +80,9 @@ def test_empty_variables_are_unset_and_signals_spell_all_and_none():
     assert Config.from_env({"TRAINVITALS_SIGNALS": "all"}) == {"signals": None}
     assert Config.from_env({"TRAINVITALS_SIGNALS": "none"}) == {"signals": ()}
     assert Config.from_env({"TRAINVITALS_LOSS_FROM_LOGITS": "true"}) == {"loss_from_logits": True}
-    assert attach_env({"TRAINVITALS_MODALITIES": "text, image", "TRAINVITALS_LOCAL_RULES": "default",
-                       "TRAINVITALS_RUN": "r"}) == {"modalities": ("text", "image"), "rules": "default",
-                                                    "run": "r"}
+    assert attach_env(
+        {"TRAINVITALS_MODALITIES": "text, image", "TRAINVITALS_LOCAL_RULES": "default", "TRAINVITALS_RUN": "r"}
+    ) == {"modalities": ("text", "image"), "rules": "default", "run": "r"}
 
 
 def _model_and_optimizer():
@@ -141,15 +144,34 @@ LAUNCH = textwrap.dedent("""\
 
 
 def _launch(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", LAUNCH, "run", *args], capture_output=True, text=True,
-                          env=job_env(PYTHONPATH="/elsewhere", **env), timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", LAUNCH, "run", *args],
+        capture_output=True,
+        text=True,
+        env=job_env(PYTHONPATH="/elsewhere", **env),
+        timeout=60,
+    )
 
 
 def test_run_sets_the_variables_and_the_shim_without_importing_torch():
     import json
 
-    proc = _launch("--run", "r1", "--collector", "http://127.0.0.1:1", "--every", "4", "--set",
-                   "per-param=1", "--", "python", "train.py", "--lr", "3", TRAINVITALS_DRIFT_WINDOW="9")
+    proc = _launch(
+        "--run",
+        "r1",
+        "--collector",
+        "http://127.0.0.1:1",
+        "--every",
+        "4",
+        "--set",
+        "per-param=1",
+        "--",
+        "python",
+        "train.py",
+        "--lr",
+        "3",
+        TRAINVITALS_DRIFT_WINDOW="9",
+    )
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout)
     assert seen["torch"] is False  # checked the variables with hooks/config.py alone
@@ -158,20 +180,27 @@ def test_run_sets_the_variables_and_the_shim_without_importing_torch():
     shim, rest = env["PYTHONPATH"].split(os.pathsep)
     assert Path(shim, "sitecustomize.py").is_file() and rest == "/elsewhere"
     assert {k: env[k] for k in env if k != "PYTHONPATH"} == {
-        "TRAINVITALS_RUN": "r1", "TRAINVITALS_COLLECTOR": "http://127.0.0.1:1", "TRAINVITALS_EVERY": "4",
-        "TRAINVITALS_PER_PARAM": "1", "TRAINVITALS_DRIFT_WINDOW": "9"}
+        "TRAINVITALS_RUN": "r1",
+        "TRAINVITALS_COLLECTOR": "http://127.0.0.1:1",
+        "TRAINVITALS_EVERY": "4",
+        "TRAINVITALS_PER_PARAM": "1",
+        "TRAINVITALS_DRIFT_WINDOW": "9",
+    }
     # Without --run: the script's name and the time, the same for every rank it starts.
     seen = json.loads(_launch("--", "torchrun", "--nproc-per-node", "2", "pretrain.py").stdout)
     assert seen["env"]["TRAINVITALS_RUN"].startswith("pretrain-20")
 
 
-@pytest.mark.parametrize(("args", "env", "message"), [
-    (("--set", "per_param=maybe"), {}, "TRAINVITALS_PER_PARAM='maybe': not a boolean"),
-    ((), {"TRAINVITALS_EVERY": "0"}, "TRAINVITALS_EVERY: every must be a positive integer"),
-    (("--set", "colour=blue"), {}, "--set 'colour=blue': use OPTION=VALUE with OPTION one of every"),
-    (("--run", "a b"), {}, "run name 'a b'"),
-    (("--collector", "127.0.0.1:9477"), {}, "collector '127.0.0.1:9477': use an http(s) URL"),
-])
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (("--set", "per_param=maybe"), {}, "TRAINVITALS_PER_PARAM='maybe': not a boolean"),
+        ((), {"TRAINVITALS_EVERY": "0"}, "TRAINVITALS_EVERY: every must be a positive integer"),
+        (("--set", "colour=blue"), {}, "--set 'colour=blue': use OPTION=VALUE with OPTION one of every"),
+        (("--run", "a b"), {}, "run name 'a b'"),
+        (("--collector", "127.0.0.1:9477"), {}, "collector '127.0.0.1:9477': use an http(s) URL"),
+    ],
+)
 def test_run_refuses_bad_settings_before_the_job_starts(args, env, message):
     proc = _launch(*args, "--", "python", "train.py", **env)
     assert proc.returncode == 1 and proc.stdout == "", proc.stdout
@@ -179,8 +208,17 @@ def test_run_refuses_bad_settings_before_the_job_starts(args, env, message):
 
 
 def test_a_job_that_never_imports_torch_pays_nothing():
-    proc = trainvitals("run", "--every", "3", "--collector", "null", "--", sys.executable, "-c",
-                       "import os, sys; print(os.environ['TRAINVITALS_EVERY'], 'torch' in sys.modules)")
+    proc = trainvitals(
+        "run",
+        "--every",
+        "3",
+        "--collector",
+        "null",
+        "--",
+        sys.executable,
+        "-c",
+        "import os, sys; print(os.environ['TRAINVITALS_EVERY'], 'torch' in sys.modules)",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["3", "False"]
 

@@ -29,8 +29,21 @@ pytestmark = pytest.mark.slow  # each job is a fresh Python that imports torch
 
 def test_plain_script_reports_gradient_parameter_and_adam_signals_under_its_names():
     with recording_collector() as got:
-        proc = trainvitals("run", "--run", "plain-job", "--collector", got.collector.url, "--every", "3",
-                           "--", sys.executable, "plain.py", "6", "--exit", "3")
+        proc = trainvitals(
+            "run",
+            "--run",
+            "plain-job",
+            "--collector",
+            got.collector.url,
+            "--every",
+            "3",
+            "--",
+            sys.executable,
+            "plain.py",
+            "6",
+            "--exit",
+            "3",
+        )
         assert proc.returncode == 3, proc.stderr  # the job's own exit code
         assert got.steps("plain-job") == [1, 3, 6]  # each once, at the interval asked
         assert got.ended("plain-job")  # closed at exit: the collector knows it ended on purpose
@@ -43,7 +56,8 @@ def test_plain_script_reports_gradient_parameter_and_adam_signals_under_its_name
     assert last.value("grad_norm") == pytest.approx(printed(proc.stdout, 6, "grad_norm"), rel=1e-5)
     # Parameter: head.bias after the step, as the job printed it.
     assert last.value("param_max", param="head.bias") == pytest.approx(
-        printed(proc.stdout, 6, "head.bias.max"), rel=1e-6)
+        printed(proc.stdout, 6, "head.bias.max"), rel=1e-6
+    )
     # Adam: its moments are read (AdamW is an Adam).
     assert finite(last.value("adam_exp_avg_norm", group="0"))
     assert {"update_ratio", "adam_normalized_update_rms"} <= last.names
@@ -52,8 +66,18 @@ def test_plain_script_reports_gradient_parameter_and_adam_signals_under_its_name
 
 def test_a_script_with_two_optimizers_gets_both_watched_as_two_runs():
     with recording_collector() as got:
-        proc = trainvitals("run", "--run", "gan", "--collector", got.collector.url, "--every", "2",
-                           "--", sys.executable, "two_optimizers.py")
+        proc = trainvitals(
+            "run",
+            "--run",
+            "gan",
+            "--collector",
+            got.collector.url,
+            "--every",
+            "2",
+            "--",
+            sys.executable,
+            "two_optimizers.py",
+        )
         assert proc.returncode == 0, proc.stderr
         disc, gen = got.of("gan"), got.of("gan:opt2")  # in the order they first stepped
     assert [g.step for g in disc] == [g.step for g in gen] == [1, 2, 4]
@@ -67,8 +91,19 @@ def test_a_script_with_two_optimizers_gets_both_watched_as_two_runs():
 
 def test_an_optimizer_that_replaces_another_continues_its_run():
     with recording_collector() as got:
-        proc = trainvitals("run", "--run", "finder", "--collector", got.collector.url, "--every", "2",
-                           "--", sys.executable, "replace.py", "finder")
+        proc = trainvitals(
+            "run",
+            "--run",
+            "finder",
+            "--collector",
+            got.collector.url,
+            "--every",
+            "2",
+            "--",
+            sys.executable,
+            "replace.py",
+            "finder",
+        )
         assert proc.returncode == 0, proc.stderr
         reports = got.of("finder")
         ends = [g.step for g in got.reports if g.run == "finder" and "run_end" in g.events]
@@ -83,8 +118,19 @@ def test_an_optimizer_that_replaces_another_continues_its_run():
 
 def test_optimizers_sharing_some_parameters_are_two_runs():
     with recording_collector() as got:
-        proc = trainvitals("run", "--run", "overlap", "--collector", got.collector.url, "--every", "1",
-                           "--", sys.executable, "replace.py", "overlap")
+        proc = trainvitals(
+            "run",
+            "--run",
+            "overlap",
+            "--collector",
+            got.collector.url,
+            "--every",
+            "1",
+            "--",
+            sys.executable,
+            "replace.py",
+            "overlap",
+        )
         assert proc.returncode == 0, proc.stderr
         assert got.steps("overlap") == got.steps("overlap:opt2") == [1, 2]
         assert got.of("overlap")[-1].labels_of("param_max", "param") == {"0.bias", "1.weight", "1.bias"}
@@ -93,8 +139,19 @@ def test_optimizers_sharing_some_parameters_are_two_runs():
 
 def test_an_optimizer_stepped_inside_another_is_not_watched_twice():
     with recording_collector() as got:
-        proc = trainvitals("run", "--run", "wrapped", "--collector", got.collector.url, "--every", "2",
-                           "--", sys.executable, "replace.py", "wrapper")
+        proc = trainvitals(
+            "run",
+            "--run",
+            "wrapped",
+            "--collector",
+            got.collector.url,
+            "--every",
+            "2",
+            "--",
+            sys.executable,
+            "replace.py",
+            "wrapper",
+        )
         assert proc.returncode == 0, proc.stderr
         assert got.steps("wrapped") == [1, 2, 4]
         assert not [g for g in got.reports if g.run.startswith("wrapped:")]
@@ -103,8 +160,18 @@ def test_an_optimizer_stepped_inside_another_is_not_watched_twice():
 
 def test_a_closure_stepped_optimizer_is_measured_after_its_closure_ran():
     with recording_collector() as got:
-        proc = trainvitals("run", "--run", "closure", "--collector", got.collector.url, "--every", "1",
-                           "--", sys.executable, "closure.py")
+        proc = trainvitals(
+            "run",
+            "--run",
+            "closure",
+            "--collector",
+            got.collector.url,
+            "--every",
+            "1",
+            "--",
+            sys.executable,
+            "closure.py",
+        )
         assert proc.returncode == 0, proc.stderr
         reports = got.of("closure")
     assert [g.step for g in reports] == [1, 2, 3, 4]
@@ -114,8 +181,9 @@ def test_a_closure_stepped_optimizer_is_measured_after_its_closure_ran():
 
 def test_zero_code_loss_accounting_where_the_logits_can_be_found():
     with recording_collector() as got:
-        proc = trainvitals("run", "--run", "lm", "--collector", got.collector.url, "--every", "1",
-                           "--", sys.executable, "tiny_lm.py")
+        proc = trainvitals(
+            "run", "--run", "lm", "--collector", got.collector.url, "--every", "1", "--", sys.executable, "tiny_lm.py"
+        )
         assert proc.returncode == 0, proc.stderr
         reports = got.of("lm")
     assert "loss accounting from the logits of 'lm_head'" in proc.stderr
@@ -131,19 +199,46 @@ def test_zero_code_loss_accounting_where_the_logits_can_be_found():
 def test_python_m_and_the_jobs_own_sitecustomize(tmp_path):
     own = tmp_path / "own"
     own.mkdir()
-    (own / "sitecustomize.py").write_text(textwrap.dedent("""\
+    (own / "sitecustomize.py").write_text(
+        textwrap.dedent("""\
         import os
         os.environ["JOB_SITECUSTOMIZE_RAN"] = "yes"
-        """))
+        """)
+    )
     script = "import os, sys, runpy; print('own sitecustomize:', os.environ.get('JOB_SITECUSTOMIZE_RAN'))"
     with recording_collector() as got:
         env = job_env(PYTHONPATH=str(own))
-        proc = trainvitals("run", "--run", "as-module", "--collector", got.collector.url, "--every", "5",
-                           "--", sys.executable, "-c", script, env=env)
+        proc = trainvitals(
+            "run",
+            "--run",
+            "as-module",
+            "--collector",
+            got.collector.url,
+            "--every",
+            "5",
+            "--",
+            sys.executable,
+            "-c",
+            script,
+            env=env,
+        )
         assert proc.returncode == 0, proc.stderr
         assert "own sitecustomize: yes" in proc.stdout  # chained behind the shim
-        proc = trainvitals("run", "--run", "as-module", "--collector", got.collector.url, "--every", "5",
-                           "--", sys.executable, "-m", "plain", "5", env=env)
+        proc = trainvitals(
+            "run",
+            "--run",
+            "as-module",
+            "--collector",
+            got.collector.url,
+            "--every",
+            "5",
+            "--",
+            sys.executable,
+            "-m",
+            "plain",
+            "5",
+            env=env,
+        )
         assert proc.returncode == 0, proc.stderr
         assert got.steps("as-module") == [1, 5]
 
@@ -154,9 +249,25 @@ def test_exit_codes_and_signals_pass_through(tmp_path):
     assert trainvitals("run", "--collector", "null", "--", "no-such-command-here").returncode == 127
     # The command replaces `trainvitals run`: a signal sent to its pid reaches the job, and
     # the job's death by a signal is the parent's to see.
-    job = subprocess.Popen([TRAINVITALS, "run", "--collector", "null", "--", sys.executable, "plain.py", "2",
-                            "--wait-signal", str(tmp_path)], cwd=JOBS, env=job_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(
+        [
+            TRAINVITALS,
+            "run",
+            "--collector",
+            "null",
+            "--",
+            sys.executable,
+            "plain.py",
+            "2",
+            "--wait-signal",
+            str(tmp_path),
+        ],
+        cwd=JOBS,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         ready = tmp_path / "ready"
         wait_until(lambda: ready.exists() or job.poll() is not None, 120, "the job ready")

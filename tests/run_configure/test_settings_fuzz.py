@@ -36,17 +36,43 @@ def test_schemathesis_finds_nothing_on_the_settings_routes(tmp_path):
         # A run the fuzzer's first run names hit ("0"), so valid settings are also taken.
         httpx.post(f"{url}/v1/reports", json=make_body(make_report("0"))).raise_for_status()
         proc = subprocess.run(
-            [*SCHEMATHESIS, "--config-file", str(config), "--no-color", "run", f"{url}/openapi.json",
-             "--checks", "all", "-n", "25", "--seed", "1", "--phases", "coverage,fuzzing",
-             "--generation-database", "none", "--report", "json", "--report-json-path", str(report),
-             "--include-path-regex", "/settings$"],
-            capture_output=True, text=True, timeout=600, cwd=tmp_path)
+            [
+                *SCHEMATHESIS,
+                "--config-file",
+                str(config),
+                "--no-color",
+                "run",
+                f"{url}/openapi.json",
+                "--checks",
+                "all",
+                "-n",
+                "25",
+                "--seed",
+                "1",
+                "--phases",
+                "coverage,fuzzing",
+                "--generation-database",
+                "none",
+                "--report",
+                "json",
+                "--report-json-path",
+                str(report),
+                "--include-path-regex",
+                "/settings$",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+        )
     result = json.loads(report.read_text())
     cases = result["test_cases"]
     server_errors = sum(n for status, n in counted.statuses.items() if status >= 500)
-    figures = (f"{result['operations']['tested']} operations, {cases['generated']} cases, "
-               f"{cases['with_failures']} with failures, {cases['errored']} errored; answers "
-               f"{dict(sorted(counted.statuses.items()))}")
+    figures = (
+        f"{result['operations']['tested']} operations, {cases['generated']} cases, "
+        f"{cases['with_failures']} with failures, {cases['errored']} errored; answers "
+        f"{dict(sorted(counted.statuses.items()))}"
+    )
     assert proc.returncode == 0 and cases["with_failures"] == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert server_errors == 0 and cases["errored"] == 0, figures
     assert result["operations"]["tested"] == 3 and cases["generated"] >= 50, figures

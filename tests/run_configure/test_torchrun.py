@@ -19,8 +19,22 @@ TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).with_name("torch
 
 
 def _torchrun(got, run: str, *job: str):
-    return trainvitals("run", "--run", run, "--collector", got.collector.url, "--every", "2", "--",
-                       TORCHRUN, "--standalone", "--nproc-per-node", "2", "ddp.py", *job)
+    return trainvitals(
+        "run",
+        "--run",
+        run,
+        "--collector",
+        got.collector.url,
+        "--every",
+        "2",
+        "--",
+        TORCHRUN,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "ddp.py",
+        *job,
+    )
 
 
 def test_ddp_ranks_report_once_per_step_from_rank_0():

@@ -42,8 +42,7 @@ def main():
         opt.step()
         # What the tests compare the reports with: the gradient norm before the update,
         # the parameter after it.
-        print(f"step {step} grad_norm {grad_norm.item()!r} head.bias.max {model.head.bias.max().item()!r}",
-              flush=True)
+        print(f"step {step} grad_norm {grad_norm.item()!r} head.bias.max {model.head.bias.max().item()!r}", flush=True)
         time.sleep(args.sleep)
     if args.wait_signal:
         # The SIGUSR1 the test sends to `trainvitals run`'s pid lands here; the job then
