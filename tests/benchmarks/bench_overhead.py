@@ -1,6 +1,6 @@
 """Overhead of the hooks: monitored step over unmonitored step, side by side.
 
-Two identical copies of DESIGN's reference model train on the same batches; blocks
+Two identical copies of the reference model (reference.py) train on the same batches; blocks
 of steps alternate between them (interleaved, so machine noise hits both). A block
 spans a whole number of report intervals and is timed as a whole, so the cost of
 the report steps is amortized as it is in training; the median of the per-block

@@ -1,7 +1,7 @@
 """Overhead of ``trainvitals run``: the same unmodified training script, plain and under
 ``trainvitals run`` at the default interval, side by side.
 
-The script (this file with ``--job``) trains DESIGN's reference model on one torch
+The script (this file with ``--job``) trains the reference model (reference.py) on one torch
 thread and knows nothing of trainvitals. Each run is a fresh process; the two arms
 alternate (plain first on even runs), so machine noise hits both. Per run:
 

@@ -1,4 +1,4 @@
-"""DESIGN's reference model and step, shared by every overhead benchmark.
+"""The reference model and step, shared by every overhead benchmark.
 
 Decoder-only transformer, 4 layers, d_model 256, 4 heads, RMSNorm, vocab 8192;
 batches of 4 x 128 tokens, gradient accumulation 2, two modalities; AdamW
