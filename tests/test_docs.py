@@ -206,3 +206,11 @@ def test_license_file_is_the_apache_2_license_pyproject_declares():
         "APPENDIX: How to apply the Apache License to your work.",
     ):
         assert part in text, part
+
+
+def test_wire_doc_lists_every_event_kind():
+    from trainvitals.wire.schema import EVENT_KINDS
+
+    text = (ROOT / "docs" / "wire.md").read_text()
+    missing = [kind for kind in EVENT_KINDS if f"`{kind}`" not in text]
+    assert not missing, f"docs/wire.md does not list the event kind(s) {missing} (EVENT_KINDS in wire/schema.py)"

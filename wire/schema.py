@@ -58,6 +58,7 @@ EVENT_KINDS: Mapping[str, frozenset[str]] = {
     "loss_sample_mixed_modality": frozenset(),
     "loss_unknown_modality_code": frozenset(),
     "modality_without_label_tokens": frozenset({"modality"}),
+    "loss_not_cross_entropy": frozenset(),
 }
 """The event kinds a report may carry, each with the label names it may have.
 

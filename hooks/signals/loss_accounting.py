@@ -637,6 +637,13 @@ class LossAccounting(Signal):
             "label tokens with a modality code outside attach(modalities=...)",
             when=sums[lay.unknown],
         )
+        if self._zero_code:
+            ctx.event(
+                "loss_not_cross_entropy",
+                "loss_from_logits: a micro-batch's logits gradient is not a plain cross-entropy one; "
+                "this step's loss-accounting figures are left out (docs/integrations.md)",
+                when=sums[lay.not_ce],
+            )
         # A declared modality that marks positions (inputs) but none of the label tokens:
         # its samples are classed by their label tokens, so it reads as absent.
         unlabeled = (sums[lay.positions][:m] > 0) & (tokens[:m] == 0)

@@ -132,6 +132,7 @@ def test_a_gradient_that_is_not_cross_entropy_is_said_not_reported(loss_kind, dt
         assert mon.value(name, objective="main") is None, name
     assert mon.value("loss") is None
     assert any("not a plain cross-entropy" in r.getMessage() for r in caplog.records), caplog.text
+    assert [e["kind"] for e in mon.latest_events()] == ["loss_not_cross_entropy"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -142,6 +143,7 @@ def test_a_plain_cross_entropy_gradient_reports_its_figures(dtype, caplog):
     assert mon.value("loss_weight_mass", objective="main") == pytest.approx(1.0, rel=tol)
     assert mon.value("token_weight_spread_ratio", objective="main") == pytest.approx(1.0, rel=tol)
     assert not [r for r in caplog.records if "cross-entropy" in r.getMessage()]
+    assert not [e for e in mon.latest_events() if e["kind"] == "loss_not_cross_entropy"]
 
 
 # -- cost: nothing off report steps, no host sync on them -----------------------------------
