@@ -140,13 +140,15 @@ def _first_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         params = [p for g in optimizer.param_groups for p in g["params"]]
         ids = frozenset(id(p) for p in params)
         watch = _Watch(None, ids)
-        shared = next(((o, w) for o, w in _watched.items() if w.monitor is not None and w.params & ids), None)
+        shared = next(
+            ((o, w, w.monitor) for o, w in _watched.items() if w.monitor is not None and w.params & ids), None
+        )
         if shared is not None and id(shared[0]) in _stepping:
             log.info(
                 "trainvitals run: %s is stepped inside the step of %s (run %r): not watched twice",
                 type(optimizer).__name__,
                 type(shared[0]).__name__,
-                shared[1].monitor.run,
+                shared[2].run,
             )
         elif shared is not None and ids >= shared[1].params:
             watch.monitor = _replace(shared[0], shared[1], optimizer, params, args, kwargs)

@@ -57,7 +57,7 @@ def _type(hint: Any, name: str) -> str:
 
 
 def _default(f: Any) -> str:
-    value = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    value = f.default if f.default is not MISSING else f.default_factory()
     if value is None:
         return "all" if f.name == "signals" else "none"
     if isinstance(value, bool):

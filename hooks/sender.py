@@ -176,9 +176,9 @@ class Sender:
                     self.sent += len(batch)
                     self._delay = self.backoff[0]
                 elif outcome == "retry":
-                    for item in reversed(batch):  # back at the head; the byte bound still holds
-                        self._outbox.appendleft(item)
-                        self._outbox_bytes += len(item)
+                    for body in reversed(batch):  # back at the head; the byte bound still holds
+                        self._outbox.appendleft(body)
+                        self._outbox_bytes += len(body)
                     self._trim_locked()
                     self._retry_at = time.monotonic() + self._delay * (0.5 + random.random())
                     self._delay = min(self._delay * 2, self.backoff[1])

@@ -107,10 +107,15 @@ class BackwardGradNorms:
         if monitor is None or self._signal.broken:
             return
         with self._signal.guard("the end-of-backward gradient norm"):
-            params = [p for p in self._params if p.grad is not None]
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            for p in self._params:
+                if p.grad is not None:
+                    params.append(p)
+                    grads.append(p.grad)
             if not params:
                 return
-            norms = stack_on(foreach_norm32([real(local(p.grad)) for p in params]), monitor.device)
+            norms = stack_on(foreach_norm32([real(local(g)) for g in grads]), monitor.device)
             scale = self._scale(monitor)
             if scale is not None:
                 norms = norms / scale

@@ -40,7 +40,9 @@ from trainvitals.hooks.step import StepContext
 
 class ModalityProbe:
     def __init__(self, monitor: MonitorView) -> None:
-        self.every: int = monitor.config.probe_every
+        every = monitor.config.probe_every
+        assert every is not None  # a probe is only built when probe_every is set
+        self.every: int = every
         self.modalities = len(monitor.modalities)
         self._last_period = -1
         self.supported = not monitor.sharded and not any(

@@ -78,12 +78,12 @@ class StateWalk:
                 if old is not None and old[0]() is not p:
                     old = None  # the id now belongs to another parameter
                 a = anchor(st) if st else None
-                if a is None:
+                if st is None or a is None:  # (no anchor without a state)
                     if old is not None:
                         self.vanished.append(monitor.name_of(p, f"{label}.{i}"))
                     continue
                 same = old is not None and old[1]() is a
-                self.anchors[id(p)] = old if same else (weakref.ref(p), weakref.ref(a))  # type: ignore[assignment]
+                self.anchors[id(p)] = old if old is not None and same else (weakref.ref(p), weakref.ref(a))
                 step = step_tensor(st)
                 if step is None:
                     continue

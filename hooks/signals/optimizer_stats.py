@@ -98,7 +98,8 @@ class OptimizerStats(Signal):
         history = self._history.take()
         parts: list[torch.Tensor] = []
         if self._grad_norms is not None:
-            gn = self._grad_norms
+            gn, grad_group = self._grad_norms, self._grad_group
+            assert grad_group is not None  # before_step sets it together with the norms
             # The gradient the optimizer applies is not finite although the backward's was
             # (set or scaled by hand after the backward), or no backward was seen: count
             # the step here; the backward's non-finite steps are counted from the history.
@@ -106,7 +107,7 @@ class OptimizerStats(Signal):
             if history is not None:
                 applied_bad = applied_bad & torch.isfinite(history[-1])
             self._nonfinite = self._nonfinite + applied_bad
-            parts.append(with_total(group_sum(gn.square(), self._grad_group, n_groups)))
+            parts.append(with_total(group_sum(gn.square(), grad_group, n_groups)))
         pn = norms([local(p) for p in params], dev)  # under no_grad: no detach needed
         parts.append(with_total(group_sum(pn.square(), self._indices.get(group_of, dev), n_groups)))
         upd = None
@@ -138,9 +139,11 @@ class OptimizerStats(Signal):
             row += 1
             if upd is not None:
                 emit("update_ratio", (total[row] / total[row + 1]).sqrt())
+            nonfinite = self._nonfinite
+            assert nonfinite is not None  # set by collect above; nothing sets it back to None
             if rest:  # the per-step squared norms, combined across shards
-                self._nonfinite = self._nonfinite + emit_norm_history(ctx, rest[0])
-            ctx.emit("nonfinite_total", self._nonfinite, {"what": "grad"})
+                nonfinite = self._nonfinite = nonfinite + emit_norm_history(ctx, rest[0])
+            ctx.emit("nonfinite_total", nonfinite, {"what": "grad"})
 
         parts_to_combine: list[tuple[torch.Tensor, ReduceOp]] = [(sq, "sum")]
         if history is not None:

@@ -163,9 +163,10 @@ class ParamHealth(Signal):
                     (torch.cat([group_sum(drift.mean_abs_sign(), drift.sampled_owner, n), drift.sampled]), "sum")
                 )
         self._fresh = False
-        grads = self._grad_sq is not None and bool(self._grad_labels)
-        if grads:
-            parts.append((self._grad_sq, "sum"))  # type: ignore[arg-type]
+        grad_sq = self._grad_sq if self._grad_labels else None
+        grads = grad_sq is not None
+        if grad_sq is not None:
+            parts.append((grad_sq, "sum"))
         wd = self._weight_decay(monitor, drift) if n else None
         grad_numel, grad_pos, grad_labels = self._grad_numel, self._grad_pos, self._grad_labels
         self._grad_sq = None
@@ -184,6 +185,7 @@ class ParamHealth(Signal):
                 if consistency:
                     sums = rest.pop(0)
                     ctx.emit("param_drift_consistency_ratio", sums[:n] / sums[n:].clamp_min(1), drift.labels)
+                assert wd is not None  # computed above whenever n
                 ctx.emit("param_weight_decay", wd, drift.labels)
             if grads:
                 assert grad_numel is not None and grad_pos is not None

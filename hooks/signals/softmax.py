@@ -210,12 +210,12 @@ class _Pending:
     @staticmethod
     def cat(sums: list[torch.Tensor], weights: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
         """All calls' sums side by side and their weights (``[3, N]``, ``[N]``)."""
-        weights = [
+        filled = [
             torch.ones(s.shape[1], device=s.device) if w is None else w for s, w in zip(sums, weights, strict=True)
         ]
         if len(sums) == 1:
-            return sums[0], weights[0]
-        return torch.cat(sums, 1), torch.cat(weights)
+            return sums[0], filled[0]
+        return torch.cat(sums, 1), torch.cat(filled)
 
 
 _MAX_PENDING_CALLS = 64
