@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from os import PathLike
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainvitals.alerts.conditions import LabelPredicate, LatestSamples
 from trainvitals.alerts.model import (
@@ -63,6 +63,9 @@ from trainvitals.alerts.model import (
 from trainvitals.alerts.state import Alert, AlertState, LabelItems, Transition
 from trainvitals.alerts.transforms import SeriesHistory
 from trainvitals.wire import RUN_END_EVENT, Report, series_labels
+
+if TYPE_CHECKING:  # the collector's decoder structs: same attributes as Report (it imports this package)
+    from trainvitals.monitor.decode import WireReport
 
 __all__ = ["Engine"]
 
@@ -257,7 +260,7 @@ class Engine:
 
     # ------------------------------------------------------------------ observe
 
-    def observe(self, report: Report, now: float | None = None) -> list[Transition]:
+    def observe(self, report: Report | WireReport, now: float | None = None) -> list[Transition]:
         """Evaluate one report; return the transitions it caused."""
         now = time.time() if now is None else now
         out: list[Transition] = []
@@ -300,7 +303,10 @@ class Engine:
                         # Healthy fast path: no state for this rule anywhere, and a
                         # value that starts none (NaN compares false: skipped too).
                         value = sample.value
-                        if not (value > c.above if c.above is not None else value < c.below):
+                        if c.above is not None:
+                            if not value > c.above:
+                                continue
+                        elif c.below is not None and not value < c.below:
                             continue
                     if c.match is None or c.match(sample.labels):
                         matched.append((c, sample))
@@ -336,7 +342,9 @@ class Engine:
         elif rule.above is not None:
             verdict = _BAD if value > rule.above else (_CLEAR if value <= rule.clear_at else _BAND)
         else:
-            verdict = _BAD if value < rule.below else (_CLEAR if value >= rule.clear_at else _BAND)  # type: ignore[operator]
+            below = rule.below
+            assert below is not None  # the model gives a threshold rule exactly one of above/below
+            verdict = _BAD if value < below else (_CLEAR if value >= rule.clear_at else _BAND)
         inst = self._instances.get(key)
         if c.conditions and verdict != _UNKNOWN:
             if inst is None and not self._latest.seen_all(c.conditions, run, rank):
@@ -394,7 +402,7 @@ class Engine:
             inst.fired_value = inst.value
             inst.clear_step = inst.clear_time = None
 
-    def _observe_events(self, report: Report, now: float) -> list[Transition]:
+    def _observe_events(self, report: Report | WireReport, now: float) -> list[Transition]:
         out: list[Transition] = []
         run, rank, step = report.run, report.rank, report.step
         per_run = self._event_instances.setdefault((run, rank), {})
@@ -448,7 +456,7 @@ class Engine:
                 for i, rule in self._silence:
                     if silent < rule.silent_for:
                         continue
-                    key = (i, run, 0, ())
+                    key: tuple[int, str, int, LabelItems] = (i, run, 0, ())
                     inst = self._instances.get(key)
                     if inst is None:
                         inst = self._new_instance(key, rule, series_labels(run, 0, {}), run)
@@ -461,12 +469,12 @@ class Engine:
                         out.append(inst.snapshot(Transition, old=old))
             # Holds measured in seconds can end without a report.
             for inst in self._instances.values():
-                rule = inst.rule
+                inst_rule = inst.rule
                 if (
                     inst.state is AlertState.FIRING
-                    and getattr(rule, "hold", 0.0) > 0
+                    and getattr(inst_rule, "hold", 0.0) > 0
                     and inst.clear_time is not None
-                    and _hold_done(rule, inst, inst.step, now)
+                    and _hold_done(inst_rule, inst, inst.step, now)
                 ):
                     inst.state, inst.resolved_at = AlertState.RESOLVED, now
                     out.append(inst.snapshot(Transition, old=AlertState.FIRING))
@@ -504,8 +512,8 @@ class Engine:
             self._drop(key, inst)
         self._history.forget_run(run)
         self._latest.forget_run(run)
-        for key in [k for k in self._event_instances if k[0] == run]:
-            del self._event_instances[key]
+        for run_rank in [k for k in self._event_instances if k[0] == run]:
+            del self._event_instances[run_rank]
         del self._runs[run]
         self._dirty_runs.add(run)
         return out

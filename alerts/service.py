@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -40,7 +40,11 @@ from trainvitals.alerts.local import format_transition
 from trainvitals.alerts.notifiers.base import Notification, Notifier
 from trainvitals.alerts.notifiers.config import build_notifiers
 from trainvitals.alerts.state import Alert, AlertState, Transition
-from trainvitals.wire import METRICS, PREFIX, Report, ReportBatch
+from trainvitals.wire import METRICS, PREFIX, Report
+
+if TYPE_CHECKING:  # the collector's types (it imports this package, not the other way round)
+    from trainvitals.monitor.decode import WireReport
+    from trainvitals.monitor.store import IngestedBatch
 
 __all__ = ["AlertService"]
 
@@ -107,7 +111,7 @@ class AlertService:
 
     # ------------------------------------------------------------ evaluation
 
-    def observe(self, report: Report, now: float | None = None) -> list[Transition]:
+    def observe(self, report: Report | WireReport, now: float | None = None) -> list[Transition]:
         """Evaluate one report and queue its notifications; never blocks on I/O."""
         now = time.time() if now is None else now
         transitions = self.engine.observe(report, now)
@@ -115,7 +119,7 @@ class AlertService:
             self._notify(transitions, now)
         return transitions
 
-    def observe_batch(self, batch: ReportBatch, now: float | None = None) -> list[Transition]:
+    def observe_batch(self, batch: IngestedBatch, now: float | None = None) -> list[Transition]:
         """Every report of a ``POST /v1/reports`` body (the store's ``on_ingest`` signature)."""
         now = time.time() if now is None else now
         out: list[Transition] = []
@@ -291,29 +295,29 @@ class AlertService:
 
     def alerts(self, include_pending: bool = True) -> list[dict[str, Any]]:
         """``GET /v1/alerts``: firing, pending and recently resolved alerts, as JSON-ready dicts."""
-        out = []
-        for a in self.engine.alerts():
-            if a.state is AlertState.PENDING and not include_pending:
-                continue
-            out.append(
-                {
-                    "alertname": a.alertname,
-                    "labels": dict(a.labels),
-                    "state": a.state.value,
-                    "value": a.value if math.isfinite(a.value) else None,
-                    "since": a.since,
-                    "severity": a.severity,
-                    "summary": a.summary,
-                    "description": a.description,
-                    "runbook": a.rule.runbook,
-                    "step": a.step,
-                    "fired_at": a.fired_at,
-                    "resolved_at": a.resolved_at,
-                }
-            )
-        order = {"firing": 0, "pending": 1, "resolved": 2}
-        out.sort(key=lambda d: (order[d["state"]], d["alertname"], sorted(d["labels"].items())))
-        return out
+        # engine.alerts() leaves inactive ones out: these three states are all there is.
+        order = {AlertState.FIRING: 0, AlertState.PENDING: 1, AlertState.RESOLVED: 2}
+        shown = sorted(
+            (a for a in self.engine.alerts() if include_pending or a.state is not AlertState.PENDING),
+            key=lambda a: (order[a.state], a.alertname, sorted(a.labels.items())),
+        )
+        return [
+            {
+                "alertname": a.alertname,
+                "labels": dict(a.labels),
+                "state": a.state.value,
+                "value": a.value if math.isfinite(a.value) else None,
+                "since": a.since,
+                "severity": a.severity,
+                "summary": a.summary,
+                "description": a.description,
+                "runbook": a.rule.runbook,
+                "step": a.step,
+                "fired_at": a.fired_at,
+                "resolved_at": a.resolved_at,
+            }
+            for a in shown
+        ]
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per-notifier counters: sent, failed, dropped, retries, queued."""

@@ -11,6 +11,7 @@ gone. With ``state_path`` the entries survive a restart of the collector.
 
 from __future__ import annotations
 
+import builtins
 import math
 import threading
 import time
@@ -196,7 +197,8 @@ class RunSettingsTable:
         now = self._clock()
         return {run: s.answer(now) for run, s in self._live(set(runs), now).items()}
 
-    def _live(self, runs: set[str], now: float) -> dict[str, RunSettings]:
+    # builtins.set: inside this class body ``set`` is the method above, not the builtin.
+    def _live(self, runs: builtins.set[str], now: float) -> dict[str, RunSettings]:
         expired = []
         out = {}
         with self._lock:

@@ -66,7 +66,7 @@ def _protocol(header_timeout: float) -> type[H11Protocol]:
 
         _header_timer: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
 

@@ -1,7 +1,8 @@
 """The series store: the latest value of every series, per run, in plain Python.
 
-No HTTP here. The ingest route validates a body into a ``ReportBatch`` and hands
-it to :meth:`SeriesStore.ingest`; the exposition reads :meth:`SeriesStore.copy_runs`.
+No HTTP here. The ingest route validates a body (into the decoder's ``WireBatch``; a
+``ReportBatch`` of the wire's models works the same) and hands it to
+:meth:`SeriesStore.apply`; the exposition reads :meth:`SeriesStore.copy_runs`.
 
 Series identity (what ``/metrics`` shows; the wire format is ``docs/wire.md``):
 
@@ -32,16 +33,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import TYPE_CHECKING, Protocol
 
 from trainvitals.wire import PREFIX, RESERVED_NAMES, RUN_END_EVENT, Report, ReportBatch, metric_type
+
+if TYPE_CHECKING:
+    from trainvitals.monitor.decode import WireBatch, WireReport
 
 __all__ = [
     "DEFAULT_MAX_SERIES",
     "IngestCallback",
     "IngestRefused",
+    "IngestedBatch",
     "RemovableHandle",
     "RunCopy",
     "IngestResult",
@@ -63,7 +69,19 @@ LabelKey = tuple[tuple[str, str], ...]
 Families = dict[str, dict[LabelKey, tuple[float, int]]]
 # What copy_runs() returns per run: (run, step, last report time, ended, per-rank series).
 RunCopy = tuple[str, int, float, bool, list[tuple[int, list[tuple[str, list[tuple[LabelKey, float]]]]]]]
-IngestCallback = Callable[[ReportBatch, float], None]
+
+
+class IngestedBatch(Protocol):
+    """What ``on_ingest`` callbacks get: the reports applied, as the wire's pydantic models
+    (:meth:`SeriesStore.apply` of a ``ReportBatch``) or as the collector decoder's structs
+    (the ingest route's ``WireBatch``); both have the same attributes."""
+
+    @property
+    def reports(self) -> Sequence[Report] | Sequence[WireReport]: ...
+
+
+# Called as callback(batch, now); what it returns is ignored.
+IngestCallback = Callable[[IngestedBatch, float], object]
 
 
 class IngestRefused(ValueError):
@@ -91,7 +109,7 @@ class _Applied:
 
     __slots__ = ("reports",)
 
-    def __init__(self, reports: list) -> None:
+    def __init__(self, reports: list[Report] | list[WireReport]) -> None:
         self.reports = reports
 
 
@@ -195,7 +213,7 @@ def _drop_stale(fams: Families, before: int) -> int:
     return dropped
 
 
-def _ends(report: Report) -> bool:
+def _ends(report: Report | WireReport) -> bool:
     """The report says its run ended (``Monitor.close()`` sent it)."""
     return any(ev.kind == RUN_END_EVENT for ev in report.events)
 
@@ -285,7 +303,7 @@ class SeriesStore:
             for seq in sorted(seqs):
                 known.add(seq)
 
-    def ingest(self, batch: ReportBatch, now: float | None = None) -> int:
+    def ingest(self, batch: ReportBatch | WireBatch, now: float | None = None) -> int:
         """Apply a validated batch atomically; return the number of reports applied.
 
         Raises :class:`IngestRefused` (or one of its subclasses) before changing
@@ -293,7 +311,7 @@ class SeriesStore:
         """
         return self.apply(batch, now).accepted
 
-    def apply(self, batch: ReportBatch, now: float | None = None) -> IngestResult:
+    def apply(self, batch: ReportBatch | WireBatch, now: float | None = None) -> IngestResult:
         """Apply a validated batch atomically, skipping reports already applied.
 
         A report with ``sender``/``seq`` whose (run, rank, sender, seq) was applied
@@ -347,7 +365,7 @@ class SeriesStore:
             applied = batch if len(reports) == len(batch.reports) else _Applied(reports)
             for cb in callbacks:
                 try:
-                    cb(applied, now)  # type: ignore[arg-type]
+                    cb(applied, now)
                 except Exception:
                     log.exception("on_ingest callback %r failed; the batch was still ingested", cb)
         return IngestResult(len(reports), tuple(duplicates))

@@ -241,7 +241,7 @@ def build_notifiers(raw: Sequence[Mapping[str, Any]] | None) -> list[Notifier]:
             except _Field as exc:
                 raise NotifierConfigError(f"notifiers[{i}] ({cfg.type}): field '{exc.field}': {exc}") from None
     except Exception:
-        for n in notifiers:
-            n.close()
+        for built in notifiers:
+            built.close()
         raise
     return notifiers

@@ -36,7 +36,7 @@ def pagerduty_event(n: Notification, routing_key: str) -> dict:
     labels = dict(n.labels)
     run = labels.get("run", "")
     summary = n.annotations.get("summary") or n.alertname
-    details = {k: v for k, v in labels.items() if k not in ("alertname", "severity")}
+    details: dict[str, str | float] = {k: v for k, v in labels.items() if k not in ("alertname", "severity")}
     details["value"] = n.value
     for key in ("description", "runbook_url"):
         if n.annotations.get(key):
