@@ -262,7 +262,10 @@ class Condition(_Model):
         """True/False, or None when the value is NaN (no evidence)."""
         if value != value:
             return None
-        return value > self.above if self.above is not None else value < self.below  # type: ignore[operator]
+        if self.above is not None:
+            return value > self.above
+        assert self.below is not None  # the validator requires exactly one of above/below
+        return value < self.below
 
 
 class _RuleBase(_Model):
@@ -315,7 +318,10 @@ class ThresholdRule(_RuleBase):
 
     @property
     def threshold(self) -> float:
-        return self.above if self.above is not None else self.below  # type: ignore[return-value]
+        if self.above is not None:
+            return self.above
+        assert self.below is not None  # the validator requires exactly one of above/below
+        return self.below
 
     @property
     def history_needed(self) -> int:
