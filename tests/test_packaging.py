@@ -23,6 +23,18 @@ def test_importing_hooks_does_not_import_the_collector_stack():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+def test_the_collector_runs_no_hooks_code_and_no_torch():
+    """The collector and the alerts package stand on the wire contract alone."""
+    code = (
+        "import sys, trainvitals.monitor.cli, trainvitals.alerts; "
+        "from trainvitals.monitor.app import create_app; "
+        "from trainvitals.monitor.settings import Settings; create_app(Settings(state_path='memory')); "
+        "bad = [m for m in sys.modules if m.startswith('trainvitals.hooks') or m == 'torch']; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
 def test_wire_schema_imports_without_torch():
     code = "import sys, trainvitals.wire; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
