@@ -1,0 +1,384 @@
+"""Loss accounting's report: a reported step's sums turned into samples and events.
+
+During the step, capture (:mod:`~trainvitals.hooks.signals.loss_accounting`) adds
+everything it learns into one sums vector laid out by
+:class:`~trainvitals.hooks.signals.loss_binning.SumsLayout`, plus each objective's
+largest and smallest label-token weight. At a report, :class:`LossReport` combines
+them across ranks (sum, max, min: one packed collective with the rest of the
+report) and derives every figure below from them with batched tensor arithmetic;
+the log-once warnings about values (mixed or unknown modality codes, a declared
+modality on no label token, a non-finite loss, a gradient that is not a plain
+cross-entropy one) are registered here too and read a step later, once their host
+copy has landed.
+
+Definitions (per optimizer step, over all its ``track_loss`` calls and all ranks):
+
+- Label tokens: those where ``mask`` is true (all tokens without a mask). Other
+  tokens carry no loss and are ignored everywhere.
+- Sample: a row of ``per_token``; with ``segments``, a (row, segment id) pair, so a
+  packed row holds several samples. A 1-D ``per_token`` [N] is N one-token samples,
+  or with ``segments`` [N] one packed row. Samples without label tokens do not count.
+- A sample's modality: its code in a per-sample ``modality``; with per-token codes,
+  the code of its label tokens. A sample whose label tokens mix codes counts under
+  the highest one and is reported once as an event and a log line (a value
+  problem, never raised). Codes outside ``attach(modalities=...)`` count toward the
+  totals only (event + log once). A declared modality that marks positions but none
+  of the label tokens (a VLM's image *input* positions) would read as absent: an
+  event ``modality_without_label_tokens`` and a log line say so; pass one code per
+  sample ([B]) to class samples by their inputs.
+- Objectives: each ``track_loss`` call belongs to an ``objective`` (default
+  ``"main"``; a hard-label term and a distillation term on the same logits are two),
+  optionally with the ``weight`` it carries in the total loss (2.0, tau**2) and the
+  ``normalization`` the job intends (``token``, ``sqrt``, ``sample``; or
+  ``attach(loss_normalization=...)``).
+- ``w_s`` = sum of the sample's label-token weights, ``n_s`` = its label tokens.
+- ``modality_sample_share_ratio`` / ``_token_share_ratio`` / ``_grad_share_ratio``:
+  the modality's share of samples, label tokens, and weight ``sum w`` (I1).
+  ``modality_dilution_ratio`` = sample share / grad share (1 when every sample
+  weighs the same; 17 in I1). ``modality_excess_dilution_ratio`` = the grad share
+  the intended normalization gives the modality / the grad share it gets: the
+  declared scheme; undeclared, sqrt when the fitted exponent is within 0.15 of 0.5,
+  else per sample. 1 when the job does what it intends, the dilution itself for an
+  undeclared per-token loss (I1), about 1 for a deliberate sqrt.
+- ``loss``: mean per-token loss over every label token; ``modality_loss{modality}``
+  over the modality's label tokens.
+- ``loss_norm_exponent``: least-squares slope of ``log w_s`` on ``log n_s`` over
+  the samples with ``w_s > 0``: 1 per-token, 0.5 sqrt, 0 per-sample normalization.
+  Absent when the lengths do not vary (no slope to fit).
+- ``loss_weight_mass{objective}``: the objective's ``sum w`` over the step divided
+  by its declared ``weight`` (I2): 1 for a loss normalized over the step, N when the
+  division by N accumulation steps is missing, the coefficient when one is carried
+  but not declared. ``loss_accumulation_exponent{objective}`` = log(mass) / log(N)
+  for the objective's N >= 2 micro-batches of the step: 1 when their losses were not
+  divided by N, 0 when normalized, -1 when divided twice (a coefficient c shifts it
+  by log c / log N, so one micro-batch never reads as a missing division). Under data
+  parallelism DDP averages gradients, so a token's effective weight is
+  ``w / world``: the mass is the sum over ranks divided by the world size.
+  With ``attach(loss_reduction="sum")`` the job sums on purpose and divides later
+  (across ranks too, as Megatron's per-token path does): the mass is the sum over
+  ranks divided by ``loss_scale`` (default: the step's label tokens over all
+  ranks), so 1 is still healthy.
+- ``token_weight_spread_ratio{objective}``: max over the step's micro-batches (and
+  ranks) of the objective's per-token weight over the min (I3): 1 for a globally
+  normalized per-token loss, the token-count ratio for a mean of per-micro-batch
+  means. Present only when every micro-batch is per-token normalized, i.e. its label
+  tokens' weights are equal within a relative 1e-3, and the job has not declared
+  per-sample weighting (one sample per micro-batch, each averaged over its own
+  tokens, is then the intent).
+- ``modality_grad_norm{scope="output"}``: with ``output`` (logits or last hidden
+  states), the gradient of the step's loss w.r.t. that tensor restricted to the
+  modality's samples: sqrt of the sum over the modality's samples (and the step's
+  micro-batches and ranks) of squared per-sample output-gradient norms, scaled like
+  the mass (``/ world``, or ``/ loss_scale`` with "sum").
+- ``microbatches``: micro-batches in the step (this rank): the most ``track_loss``
+  calls of one objective.
+- ``nonfinite_total{what="loss"}``: micro-batches since attach with a non-finite
+  per-token loss on a label token, counted every step, summed over ranks.
+
+"Absent" costs no host sync: such values are emitted with ``ctx.emit(present=...)``
+and dropped on the sender thread where the condition is false (a modality without
+samples has no dilution or loss either).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainvitals.hooks.indices import IndexCache
+from trainvitals.hooks.late_warnings import LateWarnings
+from trainvitals.hooks.signals.base import MonitorView
+from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES, NORMALIZATIONS
+from trainvitals.hooks.signals.loss_binning import SumsLayout
+from trainvitals.hooks.signals.loss_probe import ModalityProbe
+from trainvitals.hooks.step import StepContext
+from trainvitals.hooks.tensors import float_dtype
+
+__all__ = ["Accumulated", "LossReport"]
+
+MIN_LOG_LENGTH_VAR = 1e-6
+"""Below this variance of log(label tokens per sample) there is no slope to fit."""
+
+SQRT_TOLERANCE = 0.15
+"""Undeclared, a fitted exponent within this of 0.5 is taken as a deliberate sqrt
+normalization (it is 0 per sample, 1 per token: far from either)."""
+
+
+@dataclass(frozen=True)
+class Accumulated:
+    """What capture gathered over a reported step; the defaults are a step without
+    any (a rank that tracked nothing still joins the cross-rank sum)."""
+
+    sums: torch.Tensor | None = None  # [layout.size]; None when no hook was placed
+    wmax: torch.Tensor | None = None  # [objectives] largest label-token weight
+    wmin: torch.Tensor | None = None  # [objectives] smallest label-token weight
+    calls: list[int] = field(default_factory=lambda: [0] * MAX_OBJECTIVES)  # micro-batches per objective
+    weights: dict[int, float] = field(default_factory=dict)  # declared weight per objective slot
+    normalization: str | None = None  # declared by a track_loss call of the step
+    fired: bool = False  # weights arrived (a per-token loss or logits hook ran)
+    output: bool = False  # an output (or logits) gradient was summed
+
+
+class LossReport:
+    """Emits a reported step's loss-accounting figures; see the module docstring.
+
+    ``objectives`` is capture's name -> slot table, shared (capture adds to it);
+    ``late`` capture's log-once warnings, which capture polls too."""
+
+    def __init__(self, layout: SumsLayout, objectives: dict[str, int], late: LateWarnings) -> None:
+        self._layout = layout
+        self._objectives = objectives
+        self._late = late
+        self._indices = IndexCache()
+
+    def report(
+        self,
+        monitor: MonitorView,
+        ctx: StepContext,
+        acc: Accumulated,
+        *,
+        nonfinite: torch.Tensor | None,
+        zero_code: bool,
+        probe: ModalityProbe | None,
+        gram: torch.Tensor | None,
+    ) -> None:
+        """Combine ``acc`` across ranks, then emit its figures into ``ctx``.
+        ``nonfinite``: micro-batches with a non-finite loss since attach (this rank),
+        None before the first; ``zero_code``: weights read from the logits' gradient;
+        ``gram``: the parameter-space ``probe``'s Gram matrix on its steps (the probe is
+        passed per report: a live setting may swap it)."""
+        lay = self._layout
+        distributed = monitor.world_size > 1
+        if acc.sums is None:
+            if not distributed:
+                if nonfinite is not None:
+                    ctx.emit("nonfinite_total", nonfinite.float(), {"what": "loss"})
+                return
+            dev = ctx.device
+            fdt = float_dtype(dev)
+            sums = torch.zeros(lay.size, dtype=fdt, device=dev)
+            wmax = torch.full((MAX_OBJECTIVES,), float("-inf"), dtype=fdt, device=dev)
+            wmin = torch.full((MAX_OBJECTIVES,), float("inf"), dtype=fdt, device=dev)
+        else:
+            assert acc.wmax is not None and acc.wmin is not None
+            sums, wmax, wmin = acc.sums, acc.wmax, acc.wmin
+        if nonfinite is not None:
+            sums = sums.clone()
+            sums[lay.nonfinite] = nonfinite.to(sums.device, sums.dtype)
+        self._warn_late(monitor, sums, nonfinite, zero_code)
+        ctx.combine(
+            [(sums, "sum"), (wmax, "max"), (wmin, "min")],
+            lambda s, mx, mn: self._emit(monitor, ctx, s, mx, mn, acc, nonfinite is not None, zero_code, probe, gram),
+            across_ranks=True,
+        )
+
+    def _warn_late(
+        self, monitor: MonitorView, sums: torch.Tensor, nonfinite: torch.Tensor | None, zero_code: bool
+    ) -> None:
+        """The log-once warnings about this rank's values (read a step later, no host sync)."""
+        lay = self._layout
+        self._late.add(
+            "loss_mixed_modality",
+            "%d sample(s) mix modalities among their label tokens; each counts under the "
+            "highest code. Pass one modality per sample (or per label token of it).",
+            sums[lay.mixed],
+        )
+        self._late.add(
+            "loss_unknown_modality",
+            f"%d label token(s) carry a modality code outside 0..{lay.bins - 2} "
+            f"(attach(modalities={list(monitor.modalities)})); they count toward totals only",
+            sums[lay.unknown],
+        )
+        if zero_code:
+            self._late.add(
+                "loss_not_cross_entropy",
+                "loss_from_logits: %d micro-batch(es) of a reported step had a logits gradient that "
+                "is not a plain cross-entropy one (label smoothing, a distillation or z-loss term on "
+                "the same logits, logit soft-capping after the hooked module); their token weights "
+                "cannot be read from it, so that step's loss-accounting figures are left out. Use "
+                "track_loss with the per-token cross-entropy (docs/integrations.md)",
+                sums[lay.not_ce],
+            )
+        if nonfinite is not None:
+            self._late.add(
+                "loss_nonfinite", "%d micro-batch(es) had a non-finite per-token loss on a label token", nonfinite
+            )
+
+    def _emit(
+        self,
+        monitor: MonitorView,
+        ctx: StepContext,
+        sums: torch.Tensor,
+        wmax: torch.Tensor,
+        wmin: torch.Tensor,
+        acc: Accumulated,
+        counting_nonfinite: bool,
+        zero_code: bool,
+        probe: ModalityProbe | None,
+        gram: torch.Tensor | None,
+    ) -> None:
+        """The step's figures from the sums combined over ranks (see the module docstring)."""
+        lay = self._layout
+        names = list(monitor.modalities)
+        m = len(names)
+        mod_labels = [{"modality": n} for n in names]
+        if counting_nonfinite or monitor.world_size > 1:
+            ctx.emit("nonfinite_total", sums[lay.nonfinite], {"what": "loss"})
+        if zero_code:
+            # Weights read from a gradient that is not a plain cross-entropy one are wrong:
+            # say so (_warn_late's log line) and leave the step's figures out.
+            ctx = _Gated(ctx, (sums[lay.not_ce] == 0).to(sums.dtype))  # type: ignore[assignment]
+        calls = acc.calls
+        ctx.emit("microbatches", self._indices.get([float(max(calls))], ctx.device, sums.dtype)[0])
+        samples, tokens = sums[lay.samples], sums[lay.tokens]
+        weight, loss_sum = sums[lay.weight], sums[lay.loss]
+        total_samples, total_tokens, total_weight = samples.sum(), tokens.sum(), weight.sum()
+        some = (total_tokens > 0).float()
+
+        ctx.emit("loss", loss_sum.sum() / total_tokens, present=some)
+        ctx.emit("modality_loss", loss_sum[:m] / tokens[:m], mod_labels, present=tokens[:m])
+        sample_share = samples[:m] / total_samples
+        ctx.emit("modality_sample_share_ratio", sample_share, mod_labels, present=some.expand(m))
+        ctx.emit("modality_token_share_ratio", tokens[:m] / total_tokens, mod_labels, present=some.expand(m))
+        ctx.event(
+            "loss_sample_mixed_modality",
+            "samples whose label tokens mix modalities (counted under the highest code)",
+            when=sums[lay.mixed],
+        )
+        ctx.event(
+            "loss_unknown_modality_code",
+            "label tokens with a modality code outside attach(modalities=...)",
+            when=sums[lay.unknown],
+        )
+        if zero_code:
+            ctx.event(
+                "loss_not_cross_entropy",
+                "loss_from_logits: a micro-batch's logits gradient is not a plain cross-entropy one; "
+                "this step's loss-accounting figures are left out (docs/integrations.md)",
+                when=sums[lay.not_ce],
+            )
+        # A declared modality that marks positions (inputs) but none of the label tokens:
+        # its samples are classed by their label tokens, so it reads as absent.
+        unlabeled = (sums[lay.positions][:m] > 0) & (tokens[:m] == 0)
+        for k, name in enumerate(names):
+            ctx.event(
+                "modality_without_label_tokens",
+                f"modality {name!r} marks positions but none of the label tokens: samples are classed "
+                "by their label tokens; to class them by their inputs pass one modality code per "
+                "sample ([B]) (docs/signals.md, 'Loss accounting')",
+                {"modality": name},
+                when=unlabeled[k],
+            )
+        self._late.add(
+            "loss_modality_without_labels",
+            "%d declared modality(ies) mark positions but none of the label tokens, so they read "
+            "as absent from the shares; pass one modality code per sample ([B]) to class "
+            "samples by their inputs (docs/signals.md, 'Loss accounting')",
+            unlabeled.sum(),
+        )
+        if not acc.fired and monitor.world_size == 1:
+            return  # no weights arrived on this step: nothing honest to say about them
+
+        # How the job's loss combines across ranks sets the unit of weight (see module doc).
+        # (Python numbers, not new device tensors: creating one would wait for the device.)
+        scale: float | torch.Tensor
+        if monitor.config.loss_reduction == "sum":
+            scale = float(monitor.config.loss_scale) if monitor.config.loss_scale is not None else total_tokens
+        else:
+            scale = float(monitor.world_size)
+        has_weight = (total_weight != 0).float()
+        grad_share = weight[:m] / total_weight
+        ctx.emit("modality_grad_share_ratio", grad_share, mod_labels, present=has_weight.expand(m))
+        ctx.emit("modality_dilution_ratio", sample_share / grad_share, mod_labels, present=samples[:m] * has_weight)
+        n, sx, sy, sxx, sxy = sums[lay.fit].unbind()
+        var_x = sxx / n - (sx / n) ** 2
+        fit_ok = (n >= 2) & (var_x > MIN_LOG_LENGTH_VAR)
+        exponent = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+        ctx.emit("loss_norm_exponent", exponent, present=fit_ok.float())
+        declared = acc.normalization or monitor.config.loss_normalization
+        expected = self._expected_share(sums, exponent, fit_ok, declared)
+        ctx.emit(
+            "modality_excess_dilution_ratio", expected[:m] / grad_share, mod_labels, present=samples[:m] * has_weight
+        )
+        self._emit_objectives(ctx, sums, wmax, wmin, calls, acc.weights, scale, some, declared)
+        if acc.output:
+            ctx.emit(
+                "modality_grad_norm",
+                sums[lay.output][:m].sqrt() / scale,
+                [{"modality": n, "scope": "output"} for n in names],
+                present=samples[:m],
+            )
+        if gram is not None:
+            assert probe is not None
+            probe.emit(ctx, gram, names, scale)
+
+    def _expected_share(
+        self, sums: torch.Tensor, exponent: torch.Tensor, fit_ok: torch.Tensor, declared: str | None
+    ) -> torch.Tensor:
+        """Each bin's share of the gradient weight under the intended normalization: the
+        declared one; undeclared, sqrt when the fitted exponent is 0.5 (a known deliberate
+        choice), else per sample (every sample weighs the same)."""
+        lay = self._layout
+        by_beta = {0.0: sums[lay.samples], 0.5: sums[lay.sqrt_tokens], 1.0: sums[lay.tokens]}
+        if declared is not None:
+            weights = by_beta[NORMALIZATIONS[declared]]
+        else:
+            sqrt_like = fit_ok & ((exponent - 0.5).abs() < SQRT_TOLERANCE)
+            weights = torch.where(sqrt_like, by_beta[0.5], by_beta[0.0])
+        return weights / weights.sum()
+
+    def _emit_objectives(
+        self,
+        ctx: StepContext,
+        sums: torch.Tensor,
+        wmax: torch.Tensor,
+        wmin: torch.Tensor,
+        calls: list[int],
+        weights: dict[int, float],
+        scale: float | torch.Tensor,
+        some: torch.Tensor,
+        declared: str | None,
+    ) -> None:
+        """Per objective: its weight mass relative to its declared weight, how that mass
+        scales with the step's micro-batches, and its token-weight spread (I2, I3)."""
+        lay = self._layout
+        active = [(name, k) for name, k in sorted(self._objectives.items(), key=lambda kv: kv[1]) if calls[k]]
+        if not active:
+            return
+        dev = sums.device
+        slots = self._indices.get([k for _, k in active], dev)
+        labels = [{"objective": name} for name, _ in active]
+        declared_weight = self._indices.get([weights.get(k, 1.0) for _, k in active], dev, sums.dtype)
+        mass = sums[lay.mass].index_select(0, slots) / declared_weight / scale
+        ctx.emit("loss_weight_mass", mass, labels, present=some.expand(len(active)))
+        # mass = N^k for N micro-batches: k = 1 when their losses were not divided by N,
+        # 0 when normalized, -1 when divided twice (a coefficient shifts it by log c / log N).
+        log_n = self._indices.get([math.log(max(calls[k], 2)) for _, k in active], dev, sums.dtype)
+        several = self._indices.get([float(calls[k] >= 2) for _, k in active], dev, sums.dtype)
+        ctx.emit("loss_accumulation_exponent", torch.log(mass) / log_n, labels, present=several * (mass > 0))
+        top, bottom = wmax.index_select(0, slots), wmin.index_select(0, slots)
+        spread_ok = (sums[lay.nonuniform].index_select(0, slots) == 0) & (bottom > 0) & torch.isfinite(top)
+        if declared == "sample":  # per-sample weighting declared: unequal token weights are the intent
+            spread_ok = torch.zeros_like(spread_ok)
+        ctx.emit("token_weight_spread_ratio", top / bottom, labels, present=spread_ok.float())
+
+
+class _Gated:
+    """A StepContext whose samples are present only where ``ok`` > 0 (a 0-d tensor)."""
+
+    def __init__(self, ctx: StepContext, ok: torch.Tensor) -> None:
+        self._ctx = ctx
+        self._ok = ok.reshape(())
+        self.device = ctx.device
+        self.step = ctx.step
+
+    def emit(self, name: str, values: torch.Tensor, labels: Any = None, *, present: torch.Tensor | None = None) -> None:
+        n = values.numel()
+        gate = self._ok.expand(n) if present is None else present.reshape(-1).to(self._ok.dtype) * self._ok
+        self._ctx.emit(name, values, labels, present=gate)
+
+    def event(self, *args: Any, **kwargs: Any) -> None:
+        self._ctx.event(*args, **kwargs)
