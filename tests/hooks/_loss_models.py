@@ -137,7 +137,7 @@ def reference(
     per_tokens: list[torch.Tensor], losses: list[torch.Tensor], rows: list[Rows], modalities: int = 2
 ) -> dict[str, list[float] | float]:
     """Plain-torch reference: w = dL/dl from autograd.grad, then the definitions
-    of loss_accounting.py computed one sample at a time."""
+    of loss_report.py computed one sample at a time."""
     per_sample: dict[int, list[float]] = {}  # id -> [modality, n, w]
     for pt, loss, r in zip(per_tokens, losses, rows, strict=True):
         (w,) = torch.autograd.grad(loss, pt, retain_graph=True)
