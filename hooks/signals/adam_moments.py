@@ -57,6 +57,12 @@ class _Batch:
         owners = [i for i, _, _ in segments]
         self.index = owner_index(self.lengths, dev, owners)
         self.owner = torch.tensor(owners, dtype=torch.long).to(dev)
+        # Views of the plan's buffers, made on the first report (see MomentPlan.views).
+        self.m: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.below: torch.Tensor | None = None
+        self.dst: list[torch.Tensor] = []
+        self.parts: list[torch.Tensor] = []
 
 
 class MomentPlan:
@@ -89,23 +95,28 @@ class MomentPlan:
             if not one_d:
                 group_entries.append(i)
                 group_bins.append(group_slot.setdefault(e.group, len(group_slot)))
-        self.sampled = torch.tensor(sizes, dtype=torch.float64).to(dev)
+        self.sampled = torch.tensor(sizes, dtype=torch.float64).to(dev).view(1, -1)
         self.batches = self._batches(sizes, dev)
         width = max((b.size for b in self.batches), default=0)
         self.m_buf = torch.empty(width, dtype=torch.float32, device=dev)
         self.v_buf = torch.empty(width, dtype=torch.float32, device=dev)
+        self.below_buf = torch.empty(width, dtype=torch.float32, device=dev)
         self.n_series = len(series_labels)
-        self.series_entries = torch.tensor(series_entries, dtype=torch.long).to(dev)
-        self.series_bins = torch.tensor(series_bins, dtype=torch.long).to(dev)
-        self.group_entries = torch.tensor(group_entries, dtype=torch.long).to(dev)
-        self.group_bins = torch.tensor(group_bins, dtype=torch.long).to(dev)
         self.n_groups = len(group_slot)
         present = sorted(set(series_bins))
-        self.series_keep = torch.tensor(present, dtype=torch.long).to(dev)
+        # Series and groups binned by one index_add: group bins follow the series bins.
+        n_bins = self.n_series + self.n_groups
+        self.n_bins = n_bins
+        bin_entries = series_entries + group_entries
+        self.bin_entries = (
+            None if bin_entries == list(range(len(entries))) else torch.tensor(bin_entries, dtype=torch.long).to(dev)
+        )
+        self.bins = torch.tensor(series_bins + [self.n_series + g for g in group_bins], dtype=torch.long).to(dev)
+        keep = present + list(range(self.n_series, n_bins))
+        self.keep = None if keep == list(range(n_bins)) else torch.tensor(keep, dtype=torch.long).to(dev)
         self.labels = [series_labels[b] for b in present] + [
             {"group": groups[g][0]} for g, _ in sorted(group_slot.items(), key=lambda kv: kv[1])
         ]
-        self.all_series_present = len(present) == self.n_series
 
     def _batches(self, sizes: list[int], dev: torch.device) -> list[_Batch]:
         """Batches of at most BATCH sampled elements; a sample larger than a batch (a huge
@@ -134,17 +145,36 @@ class MomentPlan:
             batches.append(_Batch(segments, dev))
         return batches
 
-    def pair(
-        self, t: torch.Tensor, entry: int, first: int, last: int, out: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(destination, source) views of the same shape for elements ``first:last`` of
-        entry ``entry``'s sample of ``t``, to copy with one foreach call per batch."""
+    def views(self, batch: _Batch) -> None:
+        """Make ``batch``'s views of the plan's buffers once: the copy destinations (m
+        segments then v segments, shaped like :meth:`source`'s views) and the segments
+        of m and of the below-eps flags, whose norms are taken (each view is an op of a
+        few microseconds at every report otherwise)."""
+        if batch.m is not None:
+            return
+        batch.m, batch.v = self.m_buf[: batch.size], self.v_buf[: batch.size]
+        batch.below = self.below_buf[: batch.size]
+        ms, vs = batch.m.split(batch.lengths), batch.v.split(batch.lengths)
+        batch.parts = [*ms, *batch.below.split(batch.lengths)]
+        batch.dst = []
+        for outs in (ms, vs):
+            for (i, _, _), out in zip(batch.segments, outs, strict=True):
+                sample = self.samples[i]
+                batch.dst.append(out if sample is None else out.view(-1, sample.width))
+
+    def source(self, t: torch.Tensor, entry: int, first: int, last: int) -> torch.Tensor:
+        """A view of elements ``first:last`` of entry ``entry``'s sample of ``t``, shaped
+        like its destination in :meth:`views`, to copy with one foreach call per batch."""
         sample = self.samples[entry]
         if sample is None:
-            return out, flat(t)[first:last]
+            x = flat(t)
+            return x if first == 0 and last == x.numel() else x[first:last]
         x = t if t.is_contiguous() and not t.is_complex() else flat(t)
-        view = x.as_strided((sample.blocks, sample.width), (sample.spacing, 1), x.storage_offset())
-        return out.view(-1, sample.width), view[first // sample.width : last // sample.width]
+        w = sample.width
+        # Blocks first // w .. last // w of the sample, as one view.
+        return x.as_strided(
+            (last // w - first // w, w), (sample.spacing, 1), x.storage_offset() + first // w * sample.spacing
+        )
 
 
 class AdamMoments:
@@ -156,6 +186,7 @@ class AdamMoments:
         self._series_key: tuple | None = None
         self._series: tuple[dict[int, tuple[int, bool]], list[dict[str, str]]] = ({}, [])
         self._indices = IndexCache()
+        self._hp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (cached [3, E], betas, eps)
 
     def _series_map(self, monitor: MonitorView, key: tuple) -> tuple[dict[int, tuple[int, bool]], list[dict[str, str]]]:
         if key != self._series_key:
@@ -167,7 +198,14 @@ class AdamMoments:
             )
         return self._series
 
-    def _hyperparameters(self, monitor: MonitorView, entries: list[AdamEntry]) -> torch.Tensor:
+    def _hyperparameters(self, monitor: MonitorView, entries: list[AdamEntry]) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 ([2, E] beta1 and beta2, [E] eps) of each entry's group."""
+        hp = self._hyperparameter_table(monitor, entries)
+        if self._hp is None or self._hp[0] is not hp:  # the cached table's views are reused
+            self._hp = (hp, hp[:2], hp[2])
+        return self._hp[1], self._hp[2]
+
+    def _hyperparameter_table(self, monitor: MonitorView, entries: list[AdamEntry]) -> torch.Tensor:
         """[3, E] float64: beta1, beta2, eps of each entry's group."""
         groups = monitor.optimizer.param_groups
         per_group = [(g["betas"][0], g["betas"][1], g["eps"]) if is_adam_group(g) else (0.0, 0.0, 0.0) for g in groups]
@@ -200,9 +238,8 @@ class AdamMoments:
             steps = now.to(torch.float64)
         else:
             steps = now.to(torch.float64).index_select(0, self._indices.get(walk.entry_steps, dev))
-        b1, b2, eps = self._hyperparameters(monitor, entries)
-        bc1 = (1 - b1**steps).clamp_min(_TINY)
-        bc2 = (1 - b2**steps).clamp_min(_TINY)
+        betas, eps = self._hyperparameters(monitor, entries)
+        bc1, bc2 = (1 - betas**steps).clamp_min(_TINY)  # [2, E]: both bias corrections at once
 
         sharded = monitor.sharded
         ms = [e.state["exp_avg"] for e in entries]
@@ -211,65 +248,53 @@ class AdamMoments:
         if sharded:
             ms, vs, raw = [local(t) for t in ms], [local(t) for t in vs], [local(t) for t in raw]
         both = foreach_norm32([real(t) for t in ms] + [real(t) for t in raw])
-        sq = stack_steps(list(both), dev).to(torch.float64).square().view(2, -1)
-        m_sq, v_sq = sq[0], sq[1]
+        sq = stack_steps(list(both), dev).to(torch.float64).square().view(2, -1)  # m, v sums of squares
 
         # Per element only c = eps * sqrt(1 - b2^t) is needed:
         #   sqrt(v_hat) < eps  <=>  sqrt(v) < c
         #   (m_hat / (sqrt(v_hat) + eps))^2 = m^2 / (sqrt(v) + c)^2 * (1 - b2^t) / (1 - b1^t)^2
         # the last factor is applied per entry, after the sums.
         c = (eps * bc2.sqrt()).to(torch.float32)
-        dominated = torch.zeros(len(entries), dtype=torch.float64, device=dev)
-        update_sq = torch.zeros(len(entries), dtype=torch.float64, device=dev)
+        # Rows: update sum of squares, elements below eps.
+        acc = torch.zeros(2, len(entries), dtype=torch.float64, device=dev)
         for batch in plan.batches:
-            m, v = plan.m_buf[: batch.size], plan.v_buf[: batch.size]
-            dst, src = [], []
-            for (i, a, b), mo, vo in zip(batch.segments, m.split(batch.lengths), v.split(batch.lengths), strict=True):
-                for out, t in ((mo, ms[i]), (vo, vs[i])):
-                    d, s = plan.pair(t, i, a, b, out)
-                    dst.append(d)
-                    src.append(s)
-            torch._foreach_copy_(dst, src)  # every segment of the batch in one call
+            plan.views(batch)
+            m, v, below = batch.m, batch.v, batch.below
+            assert m is not None and v is not None and below is not None
+            src = [plan.source(ms[i], i, a, b) for i, a, b in batch.segments]
+            src += [plan.source(vs[i], i, a, b) for i, a, b in batch.segments]
+            torch._foreach_copy_(batch.dst, src)  # every segment of the batch in one call
             ce = c.index_select(0, batch.index)
             v.sqrt_()
-            below = (v < ce).to(torch.float32)
+            torch.lt(v, ce, out=below)  # 0/1 as float32
             m.div_(v.add_(ce))
             # Per-segment sums of squares (of 0/1 for the count) in one foreach call.
-            sums = (
-                stack_steps(list(torch._foreach_norm([*m.split(batch.lengths), *below.split(batch.lengths)])), dev)
-                .to(torch.float64)
-                .square()
-            )
+            sums = stack_steps(list(torch._foreach_norm(batch.parts)), dev).to(torch.float64).square()
             k = len(batch.lengths)
-            update_sq.index_add_(0, batch.owner, sums[:k])
-            dominated.index_add_(0, batch.owner, sums[k:].round())
-        update_sq = update_sq * bc2 / bc1.square()
+            sums[k:].round_()  # float32 norms of 0/1: the counts are integers
+            acc.index_add_(1, batch.owner, sums.view(2, k))
+        acc[0].mul_(bc2).div_(bc1.square())
 
-        per_entry = torch.stack([m_sq, v_sq, dominated, update_sq, plan.sampled])  # [5, E]
-        parts = []
-        if plan.n_series:
-            s = torch.zeros(5, plan.n_series, dtype=torch.float64, device=dev).index_add_(
-                1, plan.series_bins, per_entry.index_select(1, plan.series_entries)
-            )
-            parts.append(s if plan.all_series_present else s.index_select(1, plan.series_keep))
-        if plan.n_groups:
-            parts.append(
-                torch.zeros(5, plan.n_groups, dtype=torch.float64, device=dev).index_add_(
-                    1, plan.group_bins, per_entry.index_select(1, plan.group_entries)
-                )
-            )
-        if not parts:
+        if not plan.n_bins:
             return
+        # [5, E]: m, v sums of squares, update sum of squares, below eps, sampled elements.
+        per_entry = torch.cat([sq, acc, plan.sampled])
+        if plan.bin_entries is not None:
+            per_entry = per_entry.index_select(1, plan.bin_entries)
+        binned = torch.zeros(5, plan.n_bins, dtype=torch.float64, device=dev).index_add_(1, plan.bins, per_entry)
+        if plan.keep is not None:
+            binned = binned.index_select(1, plan.keep)
         labels = plan.labels
 
         def finish(t: torch.Tensor) -> None:
             t = t.view(5, -1)
-            ctx.emit("adam_eps_dominated_ratio", t[2] / t[4].clamp_min(1), labels)
-            ctx.emit("adam_normalized_update_rms", (t[3] / t[4].clamp_min(1)).sqrt(), labels)
+            sampled = t[4].clamp_min(1)
+            ctx.emit("adam_eps_dominated_ratio", t[3] / sampled, labels)
+            ctx.emit("adam_normalized_update_rms", (t[2] / sampled).sqrt(), labels)
             ctx.emit("adam_exp_avg_norm", t[0].sqrt(), labels)
             ctx.emit("adam_exp_avg_sq_norm", t[1].sqrt(), labels)
 
-        ctx.combine([(torch.cat(parts, 1), "sum")], finish, across_ranks=sharded)
+        ctx.combine([(binned, "sum")], finish, across_ranks=sharded)
 
     def close(self) -> None:
         self._plan = None
