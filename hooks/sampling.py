@@ -116,3 +116,21 @@ class TensorsSample:
     def owners(self, device: torch.device, owner_of: Sequence[int] | None = None) -> torch.Tensor:
         """Sampled element -> the index of the tensor it came from (or ``owner_of[tensor]``)."""
         return owner_index(self.sizes, device, owner_of)
+
+    def destinations(self, out: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``out`` (1-D, ``sum(sizes)`` elements) shaped like each tensor's
+        :meth:`views`, for :meth:`take_into`; made once per buffer."""
+        parts = out.split(self.sizes)
+        return [p if b is None else p.view(b.blocks, b.width) for p, b in zip(parts, self.blocks, strict=True)]
+
+    def take_into(self, tensors: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor]) -> None:
+        """Copy the sampled elements of ``tensors`` into ``destinations`` (from
+        :meth:`destinations`) with one foreach call: no temporary per tensor."""
+        sources = []
+        for t, b in zip(tensors, self.blocks, strict=True):
+            if b is None:
+                sources.append(flat(t))
+            else:  # the block view straight from the tensor when its storage is its layout
+                x = t if t.is_contiguous() and not t.is_complex() else flat(t)
+                sources.append(x.as_strided((b.blocks, b.width), (b.spacing, 1), x.storage_offset()))
+        torch._foreach_copy_(list(destinations), sources)

@@ -28,7 +28,7 @@ from trainvitals.hooks.sampling import TensorsSample
 from trainvitals.hooks.signals.backward_grad_norm import BackwardGradNorms, emit_norm_history
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
 from trainvitals.hooks.step import ReduceOp, StepContext
-from trainvitals.hooks.tensors import flat, group_sum, local, norms
+from trainvitals.hooks.tensors import flat, local, norms
 
 
 class OptimizerStats(Signal):
@@ -39,6 +39,10 @@ class OptimizerStats(Signal):
         self._sample_key: tuple | None = None
         self._sample: TensorsSample | None = None
         self._sample_group: torch.Tensor | None = None
+        # Two buffers for the sample (before and after the step) and their views, per sample layout.
+        self._sample_bufs: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._sample_dst: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        self._bins: tuple[int, tuple[torch.Tensor | None, ...], torch.Tensor] | None = None
         self._nonfinite: torch.Tensor | None = None
         self._indices = IndexCache()
         self._history = BackwardGradNorms(self)
@@ -59,14 +63,26 @@ class OptimizerStats(Signal):
                 group_of.append(gi)
         return params, group_of
 
-    def _sampled(self, monitor: MonitorView, params: list[torch.Tensor], group_of: list[int]) -> torch.Tensor:
+    def _sampled(
+        self, monitor: MonitorView, params: list[torch.Tensor], group_of: list[int], after: bool
+    ) -> torch.Tensor:
+        """The sample of ``params`` as float32 on the device, in the before (or after)
+        buffer: copied by one foreach call into views made once per layout."""
+        dev = monitor.device
         key = tuple((id(p), p.numel()) for p in params)
         if key != self._sample_key:
             self._sample_key = key
             self._sample = TensorsSample([flat(local(p)).numel() for p in params], monitor.config.update_sample)
-            self._sample_group = self._sample.owners(monitor.device, group_of)
+            self._sample_group = self._sample.owners(dev, group_of)
+            bufs = [torch.empty(sum(self._sample.sizes), dtype=torch.float32, device=dev) for _ in range(2)]
+            self._sample_bufs = ([bufs[0]], [bufs[1]])
+            self._sample_dst = (self._sample.destinations(bufs[0]), self._sample.destinations(bufs[1]))
         assert self._sample is not None
-        return self._sample.take([local(p) for p in params], monitor.device)
+        tensors = [local(p) for p in params]
+        if not tensors or any(t.device != dev for t in tensors):
+            return self._sample.take(tensors, dev)  # a non-blocking copy to the device per tensor
+        self._sample.take_into(tensors, self._sample_dst[after])
+        return self._sample_bufs[after][0]
 
     def before_step(self, monitor: MonitorView, reporting: bool) -> None:
         if not reporting:
@@ -79,7 +95,7 @@ class OptimizerStats(Signal):
         self._grad_group = self._indices.get(
             [g for p, g in zip(params, group_of, strict=True) if p.grad is not None], monitor.device
         )
-        self._before = self._sampled(monitor, params, group_of)
+        self._before = self._sampled(monitor, params, group_of, after=False)
 
     def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
         dev = monitor.device
@@ -88,39 +104,47 @@ class OptimizerStats(Signal):
         params, group_of = self._params(monitor)
         group_labels = [{"group": label} for label, _ in groups]
 
-        # Sums of squares, [whole model, g0, g1, ...]; summed across ranks when sharded.
-        def with_total(per_group: torch.Tensor) -> torch.Tensor:
-            return torch.cat([per_group.sum().reshape(1), per_group])
-
         if self._nonfinite is None:
             self._nonfinite = torch.zeros((), device=dev)
         self._nonfinite = self._nonfinite.to(dev)
         history = self._history.take()
-        parts: list[torch.Tensor] = []
+        # Per-element values whose squares are summed per group, and their group bins:
+        # all rows go through one square and one index_add.
+        values: list[torch.Tensor] = []
+        bins: list[torch.Tensor | None] = []
         if self._grad_norms is not None:
             gn, grad_group = self._grad_norms, self._grad_group
             assert grad_group is not None  # before_step sets it together with the norms
             # The gradient the optimizer applies is not finite although the backward's was
             # (set or scaled by hand after the backward), or no backward was seen: count
             # the step here; the backward's non-finite steps are counted from the history.
-            applied_bad = (~torch.isfinite(gn)).any()
+            # x - x is 0 exactly for a finite x and NaN for inf or NaN: isfinite in two
+            # ops where torch.isfinite takes four.
+            applied_bad = (gn - gn).ne(0).any()
             if history is not None:
-                applied_bad = applied_bad & torch.isfinite(history[-1])
+                last = history[-1]
+                applied_bad = applied_bad & (last - last).eq(0)
             self._nonfinite = self._nonfinite + applied_bad
-            parts.append(with_total(group_sum(gn.square(), grad_group, n_groups)))
-        pn = norms([local(p) for p in params], dev)  # under no_grad: no detach needed
-        parts.append(with_total(group_sum(pn.square(), self._indices.get(group_of, dev), n_groups)))
-        upd = None
+            values.append(gn)
+            bins.append(grad_group)
+        values.append(norms([local(p) for p in params], dev))  # under no_grad: no detach needed
+        bins.append(self._indices.get(group_of, dev))
+        upd = False
         if self._before is not None and self._sample_group is not None:
-            after = self._sampled(monitor, params, group_of)
+            after = self._sampled(monitor, params, group_of, after=True)
             if after.shape == self._before.shape:
-                idx = self._sample_group
-                upd = (
-                    with_total(group_sum((after - self._before).square(), idx, n_groups)),
-                    with_total(group_sum(after.square(), idx, n_groups)),
-                )
+                upd = True
+                values += [after - self._before, after]
+                bins += [self._sample_group, None]  # None: the same bins as the row before
         self._before = None
-        sq = torch.stack(parts + list(upd or ()))
+        # Sums of squares, rows of [whole model, g0, g1, ...]; summed across ranks when sharded.
+        rows = len(values)
+        per_group = (
+            torch.zeros(rows * n_groups, dtype=torch.float32, device=dev)
+            .index_add_(0, self._row_bins(bins, n_groups), torch.cat(values).square())
+            .view(rows, n_groups)
+        )
+        sq = torch.cat([per_group.sum(1, keepdim=True), per_group], 1)
         has_grad = self._grad_norms is not None
         self._grad_norms = None
 
@@ -132,12 +156,13 @@ class OptimizerStats(Signal):
         def finish(total: torch.Tensor, *rest: torch.Tensor) -> None:
             total = total.view(-1, n_groups + 1)
             row = 0
+            roots = total[: 1 + int(has_grad)].sqrt()  # the norms: grad (when seen), param
             if has_grad:
-                emit("grad_norm", total[row].sqrt(), whole=history is None)
+                emit("grad_norm", roots[row], whole=history is None)
                 row += 1
-            emit("param_norm", total[row].sqrt())
+            emit("param_norm", roots[row])
             row += 1
-            if upd is not None:
+            if upd:
                 emit("update_ratio", (total[row] / total[row + 1]).sqrt())
             nonfinite = self._nonfinite
             assert nonfinite is not None  # set by collect above; nothing sets it back to None
@@ -149,6 +174,24 @@ class OptimizerStats(Signal):
         if history is not None:
             parts_to_combine.append((history, "sum"))
         ctx.combine(parts_to_combine, finish, across_ranks=monitor.sharded)
+
+    def _row_bins(self, bins: list[torch.Tensor | None], n_groups: int) -> torch.Tensor:
+        """Group bins of the rows laid end to end (row r's bins offset by r * n_groups);
+        made again only when a row's bins are other tensors (their content is cached)."""
+        cached = self._bins
+        if (
+            cached is None
+            or cached[0] != n_groups
+            or len(cached[1]) != len(bins)
+            or any(a is not b for a, b in zip(cached[1], bins, strict=True))
+        ):
+            parts, last = [], None
+            for r, b in enumerate(bins):
+                last = b if b is not None else last
+                assert last is not None  # the first row always has its bins
+                parts.append(last + r * n_groups)
+            cached = self._bins = (n_groups, tuple(bins), torch.cat(parts))
+        return cached[2]
 
     def state_dict(self) -> dict[str, Any]:
         return {"nonfinite": self._nonfinite.cpu() if self._nonfinite is not None else None}
