@@ -90,7 +90,7 @@ class StepContext:
         """Combine ``tensor`` across data-parallel ranks with ``op``, then call ``then``
         with the combined tensor (at once when there is one rank). All partials of a
         report travel in one packed collective."""
-        self.reduces.append(_Reduce(tensor.detach().reshape(-1).float(), op, then))
+        self.reduces.append(_Reduce(_flat(tensor).float(), op, then))
 
     def event(
         self, kind: str, detail: str = "", labels: Labels | None = None, *, when: torch.Tensor | None = None

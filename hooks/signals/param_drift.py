@@ -70,13 +70,18 @@ class DriftTracker:
         self.prev = self.consistency.take_from(self.values(dev)).clone()
         self.ring = torch.zeros(self.window, self.prev.numel(), dtype=torch.int8, device=dev)
         self.sums = torch.zeros(self.prev.numel(), dtype=torch.int32, device=dev)
+        # Comparison results written as int8 in place (no conversion op per report).
+        self._up = torch.empty(self.prev.numel(), dtype=torch.int8, device=dev)
+        self._down = torch.empty(self.prev.numel(), dtype=torch.int8, device=dev)
+        self._zero = torch.zeros((), device=dev)  # for torch.where without a scalar tensor per call
         self.changes = 0
 
     def values(self, dev: torch.device) -> torch.Tensor:
         """The local elements of the 1D parameters, end to end, as float32."""
         if not self.one_d:
             return torch.zeros(0, device=dev)
-        return torch.cat([flat(local(s.param).detach()).to(dev, torch.float32, non_blocking=True) for s in self.one_d])
+        out = torch.cat([flat(local(s.param)).to(dev, torch.float32, non_blocking=True) for s in self.one_d])
+        return out.detach() if out.requires_grad else out  # one detach, only outside no_grad
 
     def displacement(self, values: torch.Tensor) -> torch.Tensor:
         """Per parameter, the largest |x - ref| over its local elements."""
@@ -91,8 +96,8 @@ class DriftTracker:
         fresh = (scale <= 0) & (absmax > 0)
         self.scale = torch.where(fresh, absmax, scale)
         self.ref_values = torch.where(fresh[self.owner], values, self.ref_values)
-        moved = torch.where(fresh, 0.0, moved)
-        return torch.where(self.scale > 0, torch.log2(1 + moved / self.scale.clamp_min(1e-38)), 0.0)
+        moved = torch.where(fresh, self._zero, moved)
+        return torch.where(self.scale > 0, torch.log2(1 + moved / self.scale.clamp_min(1e-38)), self._zero)
 
     def save_references(self) -> None:
         """Write the (possibly updated) references back to the per-parameter table."""
@@ -103,7 +108,7 @@ class DriftTracker:
 
     def record_change(self, now: torch.Tensor) -> None:
         """Push sign(now - prev) of the sampled elements into the ring (NaN: no change)."""
-        sign = (now > self.prev).to(torch.int8) - (now < self.prev).to(torch.int8)
+        sign = torch.gt(now, self.prev, out=self._up) - torch.lt(now, self.prev, out=self._down)
         slot = self.changes % self.window
         self.sums += sign - self.ring[slot]
         self.ring[slot] = sign
