@@ -200,13 +200,15 @@ class AdamMoments:
 
     def _hyperparameters(self, monitor: MonitorView, entries: list[AdamEntry]) -> tuple[torch.Tensor, torch.Tensor]:
         """float64 ([2, E] beta1 and beta2, [E] eps) of each entry's group."""
-        hp = self._hyperparameter_table(monitor, entries)
-        if self._hp is None or self._hp[0] is not hp:  # the cached table's views are reused
-            self._hp = (hp, hp[:2], hp[2])
+        table = self._hyperparameter_table(monitor, entries)
+        if self._hp is None or self._hp[0] is not table:  # the cached table's views are reused
+            hp = table.view(-1, 3).t() if table.dim() == 1 else table
+            self._hp = (table, hp[:2], hp[2])
         return self._hp[1], self._hp[2]
 
     def _hyperparameter_table(self, monitor: MonitorView, entries: list[AdamEntry]) -> torch.Tensor:
-        """[3, E] float64: beta1, beta2, eps of each entry's group."""
+        """float64 beta1, beta2, eps of each entry's group: [3, E], or [E * 3] (entry by
+        entry) from the index cache, the same tensor while the values stay the same."""
         groups = monitor.optimizer.param_groups
         per_group = [(g["betas"][0], g["betas"][1], g["eps"]) if is_adam_group(g) else (0.0, 0.0, 0.0) for g in groups]
         dev = monitor.device
@@ -221,7 +223,7 @@ class AdamMoments:
                 1,
             )
         flat_values = [float(x) for e in entries for x in per_group[e.group]]
-        return self._indices.get(flat_values, dev, torch.float64).view(-1, 3).t()
+        return self._indices.get(flat_values, dev, torch.float64)
 
     def collect(self, monitor: MonitorView, ctx: StepContext, key: tuple, walk: StateWalk, now: torch.Tensor) -> None:
         dev = monitor.device
