@@ -1,0 +1,242 @@
+"""Fixed cost per report: a small model where the report, not the model, is the cost.
+
+A 0.26M-parameter model (embedding, two RMSNorms, an MLP, an LM head; a ~20 ms step on
+one thread) trains with AdamW, every built-in signal and ``track_loss`` with the output
+hook, reporting on every step. Three figures:
+
+1. the monitored step over the unmonitored twin's, side by side (interleaved blocks,
+   median with min and max), and their difference in ms per report;
+2. where the training thread's time goes, per signal method, ``track_loss``, packing
+   (thread CPU time per reported step; the sender thread's encoding apart);
+3. how many torch operations each part dispatches in one reported step (a
+   ``TorchDispatchMode`` counter): at 10-20 us of dispatch each, this is what the
+   fixed cost is made of.
+
+    python tests/benchmarks/bench_report_cost.py
+    python tests/benchmarks/bench_report_cost.py --blocks 10 --steps 20 --profile-steps 200
+
+Parts 2 and 3 wrap private methods of the monitor (its signals' ``collect``, the pack
+step, the sender's encoder) to attribute time; they measure, they change nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import trainvitals.hooks.distributed as distributed  # noqa: E402
+import trainvitals.hooks.monitor as monitor_module  # noqa: E402
+from trainvitals.hooks import attach  # noqa: E402
+
+VOCAB, D = 512, 64
+MODALITY = torch.tensor([0] * 6 + [1] * 2)  # 8 samples: 6 text, 2 image
+
+
+def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Embedding(VOCAB, D),
+        nn.RMSNorm(D),
+        nn.Linear(D, 4 * D),
+        nn.GELU(),
+        nn.Linear(4 * D, D),
+        nn.RMSNorm(D),
+        nn.Linear(D, VOCAB),
+    )
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _stepper(model: nn.Module, opt: torch.optim.Optimizer, mon: Any) -> Callable[[torch.Tensor], None]:
+    def step(ids: torch.Tensor) -> None:
+        logits = model(ids)
+        per_token = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten(), reduction="none").view_as(ids)
+        if mon is not None:
+            mon.track_loss(per_token, modality=MODALITY, output=logits)
+        per_token.mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def side_by_side(batches: list[torch.Tensor], blocks: int, steps: int) -> dict[str, float]:
+    base_model, base_opt = _model()
+    mon_model, mon_opt = _model()
+    mon = attach(mon_model, mon_opt, run="report-cost", sink="null", every=1, modalities=("text", "image"))
+    arms = {"base": _stepper(base_model, base_opt, None), "mon": _stepper(mon_model, mon_opt, mon)}
+    for i in range(3):  # layouts, optimizer state
+        for step in arms.values():
+            step(batches[i % len(batches)])
+    ratios, per_report, totals_ms = [], [], {"base": [], "mon": []}
+    for blk in range(blocks):
+        order = ["base", "mon"] if blk % 2 == 0 else ["mon", "base"]
+        took = {}
+        for name in order:
+            t0 = time.perf_counter()
+            for k in range(steps):
+                arms[name](batches[(blk * steps + k) % len(batches)])
+            took[name] = time.perf_counter() - t0
+            totals_ms[name].append(took[name] / steps * 1e3)
+        ratios.append(took["mon"] / took["base"])
+        per_report.append((took["mon"] - took["base"]) / steps * 1e3)
+    mon.close()
+    return {
+        "base_ms": statistics.median(totals_ms["base"]),
+        "mon_ms": statistics.median(totals_ms["mon"]),
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "report_ms": statistics.median(per_report),
+    }
+
+
+def _wrap(obj: Any, name: str, around: Callable[[str, Callable[[], Any]], Any], label: str) -> None:
+    original = getattr(obj, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return around(label, lambda: original(*args, **kwargs))
+
+    setattr(obj, name, wrapped)
+
+
+def _instrument(mon: Any, around: Callable[[str, Callable[[], Any]], Any]) -> Callable[[], None]:
+    """Attribute the monitor's parts to labels; returns a function that undoes the
+    module-level patches (the per-object ones go with the monitor)."""
+    for signal in mon.signals:
+        for meth in ("before_step", "after_step", "collect"):
+            _wrap(signal, meth, around, f"{type(signal).__name__}.{meth}")
+        history = getattr(signal, "_history", None)  # the end-of-backward gradient norm
+        if history is not None:
+            _wrap(history, "_measure", around, "gradient norm at the end of backward")
+    _wrap(mon, "track_loss", around, "track_loss (per micro-batch)")
+    _wrap(mon._sender, "_encode", around, "sender encoding (its own thread)")
+    pack, combine = monitor_module.pack, distributed.combine
+    monitor_module.pack = lambda *a, **k: around("pack", lambda: pack(*a, **k))
+    distributed.combine = lambda ctx: around("loss emission (combine)", lambda: combine(ctx))
+
+    def undo() -> None:
+        monitor_module.pack, distributed.combine = pack, combine
+
+    return undo
+
+
+def thread_time_profile(batches: list[torch.Tensor], steps: int) -> dict[str, float]:
+    model, opt = _model()
+    mon = attach(model, opt, run="report-cost", sink="null", every=1, modalities=("text", "image"))
+    spent: collections.Counter[str] = collections.Counter()
+    inside: set[str] = set()
+
+    def around(label: str, call: Callable[[], Any]) -> Any:
+        if label in inside:  # nested under the same label: counted once
+            return call()
+        inside.add(label)
+        t0 = time.thread_time()
+        try:
+            return call()
+        finally:
+            spent[label] += time.thread_time() - t0
+            inside.discard(label)
+
+    undo = _instrument(mon, around)
+    step = _stepper(model, opt, mon)
+    try:
+        for i in range(3):
+            step(batches[i % len(batches)])
+        spent.clear()
+        for i in range(steps):
+            step(batches[i % len(batches)])
+        mon.flush(10)
+    finally:
+        undo()
+        mon.close()
+    return {k: v / steps * 1e3 for k, v in spent.items()}
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.where = "model, loss and optimizer (not ours)"
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.counts[self.where] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def op_counts(batches: list[torch.Tensor]) -> dict[str, int]:
+    model, opt = _model()
+    mon = attach(model, opt, run="report-cost", sink="null", every=1, modalities=("text", "image"))
+    counter = _OpCounter()
+
+    def around(label: str, call: Callable[[], Any]) -> Any:
+        outer, counter.where = counter.where, label
+        try:
+            return call()
+        finally:
+            counter.where = outer
+
+    step = _stepper(model, opt, mon)
+    for i in range(3):
+        step(batches[i % len(batches)])
+    undo = _instrument(mon, around)
+    try:
+        with counter:
+            step(batches[3])
+    finally:
+        undo()
+        mon.close()
+    return dict(counter.counts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=10, help="blocks per arm (interleaved)")
+    ap.add_argument("--steps", type=int, default=20, help="steps per block")
+    ap.add_argument("--profile-steps", type=int, default=100)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, VOCAB, (8, 64), generator=g) for _ in range(8)]
+    params = sum(p.numel() for p in _model()[0].parameters())
+
+    sbs = side_by_side(batches, args.blocks, args.steps)
+    print(f"small model, {params:,} parameters, every signal + track_loss(output), report every step, 1 thread")
+    print(f"{'arm':<12} {'ms/step':>8} {'ratio median':>13} {'min':>7} {'max':>7}")
+    print(f"{'unmonitored':<12} {sbs['base_ms']:8.2f} {'1.000':>13}")
+    spread = f"{sbs['ratio_min']:7.3f} {sbs['ratio_max']:7.3f}"
+    print(f"{'monitored':<12} {sbs['mon_ms']:8.2f} {sbs['ratio']:13.3f} {spread}")
+    print(f"added per report (median of block differences): {sbs['report_ms']:.2f} ms")
+
+    profile = thread_time_profile(batches, args.profile_steps)
+    ops = op_counts(batches)
+    print()
+    print(f"{'part (thread CPU time per reported step)':<48} {'ms':>7} {'torch ops':>10}")
+    main_thread = 0.0
+    for label, ms in sorted(profile.items(), key=lambda kv: -kv[1]):
+        if "own thread" not in label:
+            main_thread += ms
+        print(f"{label:<48} {ms:7.3f} {ops.get(label, 0):>10}")
+    ours = sum(n for label, n in ops.items() if label != "model, loss and optimizer (not ours)")
+    print(f"{'training thread, ours in total':<48} {main_thread:7.3f} {ours:>10}")
+    print(
+        f"ratio={sbs['ratio']:.3f} ratio_min={sbs['ratio_min']:.3f} ratio_max={sbs['ratio_max']:.3f} "
+        f"report_ms={sbs['report_ms']:.2f} training_thread_ms={main_thread:.2f} torch_ops={ours} "
+        f"unmonitored_ms={sbs['base_ms']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
