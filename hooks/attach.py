@@ -17,10 +17,11 @@ from trainvitals.hooks import distributed
 from trainvitals.hooks.config import ATTACH_ENV, Config, attach_env
 from trainvitals.hooks.monitor import Monitor
 from trainvitals.hooks.sinks import NullSink, make_sink
+from trainvitals.wire.schema import RUN_PATTERN, RUN_RULE
 
 __all__ = ["attach"]
 
-_RUN_RE = re.compile(r"^[A-Za-z0-9_.:\-/]{1,128}$")
+_RUN_RE = re.compile(RUN_PATTERN)
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
 
 
@@ -73,14 +74,14 @@ def attach(
         run = env.get("run")
         if run is None:
             raise TypeError(f"attach() needs run='name' (or {ATTACH_ENV['run']} in the environment)")
-        if not _RUN_RE.match(run):
-            raise ValueError(f"{ATTACH_ENV['run']}={run!r}: use 1-128 characters from letters, digits and _ . : - /")
+        if not (len(run) <= 128 and _RUN_RE.match(run)):
+            raise ValueError(f"{ATTACH_ENV['run']}={run!r}: {RUN_RULE}")
     if modalities is None:
         modalities = env.get("modalities", ())
     if rules is None:
         rules = env.get("rules")
-    if not isinstance(run, str) or not _RUN_RE.match(run):
-        raise ValueError(f"run={run!r}: use 1-128 characters from letters, digits and _ . : - /")
+    if not isinstance(run, str) or not (len(run) <= 128 and _RUN_RE.match(run)):
+        raise ValueError(f"run={run!r}: {RUN_RULE}")
     if collector is not None and sink is not None:
         raise ValueError("pass either collector=URL or sink=..., not both")
     if collector is not None and not (isinstance(collector, str) and collector.startswith(("http://", "https://"))):

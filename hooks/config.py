@@ -35,7 +35,8 @@ ATTACH_ENV = {
 ``TRAINVITALS_COLLECTOR=file:PATH``; ``scaler`` is an object: none)."""
 
 ATTACH_ENV_HELP = {
-    "run": "The run's name (1-128 characters from letters, digits and `_ . : - /`); "
+    "run": "The run's name (1-128 characters from letters, digits and `_ . : - /`; "
+    "no empty, `.` or `..` part between slashes); "
     "`trainvitals run` sets it (`--run`, else the script's name and the start time).",
     "collector": "Where reports go: a collector URL (`http://host:9477`), `file:PATH` (JSONL) or `null` (nowhere).",
     "modalities": "Names for the integer modality codes, comma-separated (`text,image`).",

@@ -25,6 +25,7 @@ from trainvitals.monitor.deps import SettingsDep, StoreDep
 from trainvitals.monitor.request_body import BodyRefused, check_bearer
 from trainvitals.monitor.run_settings import RunSettingsTable, parse_request
 from trainvitals.monitor.settings import Settings
+from trainvitals.wire.schema import RUN_PATTERN, RUN_RULE
 
 __all__ = ["PATH_RUN_PATTERN", "RunSettingsDep", "router", "settings_path"]
 
@@ -32,10 +33,9 @@ log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["runs"])
 
-# A run name as this path takes it: the wire's run names (RUN_PATTERN) whose "/"-separated
-# parts are neither empty nor "." or "..", which URLs would not carry as they are.
-_SEGMENT = r"(?:[A-Za-z0-9_:\-][A-Za-z0-9_.:\-]*|\.[A-Za-z0-9_:\-][A-Za-z0-9_.:\-]*|\.\.[A-Za-z0-9_.:\-]+)"
-PATH_RUN_PATTERN = rf"^{_SEGMENT}(?:/{_SEGMENT})*$"
+# A run name as this path takes it: the wire's own run names, whose "/"-separated parts
+# are never empty, "." or "..", which URLs would not carry as they are.
+PATH_RUN_PATTERN = RUN_PATTERN
 _RUN_RE = re.compile(PATH_RUN_PATTERN)
 _PATH = "/v1/runs/{run:path}/settings"
 _METHODS = ("GET", "PUT", "DELETE")
@@ -117,8 +117,7 @@ def _run(request: Request) -> str:
     if not (1 <= len(run) <= 128 and _RUN_RE.match(run)):
         raise HTTPException(
             422,
-            f"run {run!r}: use 1-128 characters from letters, digits and "
-            "_ . : - /, without empty, '.' or '..' parts between slashes",
+            f"run {run!r}: {RUN_RULE}",
         )
     return run
 

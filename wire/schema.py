@@ -38,6 +38,8 @@ __all__ = [
     "MAX_TIME",
     "RESERVED_LABELS",
     "RUN_END_EVENT",
+    "RUN_PATTERN",
+    "RUN_RULE",
     "SCHEMA_VERSION",
     "Event",
     "Report",
@@ -83,7 +85,13 @@ MAX_RANK = 2**20 - 1
 MAX_SEQ = 2**63 - 1
 MAX_TIME = 1e11
 """Unix seconds (year 5138): bounds ``time`` to what a float timestamp can mean."""
-RUN_PATTERN = r"^[A-Za-z0-9_.:\-/]+$"
+_RUN_PART = r"(?:[A-Za-z0-9_:\-][A-Za-z0-9_.:\-]*|\.[A-Za-z0-9_:\-][A-Za-z0-9_.:\-]*|\.\.[A-Za-z0-9_.:\-]+)"
+RUN_PATTERN = rf"^{_RUN_PART}(?:/{_RUN_PART})*$"
+"""A run name: parts of letters, digits and ``_ . : -`` joined by ``/``, none of them
+empty, ``.`` or ``..``, so that a URL path carries the name as it is (the live-settings
+routes ``/v1/runs/{run}/settings`` address a run by its name)."""
+RUN_RULE = "use 1-128 characters from letters, digits and _ . : - /, without empty, '.' or '..' parts between slashes"
+"""What :data:`RUN_PATTERN` asks for, in words (error messages say it)."""
 SENDER_PATTERN = r"^[A-Za-z0-9_\-]{1,64}$"
 
 _NAME = re.compile(r"[a-z_][a-z0-9_]*\Z")

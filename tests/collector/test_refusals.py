@@ -90,6 +90,10 @@ CASES: dict[str, tuple[bytes, str, str]] = {
     "sender_without_seq": (body(report(sender="abc")), "reports.0", "sender and seq"),
     # "$" in a Python pattern also matches before a final newline: these used to pass.
     "run_trailing_newline": (body(report(run="r1\n")), "reports.0.run", "matching regex"),
+    # A URL path could not carry these (the live-settings routes address runs by name).
+    "run_empty_part": (body(report(run="exp//1")), "reports.0.run", "matching regex"),
+    "run_leading_slash": (body(report(run="/exp/1")), "reports.0.run", "matching regex"),
+    "run_dot_dot_part": (body(report(run="exp/../1")), "reports.0.run", "matching regex"),
     "sender_trailing_newline": (body(report(sender="s1\n", seq=1)), "reports.0.sender", "matching regex"),
 }
 

@@ -34,6 +34,8 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
         ({"optimizer": object()}, TypeError, "torch.optim.Optimizer"),
         ({"run": "has space"}, ValueError, "run="),
         ({"run": ""}, ValueError, "run="),
+        ({"run": "exp//1"}, ValueError, "without empty, '.' or '..' parts"),
+        ({"run": "x" * 129}, ValueError, "1-128 characters"),
         ({"collector": "http://x:1", "sink": "null"}, ValueError, "either collector"),
         ({"collector": "127.0.0.1:9477"}, ValueError, "http"),
         ({"sink": "ftp://nowhere"}, ValueError, "file:"),
