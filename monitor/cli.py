@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from trainvitals.monitor.cli_options import bearer_token, token_options
 from trainvitals.monitor.settings import DEFAULT_PORT, Settings, SettingsError
 from trainvitals.wire import Report, ReportBatch, encode_body, encode_report
 
@@ -115,18 +116,7 @@ def serve(
     required=True,
     help="Collector base URL, e.g. http://127.0.0.1:9477 (env TRAINVITALS_COLLECTOR).",
 )
-@click.option(
-    "--token",
-    envvar="TRAINVITALS_TOKEN",
-    default=None,
-    help="Bearer token (env TRAINVITALS_TOKEN).",
-)
-@click.option(
-    "--token-file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="File holding the bearer token.",
-)
+@token_options
 @click.option(
     "--batch-size",
     type=click.IntRange(1, 10_000),
@@ -149,8 +139,7 @@ def replay(
     """
     import httpx
 
-    if token_file is not None:
-        token = token_file.read_text(encoding="utf-8").strip()
+    token = bearer_token(token, token_file)
     url = collector.rstrip("/")
     if not url.endswith("/v1/reports"):
         url += "/v1/reports"

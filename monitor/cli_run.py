@@ -28,9 +28,12 @@ from urllib.parse import quote
 
 import click
 
+from trainvitals.monitor.cli_options import bearer_token, read_token_file, token_file_option, token_options
+from trainvitals.wire.schema import RUN_PATTERN, RUN_RULE
+
 __all__ = ["configure", "hook_config", "parse_duration", "run", "shim_folder"]
 
-_RUN_RE = re.compile(r"^[A-Za-z0-9_.:\-/]{1,128}$")
+_RUN_RE = re.compile(RUN_PATTERN)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
 
@@ -74,8 +77,8 @@ def _check_environment(env: dict[str, str]) -> None:
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     run = env.get(config.ATTACH_ENV["run"], "")
-    if run and not _RUN_RE.match(run):
-        raise click.ClickException(f"run name {run!r}: use 1-128 characters from letters, digits and _ . : - /")
+    if run and not (len(run) <= 128 and _RUN_RE.match(run)):
+        raise click.ClickException(f"run name {run!r}: {RUN_RULE}")
     sink = env.get(config.ATTACH_ENV["collector"], "").strip()
     if sink and sink not in ("null", "none") and not sink.startswith(("http://", "https://", "file:")):
         raise click.ClickException(
@@ -105,12 +108,7 @@ def _check_environment(env: dict[str, str]) -> None:
     metavar="N",
     help="Report every N optimizer steps (TRAINVITALS_EVERY).  [default: 10]",
 )
-@click.option(
-    "--token-file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="File holding the collector's bearer token (TRAINVITALS_TOKEN).",
-)
+@token_file_option
 @click.option(
     "--set",
     "settings",
@@ -154,7 +152,7 @@ def run(
     if collector is not None:
         env[config.ATTACH_ENV["collector"]] = collector
     if token_file is not None:
-        env["TRAINVITALS_TOKEN"] = token_file.read_text(encoding="utf-8").strip()
+        env["TRAINVITALS_TOKEN"] = read_token_file(token_file)
     if run_name is not None:
         env[config.ATTACH_ENV["run"]] = run_name
     else:
@@ -228,18 +226,7 @@ def _interval_or_off(text: str) -> int | None:
     metavar="URL",
     help="Collector base URL (env TRAINVITALS_COLLECTOR).",
 )
-@click.option(
-    "--token",
-    envvar="TRAINVITALS_TOKEN",
-    default=None,
-    help="The collector's bearer token, as jobs send it (env TRAINVITALS_TOKEN).",
-)
-@click.option(
-    "--token-file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="File holding the bearer token.",
-)
+@token_options
 @click.option(
     "--read-token",
     envvar="TRAINVITALS_READ_TOKEN",
@@ -288,8 +275,7 @@ def configure(
         body["probe_every"] = _interval_or_off(probe_every)
     if reset and body:
         raise click.UsageError("--reset goes back to the job's own settings: give it alone")
-    if token_file is not None:
-        token = token_file.read_text(encoding="utf-8").strip()
+    token = bearer_token(token, token_file)
     url = collector.rstrip("/") + "/v1/runs/" + quote(run_name, safe="/:") + "/settings"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
