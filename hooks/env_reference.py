@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import itertools
 import typing
 from dataclasses import MISSING, fields
 from typing import Any, Literal, Union
@@ -28,7 +29,7 @@ def field_docs() -> dict[str, str]:
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config")
     out: dict[str, str] = {}
     body = cls.body
-    for node, after in zip(body, body[1:], strict=False):
+    for node, after in itertools.pairwise(body):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)

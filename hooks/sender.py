@@ -195,7 +195,7 @@ class Sender:
                 {**report, "samples": [*report["samples"], dropped], "sender": self.sender_id, "seq": self._seq}
             )
             data = encode_report(validated)
-        except Exception as exc:  # never let a bad report kill the thread
+        except Exception as exc:  # noqa: BLE001 - never let a bad report kill the thread
             with self._cond:
                 self.dropped += 1
             self._warn_once("encode", "could not send the report of step %s: %s", item.step, exc)

@@ -80,7 +80,7 @@ class FileSink:
         try:
             if self._fh is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._fh = open(self.path, "ab")  # noqa: SIM115 - kept open across batches
+                self._fh = open(self.path, "ab")
             self._fh.write(b"".join(r + b"\n" for r in batch))
             self._fh.flush()
         except OSError as exc:
@@ -161,7 +161,7 @@ class HttpSink:
             headers["Content-Encoding"] = "gzip"
         try:
             resp = self._http().post(self.url, content=body, headers=headers, timeout=self.timeout)
-        except Exception as exc:  # connection refused, timeout, DNS: all transient
+        except Exception as exc:  # noqa: BLE001 - connection refused, timeout, DNS: all transient
             import httpx
 
             if isinstance(exc, httpx.TimeoutException):

@@ -169,7 +169,7 @@ def replay(
 def _detail(resp: httpx.Response) -> str:
     try:
         return str(resp.json()["detail"])
-    except Exception:
+    except (ValueError, KeyError, TypeError):  # not JSON, or not an error body
         return resp.text[:500] or "(empty body)"
 
 

@@ -43,7 +43,7 @@ def hooks_folder() -> Path:
     spec = importlib.util.find_spec("trainvitals.hooks")
     if spec is None or not spec.submodule_search_locations:
         raise click.ClickException("cannot find the trainvitals.hooks package in this installation")
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def shim_folder() -> Path:
@@ -330,7 +330,7 @@ def _value(key: str, v: Any) -> str:
 
 
 def _span(seconds: float) -> str:
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return (f"{h}h " if h else "") + (f"{m}m " if m or h else "") + f"{s}s"

@@ -41,7 +41,7 @@ class RedactFilter(logging.Filter):
             record.args = tuple(_clean(a) if isinstance(a, str) else a for a in record.args)
         try:
             message = record.getMessage()
-        except Exception:  # a bad format string: leave it to the handler
+        except Exception:  # noqa: BLE001 - a bad format string: leave it to the handler
             return True
         clean = _clean(message)
         if record.exc_info and record.exc_text is None:

@@ -83,7 +83,7 @@ class RecordingServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            do_POST = do_PUT = _record_and_answer  # noqa: N815 - http.server's names
+            do_POST = do_PUT = _record_and_answer
 
             def log_message(self, *args: Any) -> None:
                 pass

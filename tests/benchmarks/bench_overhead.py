@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.benchmarks.reference import ACCUM, build, make_batches, train_step  # noqa: E402
-from trainvitals.hooks import attach  # noqa: E402
+from tests.benchmarks.reference import ACCUM, build, make_batches, train_step
+from trainvitals.hooks import attach
 
 
 def main(argv: list[str] | None = None) -> None:

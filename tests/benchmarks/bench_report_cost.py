@@ -37,9 +37,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import trainvitals.hooks.distributed as distributed  # noqa: E402
-import trainvitals.hooks.monitor as monitor_module  # noqa: E402
-from trainvitals.hooks import attach  # noqa: E402
+import trainvitals.hooks.distributed as distributed
+import trainvitals.hooks.monitor as monitor_module
+from trainvitals.hooks import attach
 
 VOCAB, D = 512, 64
 MODALITY = torch.tensor([0] * 6 + [1] * 2)  # 8 samples: 6 text, 2 image

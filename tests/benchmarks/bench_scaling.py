@@ -30,7 +30,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainvitals.hooks import attach  # noqa: E402
+from trainvitals.hooks import attach
 
 WIDTH_FOR = {1e6: 256, 3e6: 384, 1e7: 640, 3e7: 1024, 1e8: 1536}
 

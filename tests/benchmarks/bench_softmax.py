@@ -33,8 +33,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainvitals.hooks import attach  # noqa: E402
-from trainvitals.hooks.signals import softmax_math as sm  # noqa: E402
+from trainvitals.hooks import attach
+from trainvitals.hooks.signals import softmax_math as sm
 
 # (name, shape, dtype): the reference decoder's logits first (4 x 128 positions,
 # 8192 classes; the cap keeps 171 of them, stride 3), then a plain [256, V] block
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         figures[f"observe_ms_{name}"] = ms
         figures[f"step_ms_{name}"] = step_ms
         print(
-            f"{name:<18}{str(tuple(shape)):<18}{str(dtype).removeprefix('torch.'):<10}{kept:>6}"
+            f"{name:<18}{tuple(shape)!s:<18}{str(dtype).removeprefix('torch.'):<10}{kept:>6}"
             f"{ms:>9.2f}{step_ms:>9.2f}{step_ms * 1e6 / (kept * shape[-1]):>10.2f}"
         )
     if not only or "distill_512x8192" in only:
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         figures["distill_ms_512x8192"] = ms
         figures["distill_step_ms_512x8192"] = step_ms
         print(
-            f"{'distill_512x8192':<18}{str(shape):<18}{'float32':<10}{kept_positions(shape, cap):>6}"
+            f"{'distill_512x8192':<18}{shape!s:<18}{'float32':<10}{kept_positions(shape, cap):>6}"
             f"{ms:>9.2f}{step_ms:>9.2f}{'':>10}"
         )
     mon.close()

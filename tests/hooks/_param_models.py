@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,7 +127,7 @@ def param_reference(
     names = dict((id(p), n) for n, p in model.named_parameters())
     wd = {names[id(p)]: float(g.get("weight_decay", 0.0)) for g in opt.param_groups for p in g["params"]}
     values = history.values[report]
-    chain = [history.attach] + history.values[: report + 1]
+    chain = [history.attach, *history.values[: report + 1]]
     out: dict[str, dict[str, float]] = {
         k: {}
         for k in (
@@ -164,7 +165,7 @@ def param_reference(
         moved = max(abs(float(x) - r) for x, r in zip(v, ref, strict=True))
         out["param_drift_log2"][name] = 0.0 if scale == 0.0 else math.log2(1 + moved / scale)
         signs = []
-        for before, after in zip(chain[:-1], chain[1:], strict=False):
+        for before, after in itertools.pairwise(chain):
             b, a = before[name].reshape(-1).tolist(), after[name].reshape(-1).tolist()
             signs.append([(x > y) - (x < y) for x, y in zip(a, b, strict=True)])
         recent = signs[-window:]

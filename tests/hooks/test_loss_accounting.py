@@ -280,7 +280,7 @@ def _flatten(rows: Rows) -> Rows:
 
 
 def test_flat_per_token_is_one_sample_per_element_without_segments():
-    model, opt, mon = monitored()
+    _model, opt, mon = monitored()
     per_token = torch.rand(6, requires_grad=True)
     mon.track_loss(per_token, modality=torch.tensor([0, 0, 0, 0, 1, 1]))
     (per_token * torch.tensor([1, 1, 1, 1, 2, 2.0])).sum().backward()

@@ -86,9 +86,9 @@ def test_load_state_dict_refuses_what_is_not_a_monitor_state():
     model = Readout()
     opt = torch.optim.Adam(model.parameters())
     with attach(model, opt, run="x", sink="null") as mon:
-        with pytest.raises(ValueError, match="Monitor.state_dict"):
+        with pytest.raises(ValueError, match=r"Monitor\.state_dict"):
             mon.load_state_dict({"step": 3})
-        with pytest.raises(ValueError, match="Monitor.state_dict"):
+        with pytest.raises(ValueError, match=r"Monitor\.state_dict"):
             mon.load_state_dict(opt.state_dict())
 
 

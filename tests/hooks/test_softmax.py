@@ -468,10 +468,10 @@ def teacher_logits(task: str, ids: torch.Tensor) -> torch.Tensor:
     table = torch.randn(TOKENS, VOCAB, generator=g)
     z = table[ids]
     if task == "ie":
-        z = z.scatter_add(-1, (ids % VOCAB).unsqueeze(-1), torch.full(ids.shape + (1,), 40.0))
+        z = z.scatter_add(-1, (ids % VOCAB).unsqueeze(-1), torch.full((*ids.shape, 1), 40.0))
     else:
         z = z * 1.2
-        z = z.scatter_add(-1, (ids % VOCAB).unsqueeze(-1), torch.full(ids.shape + (1,), 4.0))
+        z = z.scatter_add(-1, (ids % VOCAB).unsqueeze(-1), torch.full((*ids.shape, 1), 4.0))
     return z
 
 

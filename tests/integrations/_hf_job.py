@@ -22,10 +22,10 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-import transformers  # noqa: E402
-from transformers import (  # noqa: E402
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     Trainer,
@@ -33,7 +33,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from trainvitals.hooks.transformers import TrainvitalsCallback  # noqa: E402
+from trainvitals.hooks.transformers import TrainvitalsCallback
 
 VOCAB = 64
 LENGTHS = (6, 30, 12, 24)  # one sample per micro-batch, in this order: token counts differ

@@ -15,12 +15,12 @@ from pathlib import Path
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-from trainvitals.hooks.lightning import TrainvitalsCallback  # noqa: E402
+from trainvitals.hooks.lightning import TrainvitalsCallback
 
 VOCAB = 32
 LENGTHS = (6, 30, 12, 24)

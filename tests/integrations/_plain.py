@@ -10,10 +10,10 @@ from pathlib import Path
 if __name__ == "__main__":  # a rank of the data-parallel test: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from tests.hooks._loss_models import (  # noqa: E402
+from tests.hooks._loss_models import (
     MODALITIES,
     VOCAB,
     Rows,
@@ -23,7 +23,7 @@ from tests.hooks._loss_models import (  # noqa: E402
     reduce_loss,
     samples,
 )
-from trainvitals.hooks import attach  # noqa: E402
+from trainvitals.hooks import attach
 
 LOSS_METRICS = (
     "loss",

@@ -172,7 +172,7 @@ def test_non_report_steps_place_no_hook_and_report_steps_no_host_sync(monkeypatc
 def test_wrong_use_raises_with_what_to_do():
     model = TokenModel(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="no such module.*named_modules"):
+    with pytest.raises(ValueError, match=r"no such module.*named_modules"):
         attach(model, opt, run="x", sink="null", loss_from_logits="lm_head")
     with pytest.raises(ValueError, match="cannot find the module that outputs the logits"):
         attach(nn.Sequential(nn.Linear(4, 4)), opt, run="x", sink="null", loss_from_logits=True)

@@ -383,7 +383,7 @@ def test_trainvitals_configure_changes_a_running_job_and_it_goes_back():
             assert shown.stdout.startswith("run 'cli-live': every=1 until "), shown.stdout
             runs = httpx.get(f"{url}/v1/runs").json()
             assert [r["settings"]["every"] for r in runs if r["run"] == "cli-live"] == [1]
-            out, err = job.communicate(timeout=180)
+            _out, err = job.communicate(timeout=180)
         finally:
             if job.poll() is None:
                 job.kill()

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from trainvitals.hooks import attach  # noqa: E402
+from trainvitals.hooks import attach
 
 rank, world, port, out, collector = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 torch.set_num_threads(1)
