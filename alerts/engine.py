@@ -62,7 +62,7 @@ from trainvitals.alerts.model import (
 )
 from trainvitals.alerts.state import Alert, AlertState, LabelItems, Transition
 from trainvitals.alerts.transforms import SeriesHistory
-from trainvitals.wire import RUN_END_EVENT, Report, series_labels
+from trainvitals.wire import Report, ends_run, series_labels
 
 if TYPE_CHECKING:  # the collector's decoder structs: same attributes as Report (it imports this package)
     from trainvitals.monitor.decode import WireReport
@@ -273,7 +273,7 @@ class Engine:
                 info.last_seen = max(info.last_seen, now)
                 info.last_step = step
             self._dirty_runs.add(run)
-            ended = any(ev.kind == RUN_END_EVENT for ev in report.events)
+            ended = ends_run(report)
             info.closed = ended
             for i, _rule in self._silence:
                 inst = self._instances.get((i, run, 0, ()))

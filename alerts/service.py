@@ -40,7 +40,7 @@ from trainvitals.alerts.local import format_transition
 from trainvitals.alerts.notifiers.base import Notification, Notifier
 from trainvitals.alerts.notifiers.config import build_notifiers
 from trainvitals.alerts.state import Alert, AlertState, Transition
-from trainvitals.wire import METRICS, PREFIX, Report
+from trainvitals.wire import METRICS, PREFIX, Report, exposed_family
 
 if TYPE_CHECKING:  # the collector's types (it imports this package, not the other way round)
     from trainvitals.monitor.decode import WireReport
@@ -338,10 +338,14 @@ class AlertService:
         if not stats:
             return
         sent = CounterMetricFamily(
-            PREFIX + "notifications", METRICS["notifications_total"].help, labels=["notifier", "outcome"]
+            PREFIX + exposed_family("notifications_total"),
+            METRICS["notifications_total"].help,
+            labels=["notifier", "outcome"],
         )
         retries = CounterMetricFamily(
-            PREFIX + "notification_retries", METRICS["notification_retries_total"].help, labels=["notifier"]
+            PREFIX + exposed_family("notification_retries_total"),
+            METRICS["notification_retries_total"].help,
+            labels=["notifier"],
         )
         queued = GaugeMetricFamily(
             PREFIX + "notifications_queued", METRICS["notifications_queued"].help, labels=["notifier"]

@@ -17,11 +17,10 @@ from trainvitals.hooks import distributed
 from trainvitals.hooks.config import ATTACH_ENV, Config, attach_env
 from trainvitals.hooks.monitor import Monitor
 from trainvitals.hooks.sinks import NullSink, make_sink
-from trainvitals.wire.schema import RUN_PATTERN, RUN_RULE
+from trainvitals.wire.runs import check_run
 
 __all__ = ["attach"]
 
-_RUN_RE = re.compile(RUN_PATTERN)
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
 
 
@@ -74,14 +73,12 @@ def attach(
         run = env.get("run")
         if run is None:
             raise TypeError(f"attach() needs run='name' (or {ATTACH_ENV['run']} in the environment)")
-        if not (len(run) <= 128 and _RUN_RE.match(run)):
-            raise ValueError(f"{ATTACH_ENV['run']}={run!r}: {RUN_RULE}")
+        check_run(run, ATTACH_ENV["run"])
     if modalities is None:
         modalities = env.get("modalities", ())
     if rules is None:
         rules = env.get("rules")
-    if not isinstance(run, str) or not (len(run) <= 128 and _RUN_RE.match(run)):
-        raise ValueError(f"run={run!r}: {RUN_RULE}")
+    check_run(run)
     if collector is not None and sink is not None:
         raise ValueError("pass either collector=URL or sink=..., not both")
     if collector is not None and not (isinstance(collector, str) and collector.startswith(("http://", "https://"))):

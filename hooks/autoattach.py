@@ -63,6 +63,7 @@ from trainvitals.hooks.attach import attach
 from trainvitals.hooks.config import ATTACH_ENV, default_run_name, env_name
 from trainvitals.hooks.monitor import Monitor
 from trainvitals.hooks.naming import unwrap
+from trainvitals.wire.runs import MAX_RUN
 
 __all__ = ["find_model", "install", "on_step", "watched"]
 
@@ -205,7 +206,7 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
     if run is None:
         base = os.environ.get(ATTACH_ENV["run"], "").strip() or default_run_name(sys.argv)
         suffix = "" if index == 1 else f":opt{index}"
-        run = base[: 128 - len(suffix)] + suffix
+        run = base[: MAX_RUN - len(suffix)] + suffix
     options: dict[str, Any] = {}
     if closure and not os.environ.get(env_name("step_boundary"), "").strip():
         options["step_boundary"] = "manual"

@@ -5,8 +5,8 @@ Every option can also come from the environment (``docs/configuration.md``):
 and :data:`ATTACH_ENV` for the core arguments. An argument passed to ``attach()``
 wins over the environment, which wins over the default.
 
-This module imports nothing but the standard library: ``trainvitals run`` loads it
-to check the variables before starting the job, without importing torch.
+This module imports the standard library and the wire contract only: ``trainvitals
+run`` loads it to check the variables before starting the job, without importing torch.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Union
 
-BUILTIN_SIGNALS = ("optimizer", "params", "adam")
+from trainvitals.wire.live_settings import BUILTIN_SIGNALS
+from trainvitals.wire.runs import RUN_RULE
 
 ENV_PREFIX = "TRAINVITALS_"
 
@@ -35,8 +36,7 @@ ATTACH_ENV = {
 ``TRAINVITALS_COLLECTOR=file:PATH``; ``scaler`` is an object: none)."""
 
 ATTACH_ENV_HELP = {
-    "run": "The run's name (1-128 characters from letters, digits and `_ . : - /`; "
-    "no empty, `.` or `..` part between slashes); "
+    "run": f"The run's name ({RUN_RULE.removeprefix('use ')}); "
     "`trainvitals run` sets it (`--run`, else the script's name and the start time).",
     "collector": "Where reports go: a collector URL (`http://host:9477`), `file:PATH` (JSONL) or `null` (nowhere).",
     "modalities": "Names for the integer modality codes, comma-separated (`text,image`).",

@@ -8,24 +8,32 @@ from typing import Any
 
 import torch
 
+from trainvitals.wire.runs import MAX_RUN, RUN_CHARS, is_run
+
 __all__ = ["STATE_FILE", "batch_value", "run_name", "segments_from_positions", "state_file", "torch_optimizer"]
 
 STATE_FILE = "trainvitals-rank{rank}.pt"
 """The monitor's state in a checkpoint folder, one file per rank (Monitor.state_dict())."""
 
-_BAD = re.compile(r"[^A-Za-z0-9_.:\-/]+")
+_BAD = re.compile(rf"[^{RUN_CHARS}/]+")
 
 
 def run_name(*candidates: Any, default: str) -> str:
-    """The first non-empty candidate made into a valid run name (characters outside
-    letters, digits and ``_ . : - /`` become ``_``; at most 128), else ``default``."""
+    """The first candidate that can be made into a valid run name, else ``default``:
+    characters outside letters, digits and ``_ . : - /`` become ``_``, empty, ``.`` and
+    ``..`` parts between slashes are left out, and the last 128 characters kept
+    (:func:`trainvitals.wire.runs.is_run` holds for what comes back)."""
     for c in candidates:
         if c is None:
             continue
-        name = _BAD.sub("_", str(c)).strip("/")[-128:]
-        if name:
+        name = _parts(_parts(_BAD.sub("_", str(c)))[-MAX_RUN:])
+        if is_run(name):
             return name
     return default
+
+
+def _parts(name: str) -> str:
+    return "/".join(p for p in name.split("/") if p not in ("", ".", ".."))
 
 
 def state_file(folder: str, rank: int) -> str:

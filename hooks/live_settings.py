@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import Mapping
@@ -36,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainvitals.hooks.config import BUILTIN_SIGNALS
 from trainvitals.hooks.step import StepContext
+from trainvitals.wire.live_settings import BUILTIN_SIGNALS, LIVE_FIELDS, MAX_INTERVAL, parse_entry
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainvitals.hooks.monitor import Monitor
@@ -45,54 +44,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["LIVE_FIELDS", "MAX_EVERY", "LiveSettings", "parse_entry"]
 
+MAX_EVERY = MAX_INTERVAL
+"""Largest report or probe interval accepted from the collector (steps); the wire's ``MAX_INTERVAL``."""
+
 log = logging.getLogger("trainvitals")
 
-LIVE_FIELDS = ("every", "signals", "per_param", "probe_every")
-"""The :class:`~trainvitals.hooks.config.Config` fields the collector may set."""
-
-MAX_EVERY = 1_000_000
-"""Largest report or probe interval accepted from the collector (steps)."""
-
 _OWN = -1.0  # in the collective's vector: "the job's own value"
-
-
-def parse_entry(entry: Any) -> tuple[dict[str, Any], float]:
-    """A run's entry of the answer's ``settings`` as (override, seconds left).
-
-    ``{"every": 1, "signals": ["params"], "per_param": true, "probe_every": null,
-    "expires_in": 3590.5}``: the fields present replace the job's own (``probe_every``
-    null: off); ``expires_in`` (seconds, > 0) is required. Other keys are ignored
-    (a newer collector may send more). Raises ValueError naming the field."""
-    if not isinstance(entry, Mapping):
-        raise ValueError(f"settings entry must be an object, got {type(entry).__name__}")
-    left = entry.get("expires_in")
-    if isinstance(left, bool) or not isinstance(left, (int, float)) or not math.isfinite(left) or left <= 0:
-        raise ValueError(f"expires_in must be a positive number of seconds, got {left!r}")
-    out: dict[str, Any] = {}
-    for name in LIVE_FIELDS:
-        if name not in entry:
-            continue
-        v = entry[name]
-        if name == "every":
-            if not _interval(v):
-                raise ValueError(f"every must be an integer in 1..{MAX_EVERY}, got {v!r}")
-        elif name == "probe_every":
-            if v is not None and not _interval(v):
-                raise ValueError(f"probe_every must be null or an integer in 1..{MAX_EVERY}, got {v!r}")
-        elif name == "per_param":
-            if not isinstance(v, bool):
-                raise ValueError(f"per_param must be true or false, got {v!r}")
-        elif name == "signals":
-            if v is not None:
-                if not isinstance(v, list) or any(s not in BUILTIN_SIGNALS for s in v):
-                    raise ValueError(f"signals must be null or a list of {list(BUILTIN_SIGNALS)}, got {v!r}")
-                v = tuple(s for s in BUILTIN_SIGNALS if s in v)  # one order: equal sets compare equal
-        out[name] = v
-    return out, float(left)
-
-
-def _interval(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_EVERY
 
 
 class LiveSettings:

@@ -29,11 +29,10 @@ from urllib.parse import quote
 import click
 
 from trainvitals.monitor.cli_options import bearer_token, read_token_file, token_file_option, token_options
-from trainvitals.wire.schema import RUN_PATTERN, RUN_RULE
+from trainvitals.wire.runs import RUN_RULE, is_run
 
 __all__ = ["configure", "hook_config", "parse_duration", "run", "shim_folder"]
 
-_RUN_RE = re.compile(RUN_PATTERN)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
 
@@ -77,7 +76,7 @@ def _check_environment(env: dict[str, str]) -> None:
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     run = env.get(config.ATTACH_ENV["run"], "")
-    if run and not (len(run) <= 128 and _RUN_RE.match(run)):
+    if run and not is_run(run):
         raise click.ClickException(f"run name {run!r}: {RUN_RULE}")
     sink = env.get(config.ATTACH_ENV["collector"], "").strip()
     if sink and sink not in ("null", "none") and not sink.startswith(("http://", "https://", "file:")):

@@ -25,9 +25,11 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from trainvitals.wire.runs import MAX_RUN, RUN_REGEX, SENDER_REGEX
 from trainvitals.wire.schema import (
     MAX_DETAIL,
     MAX_EVENTS,
+    MAX_KIND,
     MAX_LABEL_NAME,
     MAX_LABELS,
     MAX_NAME,
@@ -37,19 +39,14 @@ from trainvitals.wire.schema import (
     MAX_SEQ,
     MAX_STEP,
     MAX_TIME,
-    RUN_PATTERN,
     SCHEMA_VERSION,
-    SENDER_PATTERN,
     report_problem,
 )
 
 __all__ = ["BodyInvalid", "WireBatch", "WireEvent", "WireReport", "WireSample", "decode_batch"]
 
-# msgspec matches patterns with Python's re.search, where "$" also matches before a final
-# newline ("r1\n" would pass); the wire's patterns end in "$" for pydantic's (Rust) engine,
-# whose "$" is the end of the text. \Z is that end for Python's re.
-_RUN = RUN_PATTERN.removesuffix("$") + r"\Z"
-_SENDER = SENDER_PATTERN.removesuffix("$") + r"\Z"
+# msgspec matches patterns with Python's re.search: the wire's Python forms (\A...\Z), so
+# "r1\n" is refused as the pydantic models refuse it.
 _LabelName = Annotated[str, Meta(min_length=1, max_length=MAX_LABEL_NAME)]
 # Label values: empty, too long or unprintable is checked by report_problem (naming the label).
 _Labels = Annotated[dict[_LabelName, str], Meta(max_length=MAX_LABELS)]
@@ -64,19 +61,19 @@ class WireSample(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 
 
 class WireEvent(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    kind: Annotated[str, Meta(min_length=1, max_length=64)]
+    kind: Annotated[str, Meta(min_length=1, max_length=MAX_KIND)]
     detail: Annotated[str, Meta(max_length=MAX_DETAIL)] = ""
     labels: _Labels = {}
 
 
 class WireReport(msgspec.Struct, forbid_unknown_fields=True):
-    run: Annotated[str, Meta(min_length=1, max_length=128, pattern=_RUN)]
+    run: Annotated[str, Meta(min_length=1, max_length=MAX_RUN, pattern=RUN_REGEX)]
     step: Annotated[int, Meta(ge=0, lt=MAX_STEP)]
     time: float
     rank: Annotated[int, Meta(ge=0, le=MAX_RANK)] = 0
     samples: Annotated[list[WireSample], Meta(max_length=MAX_SAMPLES)] = []
     events: Annotated[list[WireEvent], Meta(max_length=MAX_EVENTS)] = []
-    sender: Annotated[str, Meta(pattern=_SENDER)] | None = None
+    sender: Annotated[str, Meta(pattern=SENDER_REGEX)] | None = None
     seq: Annotated[int, Meta(ge=0, le=MAX_SEQ)] | None = None
 
 

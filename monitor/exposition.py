@@ -23,7 +23,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.utils import floatToGoString as _fmt
 
 from trainvitals.monitor.store import LabelKey, RemovableHandle, RunCopy, SeriesStore
-from trainvitals.wire import METRICS, PREFIX, metric_type, series_labels
+from trainvitals.wire import METRICS, PREFIX, exposed_name, metric_type, series_labels
 
 __all__ = ["REPORT_OUTCOMES", "FamilySource", "ReportCounter", "StoreCollector"]
 
@@ -207,9 +207,7 @@ def _labels(items: Iterable[tuple[str, str]]) -> str:
 
 def _exposed_name(name: str) -> str:
     """The sample name ``generate_latest`` writes for a wire name."""
-    if metric_type(name) == "counter":
-        return PREFIX + name.removesuffix("_total") + "_total"
-    return PREFIX + name
+    return exposed_name(name)
 
 
 def _header(name: str) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from trainvitals.wire import PREFIX, RESERVED_NAMES
+from trainvitals.wire.runs import MAX_RUN
 from trainvitals.wire.schema import (
     EVENT_KINDS,
     HISTOGRAM_LABELS,
@@ -159,7 +160,7 @@ def report_batch_schema() -> dict[str, dict[str, Any]]:
         "additionalProperties": False,
         "required": ["run", "step", "time"],
         "properties": {
-            "run": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": RUN_PATTERN},
+            "run": {"type": "string", "minLength": 1, "maxLength": MAX_RUN, "pattern": RUN_PATTERN},
             "step": {"type": "integer", "minimum": 0, "maximum": MAX_STEP - 1},
             "time": {
                 "type": "number",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from typing import Annotated, Any
 
@@ -25,7 +24,7 @@ from trainvitals.monitor.deps import SettingsDep, StoreDep
 from trainvitals.monitor.request_body import BodyRefused, check_bearer
 from trainvitals.monitor.run_settings import RunSettingsTable, parse_request
 from trainvitals.monitor.settings import Settings
-from trainvitals.wire.schema import RUN_PATTERN, RUN_RULE
+from trainvitals.wire.runs import MAX_RUN, RUN_PATTERN, RUN_RULE, is_run
 
 __all__ = ["PATH_RUN_PATTERN", "RunSettingsDep", "router", "settings_path"]
 
@@ -36,7 +35,6 @@ router = APIRouter(tags=["runs"])
 # A run name as this path takes it: the wire's own run names, whose "/"-separated parts
 # are never empty, "." or "..", which URLs would not carry as they are.
 PATH_RUN_PATTERN = RUN_PATTERN
-_RUN_RE = re.compile(PATH_RUN_PATTERN)
 _PATH = "/v1/runs/{run:path}/settings"
 _METHODS = ("GET", "PUT", "DELETE")
 _RUN_PARAMETER = {
@@ -46,7 +44,7 @@ _RUN_PARAMETER = {
             "in": "path",
             "required": True,
             "description": "The run's name (may contain /).",
-            "schema": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": PATH_RUN_PATTERN},
+            "schema": {"type": "string", "minLength": 1, "maxLength": MAX_RUN, "pattern": PATH_RUN_PATTERN},
         }
     ]
 }
@@ -84,7 +82,7 @@ _SHOWN = {
     "description": "The fields set, with set_at, expires_at (Unix seconds) and expires_in (seconds).",
     "required": ["set_at", "expires_at", "expires_in"],
 }
-_BAD_RUN = _detail("A run name that is not 1-128 characters from letters, digits and _ . : - /.")
+_BAD_RUN = _detail(f"A run name the wire refuses (it must {RUN_RULE.removeprefix('use ')}).")
 _NO_ROUTE = _detail("A path no route takes (a run name with a line break).")
 _WRITE_AUTH = _detail("Missing or wrong bearer token (the collector's token, as jobs send).")
 
@@ -114,7 +112,7 @@ def _run(request: Request) -> str:
     """The run of the path (read here, so a bad one is refused with this collector's
     ``detail``, and documented with its pattern in ``_RUN_PARAMETER``)."""
     run = str(request.path_params["run"])
-    if not (1 <= len(run) <= 128 and _RUN_RE.match(run)):
+    if not is_run(run):
         raise HTTPException(
             422,
             f"run {run!r}: {RUN_RULE}",

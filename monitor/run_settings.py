@@ -12,14 +12,21 @@ gone. With ``state_path`` the entries survive a restart of the collector.
 from __future__ import annotations
 
 import builtins
-import math
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from trainvitals.wire.live_settings import (
+    BUILTIN_SIGNALS,
+    DEFAULT_TTL_SECONDS,
+    LIVE_FIELDS,
+    MAX_INTERVAL,
+    MAX_TTL_SECONDS,
+    SettingsRequest,
+    parse_request,
+)
 
 __all__ = [
     "BUILTIN_SIGNALS",
@@ -32,98 +39,6 @@ __all__ = [
     "SettingsRequest",
     "parse_request",
 ]
-
-LIVE_FIELDS = ("every", "signals", "per_param", "probe_every")
-"""What may be set: the hooks' options of the same names (trainvitals.hooks.config)."""
-
-BUILTIN_SIGNALS = ("optimizer", "params", "adam")
-"""The hooks' built-in signals (``trainvitals.hooks.config.BUILTIN_SIGNALS``, which
-imports torch; a test checks that the two agree)."""
-
-MAX_INTERVAL = 1_000_000  # steps; the hooks refuse larger intervals
-DEFAULT_TTL_SECONDS = 3600.0
-MAX_TTL_SECONDS = 7 * 86400.0
-
-
-class SettingsRequest(BaseModel):
-    """The body of ``PUT /v1/runs/{run}/settings``. A field left out keeps the job's
-    own value; ``signals: null`` means every built-in signal, ``probe_every: null``
-    turns the probe off."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    every: int = Field(
-        None,
-        ge=1,
-        le=MAX_INTERVAL,  # type: ignore[assignment]
-        description="Report every N optimizer steps.",
-    )
-    signals: list[Literal["optimizer", "params", "adam"]] | None = Field(
-        None, description="Built-in signals to run; null: all."
-    )
-    per_param: bool = Field(
-        None,  # type: ignore[assignment]
-        description="Per-parameter series for parameters with ndim >= 2.",
-    )
-    probe_every: int | None = Field(
-        None, ge=1, le=MAX_INTERVAL, description="Per-modality gradient probe interval; null: off."
-    )
-    ttl_seconds: float = Field(
-        DEFAULT_TTL_SECONDS,
-        gt=0,
-        le=MAX_TTL_SECONDS,
-        description="Seconds until the job goes back to its own settings.",
-    )
-
-    @field_validator("every", "per_param", mode="before")
-    @classmethod
-    def _not_null(cls, v: Any) -> Any:
-        if v is None:
-            raise ValueError("null is not a value here; leave the field out to keep the job's own")
-        return v
-
-    @field_validator("every", "probe_every", mode="before")
-    @classmethod
-    def _whole(cls, v: Any) -> Any:
-        # JSON has one number type: 5.0 is the integer 5 (as JSON Schema says); 5.5 is not.
-        if isinstance(v, float) and v.is_integer():
-            return int(v)
-        return v
-
-    @field_validator("ttl_seconds", mode="before")
-    @classmethod
-    def _finite(cls, v: Any) -> Any:
-        if isinstance(v, int) and not isinstance(v, bool):
-            v = float(v)
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ValueError("must be a finite number of seconds")
-        return v
-
-    def values(self) -> dict[str, Any]:
-        """The settings given (the override), in the hooks' field names."""
-        out = {}
-        for name in LIVE_FIELDS:
-            if name in self.model_fields_set:
-                v = getattr(self, name)
-                out[name] = [s for s in BUILTIN_SIGNALS if s in v] if name == "signals" and v else v
-        return out
-
-
-def parse_request(data: Any) -> SettingsRequest:
-    """Validate a PUT body; ValueError with one line per problem, each naming its field."""
-    try:
-        req = SettingsRequest.model_validate(data)
-    except ValidationError as exc:
-        problems = [
-            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg'].removeprefix('Value error, ')}"
-            for e in exc.errors(include_url=False)
-        ]
-        raise ValueError("; ".join(problems)) from None
-    if not req.values():
-        raise ValueError(
-            f"no settings given: set one of {', '.join(LIVE_FIELDS)} (DELETE goes back to the job's own settings)"
-        )
-    return req
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from trainvitals.wire import RUN_END_EVENT
+from trainvitals.wire import ends_run
 
 try:
     import fcntl
@@ -242,7 +242,7 @@ class StateDB:
         rows = [(r.run, r.rank, r.sender, r.seq) for r in batch.reports if r.seq is not None]
         if not rows:
             return
-        runs = {r.run: (r.run, now, r.step, int(_ends(r))) for r in batch.reports}
+        runs = {r.run: (r.run, now, r.step, int(ends_run(r))) for r in batch.reports}
         prune = []
         with self._lock:
             for run, rank, sender, _ in rows:
@@ -315,10 +315,6 @@ class StateDB:
 
     def delete_run_settings(self, run: str) -> None:
         self._write("DELETE FROM run_settings WHERE run = ?", [(run,)])
-
-
-def _ends(report: Any) -> bool:
-    return any(ev.kind == RUN_END_EVENT for ev in report.events)
 
 
 def _lock(path: Path) -> IO[str] | None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
-from trainvitals.wire import PREFIX, RESERVED_NAMES, RUN_END_EVENT, Report, ReportBatch, metric_type
+from trainvitals.wire import PREFIX, RESERVED_NAMES, Report, ReportBatch, ends_run, exposed_family
 
 if TYPE_CHECKING:
     from trainvitals.monitor.decode import WireBatch, WireReport
@@ -213,11 +213,6 @@ def _drop_stale(fams: Families, before: int) -> int:
     return dropped
 
 
-def _ends(report: Report | WireReport) -> bool:
-    """The report says its run ended (``Monitor.close()`` sent it)."""
-    return any(ev.kind == RUN_END_EVENT for ev in report.events)
-
-
 class SeriesStore:
     """Latest value per series, per run; thread-safe.
 
@@ -355,7 +350,7 @@ class SeriesStore:
                 if stale and gen % stale == 0:
                     self.stale_dropped += _drop_stale(fams, gen - stale)
                 # A later report without run_end (any rank) means the run goes on.
-                run.ended = _ends(report) if report.events else False
+                run.ended = ends_run(report) if report.events else False
                 count = run.count()
                 self._series_count += count - run.n_series
                 run.n_series = count
@@ -432,7 +427,7 @@ class SeriesStore:
         ended: dict[str, bool] = {}  # run -> does its last report in the batch end it
         for report in reports:
             run = self._runs.get(report.run)
-            ended[report.run] = _ends(report)
+            ended[report.run] = ends_run(report)
             if run is None and report.run not in added:
                 added[report.run] = 2
             else:
@@ -466,14 +461,11 @@ class SeriesStore:
         for name in sorted(fresh):
             if name in RESERVED_NAMES:  # a batch built in process, not through the schema
                 raise IngestRefused(f"metric name {name!r} is produced by the collector; samples may not use it")
-            if metric_type(name) == "counter":
-                other = name[: -len("_total")] if name.endswith("_total") else name
-            else:
-                other = name + "_total"
+            family = exposed_family(name)  # a counter x_total and a gauge x: both family x
+            other = family if family != name else name + "_total"
             if other in known or other in fresh:
                 raise IngestRefused(
-                    f"metric names {name!r} and {other!r} would both be exposed as "
-                    f"{PREFIX}{other.removesuffix('_total')}; rename one"
+                    f"metric names {name!r} and {other!r} would both be exposed as {PREFIX}{family}; rename one"
                 )
         return fresh
 

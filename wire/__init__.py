@@ -14,6 +14,7 @@ from trainvitals.wire.metrics import (
     RESERVED_NAMES,
     MetricSpec,
     exposed_family,
+    exposed_name,
     labels_of,
     metric_type,
 )
@@ -25,6 +26,7 @@ from trainvitals.wire.schema import (
     Report,
     ReportBatch,
     Sample,
+    ends_run,
 )
 from trainvitals.wire.series import series_labels
 
@@ -42,7 +44,9 @@ __all__ = [
     "Sample",
     "encode_body",
     "encode_report",
+    "ends_run",
     "exposed_family",
+    "exposed_name",
     "labels_of",
     "metric_type",
     "series_labels",

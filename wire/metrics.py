@@ -23,6 +23,7 @@ __all__ = [
     "RESERVED_NAMES",
     "MetricSpec",
     "exposed_family",
+    "exposed_name",
     "labels_of",
     "metric_type",
 ]
@@ -413,6 +414,13 @@ def metric_type(name: str) -> MetricType:
 def exposed_family(name: str) -> str:
     """The family name Prometheus sees (no prefix): a counter ``x_total`` is family ``x``."""
     return name.removesuffix("_total") if metric_type(name) == "counter" else name
+
+
+def exposed_name(name: str) -> str:
+    """The sample name ``/metrics`` shows for a wire name: the prefix, the family, and
+    ``_total`` for a counter (what prometheus_client writes for a counter family)."""
+    family = PREFIX + exposed_family(name)
+    return family + "_total" if metric_type(name) == "counter" else family
 
 
 def _reserved() -> frozenset[str]:

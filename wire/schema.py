@@ -20,17 +20,20 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, StringConstraints, model_validator
 
 from trainvitals.wire.metrics import PREFIX, RESERVED_NAMES
+from trainvitals.wire.runs import MAX_RUN, RUN_PATTERN, RUN_RULE, SENDER_PATTERN
 
 __all__ = [
     "EVENT_KINDS",
     "HISTOGRAM_LABELS",
     "LABEL_NAME_CONVENTIONS",
     "MAX_EVENTS",
+    "MAX_KIND",
     "MAX_LABELS",
     "MAX_LABEL_NAME",
     "MAX_LABEL_VALUE",
     "MAX_RANK",
     "MAX_REPORTS",
+    "MAX_RUN",
     "MAX_SAMPLES",
     "MAX_SEQ",
     "MAX_STEP",
@@ -41,10 +44,12 @@ __all__ = [
     "RUN_PATTERN",
     "RUN_RULE",
     "SCHEMA_VERSION",
+    "SENDER_PATTERN",
     "Event",
     "Report",
     "ReportBatch",
     "Sample",
+    "ends_run",
     "report_problem",
 ]
 
@@ -52,6 +57,13 @@ SCHEMA_VERSION = 1
 
 RUN_END_EVENT = "run_end"
 """The event ``Monitor.close()`` sends: the run ended on purpose (no RunSilent for it)."""
+
+
+def ends_run(report: Any) -> bool:
+    """Whether a report ends its run: it carries a :data:`RUN_END_EVENT` (a pydantic
+    :class:`Report` or the collector's struct: anything with ``events`` of ``kind``)."""
+    return any(ev.kind == RUN_END_EVENT for ev in report.events)
+
 
 EVENT_KINDS: Mapping[str, frozenset[str]] = {
     RUN_END_EVENT: frozenset(),
@@ -78,6 +90,8 @@ MAX_REPORTS = 10_000
 MAX_SAMPLES = 100_000
 """Samples in one report (the hooks send a few thousand at most)."""
 MAX_EVENTS = 64
+MAX_KIND = 64
+"""Characters of an event kind."""
 MAX_DETAIL = 4096
 MAX_STEP = 2**53
 """Steps are below 2^53: Prometheus values are float64, exact for integers up to there."""
@@ -85,14 +99,6 @@ MAX_RANK = 2**20 - 1
 MAX_SEQ = 2**63 - 1
 MAX_TIME = 1e11
 """Unix seconds (year 5138): bounds ``time`` to what a float timestamp can mean."""
-_RUN_PART = r"(?:[A-Za-z0-9_:\-][A-Za-z0-9_.:\-]*|\.[A-Za-z0-9_:\-][A-Za-z0-9_.:\-]*|\.\.[A-Za-z0-9_.:\-]+)"
-RUN_PATTERN = rf"^{_RUN_PART}(?:/{_RUN_PART})*$"
-"""A run name: parts of letters, digits and ``_ . : -`` joined by ``/``, none of them
-empty, ``.`` or ``..``, so that a URL path carries the name as it is (the live-settings
-routes ``/v1/runs/{run}/settings`` address a run by its name)."""
-RUN_RULE = "use 1-128 characters from letters, digits and _ . : - /, without empty, '.' or '..' parts between slashes"
-"""What :data:`RUN_PATTERN` asks for, in words (error messages say it)."""
-SENDER_PATTERN = r"^[A-Za-z0-9_\-]{1,64}$"
 
 _NAME = re.compile(r"[a-z_][a-z0-9_]*\Z")
 _LABEL_NAME = re.compile(r"(?:[a-zA-Z]|_[a-zA-Z0-9])[a-zA-Z0-9_]*\Z")
@@ -335,7 +341,7 @@ class Sample(_Strict):
 class Event(_Strict):
     """Something that happened once: an optimizer state reset, an audit finding."""
 
-    kind: Annotated[str, Field(min_length=1, max_length=64)]
+    kind: Annotated[str, Field(min_length=1, max_length=MAX_KIND)]
     detail: Annotated[str, Field(max_length=MAX_DETAIL)] = ""
     labels: Annotated[dict[LabelName, LabelValue], Field(max_length=MAX_LABELS)] = Field(default_factory=dict)
 
@@ -348,7 +354,7 @@ class Report(_Strict):
     (run, rank, sender, seq) once however often it is retried.
     """
 
-    run: Annotated[str, Field(min_length=1, max_length=128, pattern=RUN_PATTERN)]
+    run: Annotated[str, Field(min_length=1, max_length=MAX_RUN, pattern=RUN_PATTERN)]
     step: Annotated[int, Strict(), Field(ge=0, lt=MAX_STEP)]
     time: StrictFloat
     rank: Annotated[int, Strict(), Field(ge=0, le=MAX_RANK)] = 0
