@@ -3,27 +3,108 @@
 ``attach(..., loss_from_logits=True)`` looks for it; a name (as in
 ``model.named_modules()``) or the module itself names it. The output may be the
 logits tensor, or an object or dict with a ``logits`` entry (a whole Hugging Face
-model's output), or a tuple whose first tensor is the logits.
+model's output), or a tuple whose first tensor is the logits (Megatron's
+``ColumnParallelLinear`` returns ``(logits, bias)``).
+
+The head is found by what it is, not by its size:
+
+- Hugging Face's ``get_output_embeddings()`` where a module has it;
+- else the module whose weight *is* the token embedding's (a tied head, as in
+  nanoGPT and GPT-2);
+- else the last module with a 2-D ``weight`` of ``[vocab, width]`` (an
+  ``nn.Linear`` or not: Megatron's ``ColumnParallelLinear``), the vocabulary being
+  the token embedding's.
+
+The token embedding: ``get_input_embeddings()`` where a module has it; else the
+embedding whose weight another module also uses (tied); else the first embedding
+that is not a position table (named ``wpe``, ``pos...``, ``position...``). Never the
+largest embedding: with a context longer than the vocabulary (65 characters, 256
+positions) that is the position table.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["find_logits_module", "logits_of"]
+__all__ = ["expected_vocab", "find_logits_module", "logits_of", "token_embedding"]
+
+_POSITIONAL = re.compile(r"(^|_)(wpe|pos|position|positions|positional)(_|$)|^pos|position", re.IGNORECASE)
+
+
+def _embedding_like(m: nn.Module) -> bool:
+    """An ``nn.Embedding`` or a look-alike (Megatron's ``VocabParallelEmbedding``)."""
+    if isinstance(m, nn.Embedding):
+        return True
+    w = getattr(m, "weight", None)
+    return isinstance(w, torch.Tensor) and w.dim() == 2 and isinstance(getattr(m, "num_embeddings", None), int)
+
+
+def _weight(m: nn.Module) -> torch.Tensor | None:
+    w = getattr(m, "weight", None)
+    return w if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+
+
+def _vocab_of(embedding: nn.Module) -> int:
+    n = getattr(embedding, "num_embeddings", None)
+    w = _weight(embedding)
+    if isinstance(n, int):
+        return n
+    return int(w.shape[0]) if w is not None else 0
+
+
+def _hf_input_embeddings(model: nn.Module) -> nn.Module | None:
+    for module in model.modules():
+        get = getattr(module, "get_input_embeddings", None)
+        if callable(get):
+            try:
+                found = get()
+            except Exception:  # noqa: BLE001 - a model without one may raise NotImplementedError
+                found = None
+            if isinstance(found, nn.Module):
+                return found
+    return None
+
+
+def token_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's token embedding (see the module docstring), or None."""
+    found = _hf_input_embeddings(model)
+    if found is not None:
+        return found
+    named = [(n, m) for n, m in model.named_modules() if _embedding_like(m)]
+    if not named:
+        return None
+    others = [m for m in model.modules() if not _embedding_like(m)]
+    for _, emb in named:
+        w = emb.weight
+        if any(getattr(o, "weight", None) is w for o in others):
+            return emb
+    plain = [m for n, m in named if not _POSITIONAL.search(n.rsplit(".", 1)[-1])]
+    return plain[0] if plain else None
+
+
+def _hf_output_embeddings(model: nn.Module) -> nn.Module | None:
+    for module in model.modules():
+        get = getattr(module, "get_output_embeddings", None)
+        if callable(get):
+            try:
+                head = get()
+            except Exception:  # noqa: BLE001 - a model without a head may raise NotImplementedError
+                head = None
+            if isinstance(head, nn.Module):
+                return head
+    return None
 
 
 def find_logits_module(model: nn.Module, spec: Any) -> nn.Module:
     """The module whose output are the logits.
 
     ``spec``: a module of ``model``; a name from ``model.named_modules()``; or True:
-    the output embeddings of the first module (``model`` itself first) that has
-    Hugging Face's ``get_output_embeddings()``; else the last ``nn.Linear`` whose
-    output size is the vocabulary of the model's input embedding (the largest
-    ``nn.Embedding``). Raises ValueError, saying what to pass, when none is found."""
+    found as the module docstring says. Raises ValueError, saying what to pass, when
+    none is found."""
     if isinstance(spec, nn.Module):
         if not any(m is spec for m in model.modules()):
             raise ValueError(
@@ -42,26 +123,40 @@ def find_logits_module(model: nn.Module, spec: Any) -> nn.Module:
         return named[spec]
     if spec is not True:
         raise TypeError(f"loss_from_logits must be True, a module name or a module, got {spec!r}")
-    for module in model.modules():
-        get = getattr(module, "get_output_embeddings", None)
-        if callable(get):
-            try:
-                head = get()
-            except Exception:  # noqa: BLE001 - a model without a head may raise NotImplementedError
-                head = None
-            if isinstance(head, nn.Module):
-                return head
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    if embeddings:
-        vocab = max(e.num_embeddings for e in embeddings)
-        heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == vocab]
-        if heads:
-            return heads[-1]
+    head = _hf_output_embeddings(model)
+    if head is not None:
+        return head
+    emb = token_embedding(model)
+    if emb is not None:
+        tied = [m for m in model.modules() if m is not emb and getattr(m, "weight", None) is emb.weight]
+        if tied:
+            return tied[-1]
+        ew = _weight(emb)
+        width = ew.shape[1] if ew is not None else None
+        vocab = _vocab_of(emb)
+        sized = []
+        for m in model.modules():
+            w = _weight(m)
+            if w is not None and not _embedding_like(m) and tuple(w.shape) == (vocab, width):
+                sized.append(m)
+        if sized:
+            return sized[-1]
     raise ValueError(
         "loss_from_logits=True: cannot find the module that outputs the logits (no "
-        "get_output_embeddings(), no linear layer sized like the input vocabulary); pass "
+        "get_output_embeddings(), no module tied to or sized like the token embedding); pass "
         "its name, loss_from_logits='lm_head' (a name from model.named_modules())"
     )
+
+
+def expected_vocab(model: nn.Module, head: nn.Module) -> int | None:
+    """The size of the logits' last dimension that ``head`` should give: its weight's
+    rows (a tensor-parallel shard gives its own part), else the token embedding's
+    vocabulary; None when neither is known."""
+    w = _weight(head)
+    if w is not None:
+        return int(w.shape[0])
+    emb = token_embedding(model)
+    return _vocab_of(emb) if emb is not None else None
 
 
 def logits_of(output: Any) -> torch.Tensor | None:

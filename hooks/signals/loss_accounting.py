@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.late_warnings import LateWarnings
-from trainvitals.hooks.logits_finder import logits_of
+from trainvitals.hooks.logits_finder import expected_vocab, logits_of
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
 from trainvitals.hooks.signals.logits_accounting import (
     cross_entropy_residual,
@@ -111,6 +111,7 @@ class LossAccounting(Signal):
         self._report: LossReport | None = None  # set in bind, with the layout
         self._zero_code = False  # weights read from the logits' gradient (watch_logits)
         self._tags: tuple[Any, Any] | None = None  # (modality, segments) for the next logits
+        self._inputs: tuple[int, int] | None = None  # the model's current input ids' [B, S]
 
     # -- lifecycle -------------------------------------------------------------
     def bind(self, monitor: MonitorView) -> list[Removable]:
@@ -230,23 +231,72 @@ class LossAccounting(Signal):
     # -- zero-code: weights read from the logits' gradient -----------------------
     def watch_logits(self, monitor: MonitorView, module: torch.nn.Module) -> list[Removable]:
         """Account every micro-batch from the gradient at ``module``'s output (the
-        logits), objective ``main``; returns the forward hook's handle."""
+        logits), objective ``main``; returns the hooks' handles. Hooks on the model
+        itself too: before its forward, to read the layout of its input ids; after it,
+        for a fused head that never calls ``module`` (TRL's ``fused_lm_head=True``,
+        whose output carries per-token log-probabilities instead of logits)."""
         if self._layout is None:
             self.bind(monitor)
         self._zero_code = True
         slot = self._slot("main")
+        root = monitor.model
+        vocab = expected_vocab(root, module)
+        megatron = type(module).__module__.startswith("megatron.")
+        fired = [False]  # the head ran in the model's current forward
+
+        def pre(mod: Any, args: Any, kwargs: Any) -> None:
+            fired[0] = False
+            self._inputs = _input_ids(args, kwargs)
 
         def forward(mod: Any, args: Any, output: Any) -> None:
+            fired[0] = True
             tags, self._tags = self._tags, None  # one tag per forward, never carried over
             if self._closed or self.broken or not torch.is_grad_enabled() or not monitor.reporting_next:
                 return
             logits = logits_of(output)
             if logits is None or not logits.requires_grad or logits.dim() not in (2, 3):
                 return
+            if vocab is not None and logits.shape[-1] != vocab:
+                monitor.warn_once(
+                    "logits_layout",
+                    "loss_from_logits: the output of %s has %d entries in its last dimension, not the "
+                    "vocabulary's %d: not read as logits (name the LM head: loss_from_logits='lm_head')",
+                    type(module).__name__,
+                    logits.shape[-1],
+                    vocab,
+                )
+                return
             with self.guard("the logits forward hook"):
-                self._watch(monitor, logits, tags, slot)
+                self._watch(monitor, logits, tags, slot, self._sequence_first(logits, megatron))
 
-        return [module.register_forward_hook(forward)]
+        def after(mod: Any, args: Any, output: Any) -> None:
+            tags, self._tags = self._tags, None
+            if fired[0] or self._closed or self.broken or not torch.is_grad_enabled():
+                return
+            fused = _fused_output(output)
+            if fused is None or not monitor.reporting_next:
+                return
+            with self.guard("the fused head's forward hook"):
+                self._watch_fused(monitor, fused[0], fused[1], tags, slot)
+
+        handles: list[Removable] = [module.register_forward_hook(forward)]
+        if module is not root:
+            handles.append(root.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(root.register_forward_hook(after))
+        return handles
+
+    def _sequence_first(self, logits: torch.Tensor, megatron: bool) -> bool:
+        """Whether 3-D logits are [S, B, V]: Megatron's output layer always gives them so;
+        otherwise when the model's input ids [B, S] say so (B != S)."""
+        if logits.dim() != 3:
+            return False
+        if megatron:
+            return True
+        ids = self._inputs
+        if ids is None:
+            return False
+        b, s = ids
+        return b != s and tuple(logits.shape[:2]) == (s, b)
 
     def tag(self, monitor: MonitorView, modality: Any, segments: Any) -> None:
         """Modality codes and packed-row segment ids of the next logits (checked against
@@ -270,19 +320,7 @@ class LossAccounting(Signal):
             )
         self._tags = (modality, segments)
 
-    def _watch(self, monitor: MonitorView, logits: torch.Tensor, tags: tuple[Any, Any] | None, slot: int) -> None:
-        self._late.poll(monitor)
-        step = self._current(monitor)
-        step.calls[slot] += 1
-        if not step.reporting:
-            return
-        modality, segments = tags if tags is not None else (None, None)
-        shape = tuple(logits.shape[:-1])
-        if len(shape) == 2:
-            rows, cols = shape
-        else:
-            rows, cols = (1, shape[0]) if segments is not None else (shape[0], 1)
-        positions = logits.detach()[..., 0]  # a view: the positions' shape and device
+    def _codes(self, monitor: MonitorView, modality: Any, positions: torch.Tensor, rows: int, cols: int) -> Any:
         if modality is None:
             if monitor.modalities:
                 monitor.warn_once(
@@ -291,34 +329,104 @@ class LossAccounting(Signal):
                     "a modality tag (Monitor.tag_batch, or the callback's modality field); its "
                     "tokens count toward the totals only",
                 )
-            codes: Any = -1
+            return -1
+        try:
+            return _modality_codes(monitor.modalities, modality, positions, rows, cols)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(str(exc).replace("track_loss", "tag_batch")) from None
+
+    @staticmethod
+    def _segments(segments: Any, shape: tuple[int, ...], rows: int, cols: int, device: torch.device) -> Any:
+        if segments is None:
+            return None
+        if tuple(segments.shape) != shape:
+            raise ValueError(f"tag_batch: segments have shape {tuple(segments.shape)}, the logits' positions {shape}")
+        return segments.detach().reshape(rows, cols).to(device, non_blocking=True)
+
+    def _watch(
+        self, monitor: MonitorView, logits: torch.Tensor, tags: tuple[Any, Any] | None, slot: int, seq_first: bool
+    ) -> None:
+        self._late.poll(monitor)
+        step = self._current(monitor)
+        step.calls[slot] += 1
+        if not step.reporting:
+            return
+        modality, segments = tags if tags is not None else (None, None)
+        view = logits.detach().transpose(0, 1) if seq_first else logits.detach()
+        shape = tuple(view.shape[:-1])
+        if len(shape) == 2:
+            rows, cols = shape
         else:
-            try:
-                codes = _modality_codes(monitor.modalities, modality, positions, rows, cols)
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(str(exc).replace("track_loss", "tag_batch")) from None
-        seg = None
-        if segments is not None:
-            if tuple(segments.shape) != shape:
-                raise ValueError(
-                    f"tag_batch: segments have shape {tuple(segments.shape)}, the logits' positions {shape}"
-                )
-            seg = segments.detach().reshape(rows, cols).to(logits.device, non_blocking=True)
+            rows, cols = (1, shape[0]) if segments is not None else (shape[0], 1)
+        codes = self._codes(monitor, modality, view[..., 0], rows, cols)
+        seg = self._segments(segments, shape, rows, cols, logits.device)
         self._ensure_sums(step, logits.device)
-        logits.register_hook(self._logits_hook(monitor, step, logits.detach(), codes, seg, slot, rows, cols))
+        hook = self._logits_hook(monitor, step, view, logits._version, codes, seg, slot, rows, cols, seq_first)
+        logits.register_hook(hook)
+
+    def _watch_fused(
+        self,
+        monitor: MonitorView,
+        log_probs: torch.Tensor,
+        label: torch.Tensor,
+        tags: tuple[Any, Any] | None,
+        slot: int,
+    ) -> None:
+        """A fused head's per-token log-probabilities [B, T] and label mask: the loss
+        is ``-sum_t w_t log p_t``, so the gradient at ``log_probs`` is ``-w_t`` (exact,
+        whatever the head computed inside)."""
+        self._late.poll(monitor)
+        step = self._current(monitor)
+        step.calls[slot] += 1
+        if not step.reporting:
+            return
+        modality, segments = tags if tags is not None else (None, None)
+        shape = tuple(log_probs.shape)
+        rows, cols = shape if len(shape) == 2 else (1, shape[0])
+        if segments is not None and tuple(segments.shape) != shape and segments.dim() == 2:
+            segments = segments[:, -cols:]  # labels shifted by one: the fused head scores positions 1..T-1
+        if modality is not None and isinstance(modality, torch.Tensor) and modality.dim() == 2:
+            if tuple(modality.shape) != shape:
+                modality = modality[:, -cols:]
+        codes = self._codes(monitor, modality, log_probs.detach(), rows, cols)
+        seg = self._segments(segments, shape, rows, cols, log_probs.device)
+        self._ensure_sums(step, log_probs.device)
+        loss = (-log_probs.detach()).reshape(rows, cols)
+        mask = label.detach().reshape(rows, cols).to(loss.device)
+        layout = self._layout
+        assert layout is not None
+        m = len(monitor.modalities)
+
+        def weights(grad: torch.Tensor) -> None:
+            step.fired += 1
+            assert step.sums is not None
+            fdt = step.sums.dtype
+            self._count_nonfinite(loss, mask)
+            batch = bin_batch(layout, step.sums, loss, mask, seg, codes, probe=False, count_unknown=m > 0)
+            w = -grad.detach().reshape(-1).to(fdt)
+            inv = self._inv_scale(monitor, grad.device, fdt)
+            if inv is not None:
+                w = w * inv
+            self._add_weights(step, slot, *weight_sums(layout, batch, w))
+
+        log_probs.register_hook(self._hook("the fused head's log-prob hook", weights))
 
     def _logits_hook(
         self,
         monitor: MonitorView,
         step: _Step,
         logits: torch.Tensor,
+        version: int,
         codes: Any,
         seg: torch.Tensor | None,
         slot: int,
         rows: int,
         cols: int,
+        seq_first: bool,
     ) -> Any:
-        # ``logits`` is detached: the hook holds the values, never the autograd graph.
+        # ``logits`` is detached (and [B, S, V] when they came sequence-first): the hook
+        # holds the values, never the autograd graph. ``version``: their version counter
+        # at the forward; a later one means they were overwritten in place.
         layout = self._layout
         assert layout is not None
         config = monitor.config
@@ -328,8 +436,11 @@ class LossAccounting(Signal):
             step.fired += 1
             assert step.sums is not None
             fdt = step.sums.dtype
+            if logits._version != version:
+                step.sums[layout.overwritten].add_(1.0)
+                return
             vocab = grad.shape[-1]
-            g = grad.detach().reshape(-1, vocab)
+            g = (grad.detach().transpose(0, 1) if seq_first else grad.detach()).reshape(-1, vocab)
             z = logits.reshape(-1, vocab)
             rec = recover(g, z, fdt)
             residual, scale = cross_entropy_residual(
@@ -490,3 +601,27 @@ class LossAccounting(Signal):
         report.report(
             monitor, ctx, acc, nonfinite=self._nonfinite, zero_code=self._zero_code, probe=self._probe, gram=gram
         )
+
+
+def _input_ids(args: Any, kwargs: dict[str, Any]) -> tuple[int, int] | None:
+    """[B, S] of a forward's input ids: ``input_ids=`` or the first 2-D integer tensor."""
+    found = kwargs.get("input_ids")
+    if not isinstance(found, torch.Tensor):
+        found = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() == 2), None)
+    if found is None or found.dim() != 2 or found.is_floating_point() or found.dtype == torch.bool:
+        return None
+    return int(found.shape[0]), int(found.shape[1])
+
+
+def _fused_output(output: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(log_probs, label_mask) of a fused LM head's output (TRL's FusedCausalLMOutput:
+    per-token log-probabilities of the labels, no logits), or None."""
+    if getattr(output, "logits", None) is not None:
+        return None
+    log_probs = getattr(output, "log_probs", None)
+    label = getattr(output, "label_mask", None)
+    if not (isinstance(log_probs, torch.Tensor) and isinstance(label, torch.Tensor)):
+        return None
+    if not log_probs.requires_grad or label.shape != log_probs.shape or log_probs.dim() not in (1, 2):
+        return None
+    return log_probs, label.bool()

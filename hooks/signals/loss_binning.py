@@ -57,7 +57,10 @@ class SumsLayout:
         # zero-code accounting: micro-batches whose logits gradient is not a plain
         # cross-entropy one (their weights cannot be read from it)
         self.not_ce = o0 + 2 * objectives + b
-        self.nonfinite = self.not_ce + 1  # the cumulative counter rides along in reports
+        # zero-code accounting: micro-batches whose logits were overwritten in place
+        # before the backward (Megatron's fused cross-entropy on float32 logits)
+        self.overwritten = self.not_ce + 1
+        self.nonfinite = self.overwritten + 1  # the cumulative counter rides along in reports
         self.size = self.nonfinite + 1
 
 
@@ -131,13 +134,19 @@ def bin_batch(
         mixed = torch.zeros((), dtype=fdt, device=dev)
     else:
         tok_code = binned.reshape(-1) if codes.dim() == 2 else binned.repeat_interleave(cols)
+        # A sample's modality: the highest declared code on any of its positions (a VLM's
+        # image code marks its image *input* positions, never its label tokens).
+        anywhere = torch.full((n_samples,), -1, dtype=torch.long, device=dev).scatter_reduce_(
+            0, sid, torch.where(tok_code < m, tok_code, -1), reduce="amax"
+        )
+        # Mixed: label tokens carrying different codes.
         hi = torch.full((n_samples,), -1, dtype=torch.long, device=dev).scatter_reduce_(
             0, sid, torch.where(lab, tok_code, -1), reduce="amax"
         )
         lo = torch.full((n_samples,), m + 1, dtype=torch.long, device=dev).scatter_reduce_(
             0, sid, torch.where(lab, tok_code, m + 1), reduce="amin"
         )
-        s_bin = hi.clamp(0, m)
+        s_bin = torch.where(anywhere >= 0, anywhere, m)
         mixed = (has & (hi != lo)).sum().to(fdt)
         unknown = (lab & (tok_code == m)).sum().to(fdt)
     if not count_unknown:

@@ -19,13 +19,13 @@ Definitions (per optimizer step, over all its ``track_loss`` calls and all ranks
   packed row holds several samples. A 1-D ``per_token`` [N] is N one-token samples,
   or with ``segments`` [N] one packed row. Samples without label tokens do not count.
 - A sample's modality: its code in a per-sample ``modality``; with per-token codes,
-  the code of its label tokens. A sample whose label tokens mix codes counts under
-  the highest one and is reported once as an event and a log line (a value
-  problem, never raised). Codes outside ``attach(modalities=...)`` count toward the
-  totals only (event + log once). A declared modality that marks positions but none
-  of the label tokens (a VLM's image *input* positions) would read as absent: an
-  event ``modality_without_label_tokens`` and a log line say so; pass one code per
-  sample ([B]) to class samples by their inputs.
+  the highest declared code on any of its positions, label token or not (a VLM's
+  image code marks the image *input* positions: the sample is an image sample). A
+  sample whose label tokens mix codes is reported once as an event and a log line
+  (a value problem, never raised). Codes outside ``attach(modalities=...)`` count
+  toward the totals only (event + log once). A declared modality that marks only
+  positions of samples without label tokens reads as absent: an event
+  ``modality_without_label_tokens`` and a log line say so.
 - Objectives: each ``track_loss`` call belongs to an ``objective`` (default
   ``"main"``; a hard-label term and a distillation term on the same logits are two),
   optionally with the ``weight`` it carries in the total loss (2.0, tau**2) and the
@@ -202,6 +202,15 @@ class LossReport:
                 "track_loss with the per-token cross-entropy (docs/integrations.md)",
                 sums[lay.not_ce],
             )
+            self._late.add(
+                "loss_logits_overwritten",
+                "loss_from_logits: %d micro-batch(es) of a reported step had their logits overwritten "
+                "in place between the forward and the backward (a fused cross-entropy that reuses the "
+                "logits' memory, as Megatron's on float32 logits); the logits' values are gone, so the "
+                "token weights cannot be read from their gradient and that step's loss-accounting "
+                "figures are left out",
+                sums[lay.overwritten],
+            )
         if nonfinite is not None:
             self._late.add(
                 "loss_nonfinite", "%d micro-batch(es) had a non-finite per-token loss on a label token", nonfinite
@@ -230,7 +239,8 @@ class LossReport:
         if zero_code:
             # Weights read from a gradient that is not a plain cross-entropy one are wrong:
             # say so (_warn_late's log line) and leave the step's figures out.
-            ctx = _Gated(ctx, (sums[lay.not_ce] == 0).to(sums.dtype))  # type: ignore[assignment]
+            blind = sums[lay.not_ce] + sums[lay.overwritten]
+            ctx = _Gated(ctx, (blind == 0).to(sums.dtype))  # type: ignore[assignment]
         calls = acc.calls
         ctx.emit("microbatches", self._indices.get([float(max(calls))], ctx.device, sums.dtype)[0])
         samples, tokens = sums[lay.samples], sums[lay.tokens]
@@ -260,23 +270,21 @@ class LossReport:
                 "this step's loss-accounting figures are left out (docs/integrations.md)",
                 when=sums[lay.not_ce],
             )
-        # A declared modality that marks positions (inputs) but none of the label tokens:
-        # its samples are classed by their label tokens, so it reads as absent.
+        # A declared modality that marks positions only of samples without label tokens:
+        # no sample of it carries loss, so it reads as absent.
         unlabeled = (sums[lay.positions][:m] > 0) & (tokens[:m] == 0)
         for k, name in enumerate(names):
             ctx.event(
                 "modality_without_label_tokens",
-                f"modality {name!r} marks positions but none of the label tokens: samples are classed "
-                "by their label tokens; to class them by their inputs pass one modality code per "
-                "sample ([B]) (docs/signals.md, 'Loss accounting')",
+                f"modality {name!r} marks positions only of samples without label tokens: none of its "
+                "samples carries loss (docs/signals.md, 'Loss accounting')",
                 {"modality": name},
                 when=unlabeled[k],
             )
         self._late.add(
             "loss_modality_without_labels",
-            "%d declared modality(ies) mark positions but none of the label tokens, so they read "
-            "as absent from the shares; pass one modality code per sample ([B]) to class "
-            "samples by their inputs (docs/signals.md, 'Loss accounting')",
+            "%d declared modality(ies) mark positions only of samples without label tokens, so they "
+            "read as absent from the shares (docs/signals.md, 'Loss accounting')",
             unlabeled.sum(),
         )
         if not acc.fired and monitor.world_size == 1:

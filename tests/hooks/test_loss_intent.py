@@ -181,37 +181,43 @@ def test_declared_per_sample_weighting_reports_no_token_weight_spread():
             assert got == (None if spread is None else pytest.approx(spread, rel=1e-9))
 
 
-def test_a_modality_marked_on_input_positions_only_is_reported(caplog):
+def test_a_per_token_map_classes_a_sample_by_any_of_its_positions(caplog):
     """A VLM batch whose per-token codes mark image *input* positions, while only text
-    tokens are labels: every sample counts as text (image share 0), and the job is
-    told so once: a log line and a modality_without_label_tokens event."""
+    tokens are labels: a sample with image positions is an image sample (its label
+    tokens are text); one without is text. A modality marking only positions of samples
+    without label tokens is said to be absent: a log line and an event."""
     model, opt = model_and_opt()
     ids, labels, mask = batch([8, 8])
-    mask[:, :4] = False  # the first 4 positions are the image, not labels
+    mask[:, :4] = False  # the first 4 positions are the image (sample 0) or a prompt, not labels
     codes = torch.zeros(2, 8, dtype=torch.long)
-    codes[:, :4] = 1
+    codes[0, :4] = 1
     with (
         caplog.at_level(logging.WARNING, logger="trainvitals"),
         attach(model, opt, run="vlm", sink="null", every=1, modalities=("text", "image")) as mon,
     ):
+        pt = per_token(model, ids, labels)
+        mon.track_loss(pt, modality=codes, mask=mask)
+        ((pt * mask).sum() / mask.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+        assert mon.value("modality_sample_share_ratio", modality="image") == 0.5
+        assert mon.value("modality_token_share_ratio", modality="image") == 0.5
+        assert not [e for e in mon.latest_events() if e["kind"] in ("modality_without_label_tokens",)]
+        assert not [e for e in mon.latest_events() if e["kind"] == "loss_sample_mixed_modality"]
+        # Image positions only on a sample without label tokens: absent, and said so.
+        no_labels = mask.clone()
+        no_labels[0] = False
         for _ in range(2):  # the warning is read a step later (no host sync)
             pt = per_token(model, ids, labels)
-            mon.track_loss(pt, modality=codes, mask=mask)
-            ((pt * mask).sum() / mask.sum()).backward()
+            mon.track_loss(pt, modality=codes, mask=no_labels)
+            ((pt * no_labels).sum() / no_labels.sum()).backward()
             opt.step()
             opt.zero_grad()
             assert mon.value("modality_sample_share_ratio", modality="image") == 0.0
             events = [e for e in mon.latest_events() if e["kind"] == "modality_without_label_tokens"]
             assert [e["labels"] for e in events] == [{"modality": "image"}]
-        # Tagged per sample by its input (the documented way), it counts as image.
-        pt = per_token(model, ids, labels)
-        mon.track_loss(pt, modality=torch.tensor([1, 0]), mask=mask)
-        ((pt * mask).sum() / mask.sum()).backward()
-        opt.step()
-        assert mon.value("modality_sample_share_ratio", modality="image") == 0.5
-        assert not [e for e in mon.latest_events() if e["kind"] == "modality_without_label_tokens"]
-    warnings = [r.getMessage() for r in caplog.records if "mark positions" in r.getMessage()]
-    assert len(warnings) == 1 and "one modality code per sample" in warnings[0]
+    warnings = [r.getMessage() for r in caplog.records if "only of samples without label tokens" in r.getMessage()]
+    assert len(warnings) == 1
 
 
 @pytest.mark.parametrize(
