@@ -1,30 +1,41 @@
 """Rules evaluated inside the training process, without a collector.
 
-The hooks call a :class:`LocalEvaluator` with each report (``attach(...,
-rules="default")``): an alert that fires is logged as a warning on the
-``trainvitals`` logger, a resolution as info. Nothing is sent anywhere.
+The hooks call a :class:`LocalEvaluator` with each report (``attach()`` does with
+the default rules when no collector is configured, or with ``rules=...``): each
+alert that fires is one warning on the ``trainvitals`` logger, each resolution one
+info line, both with the step and the value. At close, :meth:`LocalEvaluator.close`
+logs the run's verdict (:mod:`trainvitals.alerts.verdict`): every incident with its
+first and last step, peak value and what to do, or "no incident in N reports".
+Nothing is sent anywhere.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from trainvitals.alerts.engine import Engine
-from trainvitals.alerts.loading import RuleSpec, resolve_rules
-from trainvitals.alerts.model import SilenceRule
+from trainvitals.alerts.loading import RuleSpec
 from trainvitals.alerts.state import Alert, AlertState, Transition
+from trainvitals.alerts.verdict import RunVerdict, VerdictBuilder, format_value, format_verdict
 from trainvitals.wire import Report
 
 __all__ = ["LocalEvaluator", "format_transition"]
 
 
 def format_transition(t: Transition) -> str:
-    """One log line: ``GradientDilution firing: <summary> {run=..., ...} runbook: ...``."""
+    """One log line: ``GradientDilution firing at step 21 (value 17.0): <summary> {run=..., ...} runbook: ...``."""
     labels = ", ".join(f"{k}={v}" for k, v in t.labels.items())
-    text = f"{t.alertname} {t.state.value}: {t.summary} {{{labels}}}"
+    where = f" at step {t.step}" if t.step is not None else ""
+    shown = ""
+    if t.value == t.value:
+        shown = f" (value {format_value(t.value)}"
+        if t.state is AlertState.RESOLVED and t.fired_value == t.fired_value:
+            shown += f", fired at {format_value(t.fired_value)}"
+        shown += ")"
+    text = f"{t.alertname} {t.state.value}{where}{shown}: {t.summary} {{{labels}}}"
     if t.reason:
         text += f" ({t.reason})"
     if t.state is AlertState.FIRING and t.rule.runbook:
@@ -48,9 +59,11 @@ class LocalEvaluator:
         logger: logging.Logger | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.engine = Engine([r for r in resolve_rules(rules) if not isinstance(r, SilenceRule)])
+        self.verdicts = VerdictBuilder(rules)
+        self.engine = self.verdicts.engine
         self.log = logger or logging.getLogger("trainvitals")
         self.clock = clock
+        self._lock = threading.Lock()
 
     def __call__(self, report: Report | Mapping[str, Any]) -> list[Transition]:
         return self.observe(report)
@@ -61,8 +74,8 @@ class LocalEvaluator:
         try:
             if not isinstance(report, Report):
                 report = Report.model_validate(report)
-            transitions = self.engine.observe(report, now)
-            transitions.extend(self.engine.tick(now))
+            with self._lock:
+                transitions = self.verdicts.observe(report, now)
         except Exception:  # never into the training loop
             self.log.exception("trainvitals: rule evaluation failed")
             return []
@@ -76,3 +89,19 @@ class LocalEvaluator:
     def firing(self) -> list[Alert]:
         """Alerts firing now."""
         return self.engine.firing()
+
+    def verdict(self, run: str) -> RunVerdict:
+        """The verdict on ``run`` so far."""
+        with self._lock:
+            return self.verdicts.verdict(run)
+
+    def close(self, run: str, *, report_file: str | None = None) -> RunVerdict | None:
+        """Log the verdict on ``run`` (a warning when an incident was seen); never raises."""
+        try:
+            verdict = self.verdict(run)
+            lines = format_verdict(verdict, report_file=report_file)
+            self.log.log(logging.WARNING if verdict.incidents else logging.INFO, "%s", "\n".join(lines))
+            return verdict
+        except Exception:  # noqa: BLE001 - at close, after training: log and go on
+            self.log.exception("trainvitals: could not compute the verdict")
+            return None

@@ -16,7 +16,7 @@ from torch import nn
 from trainvitals.hooks import distributed
 from trainvitals.hooks.config import ATTACH_ENV, Config, attach_env
 from trainvitals.hooks.monitor import Monitor
-from trainvitals.hooks.sinks import NullSink, make_sink
+from trainvitals.hooks.sinks import HttpSink, NullSink, make_sink
 from trainvitals.wire.runs import check_run
 
 __all__ = ["attach"]
@@ -54,8 +54,10 @@ def attach(
     ``"null"`` or a sink object; default ``$TRAINVITALS_COLLECTOR``, else
     ``./trainvitals-<run>.jsonl``. ``modalities``: names for integer modality codes.
     ``every``: report every N optimizer steps (default 10). ``scaler``: a ``GradScaler``,
-    so loss weights are unscaled. ``rules``: evaluate alert rules in-process
-    (``"default"``) and log when one fires. Further options: see
+    so loss weights are unscaled. ``rules``: alert rules evaluated in the job, each
+    firing and resolution logged with its step and value and a verdict at close
+    (``"default"``, rule files, ``"off"``); default: the default rules when no
+    collector is configured (the collector evaluates them otherwise). Further options: see
     :class:`trainvitals.hooks.config.Config`. Options not passed come from the
     ``TRAINVITALS_*`` environment variables where set (docs/configuration.md).
     """
@@ -96,4 +98,20 @@ def attach(
     config = Config(**{**env_options, **options})
     # Only rank 0 sends; other ranks compute (and join the collectives) but send nothing.
     resolved = make_sink(collector, sink, run) if distributed.rank() == 0 else NullSink()
+    rules = _local_rules(rules, resolved)
     return Monitor(model, optimizer, run=run, sink=resolved, modalities=mods, scaler=scaler, config=config, rules=rules)
+
+
+_OFF = ("off", "none", "false", "no", "0")
+
+
+def _local_rules(rules: Any, sink: Any) -> Any:
+    """What the job evaluates in-process: ``rules`` as given, nothing when turned off, and
+    the default rules when nothing was said and no collector will evaluate them."""
+    if rules is False or (isinstance(rules, str) and rules.strip().lower() in _OFF):
+        return None
+    if isinstance(rules, list | tuple) and len(rules) == 1 and str(rules[0]).strip().lower() in _OFF:
+        return None
+    if rules is None and distributed.rank() == 0 and not isinstance(sink, HttpSink):
+        return "default"
+    return rules

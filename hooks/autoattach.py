@@ -93,8 +93,40 @@ _stepping: set[int] = set()  # ids of the watched optimizers inside their step()
 _post_hook: Any = None
 
 
+STOP_ENV = "TRAINVITALS_CHECK_STEPS"
+"""Set by ``trainvitals check --steps N``: the job stops cleanly after N optimizer steps."""
+
+
+def _stop_after() -> int | None:
+    raw = os.environ.get(STOP_ENV, "").strip()
+    try:
+        return int(raw) if raw else None
+    except ValueError:
+        return None
+
+
+_stop_at = _stop_after()
+
+
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     _stepping.discard(id(optimizer))
+    if _stop_at is not None:
+        watch = _watched.get(optimizer)
+        if watch is not None and watch.monitor is not None and watch.monitor.step >= _stop_at:
+            _stop_job(watch.monitor.step)
+
+
+def _stop_job(step: int) -> None:
+    """``trainvitals check --steps N``: close every monitor (their last reports are
+    written) and end the job with status 0, as asked; the only place trainvitals
+    raises into a job, and only this SystemExit."""
+    log.info("trainvitals check: stopping the job after %d optimizer steps, as asked (--steps)", step)
+    for monitor in watched():
+        try:
+            monitor.close()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("trainvitals check: closing the monitor of run %r failed: %s", monitor.run, exc)
+    raise SystemExit(0)
 
 
 def _track_steps() -> None:

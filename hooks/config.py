@@ -40,8 +40,9 @@ ATTACH_ENV_HELP = {
     "`trainvitals run` sets it (`--run`, else the script's name and the start time).",
     "collector": "Where reports go: a collector URL (`http://host:9477`), `file:PATH` (JSONL) or `null` (nowhere).",
     "modalities": "Names for the integer modality codes, comma-separated (`text,image`).",
-    "rules": "Evaluate alert rules in the job and log when one fires: `default` (the shipped "
-    "rules), or rule files/folders.",
+    "rules": "Alert rules evaluated in the job: each firing and resolution logged with its step and "
+    "value, a verdict at close: `default` (the shipped rules), rule files/folders, or `off`. On by "
+    "default when no collector is configured (a collector evaluates them otherwise).",
 }
 
 _TRUE = ("1", "true", "yes", "on")

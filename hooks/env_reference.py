@@ -70,7 +70,7 @@ _CORE = {  # type and default of the core arguments' variables
     "run": ("text", "required"),
     "collector": ("URL, `file:PATH` or `null`", "`./trainvitals-<run>.jsonl`"),
     "modalities": ("comma-separated list", "none"),
-    "rules": ("`default` or comma-separated paths", "off"),
+    "rules": ("`default`, comma-separated paths, or `off`", "`default` without a collector, else off"),
 }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -41,6 +42,18 @@ STATE_FORMAT = 1
 """Version of ``Monitor.state_dict()``'s layout."""
 
 log = logging.getLogger("trainvitals")
+
+
+def visible_logs() -> None:
+    """The job did not configure logging: show trainvitals' own lines (alerts firing and
+    resolving, the verdict at close) on stderr. A job that configures logging gets them
+    its way."""
+    if not logging.getLogger().handlers and not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 class Monitor:
@@ -93,6 +106,8 @@ class Monitor:
             from trainvitals.alerts import LocalEvaluator
 
             evaluator = LocalEvaluator(rules=rules)
+            visible_logs()
+        self._evaluator = evaluator
         self._sender = Sender(
             sink, max_queue_bytes=config.queue_bytes, on_report=evaluator.observe if evaluator is not None else None
         )
@@ -321,6 +336,14 @@ class Monitor:
             except Exception as exc:  # noqa: BLE001
                 self.warn_once("run_end", "could not queue the run_end report: %s", exc)
         self._sender.close(self.config.flush_timeout)
+        if self._evaluator is not None and self._end_report:
+            path = getattr(self._sender.sink, "path", None)
+            self._evaluator.close(self.run, report_file=str(path) if path is not None else None)
+
+    def verdict(self) -> Any:
+        """The in-job rules' verdict on this run so far (:class:`trainvitals.alerts.verdict.RunVerdict`),
+        or None when no rules are evaluated in the job (a collector does)."""
+        return self._evaluator.verdict(self.run) if self._evaluator is not None else None
 
     @property
     def dropped_reports(self) -> int:

@@ -226,12 +226,19 @@ def _batches(file: Path, size: int) -> Iterator[tuple[int, int, list[bytes]]]:
 def _add_subcommands() -> None:
     from trainvitals.alerts.cli import rules
     from trainvitals.demo import demo
+    from trainvitals.monitor.cli_check import check, report
     from trainvitals.monitor.cli_run import configure, run
 
     main.add_command(rules)
     main.add_command(demo)
     main.add_command(run)
     main.add_command(configure)
+    main.add_command(check)
+    main.add_command(report)
 
 
 _add_subcommands()
+
+
+if __name__ == "__main__":  # python -m trainvitals.monitor.cli
+    main()

@@ -31,7 +31,7 @@ import click
 from trainvitals.monitor.cli_options import bearer_token, read_token_file, token_file_option, token_options
 from trainvitals.wire.runs import RUN_RULE, is_run
 
-__all__ = ["configure", "hook_config", "parse_duration", "run", "shim_folder"]
+__all__ = ["configure", "default_report_file", "hook_config", "job_environment", "parse_duration", "run", "shim_folder"]
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)?\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
@@ -136,16 +136,47 @@ def run(
     its exit code and signals are the job's own. Options not given here come from the
     TRAINVITALS_* environment (docs/configuration.md).
     """
-    env = dict(os.environ)
+    env = job_environment(run_name, collector, every, token_file, settings, command)
+    where = env.get(hook_config().ATTACH_ENV["collector"]) or default_report_file(env)
+    click.echo(f"trainvitals run: run {env['TRAINVITALS_RUN']!r}, reports to {_shown(where)}", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(command[0], list(command), env)
+    except OSError as exc:
+        # As a shell does: 127 for a command not found, 126 for one that cannot run.
+        click.echo(f"trainvitals run: cannot run {command[0]!r}: {exc.strerror or exc}", err=True)
+        sys.exit(127 if isinstance(exc, FileNotFoundError) else 126)
+
+
+def default_report_file(env: dict[str, str]) -> str:
+    """Where a job's reports go when no collector is set: ``./trainvitals-<run>.jsonl``."""
+    return f"./trainvitals-{env['TRAINVITALS_RUN'].replace('/', '_')}.jsonl"
+
+
+def job_environment(
+    run_name: str | None,
+    collector: str | None,
+    every: int | None,
+    token_file: Path | None,
+    settings: tuple[str, ...],
+    command: tuple[str, ...],
+    base: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment ``trainvitals run`` gives a job: the options as ``TRAINVITALS_*``
+    variables (checked as the job's attach would check them) and the start-up shim
+    first on ``PYTHONPATH``. ``--set`` takes every attach option: the :class:`Config`
+    fields and the core arguments that have a variable (``rules``, ``modalities``)."""
+    env = dict(os.environ if base is None else base)
     config = hook_config()
+    core = {k: v for k, v in config.ATTACH_ENV.items() if k in ("rules", "modalities")}
+    known = [*config.Config.field_names(), *core]
     for item in settings:
         name, sep, value = item.partition("=")
         name = name.strip().replace("-", "_")
-        if not sep or name not in config.Config.field_names():
-            raise click.ClickException(
-                f"--set {item!r}: use OPTION=VALUE with OPTION one of {', '.join(config.Config.field_names())}"
-            )
-        env[config.env_name(name)] = value
+        if not sep or name not in known:
+            raise click.ClickException(f"--set {item!r}: use OPTION=VALUE with OPTION one of {', '.join(known)}")
+        env[core[name] if name in core else config.env_name(name)] = value
     if every is not None:
         env[config.env_name("every")] = str(every)
     if collector is not None:
@@ -160,16 +191,7 @@ def run(
     shim = str(shim_folder())
     previous = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = shim + (os.pathsep + previous if previous else "")
-    where = env.get(config.ATTACH_ENV["collector"]) or f"./trainvitals-{env['TRAINVITALS_RUN'].replace('/', '_')}.jsonl"
-    click.echo(f"trainvitals run: run {env['TRAINVITALS_RUN']!r}, reports to {_shown(where)}", err=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execvpe(command[0], list(command), env)
-    except OSError as exc:
-        # As a shell does: 127 for a command not found, 126 for one that cannot run.
-        click.echo(f"trainvitals run: cannot run {command[0]!r}: {exc.strerror or exc}", err=True)
-        sys.exit(127 if isinstance(exc, FileNotFoundError) else 126)
+    return env
 
 
 def _shown(url: str) -> str:

@@ -467,8 +467,16 @@ def test_local_evaluator_logs_fire_and_resolve(caplog):
             ev(dil(i * 10, v))
     recs = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "trainvitals"]
     assert recs == [
-        ("WARNING", "trainvitals alert GradientDilution firing: image 17.0x in r1 {run=r1, modality=image}"),
-        ("INFO", "trainvitals alert GradientDilution resolved: image 17.0x in r1 {run=r1, modality=image}"),
+        (
+            "WARNING",
+            "trainvitals alert GradientDilution firing at step 20 (value 17): "
+            "image 17.0x in r1 {run=r1, modality=image}",
+        ),
+        (
+            "INFO",
+            "trainvitals alert GradientDilution resolved at step 30 (value 1, fired at 17): "
+            "image 17.0x in r1 {run=r1, modality=image}",
+        ),
     ]
     assert LocalEvaluator("default").engine.rules
 

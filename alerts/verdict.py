@@ -1,0 +1,402 @@
+"""The verdict on a run: which alerts fired, when, how far, and what to do.
+
+One computation for every place that says it: the job's close (``attach`` with
+the rules evaluated in-process), ``trainvitals check`` over recorded reports and
+the report page (``trainvitals report``, the collector's ``/runs/{run}``).
+
+A :class:`VerdictBuilder` runs an :class:`~trainvitals.alerts.engine.Engine` over
+reports in their order and keeps, per run, the number of reports and steps seen
+and one :class:`Incident` per alert series that fired: the step it fired at, the
+last step it was still firing (or the step it resolved), its peak value (the
+highest for an ``above`` rule, the lowest for a ``below`` one, in the rule's
+unit) and a line of what to do (the first sentence of the runbook's "Fix").
+RunSilent rules are left out: a file of reports, or a job that is reporting, is
+not silent. Pure Python, no torch, no I/O besides reading the runbooks once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from trainvitals.alerts.engine import Engine
+from trainvitals.alerts.loading import RuleSpec, resolve_rules
+from trainvitals.alerts.model import Rule, SilenceRule, ThresholdRule
+from trainvitals.alerts.state import Alert, AlertState, Transition
+from trainvitals.wire import METRICS, RUN_END_EVENT, Report, ReportBatch
+
+__all__ = [
+    "Incident",
+    "ReportFileError",
+    "RunVerdict",
+    "VerdictBuilder",
+    "action_for",
+    "format_value",
+    "format_verdict",
+    "read_report_files",
+    "verdict_table",
+]
+
+SEVERITY_ORDER = {"page": 0, "warning": 1, "info": 2}
+
+SIGNAL_GROUPS = ("optimizer", "loss", "params", "adam", "softmax")
+"""The signals whose figures coverage counts, as the metric catalogue groups them."""
+
+_GROUP_OF = {spec.name: spec.group for spec in METRICS.values() if spec.group in SIGNAL_GROUPS}
+
+
+@lru_cache(maxsize=1)
+def _runbook_fixes() -> dict[str, str]:
+    """Alert name -> the first sentence of its runbook's **Fix.** paragraph."""
+    try:
+        text = resources.files("trainvitals.alerts").joinpath("RUNBOOKS.md").read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    out: dict[str, str] = {}
+    for section in re.split(r"^## ", text, flags=re.M)[1:]:
+        name, _, body = section.partition("\n")
+        m = re.search(r"\*\*Fix\.\*\*\s*(.+?)(?:\n\s*\n|\Z)", body, flags=re.S)
+        if not m:
+            continue
+        para = " ".join(m.group(1).split())
+        sentence = re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", para, maxsplit=1)[0]
+        out[name.strip()] = sentence
+    return out
+
+
+def action_for(rule: Rule) -> str:
+    """One line of what to do about ``rule``: its runbook's fix, else its description."""
+    fix = _runbook_fixes().get(rule.alert)
+    if fix:
+        return fix
+    text = " ".join((rule.description or rule.summary or "").split())
+    return text.split(". ")[0].rstrip(".") + "." if text else f"see the runbook of {rule.alert}"
+
+
+def format_value(value: float) -> str:
+    """A value as the tables and log lines show it (4 significant digits)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "nan"
+    return f"{value:.4g}"
+
+
+@dataclass
+class Incident:
+    """One alert series that fired in a run."""
+
+    run: str
+    alert: str
+    severity: str
+    labels: dict[str, str]
+    """The series' labels other than ``run`` (``modality``, ``param``, ``objective`` ...)."""
+    first_step: int
+    """The step of the report it fired on."""
+    last_step: int
+    """The last step it was still firing, or the step it resolved at."""
+    peak: float
+    summary: str
+    """The rule's summary rendered with the peak value."""
+    action: str
+    runbook: str
+    metric: str | None
+    """The metric the rule watches (None for event rules)."""
+    above: float | None = None
+    below: float | None = None
+    clear: float | None = None
+    resolved: bool = False
+    fired: int = 1
+    """How many times it fired (a series that resolved and fired again stays one incident)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["peak"] = self.peak if math.isfinite(self.peak) else None
+        return out
+
+    @property
+    def where(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.labels.items())
+
+
+@dataclass
+class RunVerdict:
+    """What a run's reports say."""
+
+    run: str
+    reports: int = 0
+    first_step: int | None = None
+    last_step: int | None = None
+    ended: bool = False
+    """A report carried ``run_end`` (the job closed its monitor)."""
+    incidents: list[Incident] = field(default_factory=list)
+    coverage: dict[str, int] = field(default_factory=dict)
+    """Reports that carried figures of each signal (``optimizer``, ``loss``, ``params``,
+    ``adam``, ``softmax``: the metric catalogue's groups); a signal absent here was never
+    seen in this run's reports."""
+
+    @property
+    def paged(self) -> bool:
+        """An alert of severity ``page`` fired."""
+        return any(i.severity == "page" for i in self.incidents)
+
+    @property
+    def firing(self) -> list[Incident]:
+        return [i for i in self.incidents if not i.resolved]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "reports": self.reports,
+            "first_step": self.first_step,
+            "last_step": self.last_step,
+            "ended": self.ended,
+            "paged": self.paged,
+            "incidents": [i.as_dict() for i in self.incidents],
+            "coverage": dict(self.coverage),
+        }
+
+    def coverage_lines(self) -> list[str]:
+        """What was watched: per signal, how many of the run's reports carried its figures."""
+        out = []
+        for group in SIGNAL_GROUPS:
+            n = self.coverage.get(group, 0)
+            out.append(
+                f"  {group}: figures in {n} of {self.reports} reports"
+                if n
+                else f"  {group}: no figures in any report (not watched)"
+            )
+        return out
+
+
+class VerdictBuilder:
+    """Feed reports in order (:meth:`observe`); read :meth:`verdicts` at any time.
+
+    ``rules``: what :func:`~trainvitals.alerts.loading.resolve_rules` takes, or rule
+    objects already resolved. ``now`` defaults to each report's own ``time``, so a
+    recorded file is judged as it was lived (``for``/``hold`` in seconds included).
+    """
+
+    def __init__(self, rules: RuleSpec = "default") -> None:
+        resolved = resolve_rules(rules)
+        self.rules = [r for r in resolved if not isinstance(r, SilenceRule)]
+        self.engine = Engine(self.rules, run_ttl=math.inf, resolved_retention=math.inf)
+        self._runs: dict[str, RunVerdict] = {}
+        self._incidents: dict[tuple[str, tuple], Incident] = {}
+
+    def observe(self, report: Report, now: float | None = None) -> list[Transition]:
+        """Evaluate one report; return the engine's transitions (for log lines)."""
+        now = report.time if now is None else now
+        transitions = self.engine.observe(report, now)
+        transitions.extend(self.engine.tick(now))
+        run = self._runs.get(report.run)
+        if run is None:
+            run = self._runs[report.run] = RunVerdict(report.run)
+        if report.samples:
+            run.reports += 1
+            seen = {_GROUP_OF.get(sample.name) for sample in report.samples}
+            for group in seen:
+                if group is not None:
+                    run.coverage[group] = run.coverage.get(group, 0) + 1
+        run.first_step = report.step if run.first_step is None else min(run.first_step, report.step)
+        run.last_step = report.step if run.last_step is None else max(run.last_step, report.step)
+        if any(ev.kind == RUN_END_EVENT for ev in report.events):
+            run.ended = True
+        for t in transitions:
+            self._transition(t)
+        if self._incidents:
+            for alert in self.engine.firing():
+                if alert.step == report.step and alert.labels.get("run") == report.run:
+                    self._update(alert)
+        return transitions
+
+    def _key(self, alert: Alert) -> tuple[str, tuple]:
+        return alert.alertname, tuple(sorted(alert.labels.items()))
+
+    def _transition(self, t: Transition) -> None:
+        key = self._key(t)
+        inc = self._incidents.get(key)
+        if t.state is AlertState.FIRING:
+            if inc is None:
+                rule = t.rule
+                run = t.labels.get("run", "")
+                inc = Incident(
+                    run=run,
+                    alert=rule.alert,
+                    severity=rule.severity,
+                    labels={k: v for k, v in t.labels.items() if k != "run"},
+                    first_step=t.step if t.step is not None else 0,
+                    last_step=t.step if t.step is not None else 0,
+                    peak=t.value,
+                    summary=t.summary,
+                    action=action_for(rule),
+                    runbook=rule.runbook or "",
+                    metric=rule.metric if isinstance(rule, ThresholdRule) else None,
+                )
+                if isinstance(rule, ThresholdRule):
+                    inc.above, inc.below, inc.clear = rule.above, rule.below, rule.clear_at
+                self._incidents[key] = inc
+                self._runs.setdefault(run, RunVerdict(run)).incidents.append(inc)
+            else:
+                inc.fired += 1
+                inc.resolved = False
+            self._update(t)
+        elif t.state is AlertState.RESOLVED and inc is not None:
+            inc.resolved = True
+            if t.step is not None:
+                inc.last_step = max(inc.last_step, t.step)
+
+    def _update(self, alert: Alert) -> None:
+        inc = self._incidents.get(self._key(alert))
+        if inc is None:
+            return
+        if alert.step is not None:
+            inc.last_step = max(inc.last_step, alert.step)
+        value = alert.value
+        if value != value:
+            return
+        worse = value < inc.peak if inc.below is not None else value > inc.peak
+        if inc.peak != inc.peak or worse:
+            inc.peak = value
+            inc.summary = _summary_at(alert, value)
+
+    def verdicts(self) -> list[RunVerdict]:
+        """One verdict per run seen, incidents page first, then by the step they fired."""
+        out = []
+        for v in self._runs.values():
+            v.incidents.sort(key=lambda i: (SEVERITY_ORDER.get(i.severity, 9), i.first_step, i.alert))
+            out.append(v)
+        return out
+
+    def verdict(self, run: str) -> RunVerdict:
+        for v in self.verdicts():
+            if v.run == run:
+                return v
+        return RunVerdict(run)
+
+
+def _summary_at(alert: Alert, value: float) -> str:
+    from dataclasses import replace
+
+    try:
+        return replace(alert, value=value, fired_value=value, state=AlertState.FIRING).summary
+    except Exception:  # noqa: BLE001 - a template that cannot render keeps the last text
+        return alert.summary
+
+
+# -- text ------------------------------------------------------------------------------
+
+
+def format_verdict(verdict: RunVerdict, *, report_file: str | None = None) -> list[str]:
+    """The verdict as log lines: a headline, then one line per incident and its fix."""
+    steps = (
+        f"steps {verdict.first_step}-{verdict.last_step}"
+        if verdict.first_step is not None and verdict.first_step != verdict.last_step
+        else f"step {verdict.last_step}"
+    )
+    where = f"; reports in {report_file}" if report_file else ""
+    if not verdict.incidents:
+        return [f"trainvitals verdict for run {verdict.run}: no incident in {verdict.reports} reports ({steps}){where}"]
+    pages = sum(i.severity == "page" for i in verdict.incidents)
+    lines = [
+        f"trainvitals verdict for run {verdict.run}: {len(verdict.incidents)} incident(s)"
+        f"{f', {pages} of severity page' if pages else ''} in {verdict.reports} reports ({steps}){where}"
+    ]
+    for i in verdict.incidents:
+        state = f"resolved at step {i.last_step}" if i.resolved else f"still firing at step {i.last_step}"
+        where_labels = f" {{{i.where}}}" if i.labels else ""
+        lines.append(
+            f"  {i.severity.upper()} {i.alert}{where_labels}: fired at step {i.first_step}, {state}, "
+            f"peak {format_value(i.peak)}: {i.summary}"
+        )
+        lines.append(f"    what to do: {i.action}")
+    return lines
+
+
+def verdict_table(verdicts: Iterable[RunVerdict]) -> str:
+    """A plain-text table of every incident of every run (``trainvitals check``)."""
+    rows = [("RUN", "ALERT", "SEVERITY", "SERIES", "FIRST", "LAST", "PEAK", "STATE", "WHAT TO DO")]
+    quiet = []
+    for v in verdicts:
+        if not v.incidents:
+            quiet.append(f"{v.run}: no incident in {v.reports} reports (steps {v.first_step}-{v.last_step})")
+        for i in v.incidents:
+            rows.append(
+                (
+                    v.run,
+                    i.alert,
+                    i.severity,
+                    i.where or "-",
+                    str(i.first_step),
+                    str(i.last_step),
+                    format_value(i.peak),
+                    "resolved" if i.resolved else "firing",
+                    i.action,
+                )
+            )
+    lines = []
+    if len(rows) > 1:
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
+        for r in rows:
+            lines.append("  ".join(cell.ljust(w) for cell, w in zip(r[:-1], widths, strict=False)) + "  " + r[-1])
+    return "\n".join(lines + quiet)
+
+
+# -- reading files ---------------------------------------------------------------------
+
+
+class ReportFileError(ValueError):
+    """A report file that cannot be read; the message names the file and the line."""
+
+
+def _first_error(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if errors is None:
+        return str(exc)
+    errs = errors(include_url=False)
+    parts = [
+        f"{'.'.join(str(p) for p in e['loc']) or 'line'}: {e['msg'].removeprefix('Value error, ')}" for e in errs[:3]
+    ]
+    return "; ".join(parts) + (f"; ... and {len(errs) - 3} more" if len(errs) > 3 else "")
+
+
+def read_report_file(path: str | Path) -> Iterator[tuple[int, Report]]:
+    """(line number, report) for each report of a JSONL file (a file sink's, or wire
+    bodies one per line); :class:`ReportFileError` names the first bad line."""
+    path = Path(path)
+    try:
+        fh = path.open(encoding="utf-8")
+    except OSError as exc:
+        raise ReportFileError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    with fh:
+        try:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as exc:
+                    raise ReportFileError(f"{path}:{lineno}: not valid JSON: {exc}") from None
+                try:
+                    if isinstance(obj, Mapping) and "reports" in obj:
+                        reports = list(ReportBatch.model_validate(obj).reports)
+                    else:
+                        reports = [Report.model_validate(obj)]
+                except ValueError as exc:  # pydantic.ValidationError
+                    raise ReportFileError(f"{path}:{lineno}: not a trainvitals report: {_first_error(exc)}") from None
+                for report in reports:
+                    yield lineno, report
+        except UnicodeDecodeError as exc:
+            raise ReportFileError(f"{path}: not a text file of JSON lines ({exc.reason})") from None
+
+
+def read_report_files(paths: Iterable[str | Path]) -> Iterator[Report]:
+    """Every report of every file, in file order."""
+    for p in paths:
+        for _, report in read_report_file(p):
+            yield report

@@ -1,0 +1,255 @@
+"""``trainvitals check`` and ``trainvitals report``: local diagnosis, no collector.
+
+``check FILE.jsonl ...`` runs the rules over recorded reports (every run in the
+files) and prints the verdict (:mod:`trainvitals.alerts.verdict`) as a table;
+``check -- COMMAND ...`` is the pre-flight check: the command runs under
+``trainvitals run`` reporting every step, for ``--steps N`` optimizer steps or to
+its end, then the same verdict and what was watched. Exit status: 1 when an alert
+of severity ``page`` fired, 0 when none did, 2 for a usage error or an unreadable
+file (the message names the line), 3 when the pre-flight job failed or reported
+nothing.
+
+``report FILE.jsonl -o report.html`` writes the report page
+(:mod:`trainvitals.monitor.report_page`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+__all__ = ["check", "report"]
+
+EXIT_PAGE, EXIT_USAGE, EXIT_JOB = 1, 2, 3
+
+
+class _UsageError(click.ClickException):
+    """Exit status 2: the arguments or a file cannot be used."""
+
+    exit_code = EXIT_USAGE
+
+
+def _builder(rules: tuple[str, ...]) -> Any:
+    from trainvitals.alerts.loading import RuleError
+    from trainvitals.alerts.verdict import VerdictBuilder
+
+    spec: Any = "default" if not rules or rules == ("default",) else [Path(r) for r in rules if r != "default"]
+    if rules and "default" in rules and rules != ("default",):
+        spec = ["default", *spec]
+    try:
+        return VerdictBuilder(spec)
+    except (RuleError, OSError) as exc:
+        raise _UsageError(f"--rules: {exc}") from None
+
+
+def _judge(files: list[Path], rules: tuple[str, ...]) -> Any:
+    from trainvitals.alerts.verdict import ReportFileError, read_report_files
+
+    builder = _builder(rules)
+    try:
+        for report in read_report_files(files):
+            builder.observe(report)
+    except ReportFileError as exc:
+        raise _UsageError(str(exc)) from None
+    return builder
+
+
+def _is_report_file(arg: str) -> bool:
+    return arg.endswith((".jsonl", ".json"))
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option(
+    "--rules",
+    "rules",
+    multiple=True,
+    metavar="PATH",
+    help="Rule file or folder instead of the default rules ('default' adds them back); repeatable.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON.")
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Pre-flight: stop the job cleanly after N optimizer steps.  [default: run it to its end]",
+)
+@click.option(
+    "--every",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Pre-flight: report every N optimizer steps.",
+)
+@click.option("--run", "run_name", default=None, metavar="NAME", help="Pre-flight: the run's name.")
+@click.option(
+    "--set",
+    "settings",
+    multiple=True,
+    metavar="OPTION=VALUE",
+    help="Pre-flight: any attach option, as for trainvitals run; repeatable.",
+)
+@click.argument("args", nargs=-1, required=True, type=click.UNPROCESSED)
+def check(
+    rules: tuple[str, ...],
+    as_json: bool,
+    steps: int | None,
+    every: int,
+    run_name: str | None,
+    settings: tuple[str, ...],
+    args: tuple[str, ...],
+) -> None:
+    """Judge recorded reports, or run a pre-flight check of a job, with the alert rules.
+
+    \b
+      trainvitals check trainvitals-myrun.jsonl           (recorded reports, offline)
+      trainvitals check --steps 30 -- python train.py     (pre-flight: run it, judge it)
+
+    Before a long job, run the pre-flight check on it: it runs the command under
+    trainvitals run reporting every step (--every), stops it cleanly after --steps
+    optimizer steps (or lets it finish), and prints each incident, what to do and
+    what was watched. Exit status: 1 if an alert of severity page fired, 0 if none
+    did, 2 for a usage error or an unreadable file, 3 if the pre-flight job failed
+    or reported nothing.
+    """
+    if all(_is_report_file(a) for a in args):
+        if steps is not None or run_name is not None or settings:
+            raise _UsageError("--steps, --run and --set are for the pre-flight check (check -- COMMAND ...)")
+        builder = _judge([Path(a) for a in args], rules)
+        verdicts = builder.verdicts()
+        if not verdicts:
+            raise _UsageError(f"no report in {', '.join(args)}")
+        _print(verdicts, as_json, files=list(args))
+        sys.exit(EXIT_PAGE if any(v.paged for v in verdicts) else 0)
+    _preflight(rules, as_json, steps, every, run_name, settings, args)
+
+
+def _print(verdicts: list[Any], as_json: bool, *, files: list[str], job: dict[str, Any] | None = None) -> None:
+    from trainvitals.alerts.verdict import format_verdict, verdict_table
+
+    if as_json:
+        out: dict[str, Any] = {"files": files, "runs": [v.as_dict() for v in verdicts]}
+        if job is not None:
+            out["job"] = job
+        click.echo(json.dumps(out, indent=2))
+        return
+    if job is None:
+        click.echo(verdict_table(verdicts))
+        return
+    for v in verdicts:
+        for line in format_verdict(v, report_file=files[0] if files else None):
+            click.echo(line)
+        click.echo(f"what was watched in run {v.run}:")
+        for line in v.coverage_lines():
+            click.echo(line)
+
+
+def _preflight(
+    rules: tuple[str, ...],
+    as_json: bool,
+    steps: int | None,
+    every: int,
+    run_name: str | None,
+    settings: tuple[str, ...],
+    command: tuple[str, ...],
+) -> None:
+    from trainvitals.monitor.cli_run import hook_config, job_environment
+
+    config = hook_config()
+    builder = _builder(rules)  # a bad --rules is refused before the job starts
+    env = job_environment(run_name, None, every, None, settings, command)
+    run = env[config.ATTACH_ENV["run"]]
+    path = Path(f"trainvitals-check-{run.replace('/', '_')}.jsonl")
+    env[config.ATTACH_ENV["collector"]] = f"file:{path}"
+    env[config.ATTACH_ENV["rules"]] = "off"  # judged here, from the file
+    if steps is not None:
+        env["TRAINVITALS_CHECK_STEPS"] = str(steps)
+    else:
+        env.pop("TRAINVITALS_CHECK_STEPS", None)
+    if path.exists():
+        path.unlink()  # this check's own file, from an earlier check of the same run name
+    until = f"for {steps} optimizer steps" if steps is not None else "to its end"
+    click.echo(
+        f"trainvitals check: running {' '.join(command)!r} as run {run!r} under trainvitals run, "
+        f"reporting every {every} step(s), {until}; reports in {path}",
+        err=True,
+    )
+    try:
+        status = subprocess.call(list(command), env=env, stdout=sys.stderr if as_json else None)
+    except OSError as exc:
+        raise _UsageError(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted") from None
+    job = {"command": list(command), "status": status, "reports_file": str(path), "steps": steps}
+    if not path.exists():
+        click.echo(
+            f"trainvitals check: the job (exit status {status}) wrote no report: no torch optimizer step was "
+            "seen, so nothing was watched",
+            err=True,
+        )
+        if as_json:
+            _print([], True, files=[str(path)], job=job)
+        sys.exit(EXIT_JOB)
+    from trainvitals.alerts.verdict import ReportFileError, read_report_file
+
+    try:
+        for _, report in read_report_file(path):
+            builder.observe(report)
+    except ReportFileError as exc:
+        raise _UsageError(str(exc)) from None
+    verdicts = builder.verdicts()
+    click.echo(f"trainvitals check: the job exited with status {status}", err=True)
+    _print(verdicts, as_json, files=[str(path)], job=job)
+    if any(v.paged for v in verdicts):
+        sys.exit(EXIT_PAGE)
+    if status != 0 or not any(v.reports for v in verdicts):
+        sys.exit(EXIT_JOB)
+    sys.exit(0)
+
+
+@click.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("trainvitals-report.html"),
+    show_default=True,
+    help="The HTML file to write.",
+)
+@click.option("--rules", "rules", multiple=True, metavar="PATH", help="Rule files or folders, as for check.")
+@click.option("--title", default=None, help="The page's title.  [default: the files' names]")
+def report(files: tuple[Path, ...], output: Path, rules: tuple[str, ...], title: str | None) -> None:
+    """Write one self-contained HTML page of the runs in FILES: the verdict, the
+    incident timeline and the signals behind each alert with their thresholds.
+
+    Nothing in the page is fetched from elsewhere: mail it, open it offline.
+    """
+    from trainvitals.alerts.verdict import ReportFileError, read_report_files
+    from trainvitals.monitor.report_page import RunHistory, render_page
+
+    builder = _builder(rules)
+    history = RunHistory()
+    try:
+        for r in read_report_files(files):
+            builder.observe(r)
+            history.add(r)
+    except ReportFileError as exc:
+        raise _UsageError(str(exc)) from None
+    if not builder.verdicts():
+        raise _UsageError(f"no report in {', '.join(map(str, files))}")
+    page = render_page(builder, history, title=title or ", ".join(f.name for f in files))
+    tmp = output.with_name(output.name + ".tmp")
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, output)
+    except OSError as exc:
+        raise _UsageError(f"cannot write {output}: {exc.strerror or exc}") from None
+    click.echo(f"report of {len(builder.verdicts())} run(s) written to {output} ({len(page.encode()) / 1e6:.2f} MB)")
