@@ -102,6 +102,6 @@ class LocalEvaluator:
             lines = format_verdict(verdict, report_file=report_file)
             self.log.log(logging.WARNING if verdict.incidents else logging.INFO, "%s", "\n".join(lines))
             return verdict
-        except Exception:  # noqa: BLE001 - at close, after training: log and go on
+        except Exception:
             self.log.exception("trainvitals: could not compute the verdict")
             return None

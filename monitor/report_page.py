@@ -86,7 +86,7 @@ _PLOTTED = frozenset(m for p in PANELS for m in p.metrics)
 class _Series:
     """One series' history: bucket start steps, min and max values (float64 arrays)."""
 
-    __slots__ = ("hi", "lo", "per_bucket", "steps", "_n")
+    __slots__ = ("_n", "hi", "lo", "per_bucket", "steps")
 
     def __init__(self) -> None:
         self.steps = array("d")
