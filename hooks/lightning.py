@@ -1,5 +1,9 @@
 """PyTorch Lightning integration: ``Trainer(callbacks=[TrainvitalsCallback()])``.
 
+Lightning ships under two import names, ``lightning`` (``lightning.pytorch``) and
+``pytorch_lightning``; the callback is built on whichever is installed (the first
+when both are: its callbacks run under a ``pytorch_lightning.Trainer`` too).
+
 The callback attaches a :class:`~trainvitals.hooks.Monitor` to the LightningModule
 and its optimizer when training starts, with zero-code loss accounting (every
 token's loss weight read from the gradient at the LM head's output,
@@ -19,7 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning.pytorch import Callback
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # only the older import name is installed
+    from pytorch_lightning import Callback  # type: ignore[assignment]
 
 from trainvitals.hooks.attach import attach
 from trainvitals.hooks.integration_support import batch_value, run_name, torch_optimizer
@@ -31,7 +38,8 @@ Field = str | Callable[[Any], Any] | None
 
 
 class TrainvitalsCallback(Callback):
-    """Training-health monitoring for a ``lightning.pytorch.Trainer``.
+    """Training-health monitoring for a ``lightning.pytorch.Trainer`` (or a
+    ``pytorch_lightning.Trainer``).
 
     ``run``: the run name (default: the logger's ``name/version``, else
     ``"lightning"``). ``collector``: a collector URL (default:

@@ -2,7 +2,9 @@
 with ``TrainvitalsCallback``, next to an independent record of the true per-token
 loss weights (as in ``_hf_job``: ``w_t = -g_{t,y_t} / (1 - p_{t,y_t})`` from the
 gradient at the head's output). Run as a script (``python _lightning_job.py OUT.json
-KEY=VALUE ...``) it is one rank of the DDP test."""
+KEY=VALUE ...``) it is one rank of the DDP test. With ``$TV_ONLY_PYTORCH_LIGHTNING``
+set, the ``lightning`` package cannot be imported (a meta-path finder refuses it) and
+the job uses ``pytorch_lightning``, as on a machine where only that is installed."""
 
 from __future__ import annotations
 
@@ -15,12 +17,26 @@ from pathlib import Path
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import lightning.pytorch as pl
-import torch
-import torch.nn.functional as F
-from torch import nn
 
-from trainvitals.hooks.lightning import TrainvitalsCallback
+class _NoLightning:
+    """Refuses ``lightning`` and its submodules, as if it were not installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "lightning" or name.startswith("lightning."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+if os.environ.get("TV_ONLY_PYTORCH_LIGHTNING"):
+    sys.meta_path.insert(0, _NoLightning())
+    import pytorch_lightning as pl
+else:
+    import lightning.pytorch as pl
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from trainvitals.hooks.lightning import TrainvitalsCallback  # noqa: E402
 
 VOCAB = 32
 LENGTHS = (6, 30, 12, 24)
@@ -42,12 +58,12 @@ class TinyLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def batches(rank: int, count: int) -> list[dict]:
-    """One sample per micro-batch, lengths cycling through LENGTHS; modality 1 for short ones."""
+def batches(rank: int, count: int, lengths: tuple[int, ...] = LENGTHS) -> list[dict]:
+    """One sample per micro-batch, lengths cycling through ``lengths``; modality 1 for short ones."""
     g = torch.Generator().manual_seed(rank)
     out = []
     for i in range(count):
-        n = LENGTHS[(i + rank) % len(LENGTHS)]
+        n = lengths[(i + rank) % len(lengths)]
         ids = torch.randint(0, VOCAB, (1, n), generator=g)
         out.append({"ids": ids, "labels": ids.roll(-1, 1), "modality": torch.tensor([int(n < 20)])})
     return out
@@ -99,10 +115,12 @@ def train(
     rank: int = 0,
     ckpt: str = "",
     resume: str = "",
+    lengths: str = "",
 ) -> dict:
     """Train in ``out_dir`` (also the working folder: the default sink writes
     ``./trainvitals-lightning.jsonl`` there); ``ckpt``: save a checkpoint there at the
-    end; ``resume``: start from that checkpoint."""
+    end; ``resume``: start from that checkpoint; ``lengths``: sample lengths, e.g.
+    ``16,16`` (equal token counts: the mean of means is exact)."""
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     os.makedirs(out_dir, exist_ok=True)
@@ -122,12 +140,16 @@ def train(
         enable_model_summary=False,
         callbacks=[callback, truth],
     )
-    data = torch.utils.data.DataLoader(batches(rank, steps * accum), batch_size=None)
+    sizes = tuple(int(n) for n in lengths.split(",")) if lengths else LENGTHS
+    data = torch.utils.data.DataLoader(batches(rank, steps * accum, sizes), batch_size=None)
     trainer.fit(module, data, ckpt_path=resume or None)
     if ckpt:
         trainer.save_checkpoint(ckpt)
     return {
         "truth": truth.steps,
+        "package": pl.__name__,
+        "callback_base": type(callback).__mro__[1].__module__,
+        "lightning_imported": "lightning" in sys.modules,
         "step": callback.monitor.step,
         "reports": str(Path(out_dir) / "trainvitals-lightning.jsonl"),
     }
@@ -136,6 +158,8 @@ def train(
 if __name__ == "__main__":
     out = sys.argv[1]
     options = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=", 1) for kv in sys.argv[2:])}
+    if "lengths" in options:
+        options["lengths"] = str(options["lengths"])
     result = train(**options)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         Path(out).write_text(json.dumps(result))

@@ -22,16 +22,18 @@ HERE = Path(__file__).resolve().parent
 JOB = HERE / "_lightning_job.py"
 
 
-def run_job(tmp_path: Path, *options: str, ranks: int = 1, timeout: float = 300) -> dict:
+def run_job(
+    tmp_path: Path, *options: str, ranks: int = 1, timeout: float = 300, env: dict[str, str] | None = None
+) -> dict:
     """``_lightning_job.train`` in fresh processes, one per rank (Lightning's DDP takes
     its ranks from LOCAL_RANK/WORLD_SIZE when they are set)."""
     out = tmp_path / "result.json"
     port = free_port()
     procs = []
     for rank in range(ranks):
-        env = dict(os.environ)
+        rank_env = {**os.environ, **(env or {})}
         if ranks > 1:
-            env.update(
+            rank_env.update(
                 LOCAL_RANK=str(rank),
                 NODE_RANK="0",
                 WORLD_SIZE=str(ranks),
@@ -49,7 +51,7 @@ def run_job(tmp_path: Path, *options: str, ranks: int = 1, timeout: float = 300)
                     f"devices={ranks}",
                     *options,
                 ],
-                env=env,
+                env=rank_env,
                 cwd=tmp_path,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -85,6 +87,28 @@ def test_accumulated_steps_are_accounted_whole_and_mean_of_means_fires(tmp_path)
     # Token means over 6 and 30 (or 12 and 24) label tokens, each halved: 30/6 = 5 or 24/12 = 2.
     assert {round(t["spread"], 4) for t in result["truth"]} == {5.0, 2.0}
     assert firing(reports) & LOSS_RULES == {"MeanOfMeansLoss"}
+
+
+@pytest.mark.parametrize("lengths", ["", "16,16"], ids=["mean-of-means", "healthy-equal-lengths"])
+def test_with_only_pytorch_lightning_installed(tmp_path, lengths):
+    """``lightning`` refused at import (as where only ``pytorch_lightning`` is installed):
+    the callback runs on ``pytorch_lightning``, its figures equal the truth, the mean of
+    means fires and its healthy twin (equal token counts) fires nothing."""
+    options = ["steps=60", "every=5", "accum=2"] + ([f"lengths={lengths}"] if lengths else [])
+    result = run_job(tmp_path, *options, env={"TV_ONLY_PYTORCH_LIGHTNING": "1"})
+    assert result["package"] == "pytorch_lightning"
+    assert result["callback_base"].startswith("pytorch_lightning.")
+    assert not result["lightning_imported"]
+    reports = read_reports(result["reports"])
+    mass = figures(reports, "loss_weight_mass", objective="main")
+    spread = figures(reports, "token_weight_spread_ratio", objective="main")
+    truth = {t["step"]: t for t in result["truth"]}
+    reported = [s for s in truth if s == 1 or s % 5 == 0]
+    assert sorted(mass) == reported
+    for s in reported:
+        assert mass[s] == pytest.approx(truth[s]["mass"], rel=1e-5), s
+        assert spread[s] == pytest.approx(truth[s]["spread"], rel=1e-5), s
+    assert firing(reports) & LOSS_RULES == (set() if lengths else {"MeanOfMeansLoss"})
 
 
 def test_the_monitor_state_travels_with_lightning_checkpoints(tmp_path):

@@ -1,0 +1,68 @@
+"""TRL's ``SFTTrainer`` on its default path, the fused LM head that never calls the
+``lm_head`` module, with the Hugging Face callback (``_trl_job``): the figures equal the
+true per-token weights recorded independently; the default loss (normalized over the
+accumulated batch) fires nothing, a model class with ``accepts_loss_kwargs = False`` (a
+mean of means) fires MeanOfMeansLoss."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integrations._alerts import LOSS_RULES, figures, firing, read_reports
+
+HERE = Path(__file__).resolve().parent
+
+pytestmark = pytest.mark.slow  # a fresh Python importing torch, transformers and TRL
+
+
+def run_job(tmp_path: Path, *options: str) -> dict:
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_trl_job.py"), str(out), *options],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def check_against_truth(result: dict, every: int) -> list[dict]:
+    reports = read_reports(result["reports"])
+    mass = figures(reports, "loss_weight_mass", objective="main")
+    micro = figures(reports, "microbatches")
+    spread = figures(reports, "token_weight_spread_ratio", objective="main")
+    truth = {t["step"]: t for t in result["truth"]}
+    reported = [s for s in truth if s == 1 or s % every == 0]
+    assert reported and sorted(mass) == reported, (sorted(mass), reported)
+    for s in reported:
+        t = truth[s]
+        assert mass[s] == pytest.approx(t["mass"], rel=1e-5), s
+        assert micro[s] == t["microbatches"] == 4, s
+        assert spread.get(s) == (None if t["spread"] is None else pytest.approx(t["spread"], rel=1e-5)), s
+    return reports
+
+
+def test_sft_trainer_default_path_equals_the_truth_and_nothing_fires(tmp_path):
+    result = run_job(tmp_path, "model=default", "steps=60", "every=4")
+    assert result["fused_forwards"] == 240  # every micro-batch went through the fused head
+    reports = check_against_truth(result, every=4)
+    assert all(t["mass"] == pytest.approx(1.0, rel=1e-5) for t in result["truth"])
+    assert all(t["spread"] == pytest.approx(1.0, rel=1e-5) for t in result["truth"])
+    assert not firing(reports) & LOSS_RULES
+
+
+def test_a_model_class_without_loss_kwargs_is_a_mean_of_means_and_fires(tmp_path):
+    result = run_job(tmp_path, "model=mean-of-means", "steps=60", "every=4")
+    reports = check_against_truth(result, every=4)
+    assert all(t["mass"] == pytest.approx(1.0, rel=1e-5) for t in result["truth"])
+    assert max(t["spread"] for t in result["truth"]) > 4  # 29 label tokens against 5
+    assert firing(reports) & LOSS_RULES == {"MeanOfMeansLoss"}
