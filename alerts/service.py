@@ -78,6 +78,8 @@ class AlertService:
             on_delivered=self._delivered if persistence is not None else None,
         )
         self._alerts_dirty = False
+        self._resync = False  # a write failed or the file was recreated: save everything
+        self._unrecorded: list[tuple[str, list[Notification]]] = []  # deliveries not written yet
         self._restored = False
         self.resend_interval = resend_interval
         self.tick_interval = tick_interval
@@ -149,10 +151,14 @@ class AlertService:
 
     def _notify(self, transitions: list[Transition], now: float) -> None:
         self._alerts_dirty = True
+        # Pages first, whatever the disk does: the state write below may fail (full disk).
+        self._enqueue_transitions(transitions, now)
         if self.persistence is not None and any(
             t.state in (AlertState.FIRING, AlertState.RESOLVED) for t in transitions
         ):
             self._save_alerts()  # at once: a crash right after a page must not page again
+
+    def _enqueue_transitions(self, transitions: list[Transition], now: float) -> None:
         for t in transitions:
             if t.state is AlertState.FIRING:
                 log.info("alert %s", format_transition(t))
@@ -184,19 +190,44 @@ class AlertService:
     # ------------------------------------------------------------ persistence
 
     def save(self) -> None:
-        """Write changed runs and, when any changed, the alerts (no-op without persistence)."""
+        """Write changed runs and, when any changed, the alerts (no-op without persistence).
+
+        A failed write (the persistence logs and counts it) is tried again at the next
+        call, in full: every run, the alerts and the deliveries not recorded."""
         if self.persistence is None:
             return
-        self.persistence.save_runs(self.engine.export_runs(dirty=True))
-        if self._alerts_dirty:
+        full = self._resync
+        self._resync = False
+        try:
+            self.persistence.save_runs(self.engine.export_runs(dirty=not full))
+        except Exception:  # noqa: BLE001 - any persistence: it logs and counts its own failures
+            self._resync = True
+        if self._alerts_dirty or full:
             self._save_alerts()
+        with self._lock:
+            owed, self._unrecorded = self._unrecorded, []
+        for notifier, batch in owed:
+            self._delivered(notifier, batch)
+
+    def resync(self) -> None:
+        """Write everything in full at the next :meth:`save` (the state file was recreated)."""
+        self._resync = True
+        self._alerts_dirty = True
 
     def _save_alerts(self) -> None:
         self._alerts_dirty = False
-        self.persistence.replace_alerts(self.engine.export_alerts())
+        try:
+            self.persistence.replace_alerts(self.engine.export_alerts())
+        except Exception:  # noqa: BLE001 - any persistence: it logs and counts its own failures
+            self._alerts_dirty = True  # logged and counted by the persistence; next tick again
 
     def _delivered(self, notifier: str, batch: list[Notification]) -> None:
-        self.persistence.record_sent(notifier, batch)
+        try:
+            self.persistence.record_sent(notifier, batch)
+        except Exception:  # noqa: BLE001 - any persistence: it logs and counts its own failures
+            with self._lock:  # logged and counted by the persistence; recorded at the next save
+                if len(self._unrecorded) < 10_000:
+                    self._unrecorded.append((notifier, batch))
 
     def restore(self, now: float | None = None) -> None:
         """Bring back what the persistence holds and reconcile the notifiers with it.

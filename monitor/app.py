@@ -21,6 +21,7 @@ Other components hook in after :func:`create_app`::
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -88,6 +89,7 @@ def create_app(
             store.restore_seqs(run, rank, sender, floor, seqs)
         # Before the answer goes out: a retry after a crash or restart is still a duplicate.
         store.on_ingest(state.record_seqs)
+        exporter.register_family_source(state.metric_families)
     if alerts is None:
         try:
             alerts = _alert_service(settings, state)
@@ -99,14 +101,31 @@ def create_app(
     store.on_ingest(alerts.observe_batch)
     exporter.register_family_source(alerts.metric_families)
 
+    if state is not None:
+        # The file written back after it was deleted or replaced: the engine's runs and
+        # alerts are saved again in full with the next tick.
+        state.on_recreated.append(alerts.resync)
+
+    async def watch_state_file(db: StateDB) -> None:
+        while True:
+            await asyncio.sleep(settings.state_check_seconds)
+            try:
+                await run_in_threadpool(db.check_file)
+                await run_in_threadpool(db.seqs_saved)
+            except Exception:
+                log.exception("checking the state file failed")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         alerts.start()
+        watcher = asyncio.create_task(watch_state_file(state)) if state is not None else None
         app.state.ready = True
         try:
             yield
         finally:
             app.state.ready = False
+            if watcher is not None:
+                watcher.cancel()
             await run_in_threadpool(alerts.stop)
             if state is not None:
                 state.close()

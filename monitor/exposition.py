@@ -40,6 +40,7 @@ REPORT_OUTCOMES = (
     "series_limit",
     "run_series_limit",
     "duplicate",
+    "state_unwritable",
 )
 # HELP of a metric a client sent that the wire table does not know (not one of ours).
 _UNKNOWN_HELP = "Sent by a trainvitals client; not in this collector's metric catalogue."

@@ -20,8 +20,14 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", response_class=JSONResponse)
 async def readyz(request: Request, store: StoreDep) -> JSONResponse:
-    """Started and able to ingest: 200 with the series count, else 503 while starting."""
+    """Started and able to ingest: 200 with the series count; 503 while starting, and
+    ``degraded`` (with the reason) while the state file cannot be written: reports are
+    still evaluated and pages still sent, but retried reports are answered 503."""
     # app.state.ready is set by the app's lifespan once the alert service runs.
     if not request.app.state.ready:
         return JSONResponse({"status": "starting"}, 503)
+    state = getattr(request.app.state, "state_db", None)
+    problem = state.problem if state is not None else None
+    if problem is not None:
+        return JSONResponse({"status": "degraded", "detail": problem, "series": len(store)}, 503)
     return JSONResponse({"status": "ready", "series": len(store)})

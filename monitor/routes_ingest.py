@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from trainvitals.monitor.deps import ReportsDep, SettingsDep, StoreDep
 from trainvitals.monitor.request_body import BodyRefused, parse_batch, read_body
 from trainvitals.monitor.routes_configure import RunSettingsDep
+from trainvitals.monitor.state_db import StateDB
 from trainvitals.monitor.store import (
     IngestRefused,
     IngestResult,
@@ -32,6 +33,8 @@ router = APIRouter(tags=["ingest"])
 _INLINE_BYTES = 256 * 1024
 # Seconds a client should wait before retrying when the collector is full.
 _FULL_RETRY_AFTER = 30
+# ... and when its state file cannot be written (the disk may be freed any moment).
+_STATE_RETRY_AFTER = 5
 
 
 @router.post("/v1/reports", status_code=202)
@@ -52,10 +55,11 @@ async def ingest_reports(
     """
     try:
         body = await read_body(request, settings)
+        state = request.app.state.state_db
         if len(body) > _INLINE_BYTES:
-            result, runs = await run_in_threadpool(_apply, store, body)
+            result, runs = await run_in_threadpool(_apply, store, body, state)
         else:
-            result, runs = _apply(store, body)
+            result, runs = _apply(store, body, state)
     except BodyRefused as exc:
         reports.inc(exc.outcome)
         client = request.client.host if request.client else "?"
@@ -71,11 +75,16 @@ async def ingest_reports(
     return answer
 
 
-def _apply(store: SeriesStore, body: bytes) -> tuple[IngestResult, set[str]]:
-    """Apply the body; also the runs it carries (their live settings go in the answer)."""
+def _apply(store: SeriesStore, body: bytes, state: StateDB | None = None) -> tuple[IngestResult, set[str]]:
+    """Apply the body; also the runs it carries (their live settings go in the answer).
+
+    With a state file, a body whose reports carry ``seq`` is acknowledged only once the
+    collector's memory of them is written: until then 503 (the job keeps them and
+    retries; the retry is recognised as a duplicate, so nothing is applied twice, and
+    its alerts were evaluated and paged at the first try)."""
     batch = parse_batch(body)
     try:
-        return store.apply(batch, time.time()), {r.run for r in batch.reports}
+        result = store.apply(batch, time.time())
     except RunSeriesLimitExceeded as exc:
         raise BodyRefused(422, "run_series_limit", str(exc)) from None
     except SeriesLimitExceeded as exc:
@@ -83,3 +92,11 @@ def _apply(store: SeriesStore, body: bytes) -> tuple[IngestResult, set[str]]:
         raise BodyRefused(503, "series_limit", str(exc), {"Retry-After": str(_FULL_RETRY_AFTER)}) from None
     except IngestRefused as exc:
         raise BodyRefused(422, "invalid", str(exc)) from None
+    if state is not None and any(r.seq is not None for r in batch.reports) and not state.seqs_saved():
+        raise BodyRefused(
+            503,
+            "state_unwritable",
+            f"the collector cannot write its state file ({state.problem}); retry later",
+            {"Retry-After": str(_STATE_RETRY_AFTER)},
+        )
+    return result, {r.run for r in batch.reports}

@@ -95,6 +95,12 @@ class Settings(BaseSettings):
     body_timeout_seconds: float = Field(
         30.0, gt=0, description="A request body must arrive within this many seconds (408)."
     )
+    state_check_seconds: float = Field(
+        2.0,
+        gt=0,
+        description="How often the state file is checked (deleted or replaced: written back) "
+        "and writes the disk refused are tried again.",
+    )
     header_timeout_seconds: float = Field(
         10.0,
         gt=0,

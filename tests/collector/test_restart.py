@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -115,6 +116,17 @@ def _serve(config, port: int, log) -> subprocess.Popen:
     return proc
 
 
+def _delivered(path) -> int:
+    """Deliveries the collector's state file records (read beside the running collector)."""
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return db.execute("SELECT count(*) FROM notified WHERE status = 'firing'").fetchone()[0]
+    except sqlite3.OperationalError:  # not created yet
+        return 0
+    finally:
+        db.close()
+
+
 def test_sigkill_and_restart_resolve_a_cleared_alert_once_and_do_not_repage(tmp_path):
     rules = tmp_path / "rules.yaml"
     rules.write_text(RULES)
@@ -140,6 +152,8 @@ def test_sigkill_and_restart_resolve_a_cleared_alert_once_and_do_not_repage(tmp_
             proc = _serve(config, port, log)
             send(1, 50.0, 40.0)
             wait_until(lambda: len(hook.alerts()) == 2, 20, "two pages")
+            # ... and their delivery recorded (a kill between the two pages it again: at least once).
+            wait_until(lambda: _delivered(tmp_path / "state.sqlite3") == 2, 20, "the deliveries recorded")
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
             proc = _serve(config, port, log)
