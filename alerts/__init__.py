@@ -23,8 +23,10 @@ Modules, one concept each (the rule format is in ``docs/rules.md``):
 - ``conditions``: what ``and`` conditions read (another metric's latest series);
 - ``engine``: the state machines, on rule objects only (no I/O);
 - ``local``: LocalEvaluator (in-process, logs); ``service``: AlertService
-  (collector); ``dispatch`` and ``notifiers``: sending; ``export``: the
-  Prometheus rule file; ``cli``: ``trainvitals rules check|export``.
+  (collector); ``persistence``: what the service asks of a state store (the
+  collector implements it; this package never imports the collector);
+  ``dispatch`` and ``notifiers``: sending; ``export``: the Prometheus rule file;
+  ``cli``: ``trainvitals rules check|export``.
 
 Attributes load lazily: the rule model and engine need only pydantic and
 PyYAML; the service and notifiers bring httpx and prometheus_client. No torch.

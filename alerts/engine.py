@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from os import PathLike
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainvitals.alerts.conditions import LabelPredicate, LatestSamples
 from trainvitals.alerts.model import (
@@ -62,10 +62,8 @@ from trainvitals.alerts.model import (
 )
 from trainvitals.alerts.state import Alert, AlertState, LabelItems, Transition
 from trainvitals.alerts.transforms import SeriesHistory
-from trainvitals.wire import Report, ends_run, series_labels
-
-if TYPE_CHECKING:  # the collector's decoder structs: same attributes as Report (it imports this package)
-    from trainvitals.monitor.decode import WireReport
+from trainvitals.wire import ends_run, series_labels
+from trainvitals.wire.views import ReportView
 
 __all__ = ["Engine"]
 
@@ -260,7 +258,7 @@ class Engine:
 
     # ------------------------------------------------------------------ observe
 
-    def observe(self, report: Report | WireReport, now: float | None = None) -> list[Transition]:
+    def observe(self, report: ReportView, now: float | None = None) -> list[Transition]:
         """Evaluate one report; return the transitions it caused."""
         now = time.time() if now is None else now
         out: list[Transition] = []
@@ -402,7 +400,7 @@ class Engine:
             inst.fired_value = inst.value
             inst.clear_step = inst.clear_time = None
 
-    def _observe_events(self, report: Report | WireReport, now: float) -> list[Transition]:
+    def _observe_events(self, report: ReportView, now: float) -> list[Transition]:
         out: list[Transition] = []
         run, rank, step = report.run, report.rank, report.step
         per_run = self._event_instances.setdefault((run, rank), {})

@@ -15,8 +15,8 @@ notifications. Firing alerts are re-sent to Alertmanager every
 does), so Alertmanager keeps them while the collector lives and expires them if
 it dies.
 
-With ``persistence`` (the collector's :class:`~trainvitals.monitor.state_db.StateDB`,
-or any object with its methods) alert states, runs and the notifications
+With ``persistence`` (an :class:`~trainvitals.alerts.persistence.AlertPersistence`;
+the collector's state file implements it) alert states, runs and the notifications
 delivered survive a restart: :meth:`start` restores them, resends a resolve that
 a crash lost (or for a rule that is gone), and pages for a firing alert only
 where it was not delivered yet; a still-firing alert does not page again.
@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -39,12 +39,10 @@ from trainvitals.alerts.loading import RuleSpec, resolve_rules
 from trainvitals.alerts.local import format_transition
 from trainvitals.alerts.notifiers.base import Notification, Notifier
 from trainvitals.alerts.notifiers.config import build_notifiers
+from trainvitals.alerts.persistence import AlertPersistence, alert_id
 from trainvitals.alerts.state import Alert, AlertState, Transition
-from trainvitals.wire import METRICS, PREFIX, Report, exposed_family
-
-if TYPE_CHECKING:  # the collector's types (it imports this package, not the other way round)
-    from trainvitals.monitor.decode import WireReport
-    from trainvitals.monitor.store import IngestedBatch
+from trainvitals.wire import METRICS, PREFIX, exposed_family
+from trainvitals.wire.views import BatchView, ReportView
 
 __all__ = ["AlertService"]
 
@@ -65,7 +63,7 @@ class AlertService:
         retry: RetryPolicy | None = None,
         external_url: str | None = None,
         runbook_base_url: str | None = None,
-        persistence: Any = None,
+        persistence: AlertPersistence | None = None,
     ) -> None:
         if resend_interval <= 0 or tick_interval <= 0:
             raise ValueError("resend_interval and tick_interval must be positive seconds")
@@ -113,7 +111,7 @@ class AlertService:
 
     # ------------------------------------------------------------ evaluation
 
-    def observe(self, report: Report | WireReport, now: float | None = None) -> list[Transition]:
+    def observe(self, report: ReportView, now: float | None = None) -> list[Transition]:
         """Evaluate one report and queue its notifications; never blocks on I/O."""
         now = time.time() if now is None else now
         transitions = self.engine.observe(report, now)
@@ -121,7 +119,7 @@ class AlertService:
             self._notify(transitions, now)
         return transitions
 
-    def observe_batch(self, batch: IngestedBatch, now: float | None = None) -> list[Transition]:
+    def observe_batch(self, batch: BatchView, now: float | None = None) -> list[Transition]:
         """Every report of a ``POST /v1/reports`` body (the store's ``on_ingest`` signature)."""
         now = time.time() if now is None else now
         out: list[Transition] = []
@@ -216,12 +214,16 @@ class AlertService:
 
     def _save_alerts(self) -> None:
         self._alerts_dirty = False
+        if self.persistence is None:
+            return
         try:
             self.persistence.replace_alerts(self.engine.export_alerts())
         except Exception:  # noqa: BLE001 - any persistence: it logs and counts its own failures
             self._alerts_dirty = True  # logged and counted by the persistence; next tick again
 
     def _delivered(self, notifier: str, batch: list[Notification]) -> None:
+        if self.persistence is None:
+            return
         try:
             self.persistence.record_sent(notifier, batch)
         except Exception:  # noqa: BLE001 - any persistence: it logs and counts its own failures
@@ -240,8 +242,6 @@ class AlertService:
             return
         self._restored = True
         now = time.time() if now is None else now
-        from trainvitals.monitor.state_db import alert_id  # the id format lives with the DB
-
         gone = self.engine.restore(self.persistence.load_runs(), self.persistence.load_alerts())
         for row in gone:
             log.info("alert %s%s: its rule is gone; resolving it downstream", row["alertname"], row["labels"])

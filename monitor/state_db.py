@@ -56,6 +56,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from trainvitals.alerts.persistence import alert_id
 from trainvitals.wire import METRICS, PREFIX, ends_run
 
 try:
@@ -63,7 +64,7 @@ try:
 except ImportError:  # Windows: no advisory lock, the file is still usable
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["SEQ_WINDOW", "WRITES", "StateDB", "StateInUse", "StateUnusable", "StateWriteError"]
+__all__ = ["SEQ_WINDOW", "WRITES", "StateDB", "StateInUse", "StateUnusable", "StateWriteError", "alert_id"]
 
 log = logging.getLogger("trainvitals.monitor.state")
 
@@ -125,11 +126,6 @@ CREATE TABLE IF NOT EXISTS run_settings (
 """
 
 _RESOLVED_KEEP = 7 * 86400.0  # seconds a delivered resolve is remembered
-
-
-def alert_id(alertname: str, labels: Mapping[str, str]) -> str:
-    """An alert's identity across restarts: its name and its series' labels."""
-    return json.dumps([alertname, sorted(labels.items())], separators=(",", ":"))
 
 
 class StateInUse(OSError):

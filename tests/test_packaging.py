@@ -83,3 +83,47 @@ def test_ruff_is_clean_on_the_project():
         [ruff, "check", "hooks", "monitor", "alerts", "wire", "demo", "tests"], cwd=ROOT, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stdout
+
+
+# The packages' layers, bottom up: what each may import of the others (anywhere in a
+# module, TYPE_CHECKING blocks and function bodies included). alerts defines the
+# persistence interface the collector implements, so it never imports the collector.
+LAYERS = {
+    "wire": set(),
+    "alerts": {"wire"},
+    "hooks": {"wire", "alerts"},
+    "monitor": {"wire", "alerts", "demo"},
+    "demo": {"wire", "alerts", "hooks", "monitor"},
+}
+
+
+def _imports_of(package: str) -> dict[str, list[str]]:
+    import ast
+
+    out: dict[str, list[str]] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                if name.startswith("trainvitals.") and name.split(".")[1] != package:
+                    out.setdefault(name.split(".")[1], []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_packages_import_only_the_layers_below(package):
+    wrong = {k: v for k, v in _imports_of(package).items() if k not in LAYERS[package]}
+    assert not wrong, f"{package} imports {wrong}"
+
+
+def test_alerts_never_names_the_collector():
+    mentions = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sorted((ROOT / "alerts").rglob("*"))
+        if p.is_file() and p.suffix in (".py", ".md", ".yaml")
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if "trainvitals.monitor" in line
+    ]
+    assert not mentions, mentions
