@@ -265,6 +265,15 @@ class VerdictBuilder:
             inc.peak = value
             inc.summary = _summary_at(alert, value)
 
+    def forget(self, run: str, now: float) -> None:
+        """Drop everything about ``run`` (a bounded consumer, the collector's pages)."""
+        with self.engine._lock:
+            if run in self.engine._runs:
+                self.engine._forget_run(run, now)
+        self._runs.pop(run, None)
+        for key in [k for k, inc in self._incidents.items() if inc.run == run]:
+            del self._incidents[key]
+
     def verdicts(self) -> list[RunVerdict]:
         """One verdict per run seen, incidents page first, then by the step they fired."""
         out = []

@@ -9,7 +9,8 @@ The parts live in ``app.state`` (the routes read them through
 - ``GET /v1/runs`` (:mod:`~trainvitals.monitor.routes_runs`),
 - ``PUT/GET/DELETE /v1/runs/{run}/settings`` (:mod:`~trainvitals.monitor.routes_configure`),
 - ``GET /v1/alerts`` (:mod:`~trainvitals.monitor.routes_alerts`),
-- ``GET /healthz``, ``GET /readyz`` (:mod:`~trainvitals.monitor.routes_health`).
+- ``GET /healthz``, ``GET /readyz`` (:mod:`~trainvitals.monitor.routes_health`),
+- ``GET /``, ``GET /runs/{run}``: the report pages (:mod:`~trainvitals.monitor.routes_pages`).
 
 Other components hook in after :func:`create_app`::
 
@@ -38,6 +39,7 @@ from trainvitals.monitor import (
     routes_health,
     routes_ingest,
     routes_metrics,
+    routes_pages,
     routes_runs,
 )
 from trainvitals.monitor.auth import ReadAuthMiddleware
@@ -134,6 +136,9 @@ def create_app(
         title="trainvitals collector",
         summary="Ingests training-health reports and exports them to Prometheus.",
         lifespan=lifespan,
+        # The interactive docs load their scripts from a CDN: off unless asked for (api_docs).
+        docs_url="/docs" if settings.api_docs else None,
+        redoc_url="/redoc" if settings.api_docs else None,
     )
     app.state.settings = settings
     app.state.store = store
@@ -145,6 +150,7 @@ def create_app(
     app.state.run_settings = RunSettingsTable(state)  # live settings (trainvitals configure)
     for module in (routes_ingest, routes_metrics, routes_runs, routes_configure, routes_alerts, routes_health):
         app.include_router(module.router)
+    routes_pages.install(app)  # GET / and /runs/{run}: the report pages
     if settings.read_token is not None:
         app.add_middleware(ReadAuthMiddleware, token=settings.read_token.get_secret_value())
     openapi.install(app)  # the ingest body and answers, which FastAPI cannot see

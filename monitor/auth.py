@@ -2,7 +2,9 @@
 
 ``GET /metrics``, ``/v1/runs``, ``/v1/alerts`` and the API docs (``/docs``,
 ``/redoc``, ``/openapi.json``) then need ``Authorization: Bearer <read_token>``
-(Prometheus: ``authorization: {credentials_file: ...}`` in the scrape config).
+(Prometheus: ``authorization: {credentials_file: ...}`` in the scrape config). The
+pages (``/``, ``/runs/{run}``) take it as an HTTP Basic password too (any user name),
+which is what a browser asks for.
 ``/healthz`` and ``/readyz`` stay open for probes; ``POST /v1/reports`` and the
 writes of live settings (``PUT``/``DELETE /v1/runs/{run}/settings``) have the ingest
 ``token``. A pure ASGI middleware: nothing is read or parsed before the check.
@@ -10,6 +12,8 @@ writes of live settings (``PUT``/``DELETE /v1/runs/{run}/settings``) have the in
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import secrets
 from typing import Any
@@ -29,6 +33,21 @@ def read_protected(method: str, path: str) -> bool:
     return not (method == "POST" and path == "/v1/reports")
 
 
+def _is_page(path: str) -> bool:
+    """The HTML pages (:mod:`trainvitals.monitor.routes_pages`), which browsers open."""
+    return path == "/" or path.startswith("/runs/")
+
+
+def _basic_password(credentials: bytes) -> bytes:
+    """The password of HTTP Basic credentials (``base64(user:password)``), or nothing."""
+    try:
+        decoded = base64.b64decode(credentials, validate=True)
+    except (binascii.Error, ValueError):
+        return b""
+    _user, sep, password = decoded.partition(b":")
+    return password if sep else b""
+
+
 class ReadAuthMiddleware:
     """Answers 401 to a read request without the right bearer token."""
 
@@ -46,6 +65,8 @@ class ReadAuthMiddleware:
                 header = value
                 break
         scheme, _, given = header.partition(b" ")
+        if scheme.lower() == b"basic":  # a browser on the pages: the token is the password
+            given, scheme = _basic_password(given.strip()), b"bearer"
         # compare_digest: the time taken does not tell how much of the token matched.
         if scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self._token):
             await self.app(scope, receive, send)
@@ -60,15 +81,12 @@ class ReadAuthMiddleware:
         )
         body = json.dumps({"detail": detail}).encode()
         challenge = _REALM + (', error="invalid_token"' if header else "")
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", challenge.encode()),
-                ],
-            }
-        )
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"www-authenticate", challenge.encode()),
+        ]
+        if _is_page(scope["path"]):  # a browser asks for the token (as the password)
+            headers.append((b"www-authenticate", b'Basic realm="trainvitals", charset="UTF-8"'))
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -114,6 +114,11 @@ class Settings(BaseSettings):
     tls_certfile: Path | None = Field(None, description="PEM certificate: serve HTTPS.")
     tls_keyfile: Path | None = Field(None, description="PEM private key for tls_certfile.")
     access_log: bool = Field(False, description="Log every request (uvicorn access log).")
+    api_docs: bool = Field(
+        False,
+        description="Serve the interactive API docs at /docs and /redoc. Their scripts come from a CDN, so they "
+        "are off by default: every page the collector serves otherwise works offline.",
+    )
     log_level: str = Field("info", description="uvicorn / logging level.")
     # Passed through to the alert engine, which validates them.
     rules: list[str] | str | None = Field(None, description="Rule files or directories; none: the shipped defaults.")

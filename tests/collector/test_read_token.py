@@ -1,7 +1,9 @@
-"""read_token: GET /metrics, /v1/*, /docs, /redoc and /openapi.json need it; the probes do
-not; ingest keeps its own token. /metrics read with it is promtool-clean."""
+"""read_token: GET /metrics, /v1/*, /openapi.json and the pages (/, /runs/...) need it; the
+probes do not; ingest keeps its own token. /metrics read with it is promtool-clean."""
 
 from __future__ import annotations
+
+import base64
 
 import pytest
 
@@ -11,7 +13,7 @@ from tests.support import running_collector
 READ = "read-tok-8Fh2"
 INGEST = "ingest-tok-3Jw6"
 JSON = {"Content-Type": "application/json"}
-GUARDED = ["/metrics", "/v1/runs", "/v1/alerts", "/docs", "/redoc", "/openapi.json"]
+GUARDED = ["/metrics", "/v1/runs", "/v1/alerts", "/openapi.json", "/"]
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +26,28 @@ def guarded():
 def test_read_endpoints_need_the_read_token(guarded, path):
     get = guarded.client.get
     missing = get(path)
-    assert missing.status_code == 401 and missing.headers["www-authenticate"] == 'Bearer realm="trainvitals"'
+    challenges = missing.headers.get_list("www-authenticate")
+    assert missing.status_code == 401 and challenges[0] == 'Bearer realm="trainvitals"'
+    # The pages ask a browser for it too (as a Basic password); the API does not.
+    assert challenges[1:] == (['Basic realm="trainvitals", charset="UTF-8"'] if path == "/" else [])
     assert "read_token" in missing.json()["detail"] and READ not in missing.text
     for wrong in (f"Bearer {INGEST}", f"Bearer {READ}x", f"Basic {READ}", READ):
         refused = get(path, headers={"Authorization": wrong})
         assert refused.status_code == 401, (wrong, refused.status_code)
         assert 'error="invalid_token"' in refused.headers["www-authenticate"]
     assert get(path, headers={"Authorization": f"Bearer {READ}"}).status_code == 200
+    basic = base64.b64encode(f"anyone:{READ}".encode()).decode()
+    assert get(path, headers={"Authorization": f"Basic {basic}"}).status_code == 200
+    wrong = base64.b64encode(f"anyone:{INGEST}".encode()).decode()
+    assert get(path, headers={"Authorization": f"Basic {wrong}"}).status_code == 401
+
+
+def test_the_interactive_docs_are_off_by_default(guarded):
+    """Their scripts come from a CDN: not served unless api_docs is set."""
+    auth = {"Authorization": f"Bearer {READ}"}
+    assert [guarded.client.get(p, headers=auth).status_code for p in ("/docs", "/redoc")] == [404, 404]
+    with running_collector(api_docs=True) as c:
+        assert [c.client.get(p).status_code for p in ("/docs", "/redoc")] == [200, 200]
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/readyz"])
