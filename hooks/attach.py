@@ -6,6 +6,7 @@ instead; past this point nothing trainvitals does raises into the training loop.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from trainvitals.wire.runs import check_run
 
 __all__ = ["attach"]
 
+log = logging.getLogger("trainvitals")
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
 
 
@@ -32,6 +34,24 @@ def _check_names(what: str, names: Iterable[Any]) -> tuple[str, ...]:
     if len(set(out)) != len(out):
         raise ValueError(f"{what}: names must be unique, got {out!r}")
     return out
+
+
+def _media_modalities(model: nn.Module) -> tuple[str, ...]:
+    """("text", "image"[, "video"]) for a model whose config names an image (video) token
+    id: zero-code accounting then classes each sample by its input ids."""
+    from trainvitals.hooks.naming import unwrap
+    from trainvitals.hooks.signals.loss_accounting import model_media_tokens
+
+    tokens = model_media_tokens(unwrap(model))
+    if not tokens:
+        return ()
+    mods = ("text", *(name for name in ("image", "video") if name in tokens))
+    log.info(
+        "trainvitals: the model's config names %s token ids: samples are classed as %s by their input ids",
+        "/".join(mods[1:]),
+        ", ".join(mods),
+    )
+    return mods
 
 
 def attach(
@@ -96,6 +116,8 @@ def attach(
     if every is not None:
         options["every"] = every
     config = Config(**{**env_options, **options})
+    if config.loss_from_logits and not mods:
+        mods = _media_modalities(model)
     # Only rank 0 sends; other ranks compute (and join the collectives) but send nothing.
     resolved = make_sink(collector, sink, run) if distributed.rank() == 0 else NullSink()
     rules = _local_rules(rules, resolved)

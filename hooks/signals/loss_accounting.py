@@ -112,6 +112,7 @@ class LossAccounting(Signal):
         self._zero_code = False  # weights read from the logits' gradient (watch_logits)
         self._tags: tuple[Any, Any] | None = None  # (modality, segments) for the next logits
         self._inputs: tuple[int, int] | None = None  # the model's current input ids' [B, S]
+        self._auto: torch.Tensor | None = None  # per-sample codes from the input ids' image/video tokens
 
     # -- lifecycle -------------------------------------------------------------
     def bind(self, monitor: MonitorView) -> list[Removable]:
@@ -243,10 +244,15 @@ class LossAccounting(Signal):
         vocab = expected_vocab(root, module)
         megatron = type(module).__module__.startswith("megatron.")
         fired = [False]  # the head ran in the model's current forward
+        media = media_codes(root, monitor.modalities)
 
         def pre(mod: Any, args: Any, kwargs: Any) -> None:
             fired[0] = False
-            self._inputs = _input_ids(args, kwargs)
+            ids = _input_ids(args, kwargs)
+            self._inputs = None if ids is None else (int(ids.shape[0]), int(ids.shape[1]))
+            self._auto = None
+            if media and ids is not None and monitor.reporting_next and torch.is_grad_enabled():
+                self._auto = _sample_codes(ids, media)
 
         def forward(mod: Any, args: Any, output: Any) -> None:
             fired[0] = True
@@ -321,6 +327,9 @@ class LossAccounting(Signal):
         self._tags = (modality, segments)
 
     def _codes(self, monitor: MonitorView, modality: Any, positions: torch.Tensor, rows: int, cols: int) -> Any:
+        auto, self._auto = self._auto, None
+        if modality is None and auto is not None and auto.shape[0] == rows:
+            return auto.to(positions.device, non_blocking=True)  # from the image/video tokens of the input ids
         if modality is None:
             if monitor.modalities:
                 monitor.warn_once(
@@ -603,14 +612,58 @@ class LossAccounting(Signal):
         )
 
 
-def _input_ids(args: Any, kwargs: dict[str, Any]) -> tuple[int, int] | None:
-    """[B, S] of a forward's input ids: ``input_ids=`` or the first 2-D integer tensor."""
+def _input_ids(args: Any, kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """A forward's input ids [B, S]: ``input_ids=`` or the first 2-D integer tensor."""
     found = kwargs.get("input_ids")
     if not isinstance(found, torch.Tensor):
         found = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() == 2), None)
     if found is None or found.dim() != 2 or found.is_floating_point() or found.dtype == torch.bool:
         return None
-    return int(found.shape[0]), int(found.shape[1])
+    return found
+
+
+MEDIA_TOKEN_FIELDS = {
+    "image": ("image_token_id", "image_token_index"),
+    "video": ("video_token_id", "video_token_index"),
+}
+"""Config fields where a vision-language model names the token that stands for an
+image (video) in its input ids (LLaVA, Qwen2-VL, Idefics, ...)."""
+
+
+def model_media_tokens(model: Any) -> dict[str, int]:
+    """``{"image": id, "video": id}`` as far as the model's config says them."""
+    config = getattr(model, "config", None)
+    found: dict[str, int] = {}
+    if config is None:
+        return found
+    for name, fields in MEDIA_TOKEN_FIELDS.items():
+        for f in fields:
+            value = getattr(config, f, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                found[name] = value
+                break
+    return found
+
+
+def media_codes(model: Any, modalities: tuple[str, ...]) -> list[tuple[int, int]]:
+    """(modality code, token id) for each declared modality ``image``/``video`` the
+    model's config names a token for, and the code of ``text`` first as (code, -1);
+    empty when the model names none or ``text`` is not declared."""
+    tokens = model_media_tokens(model)
+    if "text" not in modalities:
+        return []
+    pairs = [(modalities.index(name), tid) for name, tid in tokens.items() if name in modalities]
+    return [(modalities.index("text"), -1), *pairs] if pairs else []
+
+
+def _sample_codes(ids: torch.Tensor, media: list[tuple[int, int]]) -> torch.Tensor:
+    """Per sample: the code of the last media modality whose token its input ids hold,
+    else text's."""
+    text = media[0][0]
+    codes = torch.full((ids.shape[0],), text, dtype=torch.long, device=ids.device)
+    for code, token in media[1:]:
+        codes = torch.where((ids == token).any(dim=1), code, codes)
+    return codes
 
 
 def _fused_output(output: Any) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -245,3 +245,133 @@ def test_zero_code_equals_track_loss_on_two_gloo_ranks(tmp_path):
     # Each rank normalizes by its own tokens, DDP averages: the step's mass is 1.
     assert figures[("loss_weight_mass", (("objective", "main"),))] == pytest.approx(1.0, rel=1e-5)
     assert figures[("microbatches", ())] == 2
+
+
+# -- the head found by what it is; layouts and in-place losses -----------------------------
+class _NanoLike(nn.Module):
+    """65 tokens, 256 positions, an MLP sized like the position table, an untied head."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.wte = nn.Embedding(65, width)
+        self.wpe = nn.Embedding(256, width)
+        self.c_fc = nn.Linear(width, 256)
+        self.c_proj = nn.Linear(256, width)
+        self.lm_head = nn.Linear(width, 65, bias=False)
+
+    def forward(self, ids):
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        return self.lm_head(x + self.c_proj(torch.relu(self.c_fc(x))))
+
+
+class _FunctionalHead(nn.Module):
+    """A head that is not an nn.Linear: its own weight, applied with F.linear."""
+
+    def __init__(self, vocab: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, width) * 0.1)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class _SeqFirst(nn.Module):
+    """Logits [S, B, V], as Megatron's output layer gives them; ``inplace``: the loss
+    overwrites them with their softmax before the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.head = _FunctionalHead(50, 16)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids.t()))
+
+
+def test_the_head_is_found_by_what_it_is():
+    from trainvitals.hooks.logits_finder import find_logits_module, token_embedding
+
+    untied = _NanoLike()
+    assert token_embedding(untied) is untied.wte
+    assert find_logits_module(untied, True) is untied.lm_head  # not c_fc, sized like wpe
+    tied = _NanoLike()
+    tied.wte.weight = tied.lm_head.weight
+    tied.lm_head = nn.Linear(64, 65, bias=False)  # a decoy sized like the vocabulary...
+    tied.out = nn.Linear(64, 65, bias=False)
+    tied.out.weight = tied.wte.weight  # ...while the real head is the tied one
+    assert find_logits_module(tied, True) is tied.out
+    functional = _SeqFirst()
+    assert find_logits_module(functional, True) is functional.head
+
+
+def _weights_truth(logits_fn, ids, labels):
+    """True weights by autograd on the per-token losses of the job's loss."""
+    logits = logits_fn(ids)
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    loss = per_token.sum() / 7.0
+    (w,) = torch.autograd.grad(loss, per_token)
+    return w
+
+
+def test_sequence_first_logits_and_a_non_linear_head_give_the_true_weights():
+    torch.manual_seed(0)
+    model = _SeqFirst()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    ids = torch.randint(0, 50, (3, 9))
+    labels = torch.randint(0, 50, (9, 3))  # sequence-first, as the logits
+    labels[:, 0] = -100  # sample 0 is prompt only for half of it
+    labels[:4, 0] = torch.randint(0, 50, (4,))
+    w = _weights_truth(model, ids, labels.clamp_min(0)).view(9, 3)
+    lab = labels != -100
+    image = torch.tensor([False, True, True])  # per sample: a column of the [S, B] labels
+    with attach(
+        model, opt, run="seq-first", sink="null", every=1, modalities=("text", "image"), loss_from_logits=True
+    ) as mon:
+        mon.tag_batch(modality=image.long())
+        logits = model(ids)
+        per_token = F.cross_entropy(logits.reshape(-1, 50), labels.reshape(-1), reduction="none", ignore_index=-100)
+        (per_token.sum() / 7.0).backward()
+        opt.step()
+        true_w = torch.where(lab, w, 0.0)
+        assert mon.value("loss_weight_mass", objective="main") == pytest.approx(float(true_w.sum()), rel=1e-5)
+        share = float(true_w[:, image].sum() / true_w.sum())
+        assert share == pytest.approx(18 / 22)
+        assert mon.value("modality_grad_share_ratio", modality="image") == pytest.approx(share, rel=1e-5)
+        assert mon.value("modality_sample_share_ratio", modality="image") == pytest.approx(2 / 3)
+        assert mon.value("token_weight_spread_ratio", objective="main") == pytest.approx(1.0, rel=1e-5)
+
+
+def test_logits_overwritten_in_place_are_said_so_not_blamed_on_the_loss(caplog):
+    caplog.set_level(logging.WARNING, logger="trainvitals")
+    torch.manual_seed(0)
+    model = _SeqFirst()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    class InPlaceCE(torch.autograd.Function):
+        """A fused cross-entropy that keeps its softmax in the logits' own memory."""
+
+        @staticmethod
+        def forward(ctx, logits, target):
+            logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+            logits.div_(logits.sum(-1, keepdim=True))  # now the softmax
+            ctx.save_for_backward(logits, target)
+            return -torch.log(logits.gather(-1, target[..., None])[..., 0])
+
+        @staticmethod
+        def backward(ctx, grad):
+            p, target = ctx.saved_tensors
+            g = p.clone()
+            g.scatter_add_(-1, target[..., None], -torch.ones_like(target[..., None], dtype=g.dtype))
+            return g * grad[..., None], None
+
+    ids = torch.randint(0, 50, (3, 9))
+    labels = torch.randint(0, 50, (9, 3))
+    with attach(model, opt, run="in-place", sink="null", every=1, loss_from_logits=True) as mon:
+        for _ in range(2):  # the log line comes a step later
+            InPlaceCE.apply(model(ids), labels).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            assert mon.value("loss_weight_mass", objective="main") is None
+    text = caplog.text
+    assert "overwritten in place" in text
+    assert "not a plain cross-entropy" not in text
