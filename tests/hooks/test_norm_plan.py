@@ -1,0 +1,51 @@
+"""NormPlan (the per-tensor gradient norms of models with many tensors) against plain torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainvitals.hooks.tensors import SMALL_NUMEL, NormPlan
+
+
+def _tensors(seed: int = 0) -> list[torch.Tensor]:
+    """Shapes as a model has them: many repeated small ones (grouped), a few large and
+    odd ones (foreach), a 0-d scalar, a transposed view, bf16, an empty one, inf and NaN."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[torch.Tensor] = []
+    for layer in range(12):
+        out.append(torch.randn(16, 16, generator=g) * (layer + 1))
+        out.append(torch.randn(16, generator=g) * 1e-20)  # tiny: no underflow to 0
+        out.append(torch.randn(16, generator=g).to(torch.bfloat16))
+        out.append(torch.randn(8, 32, generator=g).t())  # not contiguous
+    out.append(torch.randn(SMALL_NUMEL + 1, generator=g))  # large: foreach
+    out.append(torch.tensor(3.0))  # 0-d
+    out.append(torch.zeros(0))
+    out.append(torch.randn(5, 7, generator=g))
+    out[5][3] = float("inf")  # a grouped 1-D tensor
+    out[8][0, 0] = float("nan")  # a grouped 2-D tensor
+    return out
+
+
+def _reference(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([t.double().pow(2).sum().sqrt() for t in tensors]).float()
+
+
+def test_norms_equal_plain_torch_in_order():
+    tensors = _tensors()
+    plan = NormPlan(tensors, torch.device("cpu"))
+    assert plan.groups, "the repeated small shapes should be grouped"
+    assert sum(len(m) for m, _, _ in plan.groups) + len(plan.rest) == len(tensors)
+    got = plan.norms(tensors)
+    torch.testing.assert_close(got, _reference(tensors), rtol=2e-6, atol=0.0, equal_nan=True)
+    assert got.dtype == torch.float32 and got.shape == (len(tensors),)
+    # the plan is for shapes: new values of the same shapes (the next step's gradients)
+    again = _tensors(seed=1)
+    torch.testing.assert_close(plan.norms(again), _reference(again), rtol=2e-6, atol=0.0, equal_nan=True)
+
+
+def test_wrong_count_raises():
+    tensors = _tensors()
+    plan = NormPlan(tensors, torch.device("cpu"))
+    with pytest.raises(ValueError, match="built for"):
+        plan.norms(tensors[:-1])
