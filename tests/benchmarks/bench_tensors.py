@@ -38,7 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainvitals.hooks import attach  # noqa: E402
+from trainvitals.hooks import attach
 
 
 class Stack(nn.Module):
