@@ -24,6 +24,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from trainvitals.alerts.model import KINDS, RULE_TYPES, FieldError, Rule
+from trainvitals.wire.errors import ConfigurationError
 
 __all__ = [
     "RuleError",
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 
-class RuleError(ValueError):
+class RuleError(ConfigurationError):
     """A rule file that cannot be used; the message names the file, rule and field."""
 
     def __init__(

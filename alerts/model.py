@@ -59,6 +59,7 @@ from pydantic import (
 
 from trainvitals.alerts.templates import RULE_FIELDS, check_template
 from trainvitals.wire import METRICS, PREFIX, labels_of, series_labels
+from trainvitals.wire.errors import ConfigurationError
 
 __all__ = [
     "EVENT_COUNTERS",
@@ -101,7 +102,7 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
 
-class FieldError(ValueError):
+class FieldError(ConfigurationError):
     """A model-level check that belongs to one field (the loader names that field)."""
 
     def __init__(self, field: str, message: str) -> None:

@@ -31,6 +31,7 @@ from trainvitals.alerts.loading import RuleSpec, resolve_rules
 from trainvitals.alerts.model import Rule, SilenceRule, ThresholdRule
 from trainvitals.alerts.state import Alert, AlertState, Transition
 from trainvitals.wire import METRICS, RUN_END_EVENT, Report, ReportBatch
+from trainvitals.wire.errors import ConfigurationError
 
 __all__ = [
     "Incident",
@@ -359,7 +360,7 @@ def verdict_table(verdicts: Iterable[RunVerdict]) -> str:
 # -- reading files ---------------------------------------------------------------------
 
 
-class ReportFileError(ValueError):
+class ReportFileError(ConfigurationError):
     """A report file that cannot be read; the message names the file and the line."""
 
 

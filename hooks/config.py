@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Union
 
+from trainvitals.wire.errors import ConfigurationError
 from trainvitals.wire.live_settings import BUILTIN_SIGNALS
 from trainvitals.wire.runs import RUN_RULE
 
@@ -50,7 +51,7 @@ _FALSE = ("0", "false", "no", "off")
 _NONE = ("none", "null")
 
 
-class EnvError(ValueError):
+class EnvError(ConfigurationError):
     """A ``TRAINVITALS_*`` variable that cannot be used; the message names it."""
 
 

@@ -28,7 +28,8 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from trainvitals.alerts import AlertService, NotifierConfigError, RuleError
@@ -42,12 +43,14 @@ from trainvitals.monitor import (
     routes_pages,
     routes_runs,
 )
+from trainvitals.monitor.answers import Problem
 from trainvitals.monitor.auth import ReadAuthMiddleware
 from trainvitals.monitor.exposition import ReportCounter, StoreCollector
 from trainvitals.monitor.run_settings import RunSettingsTable
 from trainvitals.monitor.settings import Settings, SettingsError
 from trainvitals.monitor.state_db import StateDB
 from trainvitals.monitor.store import SeriesStore
+from trainvitals.wire.errors import Refused
 
 __all__ = ["create_app", "tune_gc"]
 
@@ -153,8 +156,16 @@ def create_app(
     routes_pages.install(app)  # GET / and /runs/{run}: the report pages
     if settings.read_token is not None:
         app.add_middleware(ReadAuthMiddleware, token=settings.read_token.get_secret_value())
+    app.add_exception_handler(Refused, _refused)  # every refusal, from every route
     openapi.install(app)  # the ingest body and answers, which FastAPI cannot see
     return app
+
+
+async def _refused(request: Request, exc: Exception) -> JSONResponse:
+    """The one answer to a :class:`~trainvitals.errors.Refused`: ``{"detail": ...}``,
+    its status and headers (the shape FastAPI gives its own errors)."""
+    assert isinstance(exc, Refused)
+    return JSONResponse(Problem(detail=exc.detail).model_dump(), exc.status, headers=exc.headers)
 
 
 def _alert_service(settings: Settings, state: StateDB | None = None) -> AlertService:

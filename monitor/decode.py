@@ -25,6 +25,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from trainvitals.wire.errors import Refused
 from trainvitals.wire.runs import MAX_RUN, RUN_REGEX, SENDER_REGEX
 from trainvitals.wire.schema import (
     MAX_DETAIL,
@@ -82,11 +83,12 @@ class WireBatch(msgspec.Struct, forbid_unknown_fields=True, rename={"schema_vers
     reports: Annotated[list[WireReport], Meta(min_length=1, max_length=MAX_REPORTS)]
 
 
-class BodyInvalid(ValueError):
-    """A body that is not a valid wire body; ``json`` says whether it was JSON at all."""
+class BodyInvalid(Refused, ValueError):
+    """A body that is not a valid wire body: 422 naming the field, or 400 when it is not
+    JSON at all (``json_ok`` False)."""
 
     def __init__(self, message: str, *, json_ok: bool = True) -> None:
-        super().__init__(message)
+        super().__init__(message, status=422 if json_ok else 400)
         self.json_ok = json_ok
 
 

@@ -13,10 +13,11 @@ from fastapi import Depends, Request
 
 from trainvitals.alerts import AlertService
 from trainvitals.monitor.exposition import ReportCounter, StoreCollector
+from trainvitals.monitor.run_settings import RunSettingsTable
 from trainvitals.monitor.settings import Settings
 from trainvitals.monitor.store import SeriesStore
 
-__all__ = ["AlertsDep", "ExporterDep", "ReportsDep", "SettingsDep", "StoreDep"]
+__all__ = ["AlertsDep", "ExporterDep", "ReportsDep", "RunSettingsDep", "SettingsDep", "StoreDep"]
 
 
 async def get_settings(request: Request) -> Settings:
@@ -39,8 +40,13 @@ async def get_alerts(request: Request) -> AlertService:
     return request.app.state.alerts
 
 
+async def get_run_settings(request: Request) -> RunSettingsTable:
+    return request.app.state.run_settings
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[SeriesStore, Depends(get_store)]
 ExporterDep = Annotated[StoreCollector, Depends(get_exporter)]
 ReportsDep = Annotated[ReportCounter, Depends(get_reports)]
 AlertsDep = Annotated[AlertService, Depends(get_alerts)]
+RunSettingsDep = Annotated[RunSettingsTable, Depends(get_run_settings)]

@@ -24,12 +24,13 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from trainvitals.monitor.answers import Problem
 from trainvitals.wire.json_schema import report_batch_schema
 
 __all__ = ["install", "report_batch_schema"]
 
 _REF = "#/components/schemas/"
-_DETAIL = {"type": "object", "required": ["detail"], "properties": {"detail": {"type": "string"}}}
+_DETAIL = {"$ref": _REF + "Problem"}  # every error answer: monitor.answers.Problem
 
 
 _INGEST_ANSWERS: dict[str, tuple[str, dict[str, Any] | None]] = {
@@ -53,25 +54,13 @@ _INGEST_ANSWERS: dict[str, tuple[str, dict[str, Any] | None]] = {
 def _describe(schema: dict[str, Any], *, ingest_token: bool, read_token: bool) -> None:
     components = schema.setdefault("components", {})
     components.setdefault("schemas", {}).update(report_batch_schema())
+    components["schemas"].setdefault("Problem", Problem.model_json_schema())
     ingest = schema["paths"]["/v1/reports"]["post"]
     ingest["requestBody"] = {
         "required": True,
         "content": {"application/json": {"schema": {"$ref": _REF + "ReportBatch"}}},
     }
     ingest["responses"]["202"]["description"] = "Applied; duplicates: indices of reports applied before."
-    ingest["responses"]["202"]["content"]["application/json"]["schema"] = {
-        "type": "object",
-        "required": ["accepted", "duplicates"],
-        "properties": {
-            "accepted": {"type": "integer", "minimum": 0},
-            "duplicates": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-            "settings": {
-                "type": "object",
-                "description": "Only when a run of the batch has "
-                "live settings (trainvitals configure): by run, what its hooks apply.",
-            },
-        },
-    }
     for status, (text, headers) in _INGEST_ANSWERS.items():
         if status == "401" and not ingest_token:
             continue
@@ -94,11 +83,6 @@ def _describe(schema: dict[str, Any], *, ingest_token: bool, read_token: bool) -
                     "description": "Missing or wrong read token.",
                     "content": {"application/json": {"schema": _DETAIL}},
                 }
-    ready = schema["paths"]["/readyz"]["get"]["responses"]
-    ready["503"] = {
-        "description": "Starting: not yet able to ingest.",
-        "content": {"application/json": {"schema": {"type": "object"}}},
-    }
 
 
 def install(app: FastAPI) -> None:

@@ -18,23 +18,20 @@ import zlib
 
 from starlette.requests import ClientDisconnect, Request
 
-from trainvitals.monitor.decode import BodyInvalid, WireBatch, decode_batch
+from trainvitals.monitor.decode import WireBatch, decode_batch
 from trainvitals.monitor.settings import Settings
+from trainvitals.wire.errors import Refused
 
 __all__ = ["BodyRefused", "check_bearer", "parse_batch", "read_batch", "read_body"]
 
 _REALM = 'Bearer realm="trainvitals"'
 
 
-class BodyRefused(Exception):
+class BodyRefused(Refused):
     """A body the collector will not ingest: HTTP status, outcome label, detail, headers."""
 
     def __init__(self, status: int, outcome: str, detail: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.outcome = outcome
-        self.detail = detail
-        self.headers = headers
+        super().__init__(detail, status=status, outcome=outcome, headers=headers)
 
 
 async def read_batch(request: Request, settings: Settings) -> WireBatch:
@@ -153,7 +150,4 @@ def inflate(request: Request, body: bytes, limit: int) -> bytes:
 
 def parse_batch(body: bytes) -> WireBatch:
     """Validate JSON bytes as a wire body: 400 for bad JSON, 422 naming the bad field."""
-    try:
-        return decode_batch(body)
-    except BodyInvalid as exc:
-        raise BodyRefused(422 if exc.json_ok else 400, "invalid", str(exc)) from None
+    return decode_batch(body)  # BodyInvalid is a Refused: 400 or 422

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter
 
+from trainvitals.monitor.answers import AlertView
 from trainvitals.monitor.deps import AlertsDep
 
 __all__ = ["router"]
@@ -14,6 +13,6 @@ router = APIRouter(tags=["alerts"])
 
 
 @router.get("/v1/alerts")
-async def list_alerts(alerts: AlertsDep) -> list[dict[str, Any]]:
+async def list_alerts(alerts: AlertsDep) -> list[AlertView]:
     """Alerts firing now, pending, or resolved recently."""
-    return alerts.alerts()
+    return [AlertView.model_validate(a) for a in alerts.alerts()]

@@ -16,17 +16,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Request
 
-from trainvitals.monitor.deps import SettingsDep, StoreDep
+from trainvitals.monitor.answers import Cleared, Problem, RunSettingsAnswer, ShownSettings
+from trainvitals.monitor.deps import RunSettingsDep, SettingsDep, StoreDep
 from trainvitals.monitor.request_body import BodyRefused, check_bearer
-from trainvitals.monitor.run_settings import RunSettingsTable, parse_request
+from trainvitals.monitor.run_settings import parse_request
 from trainvitals.monitor.settings import Settings
+from trainvitals.wire.errors import Refused
 from trainvitals.wire.runs import MAX_RUN, RUN_PATTERN, RUN_RULE, is_run
 
-__all__ = ["PATH_RUN_PATTERN", "RunSettingsDep", "router", "settings_path"]
+__all__ = ["PATH_RUN_PATTERN", "router", "settings_path"]
 
 log = logging.getLogger(__name__)
 
@@ -52,36 +54,13 @@ _MAX_BODY = 64 * 1024  # bytes; a settings body is a few dozen
 
 
 def _detail(text: str) -> dict[str, Any]:
-    return {
-        "description": text,
-        "content": {
-            "application/json": {
-                "schema": {"type": "object", "required": ["detail"], "properties": {"detail": {"type": "string"}}}
-            }
-        },
-    }
+    return {"description": text, "model": Problem}
 
 
-def _answer(text: str, settings: dict[str, Any], **more: Any) -> dict[str, Any]:
-    return {
-        "description": text,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "required": ["run", "settings", *more],
-                    "properties": {"run": {"type": "string"}, "settings": settings, **more},
-                }
-            }
-        },
-    }
+def _answer(text: str) -> dict[str, Any]:
+    return {"description": text}  # the schema: the route's response model
 
 
-_SHOWN = {
-    "type": "object",
-    "description": "The fields set, with set_at, expires_at (Unix seconds) and expires_in (seconds).",
-    "required": ["set_at", "expires_at", "expires_in"],
-}
 _BAD_RUN = _detail(f"A run name the wire refuses (it must {RUN_RULE.removeprefix('use ')}).")
 _NO_ROUTE = _detail("A path no route takes (a run name with a line break).")
 _WRITE_AUTH = _detail("Missing or wrong bearer token (the collector's token, as jobs send).")
@@ -101,22 +80,12 @@ def settings_path(run: str) -> str:
     return f"/v1/runs/{run}/settings"
 
 
-async def get_run_settings(request: Request) -> RunSettingsTable:
-    return request.app.state.run_settings
-
-
-RunSettingsDep = Annotated[RunSettingsTable, Depends(get_run_settings)]
-
-
 def _run(request: Request) -> str:
     """The run of the path (read here, so a bad one is refused with this collector's
     ``detail``, and documented with its pattern in ``_RUN_PARAMETER``)."""
     run = str(request.path_params["run"])
     if not is_run(run):
-        raise HTTPException(
-            422,
-            f"run {run!r}: {RUN_RULE}",
-        )
+        raise Refused(f"run {run!r}: {RUN_RULE}", status=422)
     return run
 
 
@@ -126,14 +95,16 @@ def _check_write_token(request: Request, settings: Settings) -> None:
     try:
         check_bearer(request.headers.get("authorization"), settings.token.get_secret_value())
     except BodyRefused as exc:
-        raise HTTPException(exc.status, exc.detail + " (the collector's token, as jobs send)", exc.headers) from None
+        raise Refused(
+            exc.detail + " (the collector's token, as jobs send)", status=exc.status, headers=exc.headers
+        ) from None
 
 
 @router.put(
     _PATH,
     openapi_extra={"requestBody": _request_body(), **_RUN_PARAMETER},
     responses={
-        200: _answer("Set: the job applies them from the step after its next report.", _SHOWN),
+        200: _answer("Set: the job applies them from the step after its next report."),
         400: _detail("The body is not JSON."),
         401: _WRITE_AUTH,
         404: _detail("No run of this name has reported to this collector (or a path no route takes)."),
@@ -143,65 +114,62 @@ def _check_write_token(request: Request, settings: Settings) -> None:
 )
 async def put_settings(
     request: Request, settings: SettingsDep, store: StoreDep, table: RunSettingsDep
-) -> dict[str, Any]:
+) -> RunSettingsAnswer:
     """Set a run's live settings (the fields given replace the job's own until
     ``ttl_seconds`` have passed). 404 for a run that has not reported."""
     _check_write_token(request, settings)
     run = _run(request)
     body = await request.body()
     if len(body) > _MAX_BODY:
-        raise HTTPException(413, f"body of {len(body)} bytes exceeds {_MAX_BODY} bytes")
+        raise Refused(f"body of {len(body)} bytes exceeds {_MAX_BODY} bytes", status=413)
     try:
         data = json.loads(body)
     except ValueError as exc:
-        raise HTTPException(400, f"body is not JSON: {exc}") from None
+        raise Refused(f"body is not JSON: {exc}", status=400) from None
     try:
         req = parse_request(data)
     except ValueError as exc:
-        raise HTTPException(422, str(exc)) from None
+        raise Refused(str(exc), status=422) from None
     known = [r.run for r in store.runs()]
     if run not in known:
         shown = ", ".join(known[:10]) + (f" and {len(known) - 10} more" if len(known) > 10 else "")
-        raise HTTPException(
-            404, f"no run {run!r} has reported to this collector" + (f" (runs: {shown})" if known else " (no runs yet)")
+        raise Refused(
+            f"no run {run!r} has reported to this collector" + (f" (runs: {shown})" if known else " (no runs yet)"),
+            status=404,
         )
     entry = table.set(run, req.values(), req.ttl_seconds)
     client = request.client.host if request.client else "?"
     log.info("live settings for run %r set by %s: %s for %.0f s", run, client, entry.values, req.ttl_seconds)
-    return {"run": run, "settings": entry.public(entry.set_at)}
+    return RunSettingsAnswer(run=run, settings=ShownSettings(**entry.public(entry.set_at)))
 
 
 @router.get(
     _PATH,
     openapi_extra=_RUN_PARAMETER,
     responses={
-        200: _answer("The run's live settings; null: the job's own.", {**_SHOWN, "type": ["object", "null"]}),
+        200: _answer("The run's live settings; null: the job's own."),
         404: _NO_ROUTE,
         422: _BAD_RUN,
     },
 )
-async def get_settings(request: Request, table: RunSettingsDep) -> dict[str, Any]:
+async def get_settings(request: Request, table: RunSettingsDep) -> RunSettingsAnswer:
     """A run's live settings; ``settings`` is null when the job runs with its own."""
     run = _run(request)
     entry = table.get(run)
-    return {"run": run, "settings": entry.public(time.time()) if entry is not None else None}
+    return RunSettingsAnswer(run=run, settings=ShownSettings(**entry.public(time.time())) if entry else None)
 
 
 @router.delete(
     _PATH,
     openapi_extra=_RUN_PARAMETER,
     responses={
-        200: _answer(
-            "Cleared: the job goes back to its own settings at its next report.",
-            {"type": "null"},
-            cleared={"type": "boolean"},
-        ),
+        200: _answer("Cleared: the job goes back to its own settings at its next report."),
         401: _WRITE_AUTH,
         404: _NO_ROUTE,
         422: _BAD_RUN,
     },
 )
-async def delete_settings(request: Request, settings: SettingsDep, table: RunSettingsDep) -> dict[str, Any]:
+async def delete_settings(request: Request, settings: SettingsDep, table: RunSettingsDep) -> Cleared:
     """Back to the job's own settings at its next report; ``cleared`` says whether any were set."""
     _check_write_token(request, settings)
     run = _run(request)
@@ -209,13 +177,15 @@ async def delete_settings(request: Request, settings: SettingsDep, table: RunSet
     if cleared:
         client = request.client.host if request.client else "?"
         log.info("live settings for run %r cleared by %s", run, client)
-    return {"run": run, "settings": None, "cleared": cleared}
+    return Cleared(run=run, cleared=cleared)
 
 
 @router.api_route(_PATH, methods=["POST", "PATCH", "OPTIONS"], include_in_schema=False)
 async def other_methods(request: Request) -> None:
     """405 naming every method the path takes (three routes share it, so Starlette's own
     405 would name only the first)."""
-    raise HTTPException(
-        405, f"{request.method} is not allowed here; use {', '.join(_METHODS)}", {"Allow": ", ".join(_METHODS)}
+    raise Refused(
+        f"{request.method} is not allowed here; use {', '.join(_METHODS)}",
+        status=405,
+        headers={"Allow": ", ".join(_METHODS)},
     )

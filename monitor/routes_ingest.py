@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from trainvitals.monitor.deps import ReportsDep, SettingsDep, StoreDep
+from trainvitals.monitor.answers import IngestAnswer
+from trainvitals.monitor.deps import ReportsDep, RunSettingsDep, SettingsDep, StoreDep
 from trainvitals.monitor.request_body import BodyRefused, parse_batch, read_body
-from trainvitals.monitor.routes_configure import RunSettingsDep
 from trainvitals.monitor.state_db import StateDB
-from trainvitals.monitor.store import (
-    IngestRefused,
-    IngestResult,
-    RunSeriesLimitExceeded,
-    SeriesLimitExceeded,
-    SeriesStore,
-)
+from trainvitals.monitor.store import IngestResult, SeriesStore
+from trainvitals.wire.errors import Refused
 
 __all__ = ["router"]
 
@@ -31,20 +25,19 @@ router = APIRouter(tags=["ingest"])
 # 10^6-sample body takes about a second of CPU, which must not stall the event
 # loop (other requests, /metrics, /healthz). Smaller ones are cheaper inline.
 _INLINE_BYTES = 256 * 1024
-# Seconds a client should wait before retrying when the collector is full.
-_FULL_RETRY_AFTER = 30
-# ... and when its state file cannot be written (the disk may be freed any moment).
+# Seconds a client should wait before retrying when the state file cannot be written
+# (the disk may be freed any moment; a full collector: store.FULL_RETRY_AFTER).
 _STATE_RETRY_AFTER = 5
 
 
-@router.post("/v1/reports", status_code=202)
+@router.post("/v1/reports", status_code=202, response_model_exclude_unset=True)
 async def ingest_reports(
     request: Request,
     settings: SettingsDep,
     store: StoreDep,
     reports: ReportsDep,
     run_settings: RunSettingsDep,
-) -> dict[str, Any]:
+) -> IngestAnswer:
     """Ingest a batch of reports: ``{"accepted": n, "duplicates": [i, ...]}``, or a 4xx/503
     whose detail names the problem. ``settings`` (only when there are any): the live
     settings of the batch's runs, by run, for the hooks to apply (docs/wire.md).
@@ -60,18 +53,18 @@ async def ingest_reports(
             result, runs = await run_in_threadpool(_apply, store, body, state)
         else:
             result, runs = _apply(store, body, state)
-    except BodyRefused as exc:
+    except Refused as exc:  # answered by the app's handler; counted and logged here
         reports.inc(exc.outcome)
         client = request.client.host if request.client else "?"
         log.info("refused a report body from %s: %d %s", client, exc.status, exc.detail)
-        raise HTTPException(exc.status, exc.detail, exc.headers) from None
+        raise
     reports.inc("accepted", result.accepted)
     if result.duplicates:
         reports.inc("duplicate", len(result.duplicates))
-    answer: dict[str, Any] = {"accepted": result.accepted, "duplicates": list(result.duplicates)}
+    answer = IngestAnswer(accepted=result.accepted, duplicates=list(result.duplicates))
     live = run_settings.answer(runs)
-    if live:
-        answer["settings"] = live
+    if live:  # only then: the key is left out otherwise (exclude_unset)
+        answer.settings = live
     return answer
 
 
@@ -83,15 +76,9 @@ def _apply(store: SeriesStore, body: bytes, state: StateDB | None = None) -> tup
     retries; the retry is recognised as a duplicate, so nothing is applied twice, and
     its alerts were evaluated and paged at the first try)."""
     batch = parse_batch(body)
-    try:
-        result = store.apply(batch, time.time())
-    except RunSeriesLimitExceeded as exc:
-        raise BodyRefused(422, "run_series_limit", str(exc)) from None
-    except SeriesLimitExceeded as exc:
-        # The collector is full, not the data wrong: the client keeps it and retries.
-        raise BodyRefused(503, "series_limit", str(exc), {"Retry-After": str(_FULL_RETRY_AFTER)}) from None
-    except IngestRefused as exc:
-        raise BodyRefused(422, "invalid", str(exc)) from None
+    # IngestRefused and its subclasses carry their status (a full collector: 503 with
+    # Retry-After, the client keeps the reports and retries).
+    result = store.apply(batch, time.time())
     if state is not None and any(r.seq is not None for r in batch.reports) and not state.seqs_saved():
         raise BodyRefused(
             503,

@@ -27,13 +27,14 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from trainvitals.monitor.settings import Settings
+from trainvitals.wire.errors import TrainvitalsError
 
 __all__ = ["PortInUse", "bind", "serve_in_thread", "uvicorn_config"]
 
 _POLL_S = 0.005  # seconds between checks that uvicorn is listening
 
 
-class PortInUse(OSError):
+class PortInUse(TrainvitalsError, OSError):
     """The port is taken (another collector, ``trainvitals serve &``, or any other process)."""
 
 

@@ -16,6 +16,8 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from trainvitals.wire.errors import ConfigurationError
+
 __all__ = ["DEFAULT_PORT", "ENV_PREFIX", "STATE_OFF", "Settings", "SettingsError", "default_state_path"]
 
 ENV_PREFIX = "TRAINVITALS_"
@@ -30,7 +32,7 @@ _FILE_DATA: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextV
 )
 
 
-class SettingsError(ValueError):
+class SettingsError(ConfigurationError):
     """The configuration is invalid; the message names the file or variable and the field."""
 
 

@@ -58,6 +58,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from trainvitals.alerts.persistence import alert_id
 from trainvitals.wire import METRICS, PREFIX, ends_run
+from trainvitals.wire.errors import StateError
 
 try:
     import fcntl
@@ -128,16 +129,16 @@ CREATE TABLE IF NOT EXISTS run_settings (
 _RESOLVED_KEEP = 7 * 86400.0  # seconds a delivered resolve is remembered
 
 
-class StateInUse(OSError):
+class StateInUse(StateError):
     """Another running collector holds the state file."""
 
 
-class StateUnusable(OSError):
+class StateUnusable(StateError):
     """The state file cannot be used as it is (damaged, foreign, read-only); nothing was
     written to it. The message is one line: what is wrong, the path, how to move it aside."""
 
 
-class StateWriteError(OSError):
+class StateWriteError(StateError):
     """A write to the state file failed (disk full, file gone read-only...); logged and
     counted by the :class:`StateDB` that raised it."""
 

@@ -39,6 +39,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 from trainvitals.wire import PREFIX, RESERVED_NAMES, Report, ReportBatch, ends_run, exposed_family
+from trainvitals.wire.errors import Refused
 
 if TYPE_CHECKING:
     from trainvitals.monitor.decode import WireBatch, WireReport
@@ -84,16 +85,29 @@ class IngestedBatch(Protocol):
 IngestCallback = Callable[[IngestedBatch, float], object]
 
 
-class IngestRefused(ValueError):
-    """A batch the store will not apply; nothing was changed."""
+class IngestRefused(Refused, ValueError):
+    """A batch the store will not apply; nothing was changed (422)."""
+
+
+FULL_RETRY_AFTER = 30
+"""Seconds a client should wait before retrying when the collector is full."""
 
 
 class SeriesLimitExceeded(IngestRefused):
-    """Applying the batch would take the store past its series cap (the collector is full)."""
+    """Applying the batch would take the store past its series cap (the collector is full):
+    503, the client keeps the reports and retries after ``Retry-After`` seconds."""
+
+    status = 503
+    outcome = "series_limit"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, headers={"Retry-After": str(FULL_RETRY_AFTER)})
 
 
 class RunSeriesLimitExceeded(IngestRefused):
     """Applying the batch would take one run past its series budget (the run churns labels)."""
+
+    outcome = "run_series_limit"
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import httpx
 
+from trainvitals.wire.errors import TrainvitalsError
 from trainvitals.wire.redact import redact
 
 __all__ = [
@@ -130,7 +131,7 @@ class Notification:
         return dedup_key(self.labels)
 
 
-class NotifyError(Exception):
+class NotifyError(TrainvitalsError):
     """A send failed; ``retryable`` says whether trying again can help."""
 
     def __init__(self, message: str, *, retryable: bool, retry_after: float | None = None) -> None:

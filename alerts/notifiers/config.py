@@ -38,6 +38,7 @@ from trainvitals.alerts.notifiers.base import Notifier, register_secret
 from trainvitals.alerts.notifiers.pagerduty import DEFAULT_URL, PagerDutyNotifier
 from trainvitals.alerts.notifiers.slack import SlackNotifier
 from trainvitals.alerts.notifiers.webhook import WebhookNotifier
+from trainvitals.wire.errors import ConfigurationError
 
 __all__ = [
     "AlertmanagerConfig",
@@ -51,7 +52,7 @@ __all__ = [
 ]
 
 
-class NotifierConfigError(ValueError):
+class NotifierConfigError(ConfigurationError):
     """A ``notifiers:`` entry that cannot be used; names the entry and the field."""
 
 
