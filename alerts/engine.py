@@ -90,6 +90,8 @@ class _Instance:
     clear_time: float | None = None
     detail: str = ""
     fired_value: float = math.nan
+    # Why it resolved when no value cleared it (the run ended, expired, reported again).
+    reason: str = ""
 
     def since(self) -> float:
         if self.state is AlertState.FIRING and self.fired_at is not None:
@@ -110,6 +112,7 @@ class _Instance:
             resolved_at=self.resolved_at,
             detail=self.detail,
             fired_value=self.fired_value,
+            resolved_reason=self.reason,
             **extra,
         )
 
@@ -167,7 +170,17 @@ def _rule_objects(rules: Iterable[Rule]) -> list[Rule]:
     return out
 
 
-_EXPORTED = ("step", "pending_step", "pending_time", "fired_at", "resolved_at", "clear_step", "clear_time", "detail")
+_EXPORTED = (
+    "step",
+    "pending_step",
+    "pending_time",
+    "fired_at",
+    "resolved_at",
+    "clear_step",
+    "clear_time",
+    "detail",
+    "reason",
+)
 
 
 def _float(v: Any) -> float:
@@ -277,8 +290,8 @@ class Engine:
                 inst = self._instances.get((i, run, 0, ()))
                 if inst is not None and inst.state is AlertState.FIRING:
                     inst.state, inst.resolved_at = AlertState.RESOLVED, now
-                    inst.value = 0.0
-                    out.append(inst.snapshot(Transition, old=AlertState.FIRING, reason="run reported"))
+                    inst.value, inst.reason = 0.0, f"run {run} reported again at step {step}"
+                    out.append(inst.snapshot(Transition, old=AlertState.FIRING, reason=inst.reason))
 
             # First pass: remember values that `and` conditions look up, and the
             # samples some rule watches; evaluate once the whole report is known.
@@ -326,6 +339,23 @@ class Engine:
 
             if self._event_rules:
                 out.extend(self._observe_events(report, now))
+            if ended:
+                out.extend(self._end_run(run, step, now))
+        return out
+
+    def _end_run(self, run: str, step: int, now: float) -> list[Transition]:
+        """The run reported its end: its firing alerts resolve (saying so), pending ones go."""
+        out = []
+        reason = f"run {run} ended at step {step}"
+        for key, inst in list(self._instances.items()):
+            if inst.run != run:
+                continue
+            if inst.state is AlertState.FIRING:
+                inst.state, inst.resolved_at, inst.reason = AlertState.RESOLVED, now, reason
+                out.append(inst.snapshot(Transition, old=AlertState.FIRING, reason=reason))
+            elif inst.state is AlertState.PENDING:
+                inst.state = AlertState.INACTIVE
+                self._drop(key, inst)
         return out
 
     def _evaluate(
@@ -371,6 +401,7 @@ class Engine:
                 return None
             inst.state, inst.pending_step, inst.pending_time = AlertState.PENDING, step, now
             inst.fired_at = inst.resolved_at = None
+            inst.reason = ""
             self._maybe_fire(inst, step, now)
         elif old is AlertState.PENDING:
             if verdict == _BAD:
@@ -424,7 +455,7 @@ class Engine:
                     continue
                 inst.value = inst.fired_value = 1.0
                 inst.state, inst.pending_step, inst.pending_time = AlertState.FIRING, step, now
-                inst.fired_at, inst.resolved_at = now, None
+                inst.fired_at, inst.resolved_at, inst.reason = now, None, ""
                 per_run[key] = inst
                 out.append(inst.snapshot(Transition, old=old))
         for key, inst in list(per_run.items()):
@@ -463,7 +494,7 @@ class Engine:
                         old = inst.state
                         inst.fired_value = silent
                         inst.state, inst.pending_time = AlertState.FIRING, now
-                        inst.fired_at, inst.resolved_at = now, None
+                        inst.fired_at, inst.resolved_at, inst.reason = now, None, ""
                         out.append(inst.snapshot(Transition, old=old))
             # Holds measured in seconds can end without a report.
             for inst in self._instances.values():
@@ -506,7 +537,8 @@ class Engine:
                 continue
             if inst.state is AlertState.FIRING:
                 inst.state, inst.resolved_at = AlertState.RESOLVED, now
-                out.append(inst.snapshot(Transition, old=AlertState.FIRING, reason="run expired"))
+                inst.reason = f"run {run} sent nothing for {self.run_ttl:.0f} s and was forgotten"
+                out.append(inst.snapshot(Transition, old=AlertState.FIRING, reason=inst.reason))
             self._drop(key, inst)
         self._history.forget_run(run)
         self._latest.forget_run(run)
@@ -593,6 +625,11 @@ class Engine:
                 for inst in self._instances.values()
                 if inst.state is not AlertState.INACTIVE and (wanted is None or inst.state in wanted)
             ]
+
+    def run_names(self) -> list[str]:
+        """The runs the engine knows (reported within ``run_ttl``)."""
+        with self._lock:
+            return list(self._runs)
 
     def firing(self) -> list[Alert]:
         """Alerts firing now."""

@@ -10,10 +10,20 @@
     service.stop()
 
 ``observe`` is cheap and never does I/O: it evaluates the rules and queues
-notifications. Firing alerts are re-sent to Alertmanager every
-``resend_interval`` with ``endsAt = now + 4 * resend_interval`` (as Prometheus
-does), so Alertmanager keeps them while the collector lives and expires them if
-it dies.
+notifications. Every notifier whose payload carries an ``endsAt`` (Alertmanager,
+the webhook) gets firing alerts again every ``resend_interval`` with ``endsAt =
+now + ends_at_horizon`` (default 4 x ``resend_interval``, as Prometheus does), so
+a receiver that honours ``endsAt`` keeps them while the collector lives and
+expires them if it dies; Slack and PagerDuty payloads carry no ``endsAt`` and are
+sent once per change. A run that ends (its ``run_end`` event) resolves its
+alerts; a resolved notice says so, or the value the alert cleared at, and how
+long it fired.
+
+Links: ``runbook_url`` is absolute, the collector's own page of the alert's
+runbook (``{external_url}/runbooks/{anchor}``, :mod:`trainvitals.alerts.runbooks`)
+unless the rule names a URL or ``runbook_base_url`` puts the runbooks elsewhere;
+``generatorURL`` is the run's page, ``{external_url}/runs/{run}``. The collector
+sets ``external_url`` to where it serves unless the configuration names one.
 
 With ``persistence`` (an :class:`~trainvitals.alerts.persistence.AlertPersistence`;
 the collector's state file implements it) alert states, runs and the notifications
@@ -28,8 +38,9 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
+from urllib.parse import quote
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -37,9 +48,10 @@ from trainvitals.alerts.dispatch import Dispatcher, RetryPolicy
 from trainvitals.alerts.engine import Engine
 from trainvitals.alerts.loading import RuleSpec, resolve_rules
 from trainvitals.alerts.local import format_transition
-from trainvitals.alerts.notifiers.base import Notification, Notifier
+from trainvitals.alerts.notifiers.base import Notification, Notifier, rfc3339
 from trainvitals.alerts.notifiers.config import build_notifiers
 from trainvitals.alerts.persistence import AlertPersistence, alert_id
+from trainvitals.alerts.runbooks import runbook_url
 from trainvitals.alerts.state import Alert, AlertState, Transition
 from trainvitals.wire import METRICS, PREFIX, exposed_family
 from trainvitals.wire.views import BatchView, ReportView
@@ -58,15 +70,24 @@ class AlertService:
         notifiers: Sequence[Notifier] = (),
         *,
         resend_interval: float = 60.0,
+        ends_at_horizon: float | None = None,
         tick_interval: float = 1.0,
         queue_size: int = 1000,
         retry: RetryPolicy | None = None,
         external_url: str | None = None,
+        external_url_default: bool = False,
         runbook_base_url: str | None = None,
         persistence: AlertPersistence | None = None,
     ) -> None:
         if resend_interval <= 0 or tick_interval <= 0:
             raise ValueError("resend_interval and tick_interval must be positive seconds")
+        horizon = 4 * resend_interval if ends_at_horizon is None else ends_at_horizon
+        if not horizon > resend_interval + tick_interval:
+            raise ValueError(
+                f"ends_at_horizon ({horizon:g} s) must exceed resend_interval + tick_interval "
+                f"({resend_interval + tick_interval:g} s): a receiver would expire a firing alert "
+                "between two re-sends"
+            )
         self.engine = engine
         self.persistence = persistence
         self.dispatcher = Dispatcher(
@@ -80,8 +101,11 @@ class AlertService:
         self._unrecorded: list[tuple[str, list[Notification]]] = []  # deliveries not written yet
         self._restored = False
         self.resend_interval = resend_interval
+        self.ends_at_horizon = horizon
         self.tick_interval = tick_interval
         self.external_url = external_url.rstrip("/") if external_url else ""
+        # A configured external URL wins over where serve binds (a proxy, a DNS name).
+        self._external_url_given = bool(external_url) and not external_url_default
         self.runbook_base_url = runbook_base_url
         self._resends = any(n.wants_repeats for n in notifiers)
         self._last_sent: dict[tuple, float] = {}
@@ -108,6 +132,20 @@ class AlertService:
         """
         engine = Engine(resolve_rules(rules), run_ttl=run_ttl, resolved_retention=resolved_retention)
         return cls(engine, build_notifiers(notifiers), **kwargs)
+
+    def serving_at(self, url: str) -> None:
+        """Where the collector serves (its base URL): the links' base unless ``external_url``
+        was configured (called by ``serve`` once the port is bound)."""
+        if not self._external_url_given:
+            self.external_url = url.rstrip("/")
+
+    def runbook_url(self, a: Alert) -> str:
+        """The absolute runbook link of ``a`` (see the module doc)."""
+        return runbook_url(a.rule.runbook, self.external_url, self.runbook_base_url)
+
+    def run_url(self, run: str) -> str:
+        """The run's page, ``generatorURL`` (empty without an external URL)."""
+        return f"{self.external_url}/runs/{quote(run, safe='/:')}" if self.external_url else ""
 
     # ------------------------------------------------------------ evaluation
 
@@ -159,29 +197,31 @@ class AlertService:
     def _enqueue_transitions(self, transitions: list[Transition], now: float) -> None:
         for t in transitions:
             if t.state is AlertState.FIRING:
-                log.info("alert %s", format_transition(t))
+                log.info("alert %s", format_transition(t, self.runbook_url(t)))
                 with self._lock:
                     self._last_sent[t.key] = now
                 self.dispatcher.enqueue(self._notification(t, now))
             elif t.state is AlertState.RESOLVED and t.old is AlertState.FIRING:
-                log.info("alert %s", format_transition(t))
+                log.info("alert %s", format_transition(t, self.runbook_url(t)))
                 with self._lock:
                     self._last_sent.pop(t.key, None)
                 self.dispatcher.enqueue(self._notification(t, now))
 
     def _notification(self, a: Alert, now: float, *, repeat: bool = False) -> Notification:
         firing = a.state is AlertState.FIRING
-        runbook = a.rule.runbook
-        if runbook and self.runbook_base_url and not runbook.startswith(("http://", "https://")):
-            runbook = self.runbook_base_url.rstrip("/") + "/" + runbook.lstrip("/")
+        if firing:
+            annotations = {"summary": a.summary, "description": a.description}
+        else:
+            annotations = {"summary": a.resolved_summary(now), "description": a.resolved_description()}
+        annotations["runbook_url"] = self.runbook_url(a)
         return Notification(
             status="firing" if firing else "resolved",
             labels=a.alert_labels,
-            annotations={"summary": a.summary, "description": a.description, "runbook_url": runbook},
+            annotations=annotations,
             starts_at=a.fired_at if a.fired_at is not None else now,
-            ends_at=now + 4 * self.resend_interval if firing else (a.resolved_at or now),
+            ends_at=now + self.ends_at_horizon if firing else (a.resolved_at or now),
             value=a.value,
-            generator_url=f"{self.external_url}/v1/alerts" if self.external_url else "",
+            generator_url=self.run_url(a.labels.get("run", "")) if a.labels.get("run") else "",
             repeat=repeat,
         )
 
@@ -255,12 +295,28 @@ class AlertService:
                 continue
             ended = a.resolved_at if a is not None and a.resolved_at is not None else now
             value = sent.get("value")
+            if a is not None:
+                annotations = {
+                    **sent["annotations"],
+                    "summary": a.resolved_summary(now),
+                    "description": a.resolved_description(),
+                }
+            else:
+                labels = sent["labels"]
+                series = ", ".join(f"{k}={v}" for k, v in labels.items() if k not in ("alertname", "severity", "run"))
+                annotations = {
+                    **sent["annotations"],
+                    "summary": f"Resolved: {labels.get('alertname', '?')} in run {labels.get('run', '?')}"
+                    + (f" ({series})" if series else "")
+                    + ": its rule is gone, or its run was forgotten, while the collector was down",
+                    "description": "While it fired: " + sent["annotations"].get("summary", ""),
+                }
             self.dispatcher.enqueue_to(
                 notifier,
                 Notification(
                     status="resolved",
                     labels=sent["labels"],
-                    annotations=sent["annotations"],
+                    annotations=annotations,
                     starts_at=sent["starts_at"],
                     ends_at=ended,
                     value=math.nan if value is None else value,
@@ -324,31 +380,58 @@ class AlertService:
 
     # ----------------------------------------------------------------- views
 
-    def alerts(self, include_pending: bool = True) -> list[dict[str, Any]]:
-        """``GET /v1/alerts``: firing, pending and recently resolved alerts, as JSON-ready dicts."""
+    def alerts(
+        self,
+        include_pending: bool = True,
+        *,
+        run: str | None = None,
+        states: Iterable[AlertState | str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """``GET /v1/alerts``: firing, pending and recently resolved alerts, as JSON-ready dicts.
+
+        ``run``: that run's only; ``states``: those states only (``firing``, ``pending``,
+        ``resolved``). Times are Unix seconds, each with its RFC 3339 twin (``fired_at`` and
+        ``fired_at_time``); ``runbook_url`` and ``generator_url`` are the links notifications carry.
+        """
         # engine.alerts() leaves inactive ones out: these three states are all there is.
         order = {AlertState.FIRING: 0, AlertState.PENDING: 1, AlertState.RESOLVED: 2}
+        wanted = {AlertState(x) for x in states} if states is not None else None
         shown = sorted(
-            (a for a in self.engine.alerts() if include_pending or a.state is not AlertState.PENDING),
+            (
+                a
+                for a in self.engine.alerts()
+                if (include_pending or a.state is not AlertState.PENDING)
+                and (wanted is None or a.state in wanted)
+                and (run is None or a.labels.get("run") == run)
+            ),
             key=lambda a: (order[a.state], a.alertname, sorted(a.labels.items())),
         )
-        return [
-            {
+        out = []
+        for a in shown:
+            resolved = a.state is AlertState.RESOLVED
+            row: dict[str, Any] = {
                 "alertname": a.alertname,
                 "labels": dict(a.labels),
                 "state": a.state.value,
                 "value": a.value if math.isfinite(a.value) else None,
+                "fired_value": a.fired_value if math.isfinite(a.fired_value) else None,
                 "since": a.since,
                 "severity": a.severity,
-                "summary": a.summary,
-                "description": a.description,
+                "summary": a.resolved_summary() if resolved else a.summary,
+                "description": a.resolved_description() if resolved else a.description,
                 "runbook": a.rule.runbook,
+                "runbook_url": self.runbook_url(a),
+                "generator_url": self.run_url(a.labels.get("run", "")) if a.labels.get("run") else "",
                 "step": a.step,
                 "fired_at": a.fired_at,
                 "resolved_at": a.resolved_at,
+                "resolved_reason": a.resolved_reason or None,
             }
-            for a in shown
-        ]
+            for name in ("since", "fired_at", "resolved_at"):
+                t = row[name]
+                row[name + "_time"] = rfc3339(t) if t is not None else None
+            out.append(row)
+        return out
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per-notifier counters: sent, failed, dropped, retries, queued."""
@@ -357,13 +440,19 @@ class AlertService:
     def metric_families(self) -> Iterator[Metric]:
         """Fresh metric families for the collector's exposition (a prometheus Collector)."""
         firing = GaugeMetricFamily(
-            PREFIX + "alerts_firing", METRICS["alerts_firing"].help, labels=["alertname", "severity"]
+            PREFIX + "alerts_firing", METRICS["alerts_firing"].help, labels=["alertname", "severity", "run"]
         )
-        counts: dict[tuple[str, str], int] = {(r.alert, r.severity): 0 for r in self.engine.rules}
+        # Every rule for every live run, 0 when quiet: a dashboard filtered by run shows 0, not
+        # "no data", for a run that is watched and healthy.
+        rules = sorted({(r.alert, r.severity) for r in self.engine.rules})
+        counts: dict[tuple[str, str, str], int] = {
+            (name, severity, run): 0 for run in self.engine.run_names() for name, severity in rules
+        }
         for a in self.engine.firing():
-            counts[(a.alertname, a.severity)] = counts.get((a.alertname, a.severity), 0) + 1
-        for (name, severity), n in sorted(counts.items()):
-            firing.add_metric([name, severity], n)
+            key = (a.alertname, a.severity, a.labels.get("run", ""))
+            counts[key] = counts.get(key, 0) + 1
+        for (name, severity, run), n in sorted(counts.items()):
+            firing.add_metric([name, severity, run], n)
         yield firing
         stats = self.stats()
         if not stats:

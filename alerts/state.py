@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from trainvitals.alerts.model import Rule, ThresholdRule
+from trainvitals.alerts.model import EventRule, Rule, SilenceRule, ThresholdRule
 from trainvitals.alerts.templates import render_template
 
-__all__ = ["Alert", "AlertState", "LabelItems", "Transition"]
+__all__ = ["Alert", "AlertState", "LabelItems", "Transition", "format_duration"]
 
 LabelItems = tuple[tuple[str, str], ...]
 """A series' labels as sorted (name, value) pairs: hashable, order-independent."""
@@ -53,6 +53,9 @@ class Alert:
     fired_value: float = float("nan")
     """The value when it fired: what a resolved alert's text is rendered with (the value
     at resolution would read "image gets 1.0x less gradient")."""
+    resolved_reason: str = ""
+    """Why a resolved alert resolved when its value did not clear it ("run r ended at step
+    40"); empty when the value cleared."""
 
     @property
     def alertname(self) -> str:
@@ -96,6 +99,44 @@ class Alert:
     def description(self) -> str:
         return render_template(self.rule.description, self.fields())
 
+    def series_text(self) -> str:
+        """``run mm-pt1 (modality=image)``: which series, in words."""
+        rest = ", ".join(f"{k}={v}" for k, v in self.labels.items() if k != "run")
+        run = self.labels.get("run", "?")
+        return f"run {run}" + (f" ({rest})" if rest else "")
+
+    def resolved_summary(self, now: float | None = None) -> str:
+        """What a resolved notice says: why it resolved (the value it cleared at, or the run
+        ended), and how long it fired."""
+        end = self.resolved_at if self.resolved_at is not None else now
+        fired = ""
+        if self.fired_at is not None and end is not None:
+            fired = f" after firing for {format_duration(end - self.fired_at)}"
+        head = f"Resolved: {self.rule.alert} in {self.series_text()}"
+        rule = self.rule
+        if self.resolved_reason:
+            last = f"; last value {_figure(self.value)}" if isinstance(rule, ThresholdRule) else ""
+            return f"{head}: {self.resolved_reason}{fired}{last}"
+        at = f" at step {self.step}" if self.step is not None else ""
+        if isinstance(rule, ThresholdRule):
+            side = f"<= {_figure(rule.clear_at)}" if rule.above is not None else f">= {_figure(rule.clear_at)}"
+            return (
+                f"{head}{at}: {rule.metric} is back to {_figure(self.value)} (clears at {side}){fired}; "
+                f"it fired at {_figure(self.fired_value)}"
+            )
+        if isinstance(rule, EventRule):
+            return f"{head}{at}: no new {rule.event} event for {rule.hold_steps} steps{fired}"
+        if isinstance(rule, SilenceRule):
+            return f"{head}{at}: the run reports again{fired}"
+        return f"{head}{at}{fired}"
+
+    def resolved_description(self) -> str:
+        """The firing text, marked as what was true while it fired."""
+        text = self.summary
+        if self.description:
+            text += ". " + self.description
+        return f"While it fired: {text}"
+
 
 @dataclass(frozen=True)
 class Transition(Alert):
@@ -107,3 +148,22 @@ class Transition(Alert):
     @property
     def new(self) -> AlertState:
         return self.state
+
+
+def _figure(value: float) -> str:
+    return "?" if value != value else f"{value:.3g}"
+
+
+def format_duration(seconds: float) -> str:
+    """``45 s``, ``12 min 5 s``, ``3 h 20 min``, ``2 d 4 h``: a span an on-call reads at once."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s} s"
+    m, s = divmod(s, 60)
+    if m < 60:
+        return f"{m} min {s} s" if s else f"{m} min"
+    h, m = divmod(m, 60)
+    if h < 24:
+        return f"{h} h {m} min" if m else f"{h} h"
+    d, h = divmod(h, 24)
+    return f"{d} d {h} h" if h else f"{d} d"

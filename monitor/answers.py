@@ -96,6 +96,15 @@ class AlertView(BaseModel):
     step: int | None
     fired_at: float | None
     resolved_at: float | None
+    fired_value: float | None = Field(None, description="The value when it fired; null when not finite.")
+    since_time: str | None = Field(None, description="``since`` as RFC 3339 UTC.")
+    fired_at_time: str | None = Field(None, description="``fired_at`` as RFC 3339 UTC.")
+    resolved_at_time: str | None = Field(None, description="``resolved_at`` as RFC 3339 UTC.")
+    runbook_url: str = Field("", description="The runbook link notifications carry (the collector's page).")
+    generator_url: str = Field("", description="The run's page, the notifications' generatorURL.")
+    resolved_reason: str | None = Field(
+        None, description="Why it resolved when its value did not clear it (the run ended); null otherwise."
+    )
 
 
 class Health(BaseModel):

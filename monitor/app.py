@@ -9,6 +9,7 @@ The parts live in ``app.state`` (the routes read them through
 - ``GET /v1/runs`` (:mod:`~trainvitals.monitor.routes_runs`),
 - ``PUT/GET/DELETE /v1/runs/{run}/settings`` (:mod:`~trainvitals.monitor.routes_configure`),
 - ``GET /v1/alerts`` (:mod:`~trainvitals.monitor.routes_alerts`),
+- ``GET /runbooks``, ``GET /runbooks/{anchor}`` (:mod:`~trainvitals.monitor.routes_runbooks`),
 - ``GET /healthz``, ``GET /readyz`` (:mod:`~trainvitals.monitor.routes_health`),
 - ``GET /``, ``GET /runs/{run}``: the report pages (:mod:`~trainvitals.monitor.routes_pages`).
 
@@ -41,6 +42,7 @@ from trainvitals.monitor import (
     routes_ingest,
     routes_metrics,
     routes_pages,
+    routes_runbooks,
     routes_runs,
 )
 from trainvitals.monitor.answers import Problem
@@ -151,7 +153,15 @@ def create_app(
     app.state.ready = False
     app.state.state_db = state
     app.state.run_settings = RunSettingsTable(state)  # live settings (trainvitals configure)
-    for module in (routes_ingest, routes_metrics, routes_runs, routes_configure, routes_alerts, routes_health):
+    for module in (
+        routes_ingest,
+        routes_metrics,
+        routes_runs,
+        routes_configure,
+        routes_alerts,
+        routes_runbooks,
+        routes_health,
+    ):
         app.include_router(module.router)
     routes_pages.install(app)  # GET / and /runs/{run}: the report pages
     if settings.read_token is not None:
@@ -173,11 +183,12 @@ def _alert_service(settings: Settings, state: StateDB | None = None) -> AlertSer
     options = dict(settings.alerts or {})
     options.setdefault("run_ttl", settings.run_ttl_seconds)
     rules = "default" if settings.rules is None else settings.rules
-    if settings.notifiers and not options.get("runbook_base_url"):
-        log.warning(
-            "alerts.runbook_base_url is not set: notifications carry runbook links relative "
-            "to the repository (e.g. RUNBOOKS.md#paramdrift); see docs/collector.md"
-        )
+    if not options.get("external_url"):
+        # Until serve knows the bound port (port 0): the configured address.
+        from trainvitals.monitor.server import base_url
+
+        options["external_url"] = base_url(settings.host, settings.port, tls=settings.tls_certfile is not None)
+        options["external_url_default"] = True
     try:
         return AlertService.from_config(rules=rules, notifiers=settings.notifiers, persistence=state, **options)
     except (RuleError, NotifierConfigError) as exc:

@@ -5,7 +5,8 @@
 (Prometheus: ``authorization: {credentials_file: ...}`` in the scrape config). The
 pages (``/``, ``/runs/{run}``) take it as an HTTP Basic password too (any user name),
 which is what a browser asks for.
-``/healthz`` and ``/readyz`` stay open for probes; ``POST /v1/reports`` and the
+``/healthz`` and ``/readyz`` stay open for probes, the runbook pages (``/runbooks``) for
+the links in notifications; ``POST /v1/reports`` and the
 writes of live settings (``PUT``/``DELETE /v1/runs/{run}/settings``) have the ingest
 ``token``. A pure ASGI middleware: nothing is read or parsed before the check.
 """
@@ -26,7 +27,7 @@ _REALM = 'Bearer realm="trainvitals"'
 
 def read_protected(method: str, path: str) -> bool:
     """True for the requests the read token guards (everything but health and ingest)."""
-    if path in _OPEN:
+    if path in _OPEN or path == "/runbooks" or path.startswith("/runbooks/"):
         return False
     if method in ("PUT", "DELETE") and path.startswith("/v1/runs/") and path.endswith("/settings"):
         return False  # a write: the route checks the ingest token

@@ -66,7 +66,7 @@ def serve(
 
     from trainvitals.monitor import logs
     from trainvitals.monitor.app import create_app, tune_gc
-    from trainvitals.monitor.server import bind, uvicorn_config
+    from trainvitals.monitor.server import base_url, bind, uvicorn_config
 
     try:
         settings = Settings.from_file(config_file, host=host, port=port, token_file=token_file, state_path=state_path)
@@ -92,6 +92,7 @@ def serve(
     shown = f"[{settings.host}]" if ":" in settings.host else settings.host
     bound = sock.getsockname()[1]
     scheme = "https" if settings.tls_certfile is not None else "http"
+    app.state.alerts.serving_at(base_url(settings.host, bound, tls=settings.tls_certfile is not None))
     auth = "bearer token required" if settings.auth_required else "no authentication"
     reads = "read token required" if settings.read_auth_required else "open"
     state = (

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query
 
 from trainvitals.monitor.answers import AlertView
 from trainvitals.monitor.deps import AlertsDep
@@ -11,8 +13,16 @@ __all__ = ["router"]
 
 router = APIRouter(tags=["alerts"])
 
+State = Literal["firing", "pending", "resolved"]
+
 
 @router.get("/v1/alerts")
-async def list_alerts(alerts: AlertsDep) -> list[AlertView]:
-    """Alerts firing now, pending, or resolved recently."""
-    return [AlertView.model_validate(a) for a in alerts.alerts()]
+async def list_alerts(
+    alerts: AlertsDep,
+    run: Annotated[str | None, Query(description="Only this run's alerts.")] = None,
+    state: Annotated[
+        list[State] | None, Query(description="Only alerts in these states (repeat: state=firing&state=pending).")
+    ] = None,
+) -> list[AlertView]:
+    """Alerts firing now, pending, or resolved recently; times as Unix seconds and RFC 3339."""
+    return [AlertView.model_validate(a) for a in alerts.alerts(run=run, states=state)]

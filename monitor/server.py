@@ -29,7 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from trainvitals.monitor.settings import Settings
 from trainvitals.wire.errors import TrainvitalsError
 
-__all__ = ["PortInUse", "bind", "serve_in_thread", "uvicorn_config"]
+__all__ = ["PortInUse", "base_url", "bind", "serve_in_thread", "uvicorn_config"]
 
 _POLL_S = 0.005  # seconds between checks that uvicorn is listening
 
@@ -59,6 +59,15 @@ def bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def base_url(host: str, port: int, *, tls: bool = False) -> str:
+    """The URL the collector is reached at on ``host:port``: a wildcard address (0.0.0.0,
+    ::) is this machine's name, since links built from it must open elsewhere."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.getfqdn() or socket.gethostname()
+    shown = f"[{host}]" if ":" in host else host
+    return f"{'https' if tls else 'http'}://{shown}:{port}"
 
 
 def _protocol(header_timeout: float) -> type[H11Protocol]:
@@ -144,10 +153,11 @@ def serve_in_thread(
                 thread.join(timeout)
                 raise RuntimeError(f"the collector did not start within {timeout} s")
             time.sleep(_POLL_S)
-        bound = sock.getsockname()[1]
-        shown = f"[{host}]" if ":" in host else host
-        scheme = "https" if settings.tls_certfile is not None else "http"
-        yield f"{scheme}://{shown}:{bound}"
+        url = base_url(host, sock.getsockname()[1], tls=settings.tls_certfile is not None)
+        alerts = getattr(getattr(app, "state", None), "alerts", None)
+        if alerts is not None:
+            alerts.serving_at(url)
+        yield url
     finally:
         server.should_exit = True
         thread.join(timeout)

@@ -378,7 +378,15 @@ _SPECS: tuple[MetricSpec, ...] = (
         "Writes to the collector's state file that failed (disk full, file gone), by what was written.",
         "collector",
     ),
-    _m("alerts_firing", "gauge", "count", ("alertname", "severity"), "collector", "Alerts firing now.", "collector"),
+    _m(
+        "alerts_firing",
+        "gauge",
+        "count",
+        ("alertname", "severity", "run"),
+        "collector",
+        "Alerts firing now, per rule and run (0 for every rule of a run the collector knows).",
+        "collector",
+    ),
     _m(
         "alerts_suppressed_total",
         "counter",

@@ -57,9 +57,14 @@ def pagerduty_event(n: Notification, routing_key: str) -> dict:
     )
     if n.generator_url:
         event["client_url"] = n.generator_url
+    links = []
     runbook = n.annotations.get("runbook_url", "")
     if runbook.startswith(("http://", "https://")):
-        event["links"] = [{"href": runbook, "text": "Runbook"}]
+        links.append({"href": runbook, "text": "Runbook"})
+    if n.generator_url.startswith(("http://", "https://")):
+        links.append({"href": n.generator_url, "text": "Run"})
+    if links:
+        event["links"] = links
     return event
 
 

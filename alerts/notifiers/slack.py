@@ -1,7 +1,7 @@
 """Slack incoming webhook: ``{"text": ..., "blocks": [...]}``.
 
 ``text`` is the notification fallback (phone banners, screen readers); the
-blocks carry the summary, description, labels and runbook. 200 with ``ok`` on
+blocks carry the summary, description, labels, the runbook and the run's page. 200 with ``ok`` on
 success; 429 when rate limited (retried, honouring Retry-After).
 """
 
@@ -26,7 +26,10 @@ def slack_message(n: Notification) -> dict:
     status = "FIRING" if n.firing else "RESOLVED"
     summary = n.annotations.get("summary") or n.alertname
     emoji = _EMOJI["firing" if n.firing else "resolved"]
-    text = f"{emoji} [{status}] {n.alertname}: {summary}"
+    if n.firing:
+        text = f"{emoji} [{status}] {n.alertname}: {summary}"
+    else:  # the resolved summary names the alert itself: "Resolved: X in run r: ..."
+        text = f"{emoji} [{status}] {summary.removeprefix('Resolved: ')}"
     labels = " ".join(f"`{_esc(k)}={_esc(v)}`" for k, v in n.labels.items() if k not in ("alertname", "severity"))
     context = f"severity: *{_esc(n.severity)}*  {labels}"
     runbook = n.annotations.get("runbook_url", "")
@@ -34,6 +37,8 @@ def slack_message(n: Notification) -> dict:
         context += f"  <{runbook}|runbook>"
     elif runbook:
         context += f"  runbook: {_esc(runbook)}"
+    if n.generator_url.startswith(("http://", "https://")):
+        context += f"  <{n.generator_url}|run>"
     blocks: list[dict] = [
         {
             "type": "section",

@@ -1,4 +1,10 @@
-"""Generic JSON webhook, shaped like Alertmanager's webhook receiver body."""
+"""Generic JSON webhook, shaped like Alertmanager's webhook receiver body.
+
+A firing alert carries ``endsAt`` (the time a receiver may consider it over without
+news), so it is re-sent every ``resend_interval`` like Alertmanager's (``repeat``
+notifications, marked ``"repeat": true``): a receiver that honours ``endsAt`` keeps a
+still-true incident, and one that pages per message can skip the repeats.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ def webhook_payload(batch: Sequence[Notification]) -> dict:
                 "value": n.value if math.isfinite(n.value) else None,
                 "generatorURL": n.generator_url,
                 "fingerprint": n.dedup_key(),
+                # A periodic re-send of a firing alert already sent: not a new page.
+                "repeat": n.repeat,
             }
         )
     status = "firing" if any(n.firing for n in batch) else "resolved"
@@ -34,6 +42,7 @@ class WebhookNotifier(HttpNotifier):
     """POSTs batches of notifications as JSON to any URL, with optional headers."""
 
     type = "webhook"
+    wants_repeats = True
     max_batch = 32
 
     def __init__(self, name: str, url: str, *, headers: Mapping[str, str] | None = None, timeout: float = 10.0) -> None:

@@ -295,7 +295,9 @@ def test_run_end_event_silences_run_silent_and_old_runs_are_forgotten():
     feed(eng, [17, 17, 17], run="b")  # firing GradientDilution, now=1000..1020
     assert {a.alertname for a in eng.firing()} == {"GradientDilution"}
     trans = eng.tick(1020 + 3600)
-    assert {(t.alertname, t.state, t.reason) for t in trans} == {("GradientDilution", R, "run expired")}
+    assert {(t.alertname, t.state, t.reason) for t in trans} == {
+        ("GradientDilution", R, "run b sent nothing for 3600 s and was forgotten")
+    }
     assert eng.alerts() == []
 
 

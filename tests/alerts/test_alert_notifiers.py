@@ -84,7 +84,7 @@ def test_alertmanager_payload_resend_and_resolve():
             },
             "startsAt": "2025-11-29T07:06:40.000Z",
             "endsAt": "2025-11-29T07:10:40.000Z",  # now + 4 * resend
-            "generatorURL": "http://collector:9477/v1/alerts",
+            "generatorURL": "http://collector:9477/runs/r1",
         }
         assert repeat[0]["labels"] == a["labels"] and repeat[0]["endsAt"] == "2025-11-29T07:11:40.000Z"
         assert resolved[0]["labels"] == a["labels"]
@@ -366,13 +366,21 @@ def test_service_views_and_metrics(monkeypatch):
     assert first["alertname"] == "GradientDilution" and first["value"] == 17.0 and first["since"] == 100.0
     assert first["severity"] == "page" and first["summary"].startswith("image gets 17.0x")
     assert alerts[1]["resolved_at"] == 110.0
+    assert first["fired_at_time"] == "1970-01-01T00:01:40.000Z" and alerts[1]["resolved_at_time"].endswith("01:50.000Z")
+    assert alerts[1]["summary"] == (
+        "Resolved: GradientDilution in run r1 (modality=audio) at step 10: modality_dilution_ratio is back to 1 "
+        "(clears at <= 3) after firing for 10 s; it fired at 9"
+    )
+    assert alerts[1]["description"] == "While it fired: audio gets 9.0x less gradient in run r1. diluted"
+    assert [a["labels"]["modality"] for a in svc.alerts(states=["resolved"])] == ["audio"]
+    assert svc.alerts(run="other") == [] and len(svc.alerts(run="r1")) == 2
 
     registry = CollectorRegistry()
     registry.register(svc)
-    assert (
-        registry.get_sample_value("trainvitals_alerts_firing", {"alertname": "GradientDilution", "severity": "page"})
-        == 1
-    )
+    page = {"alertname": "GradientDilution", "severity": "page"}
+    assert registry.get_sample_value("trainvitals_alerts_firing", {**page, "run": "r1"}) == 1
+    fire(svc, 0, 1.0, run="quiet", now=120.0)
+    assert registry.get_sample_value("trainvitals_alerts_firing", {**page, "run": "quiet"}) == 0
     assert (
         registry.get_sample_value("trainvitals_notifications_total", {"notifier": "webhook", "outcome": "dropped"}) == 0
     )

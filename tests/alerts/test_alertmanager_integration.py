@@ -7,13 +7,15 @@ server) with send_resolved.
 
 from __future__ import annotations
 
+import os
 import time
 
+import httpx
 import pytest
 
 from tests.http_recorder import RecordingServer
-from tests.reports import wire_report
-from tests.support import ALERTMANAGER, running_alertmanager, wait_until
+from tests.reports import make_body, make_report, make_sample, wire_report
+from tests.support import ALERTMANAGER, running_alertmanager, running_collector, wait_until
 from trainvitals.alerts.service import AlertService
 
 pytestmark = [
@@ -68,7 +70,7 @@ def test_alertmanager_delivers_firing_then_resolved(alertmanager):
         assert alert["annotations"]["summary"] == (
             "image gets 17.0x less gradient than the intended loss normalization gives it in run mm-pt1"
         )
-        assert alert["annotations"]["runbook_url"] == "RUNBOOKS.md#gradientdilution"
+        assert alert["annotations"]["runbook_url"] == "RUNBOOKS.md#gradientdilution"  # no external URL here
 
         service.observe(_dilution(30, 1.0))
         (resolved,) = wait_until(lambda: _webhooks(receiver, "resolved"), timeout=30)
@@ -76,3 +78,95 @@ def test_alertmanager_delivers_firing_then_resolved(alertmanager):
         assert resolved["alerts"][0]["status"] == "resolved"
     stats = service.stats()["alertmanager"]
     assert stats["sent"] >= 2 and stats["failed"] == 0 and stats["dropped"] == 0
+
+
+# The time scale of the long-incident test, in seconds. The collector's defaults are a
+# re-send every 60 s with endsAt 240 s ahead; a 10-minute incident is 2.5 of those
+# horizons. Here the incident lasts SPAN_S = 10 horizons of a scaled-down notifier (the
+# same code, every interval divided by 30), so a lapse between two re-sends shows many
+# times over. TRAINVITALS_TEST_INCIDENT_SCALE=30 runs it at the defaults (a real
+# 10-minute incident: 25 minutes in all).
+_SCALE = float(os.environ.get("TRAINVITALS_TEST_INCIDENT_SCALE", "1"))
+RESEND_S = 2.0 * _SCALE
+HORIZON_S = 8.0 * _SCALE
+SPAN_S = 10 * HORIZON_S if _SCALE == 1 else 600.0
+
+
+def _am_active(url: str, run: str) -> list[dict]:
+    """The alerts Alertmanager holds as active for ``run`` (its API v2)."""
+    got = httpx.get(f"{url}/api/v2/alerts", params={"filter": f'run="{run}"'}, timeout=5)
+    got.raise_for_status()
+    return [a for a in got.json() if a["status"]["state"] == "active"]
+
+
+def _post(collector, step: int, value: float, run: str, events: list | None = None) -> None:
+    body = make_body(
+        make_report(
+            run,
+            step,
+            [
+                make_sample("modality_excess_dilution_ratio", value, modality="image"),
+                make_sample("modality_excess_dilution_ratio", 0.85, modality="text"),
+            ],
+            events=events,
+            time=time.time(),
+        )
+    )
+    assert collector.client.post("/v1/reports", json=body).status_code == 202
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["clears", "run ends"])
+def test_alertmanager_keeps_a_long_incident_firing_and_resolves_it_within_one_interval(tmp_path, ending):
+    run = "llm-long"
+    with (
+        RecordingServer() as receiver,
+        running_alertmanager(tmp_path / "am", receiver.url, group_by=("alertname", "run", "modality")) as am,
+        running_collector(
+            notifiers=[{"type": "alertmanager", "url": am}],
+            alerts={"resend_interval": RESEND_S, "ends_at_horizon": HORIZON_S, "tick_interval": 0.25},
+        ) as collector,
+    ):
+        for step in (0, 10, 20):
+            _post(collector, step, 17.0, run)
+        collector.wait_for("GradientDilution", run)
+        wait_until(lambda: _am_active(am, run), 10, "the alert in Alertmanager")
+        start = time.monotonic()
+        step, polls, last_report = 20, 0, start
+        while time.monotonic() - start < SPAN_S:
+            (held,) = _am_active(am, run)  # still active at every poll: never expired in between
+            assert held["labels"]["alertname"] == "GradientDilution"
+            polls += 1
+            if time.monotonic() - last_report > 5:  # the job keeps reporting the same incident
+                step += 10
+                _post(collector, step, 17.0, run)
+                last_report = time.monotonic()
+            time.sleep(0.25)
+        assert polls > SPAN_S / 0.5
+        sent = collector.app.state.alerts.stats()["alertmanager"]["sent"]
+        assert sent >= SPAN_S / RESEND_S * 0.8  # it was kept alive by re-sends, not by one long endsAt
+
+        if ending == "clears":
+            _post(collector, step + 10, 1.0, run)
+        else:
+            _post(collector, step + 10, 17.0, run, events=[{"kind": "run_end", "labels": {}, "detail": ""}])
+        (ours,) = collector.alerts(run)
+        assert ours["state"] == "resolved"
+        # Resolved in Alertmanager before the next re-send would have been due.
+        wait_until(lambda: not _am_active(am, run), RESEND_S, "the alert resolved in Alertmanager")
+
+        # What the on-call receives through Alertmanager reads as resolved, with the reason.
+        def resolved_notice():
+            return [a for b in receiver.bodies() if b.get("status") == "resolved" for a in b["alerts"]]
+
+        (notice,) = wait_until(resolved_notice, 30, "Alertmanager's resolved notice")
+        summary = notice["annotations"]["summary"]
+        assert summary.startswith(f"Resolved: GradientDilution in run {run} (modality=image)")
+        if ending == "clears":
+            assert "is back to 1 (clears at <= 3)" in summary and "it fired at 17" in summary
+        else:
+            assert f"run {run} ended at step {step + 10}" in summary
+        assert "after firing for" in summary
+        assert notice["generatorURL"] == f"{collector.url}/runs/{run}"
+        page = httpx.get(notice["annotations"]["runbook_url"], timeout=5)
+        assert page.status_code == 200 and "<h2>GradientDilution</h2>" in page.text

@@ -64,6 +64,12 @@ class Recorder:
         self.server.server_close()
 
     def alerts(self) -> list[tuple[str, str, dict]]:
-        """(status, alertname, labels) of every alert received, in order."""
+        """(status, alertname, labels) of every alert received, in order; the periodic re-sends
+        of a firing alert (``repeat``: keeping it alive at a receiver that honours endsAt) left out."""
         with self.lock:
-            return [(a["status"], a["labels"]["alertname"], a["labels"]) for b in self.bodies for a in b["alerts"]]
+            return [
+                (a["status"], a["labels"]["alertname"], a["labels"])
+                for b in self.bodies
+                for a in b["alerts"]
+                if not a.get("repeat")
+            ]

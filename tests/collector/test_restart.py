@@ -169,7 +169,10 @@ def test_sigkill_and_restart_resolve_a_cleared_alert_once_and_do_not_repage(tmp_
     assert sorted(got[:2]) == [("firing", "image"), ("firing", "text")]
     assert got[2:] == [("resolved", "image")]
     [resolved] = [a for b in hook.bodies for a in b["alerts"] if a["status"] == "resolved"]
-    assert resolved["annotations"]["summary"] == "loss 50 on image in job"  # the value it fired with
+    summary = resolved["annotations"]["summary"]
+    assert summary.startswith("Resolved: LossHigh in run job (modality=image) at step 2: modality_loss is back to 1")
+    assert summary.endswith("it fired at 50")  # the value it fired with
+    assert resolved["annotations"]["description"] == "While it fired: loss 50 on image in job"
     assert {(a["labels"]["modality"], a["state"]) for a in alerts} == {("image", "resolved"), ("text", "firing")}
 
 
