@@ -35,10 +35,7 @@ def format_transition(t: Transition, runbook: str | None = None) -> str:
     where = f" at step {t.step}" if t.step is not None else ""
     shown = ""
     if t.value == t.value:
-        shown = f" (value {format_value(t.value)}"
-        if t.state is AlertState.RESOLVED and t.fired_value == t.fired_value:
-            shown += f", fired at {format_value(t.fired_value)}"
-        shown += ")"
+        shown = f" (value {format_value(t.value)})"
     text = f"{t.alertname} {t.state.value}{where}{shown}: {t.summary} {{{labels}}}"
     if t.reason:
         text += f" ({t.reason})"

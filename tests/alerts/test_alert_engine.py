@@ -476,8 +476,8 @@ def test_local_evaluator_logs_fire_and_resolve(caplog):
         ),
         (
             "INFO",
-            "trainvitals alert GradientDilution resolved at step 30 (value 1, fired at 17): "
-            "image 17.0x in r1 {run=r1, modality=image}",
+            "trainvitals alert Resolved: GradientDilution in run r1 (modality=image) at step 30: "
+            "modality_dilution_ratio is back to 1 (clears at <= 3) after firing for 0 s; it fired at 17",
         ),
     ]
     assert LocalEvaluator("default").engine.rules
