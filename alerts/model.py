@@ -76,6 +76,7 @@ __all__ = [
     "SilenceRule",
     "ThresholdRule",
     "parse_duration",
+    "series_label_sets",
 ]
 
 Severity = Literal["critical", "page", "error", "warning", "ticket", "info"]
@@ -349,6 +350,22 @@ class ThresholdRule(_RuleBase):
         return value
 
     @model_validator(mode="after")
+    def _satisfiable(self) -> ThresholdRule:
+        # A matcher or a join no series can satisfy would make a rule that never fires.
+        _check_matchers(self.metric, self.labels, "labels")
+        for i, cond in enumerate(self.and_):
+            _check_matchers(cond.metric, cond.labels, f"and[{i}].labels")
+            mine, theirs = series_label_sets(self.metric), series_label_sets(cond.metric)
+            if not any(set(k) <= set(p) for k in theirs for p in mine):
+                raise FieldError(
+                    f"and[{i}]",
+                    f"no series of {cond.metric} (labels: {_shown(cond.metric)}) can join a series of "
+                    f"{self.metric} (labels: {_shown(self.metric)}): a condition reads the series whose "
+                    f"labels equal the rule's series' labels, so the rule would never fire",
+                )
+        return self
+
+    @model_validator(mode="after")
     def _thresholds(self) -> ThresholdRule:
         if (self.above is None) == (self.below is None):
             raise ValueError("give exactly one of 'above' or 'below'")
@@ -385,6 +402,34 @@ class EventRule(_RuleBase):
 
     def template_fields(self) -> frozenset[str]:
         return RULE_FIELDS | KNOWN_LABELS | {m.name for m in self.labels} | {"detail"}
+
+
+def series_label_sets(metric: str) -> list[tuple[str, ...]]:
+    """The label names one series of ``metric`` carries besides run/rank: one set, except
+    for the ``adam_*`` metrics, whose series carry ``param`` (a parameter's own) or
+    ``group`` (the rest of its param group), never both."""
+    labels = METRIC_LABELS.get(metric, ())
+    if metric.startswith("adam_") and set(labels) == {"param", "group"}:
+        return [("param",), ("group",)]
+    return [labels]
+
+
+def _shown(metric: str) -> str:
+    sets = [", ".join(k) or "none" for k in series_label_sets(metric)]
+    return " or ".join(sets) + " besides " + ", ".join(SERIES_LABELS)
+
+
+def _check_matchers(metric: str, matchers: tuple[Matcher, ...], where: str) -> None:
+    carried = set(SERIES_LABELS).union(*series_label_sets(metric))
+    for m in matchers:
+        # A series without the label matches as if its value were "": only a matcher that
+        # accepts "" can ever match on a label the metric does not carry.
+        if m.name not in carried and not m.compile()(None):
+            raise FieldError(
+                where,
+                f"{metric} has no label {m.name!r} (its labels: {_shown(metric)}), so "
+                f"{m.name}{m.op}{m.value!r} matches no series and the rule would never fire",
+            )
 
 
 class SilenceRule(_RuleBase):

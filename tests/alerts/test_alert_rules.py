@@ -300,3 +300,60 @@ def test_known_labels_are_every_label_of_a_run_series():
     # An event may come from any series of a run: its template offers every label.
     (rule,) = parse_rules([{"alert": "E", "event": "x", "summary": "{modality} {param} {rank}"}])
     assert KNOWN_LABELS <= rule.template_fields()
+
+
+IMPOSSIBLE = {
+    "label matcher": (
+        "- alert: ImageGradNorm\n  metric: grad_norm\n  labels: {modality: image}\n  above: 10\n  summary: x\n",
+        "rule 'ImageGradNorm' (#1): field 'labels': grad_norm has no label 'modality' "
+        "(its labels: none besides run, rank), so modality='image' matches no series",
+    ),
+    "and join": (
+        "- alert: JoinNever\n  metric: grad_norm\n  above: 10\n  and:\n    - {metric: modality_loss, above: 1}\n"
+        "  summary: x\n",
+        "rule 'JoinNever' (#1): field 'and[0]': no series of modality_loss (labels: modality besides run, rank) "
+        "can join a series of grad_norm (labels: none besides run, rank)",
+    ),
+    "condition matcher": (
+        "- alert: JoinLabel\n  metric: modality_loss\n  above: 10\n  and:\n"
+        "    - {metric: modality_grad_share_ratio, labels: {objective: main}, above: 0.1}\n  summary: x\n",
+        "field 'and[0].labels': modality_grad_share_ratio has no label 'objective' (its labels: modality besides",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IMPOSSIBLE))
+def test_rules_check_and_loading_refuse_rules_no_series_can_satisfy(tmp_path, case):
+    from click.testing import CliRunner
+
+    from trainvitals.monitor.cli import main
+
+    text, message = IMPOSSIBLE[case]
+    path = tmp_path / "rules.yaml"
+    path.write_text(text)
+    result = CliRunner().invoke(main, ["rules", "check", str(path)])
+    assert result.exit_code == 1 and message in result.output, result.output
+    with pytest.raises(RuleError, match=re.escape(message)):
+        load_rules(path)  # the collector refuses it at start-up the same way
+
+
+def test_matchers_that_accept_an_absent_label_and_joins_that_can_meet_still_load():
+    rules = parse_rules(
+        yaml.safe_load(
+            """
+- alert: NotImage
+  metric: grad_norm
+  labels: {modality: "!=image"}
+  above: 10
+  summary: x
+- alert: AdamJoin
+  metric: param_drift_log2
+  above: 1
+  and:
+    - {metric: adam_eps_dominated_ratio, above: 0.5}
+    - {metric: grad_norm, above: 0}
+  summary: x
+"""
+        )
+    )
+    assert [r.alert for r in rules] == ["NotImage", "AdamJoin"]
