@@ -18,11 +18,12 @@ import time
 from typing import Any
 from urllib.parse import quote
 
-from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from trainvitals.alerts.verdict import VerdictBuilder
 from trainvitals.monitor.report_page import RunHistory, page_data, render_page
+from trainvitals.wire.errors import Refused
 
 __all__ = ["LivePages", "install", "router"]
 
@@ -140,10 +141,10 @@ async def run_page(request: Request, run: str, format: str = "html") -> HTMLResp
     """One run's report page (``?format=json``: the data it draws)."""
     pages = _pages(request)
     if not pages.known(run):
-        raise HTTPException(404, f"no run {run!r} has reported to this collector (or it expired)")
+        raise Refused(f"no run {run!r} has reported to this collector (or it expired)", status=404)
     if format == "json":
         return JSONResponse(pages.data(run), headers={"Cache-Control": "no-store"})
     if format != "html":
-        raise HTTPException(400, "format: use html or json")
+        raise Refused("format: use html or json", status=400)
     live = f"/runs/{quote(run, safe='/:')}?format=json"
     return HTMLResponse(pages.page(run, live))
