@@ -8,10 +8,11 @@ the pages hold the shipped text only, nothing about any run.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 
 from trainvitals.alerts.runbooks import render_index, render_page, runbooks
+from trainvitals.wire.errors import Refused
 
 __all__ = ["router"]
 
@@ -32,5 +33,5 @@ async def runbook_page(anchor: str) -> HTMLResponse:
     page = render_page(anchor)
     if page is None:
         known = ", ".join(sorted(runbooks()))
-        raise HTTPException(404, f"no runbook named {anchor!r}; there are: {known}")
+        raise Refused(f"no runbook named {anchor!r}; there are: {known}", status=404)
     return HTMLResponse(page)
