@@ -54,6 +54,43 @@ def _media_modalities(model: nn.Module) -> tuple[str, ...]:
     return mods
 
 
+def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a framework's wrapper (accelerate, Lightning, Megatron's
+    ChainedOptimizer around FP32Optimizer); a TypeError saying what to pass otherwise."""
+    from trainvitals.hooks.integration_support import torch_optimizer
+
+    try:
+        return torch_optimizer(optimizer)
+    except TypeError as exc:
+        if "chains" in str(exc):
+            raise
+        raise TypeError(
+            f"attach(optimizer=...) needs a torch.optim.Optimizer (or a wrapper holding one as "
+            f".optimizer), got {type(optimizer).__name__}; pass the optimizer whose .step() updates "
+            "the parameters (not a scheduler)"
+        ) from None
+
+
+def _framework_defaults(model: nn.Module, options: dict[str, Any], env_options: dict[str, Any]) -> None:
+    """Megatron-core's loss conventions, where the job has not said otherwise: with
+    ``calculate_per_token_loss`` the loss is a sum over tokens that Megatron divides by
+    the step's tokens over all ranks after the backward (``loss_reduction="sum"``);
+    without it each micro-batch is averaged over its own tokens, one sample per
+    micro-batch: per-sample weighting is the intent (``loss_normalization="sample"``)."""
+    from trainvitals.hooks.naming import unwrap
+
+    inner = unwrap(model)
+    config = getattr(inner, "config", None)
+    if not type(inner).__module__.startswith("megatron.") or config is None:
+        return
+    per_token = getattr(config, "calculate_per_token_loss", None)
+    given = {**env_options, **options}
+    if per_token is True and "loss_reduction" not in given:
+        options["loss_reduction"] = "sum"
+    elif per_token is False and "loss_normalization" not in given:
+        options["loss_normalization"] = "sample"
+
+
 def attach(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -84,10 +121,7 @@ def attach(
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach(model=...) needs a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"attach(optimizer=...) needs a torch.optim.Optimizer, got {type(optimizer).__name__}; "
-            "pass the optimizer you call .step() on (not a scheduler or a wrapper)"
-        )
+        optimizer = _inner_optimizer(optimizer)
     # Arguments win over the environment; a bad variable raises naming it.
     env = attach_env()
     env_options = Config.from_env()
@@ -115,6 +149,7 @@ def attach(
         raise TypeError(f"attach() got unknown option(s) {unknown}; known options: {Config.field_names()}")
     if every is not None:
         options["every"] = every
+    _framework_defaults(model, options, env_options)
     config = Config(**{**env_options, **options})
     if config.loss_from_logits and not mods:
         mods = _media_modalities(model)

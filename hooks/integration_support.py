@@ -44,12 +44,25 @@ def state_file(folder: str, rank: int) -> str:
 
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside wrappers (accelerate's AcceleratedOptimizer,
-    Lightning's LightningOptimizer): the one whose ``step`` runs the hooks."""
+    Lightning's LightningOptimizer, Megatron's ChainedOptimizer around its
+    FP32Optimizer/Float16OptimizerWithFloat16Params): the one whose ``step`` runs the
+    hooks. A ChainedOptimizer of several optimizers raises, naming them: attach one
+    monitor per inner optimizer."""
     seen = set()
-    while id(optimizer) not in seen:
+    while id(optimizer) not in seen and not isinstance(optimizer, torch.optim.Optimizer):
         seen.add(id(optimizer))
+        chained = getattr(optimizer, "chained_optimizers", None)
+        if isinstance(chained, (list, tuple)):
+            if len(chained) != 1:
+                raise TypeError(
+                    f"trainvitals: {type(optimizer).__name__} chains {len(chained)} optimizers "
+                    f"({', '.join(type(o).__name__ for o in chained)}); attach one monitor per inner "
+                    "torch optimizer, e.g. attach(model, optimizer.chained_optimizers[0].optimizer, ...)"
+                )
+            optimizer = chained[0]
+            continue
         inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if isinstance(inner, torch.optim.Optimizer):
+        if inner is not None:
             optimizer = inner
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"trainvitals: cannot find the torch optimizer inside {type(optimizer).__name__}")

@@ -12,7 +12,8 @@ _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside DDP / DataParallel / ``torch.compile`` wrappers."""
+    """The user's model inside DDP / DataParallel / ``torch.compile`` wrappers (and
+    Megatron-core's DDP and Float16Module)."""
     seen = set()
     while id(model) not in seen:
         seen.add(id(model))
@@ -21,7 +22,18 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model.module
         elif isinstance(inner, nn.Module):
             model = inner
+        elif _megatron_wrapper(model) and isinstance(model.module, nn.Module):
+            model = model.module
     return model
+
+
+def _megatron_wrapper(model: nn.Module) -> bool:
+    """Megatron-core's DistributedDataParallel / Float16Module: the model is ``.module``."""
+    return type(model).__module__.startswith("megatron.") and type(model).__name__ in (
+        "DistributedDataParallel",
+        "TorchFullyShardedDataParallel",
+        "Float16Module",
+    )
 
 
 def clean_name(name: str) -> str:

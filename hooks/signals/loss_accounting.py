@@ -95,6 +95,23 @@ class _Step:
     probe_grads: torch.Tensor | None = None  # [M, P] per-modality parameter gradients
 
 
+@dataclass
+class _Seam:
+    """One micro-batch's logits, as the model's own output may name them: when the model
+    returns its per-token losses [B, S] (Megatron's ``GPTModel`` with ``labels``), the
+    weights are read there (exact: the gradient at a per-token loss is its weight) and the
+    logits' gradient only checks that they are a cross-entropy's."""
+
+    shape: tuple[int, int]  # [rows, cols] of the logits' positions, batch-first
+    codes: Any
+    seg: torch.Tensor | None
+    per_token: bool = False  # the model's output is the per-token loss
+    weight: torch.Tensor | None = None  # [N] read at the per-token loss, for the check
+    loss: torch.Tensor | None = None  # [N]
+    batch: Batch | None = None
+    inv: torch.Tensor | None = None
+
+
 class LossAccounting(Signal):
     """Loss weights per sample, modality and micro-batch; see the module docstring."""
 
@@ -113,6 +130,7 @@ class LossAccounting(Signal):
         self._tags: tuple[Any, Any] | None = None  # (modality, segments) for the next logits
         self._inputs: tuple[int, int] | None = None  # the model's current input ids' [B, S]
         self._auto: torch.Tensor | None = None  # per-sample codes from the input ids' image/video tokens
+        self._seam: _Seam | None = None  # the head's logits in the model's current forward
 
     # -- lifecycle -------------------------------------------------------------
     def bind(self, monitor: MonitorView) -> list[Removable]:
@@ -248,6 +266,7 @@ class LossAccounting(Signal):
 
         def pre(mod: Any, args: Any, kwargs: Any) -> None:
             fired[0] = False
+            self._seam = None
             ids = _input_ids(args, kwargs)
             self._inputs = None if ids is None else (int(ids.shape[0]), int(ids.shape[1]))
             self._auto = None
@@ -277,7 +296,13 @@ class LossAccounting(Signal):
 
         def after(mod: Any, args: Any, output: Any) -> None:
             tags, self._tags = self._tags, None
-            if fired[0] or self._closed or self.broken or not torch.is_grad_enabled():
+            seam, self._seam = self._seam, None
+            if self._closed or self.broken or not torch.is_grad_enabled():
+                return
+            if fired[0]:
+                if seam is not None and _per_token_output(output, seam.shape):
+                    with self.guard("the per-token loss output hook"):
+                        self._watch_per_token(monitor, output, seam, slot)
                 return
             fused = _fused_output(output)
             if fused is None or not monitor.reporting_next:
@@ -370,8 +395,41 @@ class LossAccounting(Signal):
         codes = self._codes(monitor, modality, view[..., 0], rows, cols)
         seg = self._segments(segments, shape, rows, cols, logits.device)
         self._ensure_sums(step, logits.device)
-        hook = self._logits_hook(monitor, step, view, logits._version, codes, seg, slot, rows, cols, seq_first)
+        seam = self._seam = _Seam((rows, cols), codes, seg)
+        hook = self._logits_hook(monitor, step, view, logits._version, seam, slot, seq_first)
         logits.register_hook(hook)
+
+    def _watch_per_token(self, monitor: MonitorView, output: torch.Tensor, seam: _Seam, slot: int) -> None:
+        """The model returned its per-token losses [B, S] (or [S, B]): read the weights
+        there, as ``track_loss`` does; the logits' hook then checks them."""
+        step = self._current(monitor)
+        if not step.reporting:
+            return
+        seam.per_token = True
+        rows, cols = seam.shape
+        transposed = tuple(output.shape) != seam.shape
+        values = output.detach()
+        layout = self._layout
+        assert layout is not None
+        m = len(monitor.modalities)
+
+        def weights(grad: torch.Tensor) -> None:
+            step.fired += 1
+            assert step.sums is not None
+            fdt = step.sums.dtype
+            g = grad.detach().t() if transposed else grad.detach()
+            z = values.t() if transposed else values
+            w = g.reshape(rows, cols).to(fdt)
+            label = w != 0
+            loss = z.reshape(rows, cols).to(fdt)
+            self._count_nonfinite(loss, label)
+            batch = bin_batch(layout, step.sums, loss, label, seam.seg, seam.codes, probe=False, count_unknown=m > 0)
+            inv = self._inv_scale(monitor, grad.device, fdt)
+            flat = w.reshape(-1) if inv is None else w.reshape(-1) * inv
+            self._add_weights(step, slot, *weight_sums(layout, batch, flat))
+            seam.weight, seam.loss, seam.batch, seam.inv = w.reshape(-1), loss.reshape(-1), batch, inv
+
+        output.register_hook(self._hook("the per-token loss hook", weights))
 
     def _watch_fused(
         self,
@@ -426,11 +484,8 @@ class LossAccounting(Signal):
         step: _Step,
         logits: torch.Tensor,
         version: int,
-        codes: Any,
-        seg: torch.Tensor | None,
+        seam: _Seam,
         slot: int,
-        rows: int,
-        cols: int,
         seq_first: bool,
     ) -> Any:
         # ``logits`` is detached (and [B, S, V] when they came sequence-first): the hook
@@ -440,16 +495,20 @@ class LossAccounting(Signal):
         assert layout is not None
         config = monitor.config
         m = len(monitor.modalities)
+        rows, cols = seam.shape
 
         def weights(grad: torch.Tensor) -> None:
-            step.fired += 1
             assert step.sums is not None
             fdt = step.sums.dtype
+            vocab = grad.shape[-1]
+            g = (grad.detach().transpose(0, 1) if seq_first else grad.detach()).reshape(-1, vocab)
+            if seam.per_token:
+                self._check_per_token(step, seam, g)
+                return
+            step.fired += 1
             if logits._version != version:
                 step.sums[layout.overwritten].add_(1.0)
                 return
-            vocab = grad.shape[-1]
-            g = (grad.detach().transpose(0, 1) if seq_first else grad.detach()).reshape(-1, vocab)
             z = logits.reshape(-1, vocab)
             rec = recover(g, z, fdt)
             residual, scale = cross_entropy_residual(
@@ -460,13 +519,31 @@ class LossAccounting(Signal):
             w = rec.weight if inv is None else rec.weight * inv
             loss, label = rec.loss.view(rows, cols), rec.label.view(rows, cols)
             self._count_nonfinite(loss, label)
-            batch = bin_batch(layout, step.sums, loss, label, seg, codes, probe=False, count_unknown=m > 0)
+            batch = bin_batch(layout, step.sums, loss, label, seam.seg, seam.codes, probe=False, count_unknown=m > 0)
             self._add_weights(step, slot, *weight_sums(layout, batch, w, uniform_tolerance(grad.dtype, UNIFORM_RTOL)))
             if m:
                 step.outputs += 1
                 step.sums[layout.output].add_(output_sums(layout, batch, g, 1, inv))
 
         return self._hook("the logits hook", weights)
+
+    def _check_per_token(self, step: _Step, seam: _Seam, g: torch.Tensor) -> None:
+        """The weights came from the model's per-token loss output; the logits' gradient
+        [N, V] must be their cross-entropy's: ``||g_t||_1 = 2 w_t (1 - p_{t,y})`` with
+        ``p_{t,y} = exp(-l_t)``, and zero off the label tokens. Needs no logits values
+        (they may have been overwritten in place)."""
+        layout = self._layout
+        assert layout is not None and step.sums is not None
+        if seam.weight is None or seam.loss is None:
+            return  # the per-token loss got no gradient: nothing was read
+        fdt = step.sums.dtype
+        l1 = g.abs().sum(dim=1, dtype=torch.float32).to(fdt)
+        expected = 2 * seam.weight * -torch.expm1(-seam.loss)
+        residual = (l1 - expected).abs().sum()
+        step.sums[layout.not_ce].add_((residual > l1.sum() * residual_tolerance(g.dtype)).to(fdt))
+        if seam.batch is not None and layout.bins > 1:
+            step.outputs += 1
+            step.sums[layout.output].add_(output_sums(layout, seam.batch, g, 1, seam.inv))
 
     # -- per-step state ---------------------------------------------------------
     def _ensure_sums(self, step: _Step, device: torch.device) -> None:
@@ -678,3 +755,11 @@ def _fused_output(output: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     if not log_probs.requires_grad or label.shape != log_probs.shape or log_probs.dim() not in (1, 2):
         return None
     return log_probs, label.bool()
+
+
+def _per_token_output(output: Any, shape: tuple[int, int]) -> bool:
+    """Whether a model's output is a per-token tensor over the logits' positions (its
+    per-token losses): floating, with a gradient, [B, S] or [S, B]."""
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point() or not output.requires_grad:
+        return False
+    return output.dim() == 2 and (tuple(output.shape) == shape or tuple(output.shape) == shape[::-1])

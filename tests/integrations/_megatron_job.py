@@ -1,0 +1,210 @@
+"""megatron-core 0.16.1's ``GPTModel`` trained on the CPU (gloo) as Megatron trains it:
+``get_forward_backward_func()``, its DDP, ``finalize_model_grads`` and
+``get_megatron_optimizer`` (a ``ChainedOptimizer`` around ``FP32Optimizer`` around AdamW),
+the loss function returning ``(loss_sum, num_tokens, report)``.
+
+``python _megatron_job.py OUT.json per_token=0|1 mode=attach|plain steps=N every=N``
+under ``torchrun`` (any world size) or alone. ``mode=attach``: the job attaches trainvitals
+itself (``attach(loss_from_logits=True)``, tagging each micro-batch's modality);
+``mode=plain``: it knows nothing of trainvitals (for ``trainvitals run``).
+
+Each micro-batch is one sample: a text sample of 40 trained tokens or an image sample
+(an image placeholder prompt and a 3-token answer), alternating. ``per_token=1``:
+``calculate_per_token_loss`` (each token weighs the same over the step and the ranks:
+the short image answers get little gradient, I1); ``per_token=0``, Megatron's default:
+each micro-batch averaged over its own tokens (per-sample weighting, the intent).
+
+What the CPU needs, here in the job and not in trainvitals: ``torch.cuda.current_device``
+answering "cpu" and ``device="cuda"`` tensor factories mapped to the CPU where Megatron
+builds buffers, an explicit causal mask, its no-op RNG tracker (dropout 0),
+``clip_grad=0``, float32.
+
+The truth, independent of trainvitals: a tensor hook on the model's per-token loss output
+[B, S] records autograd's gradient there (each token's weight before Megatron's
+post-backward scaling), per step, modality and rank; rank 0 writes all ranks' records.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import warnings
+from functools import partial
+from pathlib import Path
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+warnings.simplefilter("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+VOCAB, SEQ = 96, 48
+TEXT_TOKENS, IMAGE_ANSWER = 40, 3
+
+
+def cpu_only() -> None:
+    """Megatron asks CUDA for devices and makes a few tensors on "cuda": map them to the CPU."""
+    torch.cuda.current_device = lambda: "cpu"
+    for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like"):
+        original = getattr(torch, name)
+
+        def factory(*args, _original=original, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and str(device).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return _original(*args, **kwargs)
+
+        setattr(torch, name, factory)
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+
+def samples(rank: int, count: int) -> list[dict]:
+    g = torch.Generator().manual_seed(rank)
+    out = []
+    for i in range(count):
+        tokens = torch.randint(0, VOCAB, (1, SEQ + 1), generator=g)
+        mask = torch.zeros(1, SEQ)
+        image = (i + rank) % 2 == 1
+        if image:
+            mask[0, SEQ - IMAGE_ANSWER :] = 1.0  # only the answer is trained on
+        else:
+            mask[0, SEQ - TEXT_TOKENS :] = 1.0
+        out.append(
+            {
+                "tokens": tokens[:, :-1],
+                "labels": tokens[:, 1:],
+                "loss_mask": mask,
+                "position_ids": torch.arange(SEQ)[None],
+                "attention_mask": torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1),
+                "modality": torch.tensor([int(image)]),
+            }
+        )
+    return out
+
+
+def main(out: str, *, per_token: int = 0, mode: str = "attach", steps: int = 24, every: int = 1, micro: int = 4):
+    torch.set_num_threads(1)
+    cpu_only()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and "MASTER_PORT" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(0)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # its no-op tracker: dropout 0
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        calculate_per_token_loss=bool(per_token),
+    )
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+    )
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False)
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0, bf16=False, fp16=False, weight_decay=0.0),
+        [model],
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+
+    mon = None
+    if mode == "attach":
+        from trainvitals.hooks import attach
+
+        mon = attach(
+            model,
+            optimizer,
+            run="megatron",
+            sink=f"file:{Path(out).with_suffix('.jsonl')}",
+            every=every,
+            modalities=("text", "image"),
+            loss_from_logits=True,
+        )
+
+    truth: list[dict] = []
+    current: dict = {}
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        if mon is not None:
+            mon.tag_batch(modality=batch["modality"])
+        output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        image = bool(batch["modality"][0])
+        label = batch["loss_mask"].bool()
+
+        def grab(grad):
+            w = grad.detach().double()[label]
+            current.setdefault("micro", []).append(
+                {
+                    "mass": float(w.sum()),
+                    "image": image,
+                    "tokens": int(label.sum()),
+                    "wmax": float(w.max()),
+                    "wmin": float(w.min()),
+                }
+            )
+
+        output.register_hook(grab)
+
+        def loss_func(loss_mask, output_tensor):
+            losses = output_tensor.float()
+            mask = loss_mask.view(-1).float()
+            loss = torch.sum(losses.view(-1) * mask)
+            num_tokens = mask.sum().clone().detach().to(torch.int)
+            return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+        return output, partial(loss_func, batch["loss_mask"])
+
+    forward_backward = get_forward_backward_func()
+    data = samples(rank, steps * micro)
+    for step in range(steps):
+        optimizer.zero_grad()
+        model.zero_grad_buffer()
+        forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter(data[step * micro : (step + 1) * micro]),
+            model=[model],
+            num_microbatches=micro,
+            seq_length=SEQ,
+            micro_batch_size=1,
+            decoder_seq_length=SEQ,
+            forward_only=False,
+        )
+        optimizer.step()
+        truth.append({"step": step + 1, "micro": current.pop("micro", [])})
+    if mon is not None:
+        mon.close()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, truth)
+    if rank == 0:
+        names = sorted({n for n, _ in gpt.named_parameters()})
+        Path(out).write_text(json.dumps({"truth": everyone, "params": names, "world": world}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    options = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=", 1) for kv in sys.argv[2:])}
+    main(sys.argv[1], **options)
