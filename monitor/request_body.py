@@ -13,8 +13,11 @@ The wire format is described in ``docs/wire.md``.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import secrets
 import zlib
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -22,7 +25,9 @@ from trainvitals.monitor.decode import WireBatch, decode_batch
 from trainvitals.monitor.settings import Settings
 from trainvitals.wire.errors import Refused
 
-__all__ = ["BodyRefused", "check_bearer", "parse_batch", "read_batch", "read_body"]
+__all__ = ["MAX_NUMBER_CHARS", "BodyRefused", "check_bearer", "load_json", "parse_batch", "read_batch", "read_body"]
+
+MAX_NUMBER_CHARS = 40  # characters of one JSON number in a small body (settings); more is refused
 
 _REALM = 'Bearer realm="trainvitals"'
 
@@ -49,13 +54,82 @@ async def read_body(request: Request, settings: Settings) -> bytes:
     """
     check_token(request, settings)
     check_content_type(request)
+    body = await read_limited(request, settings.max_body_bytes, settings.body_timeout_seconds)
+    return inflate(request, body, settings.max_decompressed_bytes)
+
+
+async def read_limited(request: Request, limit: int, timeout: float) -> bytes:
+    """The body as sent: 413 past ``limit`` bytes (declared or while reading), 408 when it
+    has not arrived within ``timeout`` seconds, 400 when the client went away."""
     try:
-        body = await asyncio.wait_for(read_bounded(request, settings.max_body_bytes), settings.body_timeout_seconds)
+        return await asyncio.wait_for(read_bounded(request, limit), timeout)
     except asyncio.TimeoutError:
-        raise BodyRefused(408, "invalid", f"body not received within {settings.body_timeout_seconds:g} s") from None
+        raise BodyRefused(408, "invalid", f"body not received within {timeout:g} s") from None
     except ClientDisconnect:
         raise BodyRefused(400, "invalid", "the client disconnected before sending the body") from None
-    return inflate(request, body, settings.max_decompressed_bytes)
+
+
+class _LongNumber:
+    """A JSON number with more digits than any setting takes (kept out of float()/int())."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, text: str) -> None:
+        self.digits = len(text)
+
+
+def _number(text: str) -> Any:
+    if len(text) > MAX_NUMBER_CHARS:
+        return _LongNumber(text)
+    return float(text) if any(c in text for c in ".eE") else int(text)
+
+
+_OPEN, _CLOSE = b"[{", b"]}"
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def _depth(body: bytes) -> int:
+    """How deep arrays and objects nest in ``body`` (strings skipped)."""
+    bare = _STRING.sub(b"", body)
+    depth = deepest = 0
+    for byte in bare.translate(None, bytes(b for b in range(256) if b not in b"[]{}")):
+        depth += 1 if byte in _OPEN else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def load_json(body: bytes, max_depth: int = 8) -> Any:
+    """Parse a small JSON body with bounds: 400 when it is not JSON or nests deeper than
+    ``max_depth`` (parsers recurse per level), 422 naming the field where a number has
+    more than :data:`MAX_NUMBER_CHARS` characters (never an overflow inside a validator)."""
+    if _depth(body) > max_depth:
+        raise BodyRefused(400, "invalid", f"body nests arrays/objects deeper than {max_depth} levels")
+    try:
+        data = json.loads(body, parse_int=_number, parse_float=_number, parse_constant=_constant)
+    except ValueError as exc:
+        raise BodyRefused(400, "invalid", f"body is not JSON: {exc}") from None
+    where = _long_number(data, "")
+    if where is not None:
+        path, n = where
+        raise BodyRefused(
+            422, "invalid", f"{path or 'body'}: a number of {n} characters is out of range (at most {MAX_NUMBER_CHARS})"
+        )
+    return data
+
+
+def _constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _long_number(value: Any, path: str) -> tuple[str, int] | None:
+    if isinstance(value, _LongNumber):
+        return path, value.digits
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _long_number(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def check_token(request: Request, settings: Settings) -> None:

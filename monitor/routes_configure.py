@@ -13,7 +13,6 @@ Run names may contain ``/``; the path takes them as they are (not parts that are
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any
@@ -22,9 +21,10 @@ from fastapi import APIRouter, Request
 
 from trainvitals.monitor.answers import Cleared, Problem, RunSettingsAnswer, ShownSettings
 from trainvitals.monitor.deps import RunSettingsDep, SettingsDep, StoreDep
-from trainvitals.monitor.request_body import BodyRefused, check_bearer
+from trainvitals.monitor.request_body import BodyRefused, check_bearer, load_json, read_limited
 from trainvitals.monitor.run_settings import parse_request
 from trainvitals.monitor.settings import Settings
+from trainvitals.monitor.state_db import StateWriteError
 from trainvitals.wire.errors import Refused
 from trainvitals.wire.runs import MAX_RUN, RUN_PATTERN, RUN_RULE, is_run
 
@@ -105,11 +105,13 @@ def _check_write_token(request: Request, settings: Settings) -> None:
     openapi_extra={"requestBody": _request_body(), **_RUN_PARAMETER},
     responses={
         200: _answer("Set: the job applies them from the step after its next report."),
-        400: _detail("The body is not JSON."),
+        400: _detail("The body is not JSON, nests too deep, or the client went away before sending it."),
         401: _WRITE_AUTH,
         404: _detail("No run of this name has reported to this collector (or a path no route takes)."),
-        413: _detail("The body is over 64 KiB."),
+        408: _detail("The body did not arrive within body_timeout_seconds."),
+        413: _detail("The body is over 64 KiB (declared or sent)."),
         422: _detail("A bad run name, or a setting out of range; the detail names the field."),
+        503: _detail("The collector cannot write its state file now; retry later."),
     },
 )
 async def put_settings(
@@ -119,25 +121,25 @@ async def put_settings(
     ``ttl_seconds`` have passed). 404 for a run that has not reported."""
     _check_write_token(request, settings)
     run = _run(request)
-    body = await request.body()
-    if len(body) > _MAX_BODY:
-        raise Refused(f"body of {len(body)} bytes exceeds {_MAX_BODY} bytes", status=413)
-    try:
-        data = json.loads(body)
-    except ValueError as exc:
-        raise Refused(f"body is not JSON: {exc}", status=400) from None
+    # Bounded: the declared length and what arrives, within body_timeout_seconds; the
+    # JSON's depth and its numbers' length (a parser recursing or an int overflowing
+    # inside a validator would answer 500). BodyRefused is a Refused: answered as it says.
+    data = load_json(await read_limited(request, _MAX_BODY, settings.body_timeout_seconds))
     try:
         req = parse_request(data)
     except ValueError as exc:
         raise Refused(str(exc), status=422) from None
-    known = [r.run for r in store.runs()]
-    if run not in known:
-        shown = ", ".join(known[:10]) + (f" and {len(known) - 10} more" if len(known) > 10 else "")
+    if not any(r.run == run for r in store.runs()):
+        # Names no other run: GET /v1/runs lists them, behind the read token.
         raise Refused(
-            f"no run {run!r} has reported to this collector" + (f" (runs: {shown})" if known else " (no runs yet)"),
+            f"no run {run!r} has reported to this collector, or it expired "
+            "(GET /v1/runs lists the runs; names are case-sensitive)",
             status=404,
         )
-    entry = table.set(run, req.values(), req.ttl_seconds)
+    try:
+        entry = table.set(run, req.values(), req.ttl_seconds)
+    except StateWriteError as exc:
+        raise Refused(f"not set: {exc}; retry later", status=503, headers={"Retry-After": "5"}) from None
     client = request.client.host if request.client else "?"
     log.info("live settings for run %r set by %s: %s for %.0f s", run, client, entry.values, req.ttl_seconds)
     return RunSettingsAnswer(run=run, settings=ShownSettings(**entry.public(entry.set_at)))

@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from trainvitals.monitor.answers import IngestAnswer
 from trainvitals.monitor.deps import ReportsDep, RunSettingsDep, SettingsDep, StoreDep
 from trainvitals.monitor.request_body import BodyRefused, parse_batch, read_body
+from trainvitals.monitor.run_settings import RunSettingsTable
 from trainvitals.monitor.state_db import StateDB
 from trainvitals.monitor.store import IngestResult, SeriesStore
 from trainvitals.wire.errors import Refused
@@ -50,9 +51,9 @@ async def ingest_reports(
         body = await read_body(request, settings)
         state = request.app.state.state_db
         if len(body) > _INLINE_BYTES:
-            result, runs = await run_in_threadpool(_apply, store, body, state)
+            result, runs = await run_in_threadpool(_apply, store, body, state, run_settings)
         else:
-            result, runs = _apply(store, body, state)
+            result, runs = _apply(store, body, state, run_settings)
     except Refused as exc:  # answered by the app's handler; counted and logged here
         reports.inc(exc.outcome)
         client = request.client.host if request.client else "?"
@@ -68,7 +69,9 @@ async def ingest_reports(
     return answer
 
 
-def _apply(store: SeriesStore, body: bytes, state: StateDB | None = None) -> tuple[IngestResult, set[str]]:
+def _apply(
+    store: SeriesStore, body: bytes, state: StateDB | None = None, run_settings: RunSettingsTable | None = None
+) -> tuple[IngestResult, set[str]]:
     """Apply the body; also the runs it carries (their live settings go in the answer).
 
     With a state file, a body whose reports carry ``seq`` is acknowledged only once the
@@ -76,9 +79,13 @@ def _apply(store: SeriesStore, body: bytes, state: StateDB | None = None) -> tup
     retries; the retry is recognised as a duplicate, so nothing is applied twice, and
     its alerts were evaluated and paged at the first try)."""
     batch = parse_batch(body)
+    now = time.time()
     # IngestRefused and its subclasses carry their status (a full collector: 503 with
     # Retry-After, the client keeps the reports and retries).
-    result = store.apply(batch, time.time())
+    result = store.apply(batch, now)
+    if run_settings is not None:
+        for run in result.new_runs:  # live settings die with their run
+            run_settings.forget(run, set_before=now)
     if state is not None and any(r.seq is not None for r in batch.reports) and not state.seqs_saved():
         raise BodyRefused(
             503,

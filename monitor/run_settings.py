@@ -79,7 +79,31 @@ class RunSettingsTable:
                 if expires_at > now:
                     self._runs[run] = RunSettings(values, set_at, expires_at)
                 else:
-                    state.delete_run_settings(run)
+                    self._delete(run)
+
+    def _delete(self, run: str) -> None:
+        """Forget the run's row in the state file; a failed write is logged and counted
+        there, and the row is harmless (it is dropped again at the next start)."""
+        if self._state is None:
+            return
+        try:
+            self._state.delete_run_settings(run)
+        except OSError:
+            pass
+
+    def forget(self, run: str, set_before: float) -> None:
+        """The run is new to the collector since ``set_before`` (first report, or after it
+        expired): a new job under an old run's name starts with its own settings, not the
+        old job's. Settings put after that moment (for the new job) stay."""
+        if self._runs:
+            with self._lock:
+                had = self._runs.get(run)
+                if had is not None and had.set_at < set_before:
+                    del self._runs[run]
+                else:
+                    had = None
+            if had is not None:
+                self._delete(run)
 
     def set(self, run: str, values: dict[str, Any], ttl_seconds: float) -> RunSettings:
         now = self._clock()
@@ -94,8 +118,8 @@ class RunSettingsTable:
         """Back to the job's own settings; False when the run had none."""
         with self._lock:
             had = self._runs.pop(run, None)
-        if had is not None and self._state is not None:
-            self._state.delete_run_settings(run)
+        if had is not None:
+            self._delete(run)
         return had is not None
 
     def get(self, run: str) -> RunSettings | None:
@@ -126,7 +150,6 @@ class RunSettingsTable:
                     expired.append(run)
                 else:
                     out[run] = s
-        if self._state is not None:
-            for run in expired:
-                self._state.delete_run_settings(run)
+        for run in expired:
+            self._delete(run)
         return out

@@ -3,9 +3,12 @@ background-thread server for callers that own their main thread.
 
 :func:`uvicorn_config` is what ``trainvitals serve`` runs: one worker; at most
 ``max_connections`` served at once (beyond: 503); a connection that has not sent
-its request headers within ``header_timeout_seconds`` is closed (uvicorn itself
-waits for ever, so 1,000 half-open connections used to exhaust the process's
-files); idle keep-alive closed after ``keepalive_seconds``; no access log unless
+a request's headers within ``header_timeout_seconds`` (the first request's and
+every later one's on a keep-alive connection) or its body within
+``body_timeout_seconds`` is closed (uvicorn itself waits for ever, so 1,000
+half-open connections used to exhaust the process's files and its connection
+slots); idle keep-alive closed after ``keepalive_seconds``; TCP_NODELAY on every
+served connection; no access log unless
 ``access_log``; HTTPS with ``tls_certfile``/``tls_keyfile``.
 
 :func:`serve_in_thread` serves in a thread of this process (``trainvitals demo``
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import socket
 import threading
 import time
@@ -23,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -30,6 +35,8 @@ from trainvitals.monitor.settings import Settings
 from trainvitals.wire.errors import TrainvitalsError
 
 __all__ = ["PortInUse", "base_url", "bind", "serve_in_thread", "uvicorn_config"]
+
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.005  # seconds between checks that uvicorn is listening
 
@@ -70,31 +77,86 @@ def base_url(host: str, port: int, *, tls: bool = False) -> str:
     return f"{'https' if tls else 'http'}://{shown}:{port}"
 
 
-def _protocol(header_timeout: float) -> type[H11Protocol]:
+def _protocol(header_timeout: float, body_timeout: float) -> type[H11Protocol]:
     class GuardedH11Protocol(H11Protocol):
-        """h11 with a deadline for the first request's headers."""
+        """h11 with deadlines on every request of a connection: its headers must arrive
+        within ``header_timeout`` seconds of its first byte (of the connection, for the
+        first request), its body within ``body_timeout`` of its headers (a route that reads
+        the body answers 408 first; one that does not is closed on); TCP_NODELAY on the
+        served socket (small answers are not held back by Nagle's algorithm)."""
 
-        _header_timer: asyncio.TimerHandle | None = None
+        _deadline: asyncio.TimerHandle | None = None
+        _waiting_for: str = ""  # "headers" or "body": what the deadline is for
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except OSError:
+                    pass
+            self._arm("headers")
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self._header_timer is not None and self.cycle is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+            self._rearm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._rearm()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+            self._disarm()
             super().connection_lost(exc)
 
-        def _headers_late(self) -> None:
-            self._header_timer = None
-            if self.cycle is None and not self.transport.is_closing():
+        def _rearm(self) -> None:
+            if self.transport.is_closing():
+                self._disarm()
+                return
+            state = self.conn.their_state
+            if state is h11.IDLE:
+                # Bytes of a next request's head arrived (uvicorn stopped its keep-alive
+                # timer for them), or nothing yet (its keep-alive timer runs).
+                if self.timeout_keep_alive_task is None:
+                    self._arm("headers", keep=True)
+                else:
+                    self._disarm()
+            elif state is h11.SEND_BODY:
+                self._arm("body", keep=True)
+            else:
+                self._disarm()
+
+        def _arm(self, what: str, *, keep: bool = False) -> None:
+            if keep and self._deadline is not None and self._waiting_for == what:
+                return
+            self._disarm()
+            self._waiting_for = what
+            timeout = header_timeout if what == "headers" else body_timeout + 1.0
+            self._deadline = self.loop.call_later(timeout, self._late)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _late(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            state = self.conn.their_state
+            if (self._waiting_for == "headers" and state is h11.IDLE) or (
+                self._waiting_for == "body" and state is h11.SEND_BODY
+            ):
+                log.warning(
+                    "closed a connection from %s whose request %s did not arrive in time",
+                    self.client[0] if self.client else "?",
+                    self._waiting_for,
+                )
+                cycle = self.cycle
+                if cycle is not None and not cycle.response_complete:
+                    cycle.disconnected = True  # the app's receive() answers http.disconnect
+                    cycle.message_event.set()
                 self.transport.close()
 
     return GuardedH11Protocol
@@ -107,9 +169,9 @@ def uvicorn_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Co
         port=settings.port,
         workers=1,
         lifespan="on",
-        http=_protocol(settings.header_timeout_seconds),
+        http=_protocol(settings.header_timeout_seconds, settings.body_timeout_seconds),
         limit_concurrency=settings.max_connections,
-        timeout_keep_alive=max(1, round(settings.keepalive_seconds)),
+        timeout_keep_alive=settings.keepalive_seconds,
         h11_max_incomplete_event_size=64 * 1024,  # request line + headers, bytes
         access_log=settings.access_log,
         log_level=settings.log_level,

@@ -116,6 +116,8 @@ class IngestResult:
 
     accepted: int
     duplicates: tuple[int, ...] = ()
+    new_runs: tuple[str, ...] = ()
+    """Runs this batch started (not held before: first report, or after they expired)."""
 
 
 class _Applied:
@@ -336,11 +338,13 @@ class SeriesStore:
             self._check_limits_locked(reports)
             runs = self._runs
             stale = self.stale_reports
+            new_runs: list[str] = []
             for report in reports:
                 run = runs.get(report.run)
                 if run is None:
                     run = runs[report.run] = _Run(step=report.step, last_report_time=now)
                     self._series_count += 2
+                    new_runs.append(report.run)
                 run.step = report.step
                 run.last_report_time = now
                 rank = report.rank
@@ -377,7 +381,7 @@ class SeriesStore:
                     cb(applied, now)
                 except Exception:
                     log.exception("on_ingest callback %r failed; the batch was still ingested", cb)
-        return IngestResult(len(reports), tuple(duplicates))
+        return IngestResult(len(reports), tuple(duplicates), tuple(new_runs))
 
     def _fresh_locked(self, reports: list) -> tuple[list, list[int]]:
         """The reports not applied before (nor earlier in this batch), and the others' indices."""

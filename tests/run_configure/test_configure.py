@@ -124,7 +124,11 @@ def test_settings_for_a_run_that_never_reported_are_refused():
         c.client.post("/v1/reports", json=report("llm-7b"))
         resp = c.client.put("/v1/runs/llm-7B/settings", json={"every": 1})
         assert resp.status_code == 404
-        assert resp.json()["detail"] == "no run 'llm-7B' has reported to this collector (runs: llm-7b)"
+        # It names no other run: GET /v1/runs lists them, behind the read token.
+        assert resp.json()["detail"] == (
+            "no run 'llm-7B' has reported to this collector, or it expired "
+            "(GET /v1/runs lists the runs; names are case-sensitive)"
+        )
         assert c.client.put("/v1/runs/bad name/settings", json={"every": 1}).status_code == 422
 
 
