@@ -122,9 +122,11 @@ class Config:
     """Zero-code loss accounting: read every token's loss weight from the gradient that
     reaches the logits during the job's own backward, with no ``track_loss`` call (plain
     cross-entropy losses only; others are detected and reported as such, docs/integrations.md).
-    True: find the LM head (``get_output_embeddings()``, else the last linear layer sized
-    like the vocabulary); a name from ``model.named_modules()`` or the module itself
-    names it. Tag micro-batches with ``Monitor.tag_batch(modality=..., segments=...)``."""
+    True: find the LM head (``get_output_embeddings()``, else the module tied to the token
+    embedding, else the last module with a ``[vocabulary, width]`` weight); a name from
+    ``model.named_modules()`` or the module itself names it. Tag micro-batches with
+    ``Monitor.tag_batch(modality=..., segments=...)``; a model whose config names an image
+    or video token id has its samples classed by their input ids."""
 
     logits_max_positions: int = 256
     """Positions per micro-batch at which zero-code accounting checks that the logits'
