@@ -38,7 +38,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -112,6 +112,7 @@ class AlertService:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
+        self._listeners: list[Callable[[ReportView | None, list[Transition]], None]] = []
 
     @classmethod
     def from_config(
@@ -155,7 +156,23 @@ class AlertService:
         transitions = self.engine.observe(report, now)
         if transitions:
             self._notify(transitions, now)
+        for listener in self._listeners:
+            self._tell(listener, report, transitions)
         return transitions
+
+    def on_observed(self, listener: Callable[[ReportView | None, list[Transition]], None]) -> None:
+        """Call ``listener(report, transitions)`` after each report's evaluation, and
+        ``listener(None, transitions)`` for the timers' transitions (the collector's
+        pages read the verdicts off this engine instead of evaluating the rules again).
+        A failing listener is logged; evaluation and notifications go on."""
+        self._listeners.append(listener)
+
+    @staticmethod
+    def _tell(listener: Callable[..., None], report: ReportView | None, transitions: list[Transition]) -> None:
+        try:
+            listener(report, transitions)
+        except Exception:
+            log.exception("alert listener %r failed; the alerts are unaffected", listener)
 
     def observe_batch(self, batch: BatchView, now: float | None = None) -> list[Transition]:
         """Every report of a ``POST /v1/reports`` body (the store's ``on_ingest`` signature)."""
@@ -171,6 +188,8 @@ class AlertService:
         transitions = self.engine.tick(now)
         if transitions:
             self._notify(transitions, now)
+            for listener in self._listeners:
+                self._tell(listener, None, transitions)
         self.save()
         if self._resends:
             with self._lock:

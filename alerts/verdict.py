@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ __all__ = [
 ]
 
 SEVERITY_ORDER = {"page": 0, "warning": 1, "info": 2}
+_name = attrgetter("name")
 
 SIGNAL_GROUPS = ("optimizer", "loss", "params", "adam", "softmax")
 """The signals whose figures coverage counts, as the metric catalogue groups them."""
@@ -183,25 +185,47 @@ class VerdictBuilder:
     recorded file is judged as it was lived (``for``/``hold`` in seconds included).
     """
 
-    def __init__(self, rules: RuleSpec = "default") -> None:
-        resolved = resolve_rules(rules)
-        self.rules = [r for r in resolved if not isinstance(r, SilenceRule)]
-        self.engine = Engine(self.rules, run_ttl=math.inf, resolved_retention=math.inf)
+    def __init__(self, rules: RuleSpec = "default", *, engine: Engine | None = None) -> None:
+        # ``engine``: an engine another owner feeds (the collector's alerts), whose
+        # transitions come in through record(); the rules are evaluated once, not twice.
+        self._fed = engine is not None
+        if engine is None:
+            resolved = resolve_rules(rules)
+            self.rules = [r for r in resolved if not isinstance(r, SilenceRule)]
+            engine = Engine(self.rules, run_ttl=math.inf, resolved_retention=math.inf)
+        else:
+            self.rules = [r for r in engine.rules if not isinstance(r, SilenceRule)]
+        self.engine = engine
         self._runs: dict[str, RunVerdict] = {}
         self._incidents: dict[tuple[str, tuple], Incident] = {}
 
     def observe(self, report: Report, now: float | None = None) -> list[Transition]:
         """Evaluate one report; return the engine's transitions (for log lines)."""
+        if self._fed:
+            raise RuntimeError("this VerdictBuilder reads a shared engine: record() what its owner observed")
         now = report.time if now is None else now
         transitions = self.engine.observe(report, now)
         transitions.extend(self.engine.tick(now))
+        self.record(report, transitions)
+        return transitions
+
+    def record(self, report: Any, transitions: Iterable[Transition]) -> None:
+        """A report and the transitions its evaluation caused (``report`` None: timer
+        transitions of the engine's tick). With a shared engine, RunSilent transitions
+        are left out, as a builder's own engine has no such rules."""
+        if self._fed:
+            transitions = [t for t in transitions if not isinstance(t.rule, SilenceRule)]
+        if report is None:
+            for t in transitions:
+                self._transition(t)
+            return
         run = self._runs.get(report.run)
         if run is None:
             run = self._runs[report.run] = RunVerdict(report.run)
         if report.samples:
             run.reports += 1
-            seen = {_GROUP_OF.get(sample.name) for sample in report.samples}
-            for group in seen:
+            # the distinct names first (C speed), then their groups
+            for group in {_GROUP_OF.get(name) for name in set(map(_name, report.samples))}:
                 if group is not None:
                     run.coverage[group] = run.coverage.get(group, 0) + 1
         run.first_step = report.step if run.first_step is None else min(run.first_step, report.step)
@@ -214,7 +238,6 @@ class VerdictBuilder:
             for alert in self.engine.firing():
                 if alert.step == report.step and alert.labels.get("run") == report.run:
                     self._update(alert)
-        return transitions
 
     def _key(self, alert: Alert) -> tuple[str, tuple]:
         return alert.alertname, tuple(sorted(alert.labels.items()))
@@ -267,10 +290,12 @@ class VerdictBuilder:
             inc.summary = _summary_at(alert, value)
 
     def forget(self, run: str, now: float) -> None:
-        """Drop everything about ``run`` (a bounded consumer, the collector's pages)."""
-        with self.engine._lock:
-            if run in self.engine._runs:
-                self.engine._forget_run(run, now)
+        """Drop everything about ``run`` (a bounded consumer, the collector's pages); a
+        shared engine keeps its own state of the run (its owner decides)."""
+        if not self._fed:
+            with self.engine._lock:
+                if run in self.engine._runs:
+                    self.engine._forget_run(run, now)
         self._runs.pop(run, None)
         for key in [k for k, inc in self._incidents.items() if inc.run == run]:
             del self._incidents[key]

@@ -155,21 +155,25 @@ class RunHistory:
             run = self.runs[report.run] = {}
         step = float(report.step)
         wanted = self.metrics
+        rank = ("rank", str(report.rank)) if report.rank else None
+        isfinite = math.isfinite
         for sample in report.samples:
-            if sample.name not in wanted:
+            name = sample.name
+            if name not in wanted:
                 continue
-            labels = dict(sample.labels)
-            if report.rank:
-                labels["rank"] = str(report.rank)
-            per_metric = run.get(sample.name)
+            labels = sample.labels
+            if rank is not None:
+                key = tuple(sorted([*labels.items(), rank]))
+            else:  # as the store keys them: sorted label items, without copying the dict
+                key = tuple(labels.items()) if len(labels) < 2 else tuple(sorted(labels.items()))
+            per_metric = run.get(name)
             if per_metric is None:
-                per_metric = run[sample.name] = {}
-            key = tuple(sorted(labels.items()))
+                per_metric = run[name] = {}
             series = per_metric.get(key)
             if series is None:
                 series = per_metric[key] = _Series()
             value = float(sample.value)
-            series.add(step, value if math.isfinite(value) else math.nan)
+            series.add(step, value if isfinite(value) else math.nan)
         self.updated[report.run] = time.time()
 
     def forget(self, run: str) -> None:

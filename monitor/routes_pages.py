@@ -21,6 +21,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
+from trainvitals.alerts.service import AlertService
 from trainvitals.alerts.verdict import VerdictBuilder
 from trainvitals.monitor.report_page import RunHistory, page_data, render_page
 from trainvitals.wire.errors import Refused
@@ -36,10 +37,13 @@ MAX_RUNS = 200
 class LivePages:
     """Verdicts and plotted series of the live runs, fed by the store's ``on_ingest``."""
 
-    def __init__(self, rules: Any = "default") -> None:
+    def __init__(self, rules: Any = "default", *, alerts: AlertService | None = None) -> None:
+        """``alerts``: the collector's alert service, whose evaluation of each report the
+        verdicts are read from (:meth:`observed`; the rules run once per report, not
+        twice); without it, the pages evaluate ``rules`` themselves (:meth:`observe_batch`)."""
         self._rules = rules
         self._lock = threading.Lock()
-        self.builder = VerdictBuilder(rules)
+        self.builder = VerdictBuilder(rules, engine=None if alerts is None else alerts.engine)
         self.history = RunHistory()
 
     def observe_batch(self, batch: Any, now: float | None = None) -> None:
@@ -48,11 +52,22 @@ class LivePages:
             for report in batch.reports:
                 self.builder.observe(report, now)
                 self.history.add(report)
-            if len(self.history.runs) > MAX_RUNS:
-                oldest = sorted(self.history.updated, key=self.history.updated.__getitem__)
-                for run in oldest[: len(self.history.runs) - MAX_RUNS]:
-                    self.history.forget(run)
-                    self.builder.forget(run, now)
+            self._bound(now)
+
+    def observed(self, report: Any, transitions: list[Any]) -> None:
+        """A report as the alert service evaluated it (``AlertService.on_observed``)."""
+        with self._lock:
+            self.builder.record(report, transitions)
+            if report is not None:
+                self.history.add(report)
+                self._bound(time.time())
+
+    def _bound(self, now: float) -> None:
+        if len(self.history.runs) > MAX_RUNS:
+            oldest = sorted(self.history.updated, key=self.history.updated.__getitem__)
+            for run in oldest[: len(self.history.runs) - MAX_RUNS]:
+                self.history.forget(run)
+                self.builder.forget(run, now)
 
     def known(self, run: str) -> bool:
         with self._lock:
@@ -73,8 +88,13 @@ _NAV = '<nav><a href="/">all runs</a></nav>'
 def install(app: FastAPI) -> LivePages:
     """Feed the pages from the app's store and serve them."""
     settings = app.state.settings
-    pages = LivePages("default" if settings.rules is None else settings.rules)
-    app.state.store.on_ingest(pages.observe_batch)
+    alerts = getattr(app.state, "alerts", None)
+    if isinstance(alerts, AlertService):
+        pages = LivePages(alerts=alerts)
+        alerts.on_observed(pages.observed)  # every accepted report reaches the alerts
+    else:
+        pages = LivePages("default" if settings.rules is None else settings.rules)
+        app.state.store.on_ingest(pages.observe_batch)
     app.state.pages = pages
     app.include_router(router)
     return pages
