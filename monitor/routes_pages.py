@@ -35,7 +35,8 @@ MAX_RUNS = 200
 
 
 class LivePages:
-    """Verdicts and plotted series of the live runs, fed by the store's ``on_ingest``."""
+    """Verdicts and plotted series of the live runs, fed by the collector's alert service
+    (``AlertService.on_observed``: every accepted report with its evaluation)."""
 
     def __init__(self, rules: Any = "default", *, alerts: AlertService | None = None) -> None:
         """``alerts``: the collector's alert service, whose evaluation of each report the
