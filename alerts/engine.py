@@ -63,6 +63,7 @@ from trainvitals.alerts.model import (
 from trainvitals.alerts.state import Alert, AlertState, LabelItems, Transition
 from trainvitals.alerts.transforms import SeriesHistory
 from trainvitals.wire import ends_run, series_labels
+from trainvitals.wire.coverage import coverage_samples
 from trainvitals.wire.views import ReportView
 
 __all__ = ["Engine"]
@@ -299,7 +300,10 @@ class Engine:
             fresh: dict[str, list[Any]] = {}
             interest_get = self._interest.get
             live = self._live
-            for sample in report.samples:
+            samples = report.samples
+            if report.coverage:  # signal_active, as the collector's store exports it
+                samples = [*samples, *coverage_samples(report.coverage)]
+            for sample in samples:
                 hit = interest_get(sample.name)
                 if hit is None:
                     continue

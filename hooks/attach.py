@@ -16,13 +16,14 @@ from torch import nn
 
 from trainvitals.hooks import distributed
 from trainvitals.hooks.config import ATTACH_ENV, Config, attach_env
-from trainvitals.hooks.monitor import Monitor
+from trainvitals.hooks.monitor import Monitor, monitor_of
 from trainvitals.hooks.sinks import HttpSink, NullSink, make_sink
 from trainvitals.wire.runs import check_run
 
 __all__ = ["attach"]
 
 log = logging.getLogger("trainvitals")
+
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
 
 
@@ -117,7 +118,41 @@ def attach(
     collector is configured (the collector evaluates them otherwise). Further options: see
     :class:`trainvitals.hooks.config.Config`. Options not passed come from the
     ``TRAINVITALS_*`` environment variables where set (docs/configuration.md).
+
+    One monitor per optimizer: attaching to an optimizer that already has one raises
+    (close it first); one that ``trainvitals run`` attached is closed, with a warning,
+    and this one takes over. Logs one line saying what is watched.
     """
+    monitor = build_monitor(
+        model,
+        optimizer,
+        run=run,
+        collector=collector,
+        sink=sink,
+        modalities=modalities,
+        every=every,
+        scaler=scaler,
+        rules=rules,
+        **options,
+    )
+    log.info("trainvitals: %s", monitor.start_line())
+    return monitor
+
+
+def build_monitor(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    run: str | None = None,
+    collector: str | None = None,
+    sink: Any = None,
+    modalities: Sequence[str] | None = None,
+    every: int | None = None,
+    scaler: Any = None,
+    rules: Any = None,
+    **options: Any,
+) -> Monitor:
+    """:func:`attach` without its start line (``trainvitals run`` writes its own)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"attach(model=...) needs a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -153,6 +188,21 @@ def attach(
     config = Config(**{**env_options, **options})
     if config.loss_from_logits and not mods:
         mods = _media_modalities(model)
+    existing = monitor_of(optimizer)
+    if existing is not None:
+        if not existing.automatic:
+            raise ValueError(
+                f"attach(): this {type(optimizer).__name__} already has a monitor (run {existing.run!r}); "
+                "one monitor per optimizer: use that one, or close() it before attaching again"
+            )
+        log.warning(
+            "trainvitals: the job attaches a monitor itself (run %r) to the %s that trainvitals run "
+            "watches as run %r: the job's own takes over, trainvitals run's is closed (one monitor per optimizer)",
+            run,
+            type(optimizer).__name__,
+            existing.run,
+        )
+        existing.close()
     # Only rank 0 sends; other ranks compute (and join the collectives) but send nothing.
     resolved = make_sink(collector, sink, run) if distributed.rank() == 0 else NullSink()
     rules = _local_rules(rules, resolved)

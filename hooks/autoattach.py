@@ -59,9 +59,9 @@ import torch
 from torch import nn
 
 from trainvitals.hooks import distributed
-from trainvitals.hooks.attach import attach
+from trainvitals.hooks.attach import build_monitor
 from trainvitals.hooks.config import ATTACH_ENV, default_run_name, env_name
-from trainvitals.hooks.monitor import Monitor
+from trainvitals.hooks.monitor import Monitor, monitor_of
 from trainvitals.hooks.naming import unwrap
 from trainvitals.wire.runs import MAX_RUN
 
@@ -141,7 +141,7 @@ def _track_steps() -> None:
 
 def watched() -> list[Monitor]:
     """The monitors attached so far in this process."""
-    return [w.monitor for w in list(_watched.values()) if w.monitor is not None]
+    return [w.monitor for w in list(_watched.values()) if w.monitor is not None and not w.monitor._closed]
 
 
 def on_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -187,6 +187,13 @@ def _first_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
             watch.monitor = _replace(shared[0], shared[1], optimizer, params, args, kwargs)
         elif not params:
             log.info("trainvitals run: %s has no parameters; not watched", type(optimizer).__name__)
+        elif (own := monitor_of(optimizer)) is not None:
+            log.warning(
+                "trainvitals run: the job attached a monitor to %s itself (run %r); trainvitals run "
+                "does not watch it a second time",
+                type(optimizer).__name__,
+                own.run,
+            )
         else:
             try:
                 watch.monitor = _attach(optimizer, params, _attached + 1, _closure_of(args, kwargs) is not None)
@@ -242,11 +249,15 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
     options: dict[str, Any] = {}
     if closure and not os.environ.get(env_name("step_boundary"), "").strip():
         options["step_boundary"] = "manual"
+    no_head = ""
     if not os.environ.get(env_name("loss_from_logits"), "").strip():
-        head = _logits_module(model)
+        head, no_head = _logits_module(model)
         if head is not None:
             options["loss_from_logits"] = head
-    monitor = attach(model, optimizer, run=run, scaler=scaler, **options)
+    monitor = build_monitor(model, optimizer, run=run, scaler=scaler, **options)
+    monitor.automatic = True
+    if no_head:  # zero-code expects loss accounting: say why it is off
+        monitor.coverage.set_inactive("loss", "no_lm_head", no_head)
     where = ""
     if distributed.world_size() > 1:
         where = f", rank {monitor.rank} of {monitor.world_size}"
@@ -256,7 +267,7 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
             monitor.rank = rank
             where = f", rank {rank} of {world} (no process group: it reports on its own)"
     log.info(
-        "trainvitals run: watching %s (%d parameter tensors of %s) as run %r%s%s",
+        "trainvitals run: watching %s (%d parameter tensors of %s) as run %r%s%s; %s",
         type(optimizer).__name__,
         len(params),
         type(unwrap(model)).__name__,
@@ -265,6 +276,7 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
         "; loss accounting from the logits of " + _name_in(model, options["loss_from_logits"])
         if "loss_from_logits" in options
         else "",
+        monitor.start_line(),
     )
     return monitor
 
@@ -405,13 +417,14 @@ def _best_partial(tops: list[nn.Module], left: set[int]) -> nn.Module | None:
         best = inner
 
 
-def _logits_module(model: nn.Module) -> nn.Module | None:
+def _logits_module(model: nn.Module) -> tuple[nn.Module | None, str]:
+    """The model's LM head, or None and why not."""
     from trainvitals.hooks.logits_finder import find_logits_module
 
     try:
-        return find_logits_module(unwrap(model), True)
-    except (ValueError, TypeError):
-        return None
+        return find_logits_module(unwrap(model), True), ""
+    except (ValueError, TypeError) as exc:
+        return None, str(exc)
 
 
 def _name_in(model: nn.Module, module: Any) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import logging
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from torch import nn
 
 from trainvitals.hooks import distributed
 from trainvitals.hooks.config import Config
+from trainvitals.hooks.coverage import Coverage
 from trainvitals.hooks.live_settings import LiveSettings
 from trainvitals.hooks.naming import clean_name, unwrap
 from trainvitals.hooks.pack import PendingReport, pack
@@ -34,14 +36,26 @@ from trainvitals.hooks.signals.base import Removable, Signal
 from trainvitals.hooks.sinks import Sink
 from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.tensors import foreach_norm32, is_sharded, local, real, stack_on
+from trainvitals.wire.coverage import NOT_BLIND
 from trainvitals.wire.schema import RUN_END_EVENT
 
-__all__ = ["STATE_FORMAT", "Monitor", "builtin_signal_classes"]
+__all__ = ["STATE_FORMAT", "Monitor", "builtin_signal_classes", "monitor_of"]
 
 STATE_FORMAT = 1
 """Version of ``Monitor.state_dict()``'s layout."""
 
 log = logging.getLogger("trainvitals")
+
+# optimizer -> its monitor, both weakly (a monitor holds its optimizer: a strong value
+# would keep the key alive forever).
+_BY_OPTIMIZER: weakref.WeakKeyDictionary[Any, weakref.ref[Monitor]] = weakref.WeakKeyDictionary()
+
+
+def monitor_of(optimizer: Any) -> Monitor | None:
+    """The open monitor watching ``optimizer``, or None."""
+    ref = _BY_OPTIMIZER.get(optimizer)
+    found = ref() if ref is not None else None
+    return None if found is None or found._closed else found
 
 
 def visible_logs() -> None:
@@ -84,6 +98,9 @@ class Monitor:
         first = next(iter(self.model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.sharded = any(is_sharded(p) for p in self.model.parameters())
+        self.coverage = Coverage()
+        """What each built-in signal covers; signals declare their state here."""
+        self._last_coverage: list[dict[str, Any]] | None = None
         # Zero-code loss accounting: its module is found first, so a wrong name raises
         # before anything is hooked or started.
         logits_module = None
@@ -98,6 +115,8 @@ class Monitor:
         self._saved_signals: dict[str, Any] = {}
         self._closed = False
         self._end_report = True  # False: the run goes on in another monitor (trainvitals run)
+        self.automatic = False
+        """Attached by ``trainvitals run`` (the job's own ``attach`` may take over)."""
         self._reporting = False
         self._pre_steps = 0
         self._grad_cache: tuple[int, list[torch.Tensor], torch.Tensor] | None = None
@@ -108,9 +127,7 @@ class Monitor:
             evaluator = LocalEvaluator(rules=rules)
             visible_logs()
         self._evaluator = evaluator
-        self._sender = Sender(
-            sink, max_queue_bytes=config.queue_bytes, on_report=evaluator.observe if evaluator is not None else None
-        )
+        self._sender = Sender(sink, max_queue_bytes=config.queue_bytes, on_report=self._observe_report)
         self.signals: list[Signal] = _default_signals(config.signals)
         self._handles: list[Removable] = [optimizer.register_step_post_hook(self._after_step)]
         if config.step_boundary == "pre_step_hook":
@@ -125,6 +142,7 @@ class Monitor:
         if hasattr(sink, "on_answer"):
             sink.on_answer = self._live.receive
         atexit.register(self.close)
+        _BY_OPTIMIZER[optimizer] = weakref.ref(self)
 
     # -- what signals use ----------------------------------------------------
     def reports_at(self, step: int) -> bool:
@@ -301,6 +319,10 @@ class Monitor:
         """The events carried by the most recent report."""
         return list(self._latest.materialize()["events"]) if self._latest else []
 
+    def latest_coverage(self) -> list[dict[str, Any]]:
+        """The most recent report's coverage: per built-in signal, active or why not."""
+        return list(self._latest.materialize().get("coverage", [])) if self._latest else []
+
     def value(self, name: str, **labels: str) -> float | None:
         """The latest value of one series (labels must match exactly), or None."""
         for s in self.latest():
@@ -327,23 +349,96 @@ class Monitor:
         for s in self.signals:
             s.run_guarded("close", s.close)
         # A last, sample-free report tells the collector the run ended on purpose,
-        # so RunSilent does not page for a job that simply finished.
+        # so RunSilent does not page for a job that simply finished. Its coverage is
+        # the last report's (or, with no report, what each signal would have covered).
         if self._end_report:
             end = StepContext(step=self.step, device=torch.device("cpu"))
             end.event(RUN_END_EVENT, f"Monitor.close() after {self.step} optimizer steps")
             try:
+                end.coverage = self._last_coverage or self._coverage_entries({})[0]
                 self._sender.put(pack(end, run=self.run, rank=self.rank))
             except Exception as exc:  # noqa: BLE001
                 self.warn_once("run_end", "could not queue the run_end report: %s", exc)
-        self._sender.close(self.config.flush_timeout)
+        left = self._sender.close(self.config.flush_timeout, quiet=True)
         if self._evaluator is not None and self._end_report:
             path = getattr(self._sender.sink, "path", None)
             self._evaluator.close(self.run, report_file=str(path) if path is not None else None)
+
+        if self._end_report:
+            try:
+                self._log_summary(left)
+            except Exception as exc:  # noqa: BLE001 - never into the training loop
+                log.warning("trainvitals: could not summarize run %r: %s", self.run, exc)
 
     def verdict(self) -> Any:
         """The in-job rules' verdict on this run so far (:class:`trainvitals.alerts.verdict.RunVerdict`),
         or None when no rules are evaluated in the job (a collector does)."""
         return self._evaluator.verdict(self.run) if self._evaluator is not None else None
+
+    def start_line(self) -> str:
+        """What the monitor watches, in words (``attach`` logs it)."""
+        return (
+            f"run {self.run!r}, {type(self.optimizer).__name__} on {type(self.model).__name__}: "
+            f"{self.coverage.describe(self._coverage_entries({})[0])}; reports every {self.config.every} "
+            f"optimizer steps to {self._sender.sink!r}"
+        )
+
+    def _log_summary(self, left: int) -> None:
+        """One line at close: what was reported, what never engaged and why, what was not
+        delivered and where it was going."""
+        reported, never = self.coverage.summary()
+        sink = self._sender.sink
+        dropped = self._sender.dropped
+        parts = [f"run {self.run!r} closed after {self.step} optimizer step(s)"]
+        if reported:
+            parts.append("reported: " + ", ".join(f"{s} ({n} report(s))" for s, n in reported.items()))
+        elif self.step == 0:
+            entries, _ = self._coverage_entries({})
+            would = [e["signal"] for e in entries if e.get("reason") == "no_optimizer_step"]
+            parts.append(
+                "NOTHING was watched: no optimizer step ran"
+                + (f" (would have watched {', '.join(would)})" if would else "")
+            )
+            never = {e["signal"]: (e["reason"], e["detail"]) for e in entries if e.get("reason") != "no_optimizer_step"}
+        else:
+            parts.append("NOTHING was watched")
+        blind = {s: v for s, v in never.items() if v[0] not in NOT_BLIND}
+        if blind:
+            parts.append(
+                "never engaged: " + "; ".join(f"{s} ({r}: {d})" if d else f"{s} ({r})" for s, (r, d) in blind.items())
+            )
+        moot = {s: v for s, v in never.items() if v[0] in NOT_BLIND and v[0] != "not_requested"}
+        if moot:
+            parts.append("does not apply: " + "; ".join(f"{s} ({d})" for s, (_, d) in moot.items()))
+        skipped = [s for s, v in never.items() if v[0] == "not_requested"]
+        if skipped:
+            parts.append("not requested: " + ", ".join(skipped))
+        delivery = f"{self._sender.sent} report(s) delivered to {sink!r}, {dropped} not delivered"
+        problem = getattr(sink, "problem", None)
+        if dropped and problem:
+            delivery += f" ({problem})"
+        elif left:
+            delivery += f" ({left} still queued at close)"
+        parts.append(delivery)
+        level = logging.WARNING if (dropped or blind or not reported) else logging.INFO
+        log.log(level, "trainvitals: %s", "; ".join(parts))
+
+    def _observe_report(self, report: Any) -> None:
+        """Sender thread: the in-process rules."""
+        if self._evaluator is not None:
+            self._evaluator.observe(report)
+
+    def _coverage_entries(
+        self, emitted: dict[str, bool], verdicts: dict[str, tuple[str, str]] | None = None
+    ) -> tuple[list[dict[str, Any]], set[str]]:
+        """The coverage entries of a report (and the final ones): ``emitted`` says, per
+        running signal, whether it emitted samples in this report (absent: judged as
+        emitting, for previews); ``verdicts``: the report's own (``ctx.inactive_when``)."""
+        running: dict[str, tuple[bool, bool, str]] = {}
+        for s in self.signals:
+            if s.covers is not None:
+                running[s.covers] = (emitted.get(s.covers, True), s.broken, s.failure)
+        return self.coverage.entries(running, stepped=self.step > 0, verdicts=verdicts)
 
     @property
     def dropped_reports(self) -> int:
@@ -408,14 +503,26 @@ class Monitor:
     @torch.no_grad()  # statistics only: no autograd bookkeeping on any of it
     def _report(self) -> None:
         ctx = StepContext(step=self.step, device=self.device)
+        emitted: dict[str, bool] = {}
         for s in self.signals:
+            before = len(ctx.emits) + len(ctx.reduces)
             s.run_guarded("collect", s.collect, self, ctx)
+            if s.covers is not None:
+                emitted[s.covers] = len(ctx.emits) + len(ctx.reduces) > before
+        try:
+            ctx.coverage, ctx.final = self._coverage_entries(emitted, ctx.verdicts())
+            self._last_coverage = ctx.coverage
+        except Exception as exc:  # noqa: BLE001
+            self.warn_once("coverage", "could not assemble the coverage of step %d: %s", self.step, exc)
         self._live.contribute(self, ctx)
         distributed.combine(ctx)
         for kind, detail, labels in self._pending_events:
             ctx.event(kind, detail, labels)
         self._pending_events.clear()
         pending = pack(ctx, run=self.run, rank=self.rank)
+        if ctx.coverage:
+            self.coverage.note(ctx.coverage)
+            pending.settle = self.coverage.settle
         self._latest = pending
         self._sender.put(pending)
 

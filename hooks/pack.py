@@ -36,6 +36,10 @@ class PendingReport:
     host: torch.Tensor
     ready: Any = None  # a CUDA event when the copy is asynchronous
     gated: list[int] = field(default_factory=list)  # layout indices with a presence value, after the flags
+    coverage: list[dict[str, Any]] = field(default_factory=list)
+    unless: list[tuple[str, str, str]] = field(default_factory=list)  # (signal, reason, detail), values after flags
+    final: frozenset[str] = frozenset()  # signals whose entry the flags do not change
+    settle: Any = None  # called once with (coverage as made, coverage after the flags)
     _done: dict[str, Any] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -45,7 +49,8 @@ class PendingReport:
                 if self.ready is not None:
                     self.ready.synchronize()
                 values = self.host.tolist()
-                tail = values[len(self.layout) + len(self.flags) :]
+                n_flags = len(self.layout) + len(self.flags)
+                tail = values[n_flags + len(self.unless) :]
                 absent = {i for i, p in zip(self.gated, tail, strict=True) if not p > 0}
                 samples = [
                     {"name": name, "labels": labels, "value": v}
@@ -56,6 +61,14 @@ class PendingReport:
                 for (kind, detail, labels), v in zip(self.flags, values[len(self.layout) :], strict=False):
                     if v > 0 and not math.isnan(v):
                         events.append({"kind": kind, "detail": detail, "labels": labels})
+                coverage = [dict(e) for e in self.coverage]
+                turned = set(self.final)
+                for (signal, reason, detail), v in zip(self.unless, values[n_flags:], strict=False):
+                    if v > 0 and signal not in turned:
+                        turned.add(signal)
+                        for e in coverage:
+                            if e["signal"] == signal:
+                                e.update(active=False, reason=reason, detail=detail)
                 self._done = {
                     "run": self.run,
                     "step": self.step,
@@ -64,6 +77,10 @@ class PendingReport:
                     "samples": samples,
                     "events": events,
                 }
+                if coverage:
+                    self._done["coverage"] = coverage
+                    if self.settle is not None:
+                        self.settle(self.coverage, coverage)
             return self._done
 
 
@@ -89,6 +106,8 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
         else:
             parts.append(ev.flag)
             flags.append((ev.kind, ev.detail, ev.labels))
+    unless = [u for u in ctx.unless if u.flag is not None]  # the others are in ctx.coverage already
+    parts.extend(u.flag for u in unless if u.flag is not None)
     parts.extend(presence)  # after the flags: materialize reads them as the tail
     if not parts:
         flat = torch.zeros(0, dtype=dtype, device=device)
@@ -104,4 +123,18 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
         ready.record()
     else:
         host = flat.to("cpu")
-    return PendingReport(run, ctx.step, time.time(), rank, layout, flags, events, host, ready, gated=gated)
+    return PendingReport(
+        run,
+        ctx.step,
+        time.time(),
+        rank,
+        layout,
+        flags,
+        events,
+        host,
+        ready,
+        gated=gated,
+        coverage=list(ctx.coverage),
+        unless=[(u.signal, u.reason, u.detail) for u in unless],
+        final=frozenset(ctx.final) | frozenset(ctx.verdicts()),
+    )

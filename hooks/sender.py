@@ -109,8 +109,9 @@ class Sender:
                 self._cond.wait(left)
         return True
 
-    def close(self, timeout: float) -> None:
-        """Flush with a bounded wait, then stop; what is left is counted as dropped."""
+    def close(self, timeout: float, *, quiet: bool = False) -> int:
+        """Flush with a bounded wait, then stop; what is left is counted as dropped and
+        returned. ``quiet``: the caller says it (the monitor's close summary)."""
         self.flush(timeout)
         with self._cond:
             self._stop = True
@@ -125,7 +126,7 @@ class Sender:
             self._outbox.clear()
             self._outbox_bytes = 0
             self._closed = True
-        if left:
+        if left and not quiet:
             # A warning, unless the sink already warned that the collector is unreachable.
             level = logging.INFO if getattr(self.sink, "healthy", True) is False else logging.WARNING
             log.log(
@@ -138,6 +139,7 @@ class Sender:
             self.sink.close()
         except Exception as exc:  # noqa: BLE001
             log.warning("trainvitals: closing the sink failed: %s", exc)
+        return left
 
     # -- the sender thread -----------------------------------------------------
     def _run(self) -> None:

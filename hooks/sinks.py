@@ -135,6 +135,9 @@ class HttpSink:
         self.gzip_min_bytes = gzip_min_bytes
         self._client: Any = None
         self._healthy = True
+        self.problem: str | None = None
+        """The last delivery problem in words (unreachable, refused), for the close summary."""
+        self._refused_404 = 0
         self.on_answer: Callable[[dict[str, Any]], None] | None = None
         self._answer_failed = False
 
@@ -177,6 +180,13 @@ class HttpSink:
         if resp.status_code in (408, 429) or resp.status_code >= 500:
             self._set_health(False, f"collector {self._shown} answered {resp.status_code}")
             return "retry"
+        if resp.status_code == 404:
+            self._refused_404 += len(batch)
+            self.problem = self._not_found()
+            if self._refused_404 == len(batch):  # once: every batch gets the same answer
+                log.warning("trainvitals: %s; dropping the reports", self.problem)
+            return "refused"
+        self.problem = f"the collector {self._shown} refused them with {resp.status_code}"
         log.warning(
             "trainvitals: collector refused %d report(s) with %d: %s",
             len(batch),
@@ -184,6 +194,25 @@ class HttpSink:
             redact(resp.text[:500]),
         )
         return "refused"
+
+    def _not_found(self) -> str:
+        """A 404: the URL is not a collector's ingest route; name it and the base URL to use."""
+        from urllib.parse import urlsplit, urlunsplit
+
+        parts = urlsplit(self.url)
+        given = parts.path.removesuffix("/v1/reports")  # the path the user passed
+        path = given
+        while path.rstrip("/").endswith("/v1/reports"):
+            path = path.rstrip("/").removesuffix("/v1/reports")
+        root = urlunsplit((parts.scheme, parts.netloc, "", "", ""))
+        if path != given:
+            base = urlunsplit((parts.scheme, parts.netloc, path.rstrip("/"), "", ""))
+            hint = f"the URL already ends in /v1/reports; pass the collector's base URL {redact(base)!r}"
+        elif given.strip("/"):
+            hint = f"is the collector at its base URL {redact(root)!r}? pass that (the hooks add /v1/reports)"
+        else:
+            hint = "no trainvitals collector answers there (another server on that port?)"
+        return f"POST {self._shown} answered 404: {hint}"
 
     def _answer(self, resp: Any) -> None:
         """Hand the accepted batch's answer to ``on_answer`` (an answer without a JSON
@@ -214,6 +243,8 @@ class HttpSink:
         self.max_batch_bytes = min(self.base_batch_bytes, self.max_batch_bytes * 2)
 
     def _set_health(self, healthy: bool, message: str) -> None:
+        if not healthy:
+            self.problem = message
         if healthy != self._healthy:
             self._healthy = healthy
             if healthy:

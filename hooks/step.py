@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -53,6 +53,14 @@ class _Event:
 
 
 @dataclass
+class _Unless:
+    signal: str
+    flag: torch.Tensor | None  # 1 element: the entry is inactive when it is > 0 on the host; None: always
+    reason: str
+    detail: str
+
+
+@dataclass
 class StepContext:
     """What one report step collects: final values, cross-rank partials, events."""
 
@@ -61,6 +69,30 @@ class StepContext:
     emits: list[_Emit] = field(default_factory=list)
     reduces: list[_Reduce] = field(default_factory=list)
     events: list[_Event] = field(default_factory=list)
+    coverage: list[dict[str, Any]] = field(default_factory=list)
+    """The report's coverage entries (the monitor writes them after the signals' collect)."""
+    final: set[str] = field(default_factory=set)
+    """Signals whose entry no verdict of this report changes (failed, declared inactive)."""
+    unless: list[_Unless] = field(default_factory=list)
+
+    def inactive_when(self, signal: str, flag: torch.Tensor | None, reason: str, detail: str = "") -> None:
+        """Make ``signal``'s coverage entry inactive for ``reason`` in this report: always
+        (``flag`` None), or when ``flag`` (a 0-d tensor) is > 0, decided on the sender
+        thread (no host sync). The first verdict of a signal that holds wins (the order:
+        :mod:`trainvitals.hooks.coverage`)."""
+        from trainvitals.wire.coverage import REASONS, SIGNALS
+
+        if signal not in SIGNALS or reason not in REASONS:
+            raise ValueError(f"inactive_when: unknown signal {signal!r} or reason {reason!r}")
+        self.unless.append(_Unless(signal, None if flag is None else flag.detach().reshape(1), reason, detail))
+
+    def verdicts(self) -> dict[str, tuple[str, str]]:
+        """The flag-free verdicts, the first per signal."""
+        out: dict[str, tuple[str, str]] = {}
+        for u in self.unless:
+            if u.flag is None:
+                out.setdefault(u.signal, (u.reason, u.detail))
+        return out
 
     def emit(
         self,

@@ -25,6 +25,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
+from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL, SIGNALS, ReasonName, SignalName, coverage_problem
 from trainvitals.wire.errors import Refused
 from trainvitals.wire.runs import MAX_RUN, RUN_REGEX, SENDER_REGEX
 from trainvitals.wire.schema import (
@@ -44,7 +45,7 @@ from trainvitals.wire.schema import (
     report_problem,
 )
 
-__all__ = ["BodyInvalid", "WireBatch", "WireEvent", "WireReport", "WireSample", "decode_batch"]
+__all__ = ["BodyInvalid", "WireBatch", "WireCoverage", "WireEvent", "WireReport", "WireSample", "decode_batch"]
 
 # msgspec matches patterns with Python's re.search: the wire's Python forms (\A...\Z), so
 # "r1\n" is refused as the pydantic models refuse it.
@@ -67,6 +68,15 @@ class WireEvent(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     labels: _Labels = {}
 
 
+class WireCoverage(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """A coverage entry (attributes as :class:`trainvitals.wire.Coverage`)."""
+
+    signal: SignalName
+    active: bool
+    reason: ReasonName | None = None
+    detail: Annotated[str, Meta(max_length=MAX_COVERAGE_DETAIL)] = ""
+
+
 class WireReport(msgspec.Struct, forbid_unknown_fields=True):
     run: Annotated[str, Meta(min_length=1, max_length=MAX_RUN, pattern=RUN_REGEX)]
     step: Annotated[int, Meta(ge=0, lt=MAX_STEP)]
@@ -74,6 +84,7 @@ class WireReport(msgspec.Struct, forbid_unknown_fields=True):
     rank: Annotated[int, Meta(ge=0, le=MAX_RANK)] = 0
     samples: Annotated[list[WireSample], Meta(max_length=MAX_SAMPLES)] = []
     events: Annotated[list[WireEvent], Meta(max_length=MAX_EVENTS)] = []
+    coverage: Annotated[list[WireCoverage], Meta(max_length=len(SIGNALS))] = []
     sender: Annotated[str, Meta(pattern=SENDER_REGEX)] | None = None
     seq: Annotated[int, Meta(ge=0, le=MAX_SEQ)] | None = None
 
@@ -157,6 +168,6 @@ def _check(batch: WireBatch) -> None:
             raise BodyInvalid(f"reports.{i}.time: must be a finite Unix timestamp in seconds (0 to 1e11)")
         if (r.sender is None) != (r.seq is None):
             raise BodyInvalid(f"reports.{i}: sender and seq: give both or neither")
-        problem = report_problem(r.samples, r.events)
+        problem = report_problem(r.samples, r.events) or (coverage_problem(r.coverage) if r.coverage else None)
         if problem is not None:
             raise BodyInvalid(f"reports.{i}.{problem}")

@@ -14,7 +14,9 @@ Series identity (what ``/metrics`` shows; the wire format is ``docs/wire.md``):
   ``trainvitals_step{run}`` (the step of the run's latest report, from whichever
   rank sent it), ``trainvitals_last_report_timestamp_seconds{run}`` (the
   collector's receive time) and ``trainvitals_run_ended{run}`` (present, 1, while
-  the run's latest report carried a ``run_end`` event). ``docs/metrics.md`` lists them.
+  the run's latest report carried a ``run_end`` event), and per rank
+  ``trainvitals_signal_active{run, signal, reason}`` from the report's ``coverage``
+  (the latest report that had one). ``docs/metrics.md`` lists them.
 
 Counters (``*_total``) are cumulative on the client; the store keeps the latest
 value like any gauge.
@@ -39,6 +41,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 from trainvitals.wire import PREFIX, RESERVED_NAMES, Report, ReportBatch, ends_run, exposed_family
+from trainvitals.wire.coverage import ACTIVE_METRIC, coverage_samples
 from trainvitals.wire.errors import Refused
 
 if TYPE_CHECKING:
@@ -365,6 +368,12 @@ class SeriesStore:
                         fam = fams[s.name] = {}
                     key = tuple(labels.items()) if len(labels) < 2 else tuple(sorted(labels.items()))
                     fam[key] = (s.value, gen)
+                if report.coverage:
+                    # The report's coverage replaces the rank's previous one whole (a
+                    # reason that changed leaves no series behind).
+                    fam = fams[ACTIVE_METRIC] = {}
+                    for c in coverage_samples(report.coverage):
+                        fam[tuple(sorted(c.labels.items()))] = (c.value, gen)
                 if stale and gen % stale == 0:
                     self.stale_dropped += _drop_stale(fams, gen - stale)
                 # A later report without run_end (any rank) means the run goes on.
@@ -407,7 +416,7 @@ class SeriesStore:
         # time, run_ended): when even that fits, skip counting (the hot path).
         bound: dict[str, int] = {}
         for r in reports:
-            bound[r.run] = bound.get(r.run, 0) + len(r.samples) + 3
+            bound[r.run] = bound.get(r.run, 0) + len(r.samples) + len(r.coverage) + 3
         per_run = self.max_series_per_run
         # A budget as large as the cap is no budget: the cap decides (and is retryable).
         over_run = (
@@ -451,7 +460,7 @@ class SeriesStore:
             else:
                 added.setdefault(report.run, 0)
             fams = run.by_rank.get(report.rank, {}) if run is not None else {}
-            for s in report.samples:
+            for s in [*report.samples, *coverage_samples(report.coverage)]:
                 key = _label_key(s.labels)
                 fam = fams.get(s.name)
                 if fam is None or key not in fam:

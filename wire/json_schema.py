@@ -10,7 +10,8 @@ accepted and one that is not is refused:
   Prometheus's naming conventions;
 - label names and values: Prometheus label names, not reserved, printable values;
 - event kinds and the labels each may carry (a closed set);
-- ``time`` within 0..1e11, and ``sender``/``seq`` given together.
+- ``time`` within 0..1e11, and ``sender``/``seq`` given together;
+- a coverage entry has a reason exactly when it is inactive.
 
 What a schema cannot say: a gauge ``x`` and a counter ``x_total`` are refused together
 (they would be one family), across bodies too, and the collector's series budgets.
@@ -137,6 +138,13 @@ def _refine_report(report: dict[str, Any]) -> None:
     ]
 
 
+def _refine_coverage(coverage: dict[str, Any]) -> None:
+    coverage["anyOf"] = [
+        {"properties": {"active": {"const": True}, "reason": {"type": "null"}}},
+        {"properties": {"active": {"const": False}, "reason": {"type": "string"}}, "required": ["reason"]},
+    ]
+
+
 def report_batch_schema(ref_prefix: str = "#/components/schemas/") -> dict[str, dict[str, Any]]:
     """The JSON schemas of a ``POST /v1/reports`` body by name: ``ReportBatch``, ``Report``,
     ``Sample``, ``Event`` (references between them start with ``ref_prefix``)."""
@@ -147,4 +155,5 @@ def report_batch_schema(ref_prefix: str = "#/components/schemas/") -> dict[str, 
     _refine_sample(schemas["Sample"])
     _refine_event(schemas["Event"])
     _refine_report(schemas["Report"])
+    _refine_coverage(schemas["Coverage"])
     return schemas

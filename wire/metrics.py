@@ -84,6 +84,15 @@ _SPECS: tuple[MetricSpec, ...] = (
         "1 when the run's last report said it ended (Monitor.close()); absent otherwise.",
         "collector",
     ),
+    _m(
+        "signal_active",
+        "gauge",
+        "count",
+        ("signal", "reason"),
+        "run",
+        "1 while a built-in signal produces figures; 0 with the reason why not (from the reports' coverage).",
+        "collector",
+    ),
     # -- optimizer step (table stakes)
     _m(
         "grad_norm",

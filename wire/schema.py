@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StringConstraints, model_validator
 
+from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL, SIGNALS, ReasonName, SignalName, coverage_problem
 from trainvitals.wire.metrics import PREFIX, RESERVED_NAMES
 from trainvitals.wire.runs import MAX_RUN, RUN_PATTERN, RUN_RULE, SENDER_PATTERN
 
@@ -45,6 +46,7 @@ __all__ = [
     "RUN_RULE",
     "SCHEMA_VERSION",
     "SENDER_PATTERN",
+    "Coverage",
     "Event",
     "Report",
     "ReportBatch",
@@ -346,12 +348,23 @@ class Event(_Strict):
     labels: Annotated[dict[LabelName, LabelValue], Field(max_length=MAX_LABELS)] = Field(default_factory=dict)
 
 
+class Coverage(_Strict):
+    """One built-in signal's state in a report (:mod:`trainvitals.wire.coverage`): active,
+    or inactive with a reason from the closed list and a detail in words."""
+
+    signal: SignalName
+    active: Annotated[bool, Strict()]
+    reason: ReasonName | None = None
+    detail: Annotated[str, Field(max_length=MAX_COVERAGE_DETAIL)] = ""
+
+
 class Report(_Strict):
     """What one rank knows after one reported optimizer step.
 
     ``sender`` and ``seq`` (optional) identify the report for idempotent ingest: a
     sender (one per ``Monitor``) numbers its reports, and the collector applies a
-    (run, rank, sender, seq) once however often it is retried.
+    (run, rank, sender, seq) once however often it is retried. ``coverage``: one entry
+    per built-in signal, active or why not (absent from older hooks).
     """
 
     run: Annotated[str, Field(min_length=1, max_length=MAX_RUN, pattern=RUN_PATTERN)]
@@ -360,6 +373,7 @@ class Report(_Strict):
     rank: Annotated[int, Strict(), Field(ge=0, le=MAX_RANK)] = 0
     samples: Annotated[list[Sample], Field(max_length=MAX_SAMPLES)] = Field(default_factory=list)
     events: Annotated[list[Event], Field(max_length=MAX_EVENTS)] = Field(default_factory=list)
+    coverage: Annotated[list[Coverage], Field(max_length=len(SIGNALS))] = Field(default_factory=list)
     sender: Annotated[str, Field(pattern=SENDER_PATTERN)] | None = None
     seq: Annotated[int, Strict(), Field(ge=0, le=MAX_SEQ)] | None = None
 
@@ -369,7 +383,7 @@ class Report(_Strict):
             raise ValueError("time: must be a finite Unix timestamp in seconds (0 to 1e11)")
         if (self.sender is None) != (self.seq is None):
             raise ValueError("sender and seq: give both or neither")
-        problem = report_problem(self.samples, self.events)
+        problem = report_problem(self.samples, self.events) or coverage_problem(self.coverage)
         if problem is not None:
             raise ValueError(problem)
         return self

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-__all__ = ["BatchView", "EventView", "ReportView", "SampleView"]
+__all__ = ["BatchView", "CoverageView", "EventView", "ReportView", "SampleView"]
 
 
 class SampleView(Protocol):
@@ -32,6 +32,17 @@ class EventView(Protocol):
     def labels(self) -> Mapping[str, str]: ...
 
 
+class CoverageView(Protocol):
+    @property
+    def signal(self) -> str: ...
+    @property
+    def active(self) -> bool: ...
+    @property
+    def reason(self) -> str | None: ...
+    @property
+    def detail(self) -> str: ...
+
+
 class ReportView(Protocol):
     @property
     def run(self) -> str: ...
@@ -45,6 +56,8 @@ class ReportView(Protocol):
     def samples(self) -> Sequence[SampleView]: ...
     @property
     def events(self) -> Sequence[EventView]: ...
+    @property
+    def coverage(self) -> Sequence[CoverageView]: ...
     @property
     def sender(self) -> str | None: ...
     @property

@@ -19,6 +19,8 @@ from trainvitals.hooks.step import StepContext
 
 
 class AdamState(Signal):
+    covers = "adam"
+
     def __init__(self) -> None:
         self._anchors: Anchors = {}
         self._resets: ResetDetector | None = None
@@ -43,6 +45,13 @@ class AdamState(Signal):
         self._resets.observe(monitor, ctx, walk, now)
         if walk.entries and now is not None:
             self._moments.collect(monitor, ctx, key, walk, now)
+        else:
+            ctx.inactive_when(
+                "adam",
+                None,
+                "not_adam",
+                f"{type(monitor.optimizer).__name__} keeps no Adam moments (exp_avg, exp_avg_sq) in its state",
+            )
 
     def state_dict(self) -> dict[str, Any]:
         if self._resets is None:

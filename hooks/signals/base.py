@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from trainvitals.hooks.config import Config
+    from trainvitals.hooks.coverage import Coverage
 
 __all__ = ["MonitorView", "Removable", "Signal"]
 
@@ -52,6 +53,8 @@ class MonitorView(Protocol):
     rank: int
     world_size: int
     sharded: bool
+    coverage: Coverage
+    """Where signals declare their coverage state (:mod:`trainvitals.hooks.coverage`)."""
 
     @property
     def reporting_next(self) -> bool:
@@ -82,6 +85,10 @@ class Signal:
 
     broken: bool = False
     """Set by :meth:`turn_off`: the signal failed and is skipped from then on."""
+    failure: str = ""
+    """Why :meth:`turn_off` turned it off (where, and the error), for the coverage detail."""
+    covers: str | None = None
+    """The built-in signal name its coverage entry has (:mod:`trainvitals.hooks.coverage`)."""
 
     def bind(self, monitor: MonitorView) -> list[Removable]:
         """Place hooks; return their handles (anything with ``remove()``)."""
@@ -117,6 +124,7 @@ class Signal:
         if self.broken:
             return
         self.broken = True
+        self.failure = f"{type(self).__name__} failed in {where}: {type(exc).__name__}: {exc}"
         with contextlib.suppress(Exception):
             self.reset()
         log.warning(

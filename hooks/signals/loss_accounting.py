@@ -75,6 +75,10 @@ from trainvitals.hooks.signals.loss_report import Accumulated, LossReport
 from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.tensors import float_dtype
 
+HEAD_BYPASS_REPORTS = 3
+"""Consecutive report steps with no gradient at the LM head's output after which
+zero-code accounting reads ``head_bypassed`` (before: ``no_input``)."""
+
 
 @dataclass
 class _Step:
@@ -115,6 +119,8 @@ class _Seam:
 class LossAccounting(Signal):
     """Loss weights per sample, modality and micro-batch; see the module docstring."""
 
+    covers = "loss"
+
     def __init__(self) -> None:
         self._step: _Step | None = None
         self._final: _Step | None = None
@@ -131,6 +137,8 @@ class LossAccounting(Signal):
         self._inputs: tuple[int, int] | None = None  # the model's current input ids' [B, S]
         self._auto: torch.Tensor | None = None  # per-sample codes from the input ids' image/video tokens
         self._seam: _Seam | None = None  # the head's logits in the model's current forward
+        self._head = ""  # the hooked LM head's name (zero-code)
+        self._unfed = 0  # consecutive report steps whose logits got no gradient (zero-code)
 
     # -- lifecycle -------------------------------------------------------------
     def bind(self, monitor: MonitorView) -> list[Removable]:
@@ -257,6 +265,7 @@ class LossAccounting(Signal):
         if self._layout is None:
             self.bind(monitor)
         self._zero_code = True
+        self._head = next((n for n, m in monitor.model.named_modules() if m is module), type(module).__name__)
         slot = self._slot("main")
         root = monitor.model
         vocab = expected_vocab(root, module)
@@ -660,6 +669,51 @@ class LossAccounting(Signal):
 
         return self._hook("the output hook", norms)
 
+    # -- coverage: why a reported step has no loss figures ----------------------
+    def _coverage(self, monitor: MonitorView, ctx: StepContext, step: _Step | None) -> None:
+        """This report's loss (and probe) coverage verdicts, host-side (what the device
+        decides, a gradient that is not cross-entropy, loss_report adds)."""
+        probe = self._probe
+        if probe is None:
+            monitor.coverage.clear("probe")
+        elif not probe.supported:
+            monitor.coverage.set_inactive("probe", "sharded", "probe_every needs unsharded parameters")
+        else:
+            monitor.coverage.set_active("probe")
+        if step is not None and step.fired:
+            self._unfed = 0
+            return
+        if not self._zero_code:
+            tracked = step is not None and step.tracked > 0
+            ctx.inactive_when(
+                "loss",
+                None,
+                "no_input",
+                "track_loss was called but its per-token loss got no gradient before optimizer.step()"
+                if tracked
+                else "no track_loss call in the reported step",
+            )
+            return
+        self._unfed += 1
+        forwards = step is not None and step.calls[self._objectives.get("main", 0)] > 0
+        if self._unfed >= HEAD_BYPASS_REPORTS:
+            ctx.inactive_when(
+                "loss",
+                None,
+                "head_bypassed",
+                f"no gradient reached the output of {self._head!r} in the last {self._unfed} reported steps"
+                + ("" if forwards else ", and it did not run in this one (a fused or chunked loss that bypasses it?)"),
+            )
+        else:
+            ctx.inactive_when(
+                "loss",
+                None,
+                "no_input",
+                f"the output of {self._head!r} got no gradient in the reported step"
+                if forwards
+                else f"{self._head!r} did not run in the reported step",
+            )
+
     # -- report: the step's sums handed to loss_report ---------------------------
     def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
         self._late.poll(monitor)
@@ -667,6 +721,7 @@ class LossAccounting(Signal):
         report = self._report
         if report is None:
             return
+        self._coverage(monitor, ctx, step)
         gram = None
         if self._probe is not None and self._probe.due(monitor, ctx.step):
             gram = self._probe.gram(monitor, None if step is None else step.probe_grads, ctx.step)

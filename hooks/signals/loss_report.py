@@ -238,7 +238,21 @@ class LossReport:
             ctx.emit("nonfinite_total", sums[lay.nonfinite], {"what": "loss"})
         if zero_code:
             # Weights read from a gradient that is not a plain cross-entropy one are wrong:
-            # say so (_warn_late's log line) and leave the step's figures out.
+            # say so (_warn_late's log line, the coverage) and leave the step's figures out.
+            ctx.inactive_when(
+                "loss",
+                sums[lay.overwritten],
+                "logits_overwritten",
+                "the logits were overwritten in place between the forward and the backward (a fused "
+                "cross-entropy reusing their memory); the step's figures are left out",
+            )
+            ctx.inactive_when(
+                "loss",
+                sums[lay.not_ce],
+                "not_cross_entropy",
+                "the gradient at the logits is not a plain cross-entropy one (label smoothing, a "
+                "distillation or z-loss term, soft-capping after the head); the step's figures are left out",
+            )
             blind = sums[lay.not_ce] + sums[lay.overwritten]
             ctx = _Gated(ctx, (blind == 0).to(sums.dtype))  # type: ignore[assignment]
         calls = acc.calls
@@ -247,6 +261,8 @@ class LossReport:
         weight, loss_sum = sums[lay.weight], sums[lay.loss]
         total_samples, total_tokens, total_weight = samples.sum(), tokens.sum(), weight.sum()
         some = (total_tokens > 0).float()
+        if acc.fired:
+            ctx.inactive_when("loss", 1 - some, "no_input", "no label token in the reported step")
 
         ctx.emit("loss", loss_sum.sum() / total_tokens, present=some)
         ctx.emit("modality_loss", loss_sum[:m] / tokens[:m], mod_labels, present=tokens[:m])
@@ -390,3 +406,6 @@ class _Gated:
 
     def event(self, *args: Any, **kwargs: Any) -> None:
         self._ctx.event(*args, **kwargs)
+
+    def inactive_when(self, *args: Any, **kwargs: Any) -> None:
+        self._ctx.inactive_when(*args, **kwargs)

@@ -32,6 +32,8 @@ from trainvitals.hooks.tensors import flat, local, norms
 
 
 class OptimizerStats(Signal):
+    covers = "optimizer"
+
     def __init__(self) -> None:
         self._grad_norms: torch.Tensor | None = None
         self._grad_group: torch.Tensor | None = None

@@ -58,6 +58,8 @@ _TINY = torch.finfo(torch.float32).tiny
 
 
 class ParamHealth(Signal):
+    covers = "params"
+
     def __init__(self) -> None:
         self._refs: dict[int, Reference] = {}
         self._restore: dict[str, Any] | None = None  # a loaded state waiting for its tracker
@@ -146,6 +148,8 @@ class ParamHealth(Signal):
         parts: list[tuple[torch.Tensor, ReduceOp]] = []
         consistency = False
         n = drift.n
+        if not n:
+            ctx.inactive_when("params", None, "no_parameters", "the optimizer holds no 1D parameter to watch")
         if n:
             values = drift.values(dev)
             parts.append((group_amin(values, drift.owner, n), "min"))

@@ -232,6 +232,8 @@ def _weighted_sum(weight: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 class Softmax(Signal):
     """Saturation per (task, role) and distillation per task, summed over a reported step."""
 
+    covers = "softmax"
+
     def __init__(self) -> None:
         self._saturation: dict[tuple[str, str], torch.Tensor] = {}
         self._pending: dict[tuple[tuple[str, str], float], _Pending] = {}

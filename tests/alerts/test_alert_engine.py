@@ -447,7 +447,10 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
         ],
         "GradNormSpike": lambda s: [("grad_norm_max", {}, 1.0 + 0.5 * math.sin(s))],
     }
-    assert set(incident) | {"OptimizerStateReset", "RunSilent"} == {r.alert for r in load_rules("default")}
+    # SignalInactive reads coverage, not samples: tests/hooks/test_coverage.py.
+    assert set(incident) | {"OptimizerStateReset", "RunSilent", "SignalInactive"} == {
+        r.alert for r in load_rules("default")
+    }
     for name, fn in incident.items():
         assert run_values(fn) == {name}, name
     for name, fn in healthy.items():

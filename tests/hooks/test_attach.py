@@ -250,4 +250,11 @@ def test_a_failing_signal_is_turned_off_not_raised(caplog):
         mon.signals[0].collect = boom
         step(model, opt, 0)
         step(model, opt, 1)
-    assert sum("bug in a signal" in r.getMessage() for r in caplog.records) == 1
+        # Logged once when it happens (the close summary repeats it as a coverage reason).
+        assert sum("bug in a signal" in r.getMessage() for r in caplog.records) == 1
+        assert mon.latest_coverage()[0] == {
+            "signal": "optimizer",
+            "active": False,
+            "reason": "failed",
+            "detail": "OptimizerStats failed in collect: RuntimeError: bug in a signal",
+        }

@@ -1,0 +1,117 @@
+"""Coverage: which built-in signals a report's figures come from, and why the others are missing.
+
+Every report carries one entry per built-in signal (:data:`SIGNALS`): active (it
+produced figures for this report), or inactive with a reason from the closed list
+:data:`REASONS` and a free-text ``detail``. A report without figures from a signal
+therefore still says whether that signal is healthy-and-quiet or blind, and why.
+
+The collector exports the entries as ``trainvitals_signal_active{run, signal,
+reason}`` (1 active, 0 inactive; active series carry no ``reason``), and the
+default rule ``SignalInactive`` warns when a signal stays inactive for a reason
+other than ``not_requested``. Shared by the hooks, the wire schema, the collector's
+decoder and the alert engine; standard library only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, NamedTuple, get_args
+
+__all__ = [
+    "ACTIVE_METRIC",
+    "MAX_COVERAGE_DETAIL",
+    "NOT_BLIND",
+    "REASONS",
+    "SIGNALS",
+    "CoverageSample",
+    "ReasonName",
+    "SignalName",
+    "coverage_problem",
+    "coverage_samples",
+]
+
+ACTIVE_METRIC = "signal_active"
+"""Wire name of the per-run, per-signal gauge the collector derives from coverage."""
+
+SignalName = Literal["optimizer", "params", "adam", "loss", "probe", "softmax"]
+ReasonName = Literal[
+    "not_requested",
+    "no_optimizer_step",
+    "no_input",
+    "no_lm_head",
+    "head_bypassed",
+    "logits_layout",
+    "not_cross_entropy",
+    "logits_overwritten",
+    "sharded",
+    "failed",
+    "not_adam",
+    "no_parameters",
+]
+
+SIGNALS: tuple[str, ...] = get_args(SignalName)
+"""The built-in signals coverage speaks for: ``optimizer`` (gradient/parameter norms,
+update ratios), ``params`` (1D parameter drift, I4), ``adam`` (Adam moments, I4),
+``loss`` (loss accounting, I1-I3: ``track_loss`` or zero-code from the logits),
+``probe`` (the per-modality gradient probe, ``probe_every``), ``softmax``
+(saturation and distillation, I5)."""
+
+REASONS: Mapping[str, str] = {
+    "not_requested": "the job did not ask for it (signals=, no track_loss/loss_from_logits, no observe_logits, "
+    "probe_every off)",
+    "no_optimizer_step": "no optimizer step has run yet",
+    "no_input": "asked for, but nothing reached it since the previous report (no track_loss call, "
+    "no forward of the LM head, no observe_logits call)",
+    "no_lm_head": "zero-code loss accounting found no LM head in the model",
+    "head_bypassed": "the LM head was found but no gradient reached its output for several report steps "
+    "(a fused or chunked loss that never calls the head module)",
+    "logits_layout": "the head's output has a layout the accounting does not understand",
+    "not_cross_entropy": "the gradient at the logits is not a plain cross-entropy one (label smoothing, "
+    "distillation, soft-capping, a loss that overwrites the logits in place)",
+    "logits_overwritten": "the logits were overwritten in place between the forward and the backward (a fused "
+    "cross-entropy that reuses their memory): their gradient cannot be read",
+    "sharded": "not supported with sharded parameters (FSDP, DTensor)",
+    "failed": "it failed and was turned off (the job's log has the error)",
+    "not_adam": "the optimizer keeps no Adam moments (exp_avg/exp_avg_sq)",
+    "no_parameters": "nothing it watches is in the model or the optimizer (no 1D parameter, no gradient)",
+}
+"""Why a signal is inactive: the closed list (a reason is a label value on /metrics)."""
+assert tuple(REASONS) == get_args(ReasonName), "REASONS and ReasonName list the same reasons"
+
+NOT_BLIND: frozenset[str] = frozenset({"not_requested", "not_adam", "no_parameters"})
+"""Reasons that say the signal does not apply to the job (nothing asked for, nothing to
+watch): not a blind spot. The close summary and ``SignalInactive`` leave them out."""
+
+MAX_COVERAGE_DETAIL = 512
+"""Characters of an entry's ``detail``."""
+
+
+class CoverageSample(NamedTuple):
+    """An entry as a sample of :data:`ACTIVE_METRIC` (what the store and the rules see)."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+def coverage_problem(entries: Iterable[Any]) -> str | None:
+    """What is wrong with a report's coverage (entries with ``signal``, ``active``,
+    ``reason``), as ``coverage.i.field: message``; None if nothing. Types and the closed
+    lists are the schemas'; this checks what ties fields together. A signal given twice
+    is not an error: the last entry counts."""
+    for i, e in enumerate(entries):
+        if e.active and e.reason is not None:
+            return f"coverage.{i}.reason: an active signal has no reason (got {e.reason!r})"
+        if not e.active and e.reason is None:
+            return f"coverage.{i}.reason: an inactive signal needs a reason, one of {', '.join(REASONS)}"
+    return None
+
+
+def coverage_samples(entries: Iterable[Any]) -> list[CoverageSample]:
+    """The entries as samples of ``signal_active`` (labels ``signal``, and ``reason`` when
+    inactive), one per signal (the last entry of a signal given twice)."""
+    by_signal: dict[str, CoverageSample] = {}
+    for e in entries:
+        labels = {"signal": e.signal} if e.active else {"signal": e.signal, "reason": e.reason}
+        by_signal[e.signal] = CoverageSample(ACTIVE_METRIC, labels, 1.0 if e.active else 0.0)
+    return list(by_signal.values())
