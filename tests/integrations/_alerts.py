@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from trainvitals.alerts import Engine, resolve_rules
-from trainvitals.wire.schema import Report
+from trainvitals.wire.schema import Report, ends_run
 
 
 def read_reports(path: str | Path) -> list[dict]:
@@ -24,10 +24,13 @@ def figures(reports: list[dict], name: str, **labels: str) -> dict[int, float]:
 
 
 def firing(reports: list[dict]) -> set[str]:
-    """Names of the default rules firing after every report was evaluated in order."""
+    """Names of the default rules firing at the run's last step: every report evaluated in
+    order but the one ``Monitor.close()`` sends (a run's end resolves its alerts)."""
     engine = Engine(resolve_rules("default"))
     for i, r in enumerate(reports):
-        engine.observe(Report.model_validate(r), now=1000.0 + i)
+        report = Report.model_validate(r)
+        if not ends_run(report):
+            engine.observe(report, now=1000.0 + i)
     return {a.rule.alert for a in engine.firing()}
 
 

@@ -28,6 +28,7 @@ OLD_INSTALL = (
     f'pip install --target {OLD_TRANSFORMERS} "tokenizers==0.20.3" "huggingface-hub==0.26.5" && '
     f'pip install --target {OLD_TRANSFORMERS} --no-deps "transformers==4.45.2" "accelerate==1.0.1"'
 )
+OLD_PACKAGES = ("transformers==4.45.2", "accelerate==1.0.1")
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning", "ignore::UserWarning")
 
@@ -111,12 +112,25 @@ def test_a_compute_loss_that_forgets_the_division_fires_loss_not_accum_normalize
     assert "LossNotAccumNormalized" in firing(reports)
 
 
+def _install_old_transformers() -> None:
+    """The release from before the fix, in a folder of its own (never on this venv's path:
+    it would shadow the current one). .ci/run installs it first; a fresh clone's run of
+    the suite installs it here, or, without a package index, skips with the command."""
+    if (Path(OLD_TRANSFORMERS) / "transformers").is_dir():
+        return
+    for packages in (["tokenizers==0.20.3", "huggingface-hub==0.26.5"], ["--no-deps", *OLD_PACKAGES]):
+        pip = [sys.executable, "-m", "pip", "install", "--quiet", "--target", OLD_TRANSFORMERS, *packages]
+        done = subprocess.run(pip, capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            pytest.skip(
+                f"transformers 4.45.2 is not in {OLD_TRANSFORMERS} and pip could not install it "
+                f"({done.stderr.strip().splitlines()[-1:]}); install it with: {OLD_INSTALL} "
+                f"(or set ${OLD_TRANSFORMERS_ENV} to where it is)"
+            )
+
+
 def test_a_release_before_the_mean_of_means_fix_fires_mean_of_means_loss(tmp_path):
-    if not (Path(OLD_TRANSFORMERS) / "transformers").is_dir():
-        pytest.fail(
-            f"transformers 4.45.2 is not installed in {OLD_TRANSFORMERS} (set ${OLD_TRANSFORMERS_ENV} "
-            f"to where it is); install it with: {OLD_INSTALL}"
-        )
+    _install_old_transformers()
     env = {"PYTHONPATH": os.pathsep.join([OLD_TRANSFORMERS, str(ROOT)])}
     result = run_job(tmp_path, "steps=60", "every=5", "accum=4", env=env)
     assert result["version"] == "4.45.2"

@@ -350,9 +350,27 @@ def test_data_parallel_ranks_switch_on_the_same_step(tmp_path):
 
 
 @pytest.mark.slow
+class _CollectorClock:
+    """The collector's clock for live settings: stopped until :meth:`jump`, so an
+    override stays in force however slowly this test gets to its checks (no race with
+    its expiry), then moved past the expiry at a moment the test chooses."""
+
+    def __init__(self) -> None:
+        self.stopped_at: float | None = time.time()
+        self.skew = 0.0
+
+    def __call__(self) -> float:
+        return self.stopped_at if self.stopped_at is not None else time.time() + self.skew
+
+    def jump(self, seconds: float) -> None:
+        self.skew, self.stopped_at = seconds, None
+
+
 def test_trainvitals_configure_changes_a_running_job_and_it_goes_back():
     with recording_collector() as got:
         url = got.collector.url
+        clock = _CollectorClock()
+        got.collector.app.state.run_settings = run_settings.RunSettingsTable(clock=clock)
         job = subprocess.Popen(
             [
                 TRAINVITALS,
@@ -366,7 +384,7 @@ def test_trainvitals_configure_changes_a_running_job_and_it_goes_back():
                 "--",
                 sys.executable,
                 "plain.py",
-                "150",
+                "300",
                 "--sleep",
                 "0.04",
             ],
@@ -378,7 +396,7 @@ def test_trainvitals_configure_changes_a_running_job_and_it_goes_back():
         )
         try:
             wait_until(lambda: got.steps("cli-live") or job.poll() is not None, 120, "the first report")
-            cfg = trainvitals("configure", "cli-live", "--every", "1", "--for", "3s", "--collector", url)
+            cfg = trainvitals("configure", "cli-live", "--every", "1", "--for", "30s", "--collector", url)
             assert cfg.returncode == 0, cfg.stderr
             configured = time.time()
             assert cfg.stdout.startswith("run 'cli-live': every=1 until ")
@@ -387,6 +405,14 @@ def test_trainvitals_configure_changes_a_running_job_and_it_goes_back():
             assert shown.stdout.startswith("run 'cli-live': every=1 until "), shown.stdout
             runs = httpx.get(f"{url}/v1/runs").json()
             assert [r["settings"]["every"] for r in runs if r["run"] == "cli-live"] == [1]
+            # In force for a while (a dozen consecutive steps reported), then the collector's
+            # clock passes the 30 s: its answers carry no settings and the job goes back.
+            wait_until(
+                lambda: sum(1 for s in got.steps("cli-live") if s % 5) >= 12 or job.poll() is not None,
+                120,
+                "a dozen steps reported under every=1",
+            )
+            clock.jump(60.0)
             _out, err = job.communicate(timeout=180)
         finally:
             if job.poll() is None:
@@ -410,4 +436,4 @@ def test_trainvitals_configure_changes_a_running_job_and_it_goes_back():
         set([s for s in steps if s <= first]) | set(range(first, last + 1)) | {s for s in steps if s > last}
     )
     assert [s for s in steps if s > last + 1] and all(s % 5 == 0 for s in steps if s > last + 1), steps
-    assert last - first >= 10  # in force for a while: 3 s at 40 ms a step
+    assert last - first >= 10  # in force until the collector's clock passed the expiry
