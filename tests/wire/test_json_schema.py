@@ -20,7 +20,13 @@ from trainvitals.monitor.decode import WireBatch
 from trainvitals.wire import Report, ReportBatch
 from trainvitals.wire.json_schema import report_batch_schema
 
-PAIRS = {"ReportBatch": "WireBatch", "Report": "WireReport", "Sample": "WireSample", "Event": "WireEvent"}
+PAIRS = {
+    "ReportBatch": "WireBatch",
+    "Report": "WireReport",
+    "Sample": "WireSample",
+    "Event": "WireEvent",
+    "Coverage": "WireCoverage",
+}
 
 # Checked on both sides by report_problem (one function both decoders call), not by the
 # field types: the msgspec struct leaves them to it so its error names the label.
@@ -30,7 +36,7 @@ BY_REPORT_PROBLEM = {("Sample", "labels", "additionalProperties"), ("Event", "la
 def _normal(node: Any, names: dict[str, str]) -> Any:
     """A schema with the spellings the two generators differ in made one: no titles or
     descriptions, references by the pydantic model's name, ``\\A...\\Z`` as ``^...$``,
-    ``const`` as a one-value ``enum``, empty container defaults left out, required as a set."""
+    ``const`` as a one-value ``enum``, enum values sorted, empty container defaults left out, required as a set."""
     if isinstance(node, list):
         return [_normal(v, names) for v in node]
     if not isinstance(node, dict):
@@ -45,6 +51,8 @@ def _normal(node: Any, names: dict[str, str]) -> Any:
             out[key] = re.sub(r"\\Z$", "$", re.sub(r"^\\A", "^", value))
         elif key == "const":
             out["enum"] = [value]
+        elif key == "enum":
+            out[key] = sorted(value, key=repr)  # msgspec sorts a Literal's values
         elif key == "default" and value in ([], {}):
             continue
         elif key == "required":
