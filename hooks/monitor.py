@@ -182,10 +182,13 @@ class Monitor:
         """Queue a host-side event for the next report."""
         self._pending_events.append((kind, detail, dict(labels or {})))
 
-    def warn_once(self, key: str, message: str, *args: Any) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning("trainvitals: " + message, *args)
+    def warn_once(self, key: str, message: str, *args: Any) -> bool:
+        """Log ``message`` the first time ``key`` is given; True when it logged now."""
+        if key in self._warned:
+            return False
+        self._warned.add(key)
+        log.warning("trainvitals: " + message, *args)
+        return True
 
     # -- user API ------------------------------------------------------------
     def track_loss(

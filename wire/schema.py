@@ -71,6 +71,7 @@ EVENT_KINDS: Mapping[str, frozenset[str]] = {
     RUN_END_EVENT: frozenset(),
     "optimizer_state_reset": frozenset(),
     "weight_decay_audit": frozenset(),
+    "param_series_cut": frozenset(),
     "loss_sample_mixed_modality": frozenset(),
     "loss_unknown_modality_code": frozenset(),
     "modality_without_label_tokens": frozenset({"modality"}),

@@ -158,6 +158,19 @@ def test_series_are_capped_by_name_order_and_the_cut_is_logged_once(caplog):
     mon.close()
 
 
+def test_the_cut_is_in_a_report_too_naming_what_has_no_series():
+    model, opt, mon = monitored(every=1, max_param_series=2, signals=("params", "adam"))
+    seen = []
+    for _ in range(3):
+        train(model, opt, mon, 1)
+        seen += [e for e in mon.latest_events() if e["kind"] == "param_series_cut"]
+    (event,) = seen  # once per attach, though two signals choose the series
+    assert event["detail"] == (
+        "2 of 5 1D parameters have their own series (max_param_series=2); without: norm.bias, norm.weight, scale"
+    )
+    mon.close()
+
+
 def test_per_param_adds_relative_grad_rms_for_matrices():
     model, opt, mon = monitored(every=1, per_param=True)
     history = train(model, opt, mon, 2)
