@@ -48,6 +48,7 @@ from trainvitals.monitor import (
 from trainvitals.monitor.answers import Problem
 from trainvitals.monitor.auth import ReadAuthMiddleware
 from trainvitals.monitor.exposition import ReportCounter, StoreCollector
+from trainvitals.monitor.lifetime import LifetimeDrift
 from trainvitals.monitor.run_settings import RunSettingsTable
 from trainvitals.monitor.settings import Settings, SettingsError
 from trainvitals.monitor.state_db import StateDB
@@ -153,6 +154,7 @@ def create_app(
     app.state.ready = False
     app.state.state_db = state
     app.state.run_settings = RunSettingsTable(state)  # live settings (trainvitals configure)
+    app.state.lifetime = LifetimeDrift(state)  # each run's first drift references
     for module in (
         routes_ingest,
         routes_metrics,

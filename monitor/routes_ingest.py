@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from trainvitals.monitor.answers import IngestAnswer
 from trainvitals.monitor.deps import ReportsDep, RunSettingsDep, SettingsDep, StoreDep
+from trainvitals.monitor.lifetime import LifetimeDrift
 from trainvitals.monitor.request_body import BodyRefused, parse_batch, read_body
 from trainvitals.monitor.run_settings import RunSettingsTable
 from trainvitals.monitor.state_db import StateDB
@@ -50,10 +51,11 @@ async def ingest_reports(
     try:
         body = await read_body(request, settings)
         state = request.app.state.state_db
+        lifetime = request.app.state.lifetime
         if len(body) > _INLINE_BYTES:
-            result, runs = await run_in_threadpool(_apply, store, body, state, run_settings)
+            result, runs = await run_in_threadpool(_apply, store, body, state, run_settings, lifetime)
         else:
-            result, runs = _apply(store, body, state, run_settings)
+            result, runs = _apply(store, body, state, run_settings, lifetime)
     except Refused as exc:  # answered by the app's handler; counted and logged here
         reports.inc(exc.outcome)
         client = request.client.host if request.client else "?"
@@ -70,7 +72,11 @@ async def ingest_reports(
 
 
 def _apply(
-    store: SeriesStore, body: bytes, state: StateDB | None = None, run_settings: RunSettingsTable | None = None
+    store: SeriesStore,
+    body: bytes,
+    state: StateDB | None = None,
+    run_settings: RunSettingsTable | None = None,
+    lifetime: LifetimeDrift | None = None,
 ) -> tuple[IngestResult, set[str]]:
     """Apply the body; also the runs it carries (their live settings go in the answer).
 
@@ -80,6 +86,8 @@ def _apply(
     its alerts were evaluated and paged at the first try)."""
     batch = parse_batch(body)
     now = time.time()
+    if lifetime is not None:  # a resumed run's drift judged since its first reference
+        lifetime.apply(batch, now)
     # IngestRefused and its subclasses carry their status (a full collector: 503 with
     # Retry-After, the client keeps the reports and retries).
     result = store.apply(batch, now)

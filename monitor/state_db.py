@@ -14,7 +14,10 @@ What survives a restart (``docs/collector.md``, "Restarts"):
   newest :data:`SEQ_WINDOW`; older ones count as applied), so a retry that
   straddles a restart is recognised as a duplicate;
 - live settings (``trainvitals configure``): per run, what was set and until when,
-  so a restart neither drops nor extends them.
+  so a restart neither drops nor extends them;
+- each run's first drift references (:mod:`trainvitals.monitor.lifetime`), kept
+  while the run reports within 30 days, so ParamDrift judges a resumed run's
+  whole life (they outlive the run's expiry: a job resumed hours later goes on).
 
 Series values are not kept: they come back with each run's next report.
 Writes: alert transitions and the ``seq`` numbers of each accepted body at once
@@ -73,7 +76,7 @@ SEQ_WINDOW = 4096  # seq numbers kept per (run, rank, sender); older ones count 
 _MAX_UNSAVED_SEQS = 1_000_000  # seq rows held in memory while the disk refuses them
 
 # Values of trainvitals_collector_state_write_errors_total{write}.
-WRITES = ("seqs", "runs", "alerts", "notified", "run_settings", "recreate")
+WRITES = ("seqs", "runs", "alerts", "notified", "run_settings", "drift_refs", "recreate")
 # One message per kind of write: the log's repeat filter keys on the message, so a
 # flood of one kind never hides another.
 _WRITE_FAILED = {
@@ -82,6 +85,7 @@ _WRITE_FAILED = {
     "alerts": "state file %s: cannot save the alert states (%s); kept in memory, saved again once it can",
     "notified": "state file %s: cannot record the notifications delivered (%s); kept in memory, saved again",
     "run_settings": "state file %s: cannot save live settings (%s)",
+    "drift_refs": "state file %s: cannot save the runs' first drift references (%s); kept in memory",
     "recreate": "state file %s: cannot write it back (%s); retried every few seconds",
 }
 
@@ -118,6 +122,17 @@ CREATE TABLE IF NOT EXISTS seq_floors (
     floor INTEGER NOT NULL,
     PRIMARY KEY (run, rank, sender)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS drift_refs (
+    run TEXT NOT NULL,
+    rank INTEGER NOT NULL,
+    param TEXT NOT NULL,
+    ref REAL NOT NULL,
+    PRIMARY KEY (run, rank, param)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS drift_runs (
+    run TEXT PRIMARY KEY,
+    seen REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS run_settings (
     run TEXT PRIMARY KEY,
     data TEXT NOT NULL,
@@ -515,6 +530,46 @@ class StateDB:
         return [(run, rank, sender, floor, seqs) for (run, rank, sender), (floor, seqs) in out.items()]
 
     # -- live settings -----------------------------------------------------------
+
+    def load_drift_refs(self, since: float) -> list[tuple[str, int, str, float]]:
+        """``(run, rank, param, ref)`` of the runs seen since ``since`` (older ones are
+        deleted)."""
+        try:
+            self._tx(
+                "drift_refs",
+                lambda: (
+                    self._db.execute(
+                        "DELETE FROM drift_refs WHERE run IN (SELECT run FROM drift_runs WHERE seen < ?)", (since,)
+                    ),
+                    self._db.execute("DELETE FROM drift_runs WHERE seen < ?", (since,)),
+                ),
+            )
+        except StateWriteError:
+            pass  # counted and logged; what is there is still read
+        with self._lock:
+            rows = self._db.execute("SELECT run, rank, param, ref FROM drift_refs").fetchall()
+        return [(r, int(k), p, float(v)) for r, k, p, v in rows]
+
+    def save_drift_refs(
+        self, refs: Iterable[tuple[str, int, str, float, float]], runs: Iterable[str], now: float
+    ) -> None:
+        """Keep first references ``(run, rank, param, ref, now)`` (a kept one is not
+        replaced) and mark ``runs`` seen at ``now``."""
+        refs, runs = list(refs), sorted(set(runs) | {r[0] for r in refs})
+
+        def body() -> None:
+            self._db.executemany(
+                "INSERT OR IGNORE INTO drift_refs VALUES (?, ?, ?, ?)", [(r, k, p, v) for r, k, p, v, _ in refs]
+            )
+            self._db.executemany(
+                "INSERT INTO drift_runs VALUES (?, ?) ON CONFLICT(run) DO UPDATE SET seen = excluded.seen",
+                [(run, now) for run in runs],
+            )
+
+        try:
+            self._tx("drift_refs", body)
+        except StateWriteError:
+            pass  # counted and logged by _tx; the references stay in memory
 
     def load_run_settings(self) -> list[tuple[str, dict[str, Any], float, float]]:
         """``(run, settings, set_at, expires_at)`` for every run's live settings kept."""

@@ -106,3 +106,53 @@ def test_a_walk_through_zero_reads_as_drift():
     assert drift == pytest.approx(math.log2(1 + abs(now - 1.0)), rel=1e-5)
     assert drift > 1.0 and param_drift(mon, "out_scale")
     mon.close()
+
+
+def _segments_to(url: str, run: str, signs: tuple[float, ...], tmp_path) -> list[float]:
+    """As _segments without the monitor's state, reporting to a collector: each segment's
+    own drift (from its attach) at its end."""
+    checkpoint = tmp_path / f"{run}.pt"
+    drifts = []
+    for seg, sign in enumerate(signs):
+        model = Readout()
+        opt = torch.optim.Adam(model.parameters(), lr=0.05, eps=1e-8)
+        _biased_noise_hook(model, torch.Generator().manual_seed(7 + seg), sign=sign)
+        if seg:
+            saved = torch.load(checkpoint, weights_only=False)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+        mon = attach(model, opt, run=run, collector=url, every=10, signals=("params", "adam"))
+        _train(model, opt, mon, seg * SEGMENT + 1, SEGMENT)
+        drifts.append(mon.value("param_drift_log2", param="out_scale"))
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, checkpoint)
+        assert mon.flush(10)
+        mon.close()
+    return drifts
+
+
+def test_the_collector_judges_drift_over_a_resumed_runs_life(tmp_path):
+    """Three segments resumed without the monitor's state: each drifts less than a bit
+    from its own attach, more than a bit in all. The collector keeps the run's first
+    references (in its state file) and pages ParamDrift; the twin whose segments drift
+    back and forth stays quiet."""
+    from tests.support import metric_value, running_collector, wait_until
+    from trainvitals.monitor.settings import Settings
+
+    with running_collector(Settings(state_path=tmp_path / "state.db")) as c:
+        walked = _segments_to(c.url, "walk", (-1.0, -1.0, -1.0), tmp_path)
+        assert all(0.0 < d < 1.0 for d in walked) and sum(walked) > 1.0, walked
+        lifetime = metric_value(
+            c.client.get("/metrics").text, "trainvitals_param_drift_log2", run="walk", param="out_scale"
+        )
+        assert lifetime == pytest.approx(math.log2(2 ** walked[0] * 2 ** walked[1] * 2 ** walked[2]), rel=1e-4)
+        wait_until(lambda: [a for a in c.alerts("walk") if a["alertname"] == "ParamDrift"], what="ParamDrift")
+        # It fired (and resolved when the last segment closed: the run ended).
+        (alert,) = [a for a in c.alerts("walk") if a["alertname"] == "ParamDrift"]
+        assert alert["fired_at"] is not None and alert["labels"]["param"] == "out_scale", alert
+        assert alert["fired_value"] > 1.0
+        back = _segments_to(c.url, "back", (-1.0, 1.0, -1.0), tmp_path)
+        assert all(abs(d) < 1.0 for d in back), back
+        assert [a for a in c.alerts("back") if a["alertname"] == "ParamDrift"] == []
+    # The references outlive the collector: a restarted one goes on judging the run's life.
+    with running_collector(Settings(state_path=tmp_path / "state.db")) as c:
+        assert c.app.state.lifetime.reference("walk", "out_scale") == pytest.approx(1.0, rel=1e-6)
