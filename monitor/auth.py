@@ -56,7 +56,7 @@ class ReadAuthMiddleware:
         self.app = app
         self._token = token.encode()
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not read_protected(scope["method"], scope["path"]):
             await self.app(scope, receive, send)
             return

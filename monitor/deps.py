@@ -21,27 +21,33 @@ __all__ = ["AlertsDep", "ExporterDep", "ReportsDep", "RunSettingsDep", "Settings
 
 
 async def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
+    part: Settings = request.app.state.settings
+    return part
 
 
 async def get_store(request: Request) -> SeriesStore:
-    return request.app.state.store
+    part: SeriesStore = request.app.state.store
+    return part
 
 
 async def get_exporter(request: Request) -> StoreCollector:
-    return request.app.state.exporter
+    part: StoreCollector = request.app.state.exporter
+    return part
 
 
 async def get_reports(request: Request) -> ReportCounter:
-    return request.app.state.reports
+    part: ReportCounter = request.app.state.reports
+    return part
 
 
 async def get_alerts(request: Request) -> AlertService:
-    return request.app.state.alerts
+    part: AlertService = request.app.state.alerts
+    return part
 
 
 async def get_run_settings(request: Request) -> RunSettingsTable:
-    return request.app.state.run_settings
+    part: RunSettingsTable = request.app.state.run_settings
+    return part
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 from trainvitals.alerts.notifiers.base import redact_secrets
 from trainvitals.wire.redact import redact
@@ -60,7 +61,7 @@ class RepeatFilter(logging.Filter):
         super().__init__()
         self.burst, self.window = burst, window
         self._lock = threading.Lock()
-        self._seen: dict[tuple[str, str], list] = {}  # key -> [window start, count]
+        self._seen: dict[tuple[str, str], list[Any]] = {}  # key -> [window start, count]
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING:
@@ -78,7 +79,7 @@ class RepeatFilter(logging.Filter):
                     record.msg = f"{record.msg} (and {suppressed} more like it in the last {self.window:.0f} s)"
                 return True
             slot[1] += 1
-            return slot[1] <= self.burst
+            return bool(slot[1] <= self.burst)
 
 
 # Loggers with handlers of their own (uvicorn configures them when its Config is built).

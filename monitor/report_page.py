@@ -220,9 +220,11 @@ def _thresholds(rules: Iterable[Any], metric: str) -> list[dict[str, Any]]:
     return out
 
 
-def _panel_data(panel: Panel, metrics: Mapping[str, Any], verdict: RunVerdict, rules: list[Any]) -> dict | None:
+def _panel_data(
+    panel: Panel, metrics: Mapping[str, Any], verdict: RunVerdict, rules: list[Any]
+) -> dict[str, Any] | None:
     wanted_keys = {(i.metric, tuple(sorted(i.labels.items()))) for i in verdict.incidents if i.metric in panel.metrics}
-    chosen: list[tuple[str, tuple, _Series]] = []
+    chosen: list[tuple[str, tuple[Any, ...], _Series]] = []
     left_out = 0
     for metric in panel.metrics:
         per = metrics.get(metric)

@@ -102,7 +102,8 @@ def install(app: FastAPI) -> LivePages:
 
 
 def _pages(request: Request) -> LivePages:
-    return request.app.state.pages
+    pages: LivePages = request.app.state.pages
+    return pages
 
 
 _INDEX_STYLE = """

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainvitals.wire import PREFIX, RESERVED_NAMES, Report, ReportBatch, ends_run, exposed_family
 from trainvitals.wire.coverage import ACTIVE_METRIC, coverage_samples
@@ -392,7 +392,7 @@ class SeriesStore:
                     log.exception("on_ingest callback %r failed; the batch was still ingested", cb)
         return IngestResult(len(reports), tuple(duplicates), tuple(new_runs))
 
-    def _fresh_locked(self, reports: list) -> tuple[list, list[int]]:
+    def _fresh_locked(self, reports: list[Any]) -> tuple[list[Any], list[int]]:
         """The reports not applied before (nor earlier in this batch), and the others' indices."""
         if all(r.seq is None for r in reports):
             return reports, []
@@ -410,7 +410,7 @@ class SeriesStore:
             fresh.append(r)
         return fresh, dups
 
-    def _check_limits_locked(self, reports: list) -> None:
+    def _check_limits_locked(self, reports: list[Any]) -> None:
         """Refuse a batch that would pass a run's budget or the store's cap."""
         # At most one new series per sample, plus three per run (step, last report
         # time, run_ended): when even that fits, skip counting (the hot path).
@@ -447,7 +447,7 @@ class SeriesStore:
                 f"{self.max_series} (max_series); retry later"
             )
 
-    def _count_new_locked(self, reports: list) -> dict[str, int]:
+    def _count_new_locked(self, reports: list[Any]) -> dict[str, int]:
         """Series the reports would add per run (duplicates within them counted once)."""
         seen: set[tuple[str, int, str, LabelKey]] = set()
         added: dict[str, int] = {}
@@ -473,7 +473,7 @@ class SeriesStore:
                 added[name] += 1
         return added
 
-    def _check_names_locked(self, reports: list) -> set[str]:
+    def _check_names_locked(self, reports: list[Any]) -> set[str]:
         """Refuse gauge/counter clashes; return the names not seen before.
 
         A gauge ``x`` and a counter ``x_total`` would both be exposed as family

@@ -65,4 +65,4 @@ def check_run(run: Any, name: str = "run") -> str:
     message points at the argument to fix."""
     if not is_run(run):
         raise ValueError(f"{name}={run!r}: {RUN_RULE}")
-    return run
+    return str(run)
