@@ -16,6 +16,10 @@ at ``on_before_optimizer_step`` (after the closure, before Lightning clips them)
 step with ``accumulate_grad_batches`` > 1 is accounted whole. The monitor's state
 rides in Lightning's checkpoints (the callback's ``state_dict``). Under DDP every rank
 attaches; rank 0 sends.
+
+Each report's headline figures (:mod:`trainvitals.hooks.headline`: a handful per signal,
+named as on ``/metrics``, and the alerts firing in the job) go to the Trainer's loggers
+(TensorBoard, wandb, MLflow, CSV ...) at the report's step.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class TrainvitalsCallback(Callback):
         self.options = options
         self.monitor: Monitor | None = None
         self._saved: dict[str, Any] | None = None
+        self._logged_step = -1
 
     # -- Lightning hooks -------------------------------------------------------------------
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -128,9 +133,22 @@ class TrainvitalsCallback(Callback):
         if self.monitor is not None:
             self.monitor.gradients_ready()
 
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._log_headline(trainer)
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.monitor is not None:
             self.monitor.close()  # kept: its latest report stays readable after training
+            self._log_headline(trainer)
+
+    def _log_headline(self, trainer: Any) -> None:
+        """A report's headline figures not logged yet go to the module's loggers, at its step."""
+        latest = self.monitor.headline() if self.monitor is not None else None
+        if latest is None or latest[0] <= self._logged_step:
+            return
+        self._logged_step = latest[0]
+        for logger in trainer.loggers:
+            logger.log_metrics(latest[1], step=latest[0])
 
     def state_dict(self) -> dict[str, Any]:
         return {"monitor": self.monitor.state_dict()} if self.monitor is not None else {}

@@ -127,6 +127,9 @@ class Monitor:
             evaluator = LocalEvaluator(rules=rules)
             visible_logs()
         self._evaluator = evaluator
+        self._headline: tuple[int, dict[str, float]] | None = None
+        if evaluator is not None and hasattr(sink, "firing"):
+            sink.firing = self._firing_names  # a tracker sink shows the alerts firing
         self._sender = Sender(sink, max_queue_bytes=config.queue_bytes, on_report=self._observe_report)
         self.signals: list[Signal] = _default_signals(config.signals)
         self._handles: list[Removable] = [optimizer.register_step_post_hook(self._after_step)]
@@ -363,15 +366,25 @@ class Monitor:
             except Exception as exc:  # noqa: BLE001
                 self.warn_once("run_end", "could not queue the run_end report: %s", exc)
         left = self._sender.close(self.config.flush_timeout, quiet=True)
-        if self._evaluator is not None and self._end_report:
-            path = getattr(self._sender.sink, "path", None)
-            self._evaluator.close(self.run, report_file=str(path) if path is not None else None)
 
         if self._end_report:
             try:
                 self._log_summary(left)
             except Exception as exc:  # noqa: BLE001 - never into the training loop
                 log.warning("trainvitals: could not summarize run %r: %s", self.run, exc)
+        if self._evaluator is not None and self._end_report:
+            # The verdict after the summary: together, what was watched and what it showed.
+            path = getattr(self._sender.sink, "path", None)
+            self._evaluator.close(self.run, report_file=str(path) if path is not None else None)
+
+    def headline(self) -> tuple[int, dict[str, float]] | None:
+        """The latest report's step and headline figures (:mod:`trainvitals.hooks.headline`:
+        a handful of series per signal, named as on ``/metrics``, and the alerts the job's
+        rules see firing), for the trackers; None before the first report."""
+        return self._headline
+
+    def _firing_names(self) -> list[str]:
+        return [a.alertname for a in self._evaluator.firing()] if self._evaluator is not None else []
 
     def verdict(self) -> Any:
         """The in-job rules' verdict on this run so far (:class:`trainvitals.alerts.verdict.RunVerdict`),
@@ -427,9 +440,13 @@ class Monitor:
         log.log(level, "trainvitals: %s", "; ".join(parts))
 
     def _observe_report(self, report: Any) -> None:
-        """Sender thread: the in-process rules."""
+        """Sender thread: the in-process rules, then the headline figures for the trackers."""
         if self._evaluator is not None:
             self._evaluator.observe(report)
+        if report.samples:
+            from trainvitals.hooks.headline import headline_figures
+
+            self._headline = (report.step, headline_figures(report.samples, self._firing_names()))
 
     def _coverage_entries(
         self, emitted: dict[str, bool], verdicts: dict[str, tuple[str, str]] | None = None

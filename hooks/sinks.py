@@ -314,7 +314,7 @@ def make_sink(collector: str | None, sink: Any, run: str) -> Sink:
 
 
 def parse_sink(spec: str) -> Sink:
-    """A sink from ``"null"``, ``"file:PATH"`` or a collector URL."""
+    """A sink from ``"null"``, ``"file:PATH"``, ``"tensorboard:DIR"`` or a collector URL."""
     if spec in ("null", "none", ""):
         return NullSink()
     if spec.startswith("file:"):
@@ -324,7 +324,14 @@ def parse_sink(spec: str) -> Sink:
         return FileSink(path)
     if spec.startswith(("http://", "https://")):
         return HttpSink(spec)
+    if spec.startswith("tensorboard:"):
+        from trainvitals.hooks.headline import TensorBoardSink
+
+        logdir = spec[len("tensorboard:") :]
+        if not logdir:
+            raise ValueError("sink 'tensorboard:' needs a folder, e.g. sink='tensorboard:runs/exp1'")
+        return TensorBoardSink(logdir)
     raise ValueError(
         f"cannot tell where to send reports from {spec!r}: pass collector='http://host:9477', "
-        "sink='file:/path/run.jsonl' or sink='null'"
+        "sink='file:/path/run.jsonl', sink='tensorboard:DIR' or sink='null'"
     )

@@ -40,6 +40,25 @@ __all__ = ["TrainvitalsCallback"]
 log = logging.getLogger("trainvitals")
 
 
+def _log_first(callback: Any) -> None:
+    """Put ``callback`` first among the Trainer's callbacks, so the figures it adds to the
+    logs in ``on_log`` reach the ``report_to`` integrations, which the Trainer puts before
+    the callbacks the user passes. The handler is the caller of ``on_train_begin`` (the
+    Trainer passes no reference to it); where it cannot be found the figures still reach
+    ``state.log_history`` and the callbacks after this one, and a line says so."""
+    import sys
+
+    from transformers.trainer_callback import CallbackHandler
+
+    frame = sys._getframe(2)  # _log_first <- on_train_begin <- CallbackHandler.call_event
+    handler = frame.f_locals.get("self") if frame is not None else None
+    if isinstance(handler, CallbackHandler) and callback in handler.callbacks:
+        handler.callbacks.remove(callback)
+        handler.callbacks.insert(0, callback)
+    else:
+        log.info("trainvitals: cannot put the callback before the report_to integrations; they miss its figures")
+
+
 class TrainvitalsCallback(TrainerCallback):
     """Training-health monitoring for a ``transformers.Trainer``.
 
@@ -86,6 +105,7 @@ class TrainvitalsCallback(TrainerCallback):
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
     ) -> None:
         self._close()  # a second train() on the same Trainer
+        _log_first(self)
         if model is None or optimizer is None:
             raise ValueError("TrainvitalsCallback: the Trainer passed no model or optimizer to on_train_begin")
         name = run_name(
@@ -108,6 +128,15 @@ class TrainvitalsCallback(TrainerCallback):
             self._pre_hook = unwrap(model).register_forward_pre_hook(self._tag_inputs, with_kwargs=True)
         if state.global_step > 0:
             self._restore(args, state)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """Add the latest report's headline figures (and the alerts the job's rules see
+        firing) to the Trainer's logs: every ``report_to`` backend records them."""
+        if self.monitor is None or logs is None:
+            return
+        latest = self.monitor.headline()
+        if latest is not None:
+            logs.update(latest[1])
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is None:
