@@ -114,6 +114,9 @@ class Incident:
     below: float | None = None
     clear: float | None = None
     resolved: bool = False
+    """Its value cleared (False: it was still firing at the last report)."""
+    ended_firing: bool = False
+    """The run ended (or expired) while it fired."""
     fired: int = 1
     """How many times it fired (a series that resolved and fired again stays one incident)."""
 
@@ -268,10 +271,14 @@ class VerdictBuilder:
                 self._runs.setdefault(run, RunVerdict(run)).incidents.append(inc)
             else:
                 inc.fired += 1
-                inc.resolved = False
+                inc.resolved = inc.ended_firing = False
             self._update(t)
         elif t.state is AlertState.RESOLVED and inc is not None:
-            inc.resolved = True
+            # Resolved because the run ended (or expired), not because the value cleared:
+            # it was still firing when the run stopped.
+            ended = getattr(t, "resolved_reason", "") or t.reason
+            inc.resolved = not ended
+            inc.ended_firing = bool(ended)
             if t.step is not None:
                 inc.last_step = max(inc.last_step, t.step)
 
@@ -343,7 +350,15 @@ def format_verdict(verdict: RunVerdict, *, report_file: str | None = None) -> li
         f"{f', {pages} of severity page' if pages else ''} in {verdict.reports} reports ({steps}){where}"
     ]
     for i in verdict.incidents:
-        state = f"resolved at step {i.last_step}" if i.resolved else f"still firing at step {i.last_step}"
+        state = (
+            f"resolved at step {i.last_step}"
+            if i.resolved
+            else (
+                f"still firing when the run ended at step {i.last_step}"
+                if i.ended_firing
+                else f"still firing at step {i.last_step}"
+            )
+        )
         where_labels = f" {{{i.where}}}" if i.labels else ""
         lines.append(
             f"  {i.severity.upper()} {i.alert}{where_labels}: fired at step {i.first_step}, {state}, "

@@ -49,7 +49,12 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     hooks. A ChainedOptimizer of several optimizers raises, naming them: attach one
     monitor per inner optimizer."""
     seen = set()
-    while id(optimizer) not in seen and not isinstance(optimizer, torch.optim.Optimizer):
+    # accelerate's AcceleratedOptimizer subclasses torch's Optimizer yet is a wrapper: the
+    # one to hook is the optimizer it holds.
+    while id(optimizer) not in seen and (
+        not isinstance(optimizer, torch.optim.Optimizer)
+        or isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)
+    ):
         seen.add(id(optimizer))
         chained = getattr(optimizer, "chained_optimizers", None)
         if isinstance(chained, (list, tuple)):
