@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -116,15 +118,30 @@ class NormPlan:
         for i, t in enumerate(tensors):
             if 0 < t.ndim and t.numel() <= SMALL_NUMEL and t.device == device and t.layout == torch.strided:
                 by_shape.setdefault((tuple(t.shape), t.dtype), []).append(i)
-        self.groups: list[tuple[list[int], torch.Tensor, torch.dtype | None]] = []
+        self.groups: list[tuple[list[int], torch.Tensor, torch.dtype | None, int]] = []
         grouped: set[int] = set()
-        for (_, dtype), members in by_shape.items():
+        for (shape, dtype), members in by_shape.items():
             if len(members) >= _GROUP_MIN:
                 accumulate = None if dtype in (torch.float32, torch.float64) else torch.float32
-                self.groups.append((members, torch.tensor(members, device=device), accumulate))
+                total = len(members) * math.prod(shape)
+                self.groups.append((members, torch.tensor(members, device=device), accumulate, total))
                 grouped.update(members)
         self.rest = [i for i in range(self.count) if i not in grouped]
         self.rest_index = torch.tensor(self.rest, dtype=torch.long, device=device)
+
+    @classmethod
+    def cached(cls, slot: list[Any], key: Any, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """``norms`` through a plan kept in ``slot`` (a one-element list the caller owns)
+        for as long as ``key`` (what fixes the tensors' shapes, e.g. their parameters'
+        ids) stays the same; rebuilt when it changes or the shapes do not fit."""
+        entry = slot[0]
+        if entry is None or entry[0] != key:
+            entry = slot[0] = (key, cls(tensors, device))
+        try:
+            return entry[1].norms(tensors)
+        except ValueError:
+            entry = slot[0] = (key, cls(tensors, device))
+            return entry[1].norms(tensors)
 
     def norms(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if not self.groups:
@@ -132,8 +149,11 @@ class NormPlan:
         if len(tensors) != self.count:
             raise ValueError(f"NormPlan built for {self.count} tensors, given {len(tensors)}")
         out = torch.empty(self.count, device=self.device)
-        for members, index, accumulate in self.groups:
-            rows = torch.cat([tensors[i] for i in members]).view(len(members), -1)
+        for members, index, accumulate, total in self.groups:
+            rows = torch.cat([tensors[i] for i in members])
+            if rows.numel() != total:
+                raise ValueError("NormPlan given tensors of other shapes than it was built for")
+            rows = rows.view(len(members), -1)
             out.index_copy_(0, index, torch.linalg.vector_norm(rows, dim=1, dtype=accumulate).float())
         if self.rest:
             rest = stack_on(foreach_norm32([tensors[i] for i in self.rest]), self.device)

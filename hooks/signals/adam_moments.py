@@ -27,6 +27,8 @@ pass over the moments for the norms and little else.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from trainvitals.hooks.indices import IndexCache
@@ -40,7 +42,7 @@ from trainvitals.hooks.signals.optimizer_state import (
 )
 from trainvitals.hooks.signals.param_series import choose
 from trainvitals.hooks.step import StepContext
-from trainvitals.hooks.tensors import flat, foreach_norm32, local, real
+from trainvitals.hooks.tensors import NormPlan, flat, local, real
 
 BATCH = 1 << 18
 """Sampled elements per batch: bounds the temporaries to a few MB."""
@@ -183,6 +185,7 @@ class AdamMoments:
     def __init__(self) -> None:
         self._plan_key: tuple | None = None
         self._plan: MomentPlan | None = None
+        self._norm_plan: list[Any] = [None]  # NormPlan.cached's slot, for the moments' norms
         self._series_key: tuple | None = None
         self._series: tuple[dict[int, tuple[int, bool]], list[dict[str, str]]] = ({}, [])
         self._indices = IndexCache()
@@ -249,8 +252,9 @@ class AdamMoments:
         raw = vs if all(e.v is e.state["exp_avg_sq"] for e in entries) else [e.state["exp_avg_sq"] for e in entries]
         if sharded:
             ms, vs, raw = [local(t) for t in ms], [local(t) for t in vs], [local(t) for t in raw]
-        both = foreach_norm32([real(t) for t in ms] + [real(t) for t in raw])
-        sq = stack_steps(list(both), dev).to(torch.float64).square().view(2, -1)  # m, v sums of squares
+        moments = [real(t) for t in ms] + [real(t) for t in raw]
+        # by shape groups (NormPlan: a few us less per tensor than a foreach norm and a stack)
+        sq = NormPlan.cached(self._norm_plan, plan_key, moments, dev).to(torch.float64).square().view(2, -1)
 
         # Per element only c = eps * sqrt(1 - b2^t) is needed:
         #   sqrt(v_hat) < eps  <=>  sqrt(v) < c
@@ -300,3 +304,4 @@ class AdamMoments:
 
     def close(self) -> None:
         self._plan = None
+        self._norm_plan = [None]

@@ -28,7 +28,7 @@ from trainvitals.hooks.sampling import TensorsSample
 from trainvitals.hooks.signals.backward_grad_norm import BackwardGradNorms, emit_norm_history
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
 from trainvitals.hooks.step import ReduceOp, StepContext
-from trainvitals.hooks.tensors import flat, local, norms
+from trainvitals.hooks.tensors import NormPlan, flat, local
 
 
 class OptimizerStats(Signal):
@@ -36,6 +36,7 @@ class OptimizerStats(Signal):
 
     def __init__(self) -> None:
         self._grad_norms: torch.Tensor | None = None
+        self._param_norms: list[Any] = [None]  # NormPlan.cached's slot, for the parameters' norms
         self._grad_group: torch.Tensor | None = None
         self._before: torch.Tensor | None = None
         self._sample_key: tuple | None = None
@@ -129,7 +130,8 @@ class OptimizerStats(Signal):
             self._nonfinite = self._nonfinite + applied_bad
             values.append(gn)
             bins.append(grad_group)
-        values.append(norms([local(p) for p in params], dev))  # under no_grad: no detach needed
+        # under no_grad: no detach needed; by shape groups (NormPlan), the plan kept per params
+        values.append(NormPlan.cached(self._param_norms, tuple(map(id, params)), [local(p) for p in params], dev))
         bins.append(self._indices.get(group_of, dev))
         upd = False
         if self._before is not None and self._sample_group is not None:

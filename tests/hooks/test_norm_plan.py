@@ -35,7 +35,7 @@ def test_norms_equal_plain_torch_in_order():
     tensors = _tensors()
     plan = NormPlan(tensors, torch.device("cpu"))
     assert plan.groups, "the repeated small shapes should be grouped"
-    assert sum(len(m) for m, _, _ in plan.groups) + len(plan.rest) == len(tensors)
+    assert sum(len(g[0]) for g in plan.groups) + len(plan.rest) == len(tensors)
     got = plan.norms(tensors)
     torch.testing.assert_close(got, _reference(tensors), rtol=2e-6, atol=0.0, equal_nan=True)
     assert got.dtype == torch.float32 and got.shape == (len(tensors),)
