@@ -256,8 +256,18 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
             options["loss_from_logits"] = head
     monitor = build_monitor(model, optimizer, run=run, scaler=scaler, **options)
     monitor.automatic = True
-    if no_head:  # zero-code expects loss accounting: say why it is off
-        monitor.coverage.set_inactive("loss", "no_lm_head", no_head)
+    if no_head:  # zero-code expects loss accounting of a language model: say why it is off
+        from trainvitals.hooks.logits_finder import token_embedding
+
+        if token_embedding(unwrap(model)) is None:
+            monitor.coverage.set_inactive(
+                "loss",
+                "not_requested",
+                "the model has no token embedding (not a language model): no logits to read loss weights "
+                "from; call Monitor.track_loss for loss accounting",
+            )
+        else:
+            monitor.coverage.set_inactive("loss", "no_lm_head", no_head)
     where = ""
     if distributed.world_size() > 1:
         where = f", rank {monitor.rank} of {monitor.world_size}"

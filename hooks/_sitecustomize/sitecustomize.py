@@ -14,7 +14,9 @@ Python process of the job (``python train.py``, ``python -m pkg``, each rank tha
    any, so the job sees its own start-up code as before.
 
 It never stops the job: if trainvitals cannot be imported by this interpreter, it
-says so once on stderr and the job runs unmonitored.
+says so once on stderr and the job runs unmonitored. A process that imports torch
+and exits without stepping an optimizer says so on stderr too (nothing was watched,
+nothing was sent): never a silent blind run.
 """
 
 import os
@@ -122,6 +124,53 @@ def _chain():
     sys.modules["sitecustomize"] = module
     spec.loader.exec_module(module)
 
+
+def _job_process():
+    """Whether this process is one of the job's own (not torchrun's launcher, not a
+    multiprocessing worker: those never step an optimizer by design)."""
+    if "multiprocessing" in sys.modules:
+        try:
+            if sys.modules["multiprocessing"].parent_process() is not None:
+                return False
+        except Exception:  # noqa: BLE001
+            return False
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if getattr(spec, "name", "") in ("torch.distributed.run", "torch.distributed.launch"):
+        return False
+    return os.path.basename(sys.argv[0] if sys.argv else "") not in ("torchrun",)
+
+
+def _shown(url):
+    """The destination without a password (the standard library only)."""
+    try:
+        from urllib.parse import urlsplit, urlunsplit
+
+        parts = urlsplit(url)
+        if parts.password is not None:
+            host = parts.hostname or ""
+            netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+            return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    except Exception:  # noqa: BLE001
+        pass
+    return url
+
+
+def _at_exit():
+    """No optimizer step ran in a process that imported torch: say that nothing was watched."""
+    if _impl is not None or "torch" not in sys.modules or not _job_process():
+        return
+    run = os.environ.get("TRAINVITALS_RUN", "")
+    where = os.environ.get("TRAINVITALS_COLLECTOR") or "./trainvitals-{}.jsonl".format(run.replace("/", "_"))
+    sys.stderr.write(
+        f"trainvitals run: run {run!r}: the job imported torch but stepped no torch optimizer "
+        f"(optimizer.step() never ran): NOTHING was watched and no report was sent to {_shown(where)}\n"
+    )
+
+
+import atexit  # noqa: E402 - after the definitions it registers
+
+atexit.register(_at_exit)
 
 if "torch" in sys.modules:  # pragma: no cover - nothing imports torch before site runs
     _torch_imported(sys.modules["torch"])

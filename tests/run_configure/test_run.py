@@ -279,3 +279,50 @@ def test_exit_codes_and_signals_pass_through(tmp_path):
         if job.poll() is None:
             job.kill()
             job.wait()
+
+
+# -- never silently blind ---------------------------------------------------------------
+def test_a_script_that_steps_no_optimizer_says_nothing_was_watched():
+    proc = trainvitals("run", "--run", "idle", "--", sys.executable, "no_step.py")
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
+    assert (
+        "trainvitals run: run 'idle': the job imported torch but stepped no torch optimizer "
+        "(optimizer.step() never ran): NOTHING was watched and no report was sent to ./trainvitals-idle.jsonl"
+    ) in proc.stderr
+    assert not (JOBS / "trainvitals-idle.jsonl").exists()
+
+
+def test_a_script_that_attaches_itself_keeps_its_own_monitor_and_gets_no_second():
+    with recording_collector() as got:
+        url = got.collector.url
+        proc = trainvitals("run", "--run", "outer", "--collector", url, "--", sys.executable, "self_attach.py", url)
+        assert proc.returncode == 0, proc.stderr
+        assert got.steps("own") == [1, 2, 4]
+        assert got.steps("outer") == []  # not watched a second time
+    assert "the job attached a monitor to AdamW itself (run 'own')" in proc.stderr
+    assert "does not watch it a second time" in proc.stderr
+
+
+def test_a_language_model_whose_head_is_not_found_says_so_and_warns():
+    """Coverage says no_lm_head with why, the start and close lines say it, and the
+    collector's SignalInactive fires; the plain script (no token embedding) is not blind
+    on loss: it is no language model, and nothing warns."""
+    with recording_collector() as got:
+        c = got.collector
+        proc = trainvitals(
+            "run", "--run", "hidden", "--collector", c.url, "--every", "1", "--", sys.executable, "hidden_head.py", "25"
+        )
+        assert proc.returncode == 0, proc.stderr
+        fired = [a for a in c.alerts("hidden") if a["alertname"] == "SignalInactive"]
+        assert len(fired) == 1 and fired[0]["fired_at"] is not None, c.alerts("hidden")
+        assert fired[0]["labels"]["signal"] == "loss" and fired[0]["labels"]["reason"] == "no_lm_head"
+        plain = trainvitals(
+            "run", "--run", "regression", "--collector", c.url, "--every", "1", "--", sys.executable, "plain.py", "25"
+        )
+        assert plain.returncode == 0, plain.stderr
+        assert [a for a in c.alerts("regression") if a["alertname"] == "SignalInactive"] == []
+    start = next(line for line in proc.stderr.splitlines() if "trainvitals run: watching" in line)
+    assert "blind: loss (no_lm_head: loss_from_logits=True: cannot find the module" in start
+    close = next(line for line in proc.stderr.splitlines() if "closed after 25 optimizer step(s)" in line)
+    assert "never engaged: loss (no_lm_head" in close and f"to HttpSink('{c.url}/v1/reports'), 0 not delivered" in close
+    assert "not requested: loss" in next(line for line in plain.stderr.splitlines() if "closed after" in line)
