@@ -1,0 +1,73 @@
+"""A tiny LLaVA (``LlavaForConditionalGeneration`` from tiny configs, no download) trained by
+a plain loop that knows nothing of trainvitals and tags nothing. Per step 4 micro-batches
+of one sample, image and text alternating: an image sample is its 4 image tokens, a
+prompt and a 1-token answer; a text sample 30 trained tokens. The loss is normalized
+over the step's label tokens (per token).
+
+The truth, printed per step (``step N image_share S``): the image samples' share of the
+step's gradient weight, by autograd on the per-token losses, an image sample being one
+with pixel values.
+"""
+
+import os
+import warnings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+warnings.simplefilter("ignore")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration  # noqa: E402
+
+VOCAB, IMAGE, PATCHES = 64, 63, 4
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+vision = CLIPVisionConfig(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4
+)
+text = LlamaConfig(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+)
+model = LlavaForConditionalGeneration(
+    LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE, vision_feature_layer=-1)
+)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+g = torch.Generator().manual_seed(0)
+
+
+def sample(image):
+    if image:
+        ids = torch.cat([torch.tensor([1]), torch.full((PATCHES,), IMAGE), torch.randint(3, IMAGE, (7,), generator=g)])
+        labels = torch.full_like(ids, -100)
+        labels[-2:] = ids[-2:]
+        return ids[None], labels[None], torch.randn(1, 3, 8, 8, generator=g)
+    ids = torch.randint(3, IMAGE, (30,), generator=g)
+    return ids[None], ids.clone()[None], None
+
+
+for step in range(1, 5):
+    batches = [sample(k % 2 == 0) for k in range(4)]
+    total = sum(int((lab[:, 1:] != -100).sum()) for _, lab, _ in batches)
+    image_w = all_w = 0.0
+    for ids, labels, pixels in batches:
+        logits = model(input_ids=ids, pixel_values=pixels).logits
+        per_token = F.cross_entropy(
+            logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), reduction="none", ignore_index=-100
+        )
+        loss = per_token.sum() / total
+        (w,) = torch.autograd.grad(loss, per_token, retain_graph=True)
+        w = w[labels[:, 1:].reshape(-1) != -100]  # label tokens only
+        all_w += float(w.sum())
+        image_w += float(w.sum()) if pixels is not None else 0.0
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+    print(f"step {step} image_share {image_w / all_w!r}", flush=True)
