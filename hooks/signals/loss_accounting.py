@@ -97,6 +97,7 @@ class _Step:
     wmax: torch.Tensor | None = None  # [objectives] largest label-token weight
     wmin: torch.Tensor | None = None  # [objectives] smallest label-token weight
     probe_grads: torch.Tensor | None = None  # [M, P] per-modality parameter gradients
+    layout: str = ""  # zero-code: why the head's output was not read as logits (the last such)
 
 
 @dataclass
@@ -288,18 +289,20 @@ class LossAccounting(Signal):
             if self._closed or self.broken or not torch.is_grad_enabled() or not monitor.reporting_next:
                 return
             logits = logits_of(output)
-            if logits is None or not logits.requires_grad or logits.dim() not in (2, 3):
+            if logits is not None and not logits.requires_grad:
                 return
-            if vocab is not None and logits.shape[-1] != vocab:
+            problem = _layout_problem(logits, vocab)
+            if problem:
+                self._current(monitor).layout = f"the output of {self._head!r} {problem}"
                 monitor.warn_once(
                     "logits_layout",
-                    "loss_from_logits: the output of %s has %d entries in its last dimension, not the "
-                    "vocabulary's %d: not read as logits (name the LM head: loss_from_logits='lm_head')",
-                    type(module).__name__,
-                    logits.shape[-1],
-                    vocab,
+                    "loss_from_logits: the output of %s %s: not read as logits (name the LM head: "
+                    "loss_from_logits='lm_head')",
+                    self._head,
+                    problem,
                 )
                 return
+            assert logits is not None
             with self.guard("the logits forward hook"):
                 self._watch(monitor, logits, tags, slot, self._sequence_first(logits, megatron))
 
@@ -694,6 +697,9 @@ class LossAccounting(Signal):
                 else "no track_loss call in the reported step",
             )
             return
+        if step is not None and step.layout:
+            ctx.inactive_when("loss", None, "logits_layout", step.layout)
+            return
         self._unfed += 1
         forwards = step is not None and step.calls[self._objectives.get("main", 0)] > 0
         if self._unfed >= HEAD_BYPASS_REPORTS:
@@ -818,3 +824,14 @@ def _per_token_output(output: Any, shape: tuple[int, int]) -> bool:
     if not isinstance(output, torch.Tensor) or not output.is_floating_point() or not output.requires_grad:
         return False
     return output.dim() == 2 and (tuple(output.shape) == shape or tuple(output.shape) == shape[::-1])
+
+
+def _layout_problem(logits: torch.Tensor | None, vocab: int | None) -> str:
+    """Why a head's output cannot be read as logits [B, S, V] / [S, B, V] / [N, V]; "" if it can."""
+    if logits is None:
+        return "holds no tensor"
+    if logits.dim() not in (2, 3):
+        return f"has {logits.dim()} dimensions, not 2 or 3"
+    if vocab is not None and logits.shape[-1] != vocab:
+        return f"has {logits.shape[-1]} entries in its last dimension, not the vocabulary's {vocab}"
+    return ""

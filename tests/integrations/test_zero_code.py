@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.hooks._loss_models import MODALITIES, VOCAB, TokenModel, padded, samples
+from tests.integrations._alerts import read_reports
 from tests.integrations._plain import loss_figures, micro_batches, run_job
 from tests.support import HostSyncSpy, one_torch_thread, run_ranks
 from trainvitals.hooks import attach
@@ -341,37 +342,97 @@ def test_sequence_first_logits_and_a_non_linear_head_give_the_true_weights():
         assert mon.value("token_weight_spread_ratio", objective="main") == pytest.approx(1.0, rel=1e-5)
 
 
-def test_logits_overwritten_in_place_are_said_so_not_blamed_on_the_loss(caplog):
-    caplog.set_level(logging.WARNING, logger="trainvitals")
+class _InPlaceCE(torch.autograd.Function):
+    """A fused cross-entropy that keeps its softmax in the logits' own memory."""
+
+    @staticmethod
+    def forward(ctx, logits, target):
+        logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+        logits.div_(logits.sum(-1, keepdim=True))  # now the softmax
+        ctx.save_for_backward(logits, target)
+        return -torch.log(logits.gather(-1, target[..., None])[..., 0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, target = ctx.saved_tensors
+        g = p.clone()
+        g.scatter_add_(-1, target[..., None], -torch.ones_like(target[..., None], dtype=g.dtype))
+        return g * grad[..., None], None
+
+
+class _WideHead(nn.Module):
+    """The job names a block as its head (``loss_from_logits="body"``) whose output is not
+    the token vocabulary's width: not logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.body = nn.Sequential(nn.Linear(16, 40), nn.Tanh())
+        self.head = nn.Linear(40, 50)
+
+    def forward(self, ids):
+        return self.head(self.body(self.embed(ids)))
+
+
+def _blind_run(tmp_path, case: str, steps: int = 22):
     torch.manual_seed(0)
-    model = _SeqFirst()
+    model = _WideHead() if case == "layout" else _SeqFirst()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-
-    class InPlaceCE(torch.autograd.Function):
-        """A fused cross-entropy that keeps its softmax in the logits' own memory."""
-
-        @staticmethod
-        def forward(ctx, logits, target):
-            logits.sub_(logits.amax(-1, keepdim=True)).exp_()
-            logits.div_(logits.sum(-1, keepdim=True))  # now the softmax
-            ctx.save_for_backward(logits, target)
-            return -torch.log(logits.gather(-1, target[..., None])[..., 0])
-
-        @staticmethod
-        def backward(ctx, grad):
-            p, target = ctx.saved_tensors
-            g = p.clone()
-            g.scatter_add_(-1, target[..., None], -torch.ones_like(target[..., None], dtype=g.dtype))
-            return g * grad[..., None], None
-
+    out = tmp_path / f"{case}.jsonl"
+    head = "body" if case == "layout" else True
     ids = torch.randint(0, 50, (3, 9))
-    labels = torch.randint(0, 50, (9, 3))
-    with attach(model, opt, run="in-place", sink="null", every=1, loss_from_logits=True) as mon:
-        for _ in range(2):  # the log line comes a step later
-            InPlaceCE.apply(model(ids), labels).mean().backward()
+    with attach(model, opt, run=case, sink=f"file:{out}", every=1, loss_from_logits=head) as mon:
+        for _ in range(steps):
+            logits = model(ids)
+            if case == "in-place":
+                loss = _InPlaceCE.apply(logits, torch.randint(0, 50, (9, 3))).mean()
+            else:
+                loss = F.cross_entropy(logits.reshape(-1, 50), ids.reshape(-1))
+            loss.backward()
             opt.step()
             opt.zero_grad()
-            assert mon.value("loss_weight_mass", objective="main") is None
+        coverage = {e["signal"]: e for e in mon.latest_coverage()}
+        mass = mon.value("loss_weight_mass", objective="main")
+    return coverage["loss"], mass, read_reports(out)
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [("in-place", "logits_overwritten"), ("layout", "logits_layout"), ("healthy", None)],
+)
+def test_blind_zero_code_cases_say_their_true_reason_and_warn(tmp_path, caplog, case, reason):
+    """Logits overwritten in place before the backward: "logits_overwritten", never "not
+    a cross-entropy"; a named head whose output is not vocabulary-wide: "logits_layout".
+    Each pages SignalInactive and is named in the close line; the healthy twin (the same
+    model, a plain cross-entropy) is active and pages nothing."""
+    caplog.set_level(logging.INFO, logger="trainvitals")
+    loss, mass, reports = _blind_run(tmp_path, case)
+    fired = {(a.rule.alert, tuple(sorted(a.labels.items()))) for a in firing_alerts(reports)}
+    inactive = {labels for name, labels in fired if name == "SignalInactive"}
     text = caplog.text
-    assert "overwritten in place" in text
+    if reason is None:
+        assert loss == {"signal": "loss", "active": True}
+        assert mass == pytest.approx(1.0, rel=1e-5)
+        assert not inactive
+        assert "never engaged" not in text
+        return
+    assert loss["active"] is False and loss["reason"] == reason, loss
+    assert mass is None
+    assert (("reason", reason), ("signal", "loss")) in {tuple(x for x in lab if x[0] != "run") for lab in inactive}
+    close = [r.getMessage() for r in caplog.records if "closed after 22 optimizer step(s)" in r.getMessage()]
+    assert len(close) == 1 and f"never engaged: loss ({reason}" in close[0], close
     assert "not a plain cross-entropy" not in text
+    if case == "layout":
+        assert "has 40 entries in its last dimension, not the vocabulary's 50" in loss["detail"]
+
+
+def firing_alerts(reports: list[dict]) -> list:
+    from trainvitals.alerts import Engine, resolve_rules
+    from trainvitals.wire.schema import Report, ends_run
+
+    engine = Engine(resolve_rules("default"))
+    for i, r in enumerate(reports):
+        report = Report.model_validate(r)
+        if not ends_run(report):
+            engine.observe(report, now=1000.0 + i)
+    return list(engine.firing())
