@@ -30,7 +30,13 @@ from typing import Any
 try:
     from lightning.pytorch import Callback
 except ImportError:  # only the older import name is installed
-    from pytorch_lightning import Callback  # type: ignore[assignment]
+    try:
+        from pytorch_lightning import Callback  # type: ignore[assignment]
+    except ImportError as exc:
+        raise ImportError(
+            "trainvitals.hooks.lightning needs Lightning: pip install 'trainvitals[integrations]' "
+            "(or pip install lightning)"
+        ) from exc
 
 from trainvitals.hooks.attach import attach
 from trainvitals.hooks.integration_support import batch_value, run_name, torch_optimizer

@@ -23,7 +23,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
+
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:
+    raise ImportError(
+        "trainvitals.hooks.transformers needs transformers (and accelerate, for its Trainer): "
+        "pip install 'trainvitals[integrations]' (or pip install transformers accelerate)"
+    ) from exc
 
 from trainvitals.hooks.attach import attach
 from trainvitals.hooks.integration_support import (

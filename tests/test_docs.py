@@ -160,6 +160,19 @@ def test_nothing_cites_the_design_notes_outside_the_repository():
     )
 
 
+# Words of the project's own bookkeeping (the tracker, the design notes) say nothing to a
+# reader of the repository: the docs, the code and the tests speak of the project only.
+_INTERNAL = re.compile(r"\bthe issue'?s?\b|\bissue's\b|\bDESIGN's\b", re.IGNORECASE)
+
+
+def test_the_repository_speaks_of_the_project_only():
+    files = [*_code_files(), *(p for p in _walk(ROOT / "docs") if p.suffix == ".md")]
+    files += [p for p in _walk(ROOT / "tests") if p.suffix == ".py" and p.name != "test_docs.py"]
+    files += [ROOT / name for name in ("CHANGELOG.md", "CONTRIBUTING.md") if (ROOT / name).exists()]
+    hits = [f"{_rel(p)}:{n}: {line.strip()}" for p in files for n, line in _lines(p) if _INTERNAL.search(line)]
+    assert not hits, "say what the project does or needs, not what a tracker asked:\n" + "\n".join(hits)
+
+
 # -- 4. links inside the docs and the runbooks --------------------------------------
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 

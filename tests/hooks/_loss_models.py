@@ -46,7 +46,7 @@ def samples(lengths: list[int], modalities: list[int], seed: int = 0) -> list[Sa
 
 
 def i1_samples(seed: int = 0) -> list[Sample]:
-    """INCIDENTS.md I1: 84% text samples of 4000 label tokens, 16% image of 200 (21 + 4)."""
+    """docs/incidents.md I1: 84% text samples of 4000 label tokens, 16% image of 200 (21 + 4)."""
     return samples([4000] * 21 + [200] * 4, [0] * 21 + [1] * 4, seed)
 
 

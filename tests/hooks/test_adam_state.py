@@ -1,4 +1,4 @@
-"""AdamState (INCIDENTS.md I4): Adam's epsilon share, normalized update and moment
+"""AdamState (docs/incidents.md I4): Adam's epsilon share, normalized update and moment
 norms against a float64 element-wise reference from the optimizer state, for the
 plain, foreach and fused kernels, amsgrad and AdamW; optimizer state resets."""
 

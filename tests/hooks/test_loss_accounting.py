@@ -1,4 +1,4 @@
-"""Loss accounting (INCIDENTS.md I1, I2, I3) against the write-up's numbers and
+"""Loss accounting (docs/incidents.md I1, I2, I3) against the write-up's numbers and
 plain-torch references on a tiny CPU model, each with its healthy twin."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def loss_samples(mon) -> dict[tuple[str, tuple], float]:
 
 # -- I1: the write-up's numbers -------------------------------------------------
 I1_SCHEMES = {
-    # scheme: (image grad share, image dilution, fitted exponent), from INCIDENTS.md I1
+    # scheme: (image grad share, image dilution, fitted exponent), from docs/incidents.md I1
     "per-token": ("token", 0.16 * 200 / (0.84 * 4000 + 0.16 * 200), 1.0),
     "sqrt": ("sqrt", 0.16 * math.sqrt(200) / (0.84 * math.sqrt(4000) + 0.16 * math.sqrt(200)), 0.5),
     "per-sample": ("sample", 0.16, 0.0),

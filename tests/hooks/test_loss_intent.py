@@ -119,7 +119,7 @@ def _dilution_step(mon, model, opt, scheme: str, lengths: list[int], codes: list
     opt.zero_grad()
 
 
-# 21 text samples of 400 label tokens, 4 image answers of 2 (the short answers).
+# 21 text samples of 400 label tokens, 4 image answers of 2 (the short answers of docs/incidents.md, I1).
 LENGTHS, CODES = [400] * 21 + [2] * 4, [0] * 21 + [1] * 4
 SAMPLE_SHARE = 4 / 25
 

@@ -1,4 +1,4 @@
-"""ParamHealth (INCIDENTS.md I4): every statistic against a slow element-wise
+"""ParamHealth (docs/incidents.md I4): every statistic against a slow element-wise
 reference on a tiny CPU model, the weight-decay audit, the series cap."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 from trainvitals.hooks.signals import softmax_math as sm
 
 
-# -- the write-up's table (INCIDENTS.md, I5) -------------------------------------
+# -- the write-up's table (docs/incidents.md, I5) -------------------------------------
 @pytest.mark.parametrize(
     ("q", "expected", "shrink"),
     [(0.5, 0.25, 1), (0.9, 0.09, 3), (0.99, 0.0099, 25), (0.999, 0.000999, 250)],

@@ -124,7 +124,7 @@ def test_only_catalogue_metrics_and_every_one_on_a_panel() -> None:
     )
 
 
-# What the issue asks each dashboard to show, as the metrics it must query.
+# What each dashboard must show, as the metrics it must query.
 REQUIRED = {
     "trainvitals-overview.json": ["step", "last_report_timestamp_seconds", "alerts_firing", "loss", "grad_norm"],
     "trainvitals-loss.json": [
