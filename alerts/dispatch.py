@@ -1,6 +1,7 @@
 """Sending off the ingest path: one bounded queue and one worker thread per notifier.
 
-``enqueue`` never blocks: a full queue drops the notification and counts it.
+``enqueue`` never blocks: a full queue drops a notification of the run with the most
+queued (never another run's) and counts it.
 Each worker sends in order (a resolve never overtakes its trigger), batching
 for receivers that take lists, and retries what can be retried with
 exponential backoff and jitter (each wait drawn between half and all of the
@@ -16,6 +17,7 @@ import queue
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -53,6 +55,72 @@ class RetryPolicy:
         return wait
 
 
+class _FairQueue:
+    """A bounded FIFO of notifications, fair between runs: when it is full, a notification
+    of a run with fewer queued than the busiest run evicts that run's newest one, so a run
+    that floods (one rule opening thousands of alerts) cannot drop another run's pages;
+    only the busiest run's own notifications are dropped. ``queue.Queue``'s methods."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._items: deque[Notification] = deque()
+        self._per_run: dict[str, int] = {}
+        self._cond = threading.Condition()
+
+    @staticmethod
+    def _run(n: Notification) -> str:
+        return n.labels.get("run", "")
+
+    def put_nowait(self, item: Notification) -> int:
+        """Queue ``item``; return how many were evicted for it (0 or 1). Raises
+        ``queue.Full`` when ``item``'s own run is the busiest (it is the one dropped)."""
+        run = self._run(item)
+        evicted = 0
+        with self._cond:
+            if len(self._items) >= self.maxsize:
+                busiest = max(self._per_run, key=self._per_run.__getitem__)
+                if self._per_run.get(run, 0) + 1 >= self._per_run[busiest]:
+                    raise queue.Full
+                for i in range(len(self._items) - 1, -1, -1):
+                    if self._run(self._items[i]) == busiest:
+                        del self._items[i]
+                        self._forget(busiest)
+                        evicted = 1
+                        break
+            self._items.append(item)
+            self._per_run[run] = self._per_run.get(run, 0) + 1
+            self._cond.notify()
+        return evicted
+
+    def _forget(self, run: str) -> None:
+        left = self._per_run[run] - 1
+        if left:
+            self._per_run[run] = left
+        else:
+            del self._per_run[run]
+
+    def get(self, timeout: float) -> Notification:
+        with self._cond:
+            if not self._items and not self._cond.wait_for(lambda: self._items, timeout):
+                raise queue.Empty
+            return self._pop()
+
+    def get_nowait(self) -> Notification:
+        with self._cond:
+            if not self._items:
+                raise queue.Empty
+            return self._pop()
+
+    def _pop(self) -> Notification:
+        item = self._items.popleft()
+        self._forget(self._run(item))
+        return item
+
+    def qsize(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+
 class _Channel:
     """One notifier's queue, worker and counters."""
 
@@ -66,7 +134,7 @@ class _Channel:
     ) -> None:
         self.notifier = notifier
         self.on_delivered = on_delivered
-        self.queue: queue.Queue[Notification] = queue.Queue(maxsize=size)
+        self.queue = _FairQueue(size)
         self.policy = policy
         self.rng = rng
         self.lock = threading.Lock()
@@ -161,19 +229,22 @@ class Dispatcher:
         for ch in self._channels:
             if notification.repeat and not ch.notifier.wants_repeats:
                 continue
-            try:
-                ch.queue.put_nowait(notification)
-            except queue.Full:
-                ch.count("dropped")
+            self._put(ch, notification)
+
+    @staticmethod
+    def _put(ch: _Channel, notification: Notification) -> None:
+        try:
+            evicted = ch.queue.put_nowait(notification)
+        except queue.Full:
+            evicted = 1
+        if evicted:
+            ch.count("dropped", evicted)
 
     def enqueue_to(self, name: str, notification: Notification) -> None:
         """Queue for the notifier called ``name`` only (restart reconciliation)."""
         for ch in self._channels:
             if ch.notifier.name == name:
-                try:
-                    ch.queue.put_nowait(notification)
-                except queue.Full:
-                    ch.count("dropped")
+                self._put(ch, notification)
 
     def start(self) -> None:
         """Start one worker thread per notifier (idempotent)."""

@@ -43,6 +43,7 @@ lock); no I/O.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -66,7 +67,13 @@ from trainvitals.wire import ends_run, series_labels
 from trainvitals.wire.coverage import coverage_samples
 from trainvitals.wire.views import ReportView
 
-__all__ = ["Engine"]
+__all__ = ["DEFAULT_MAX_ALERTS_PER_RULE", "Engine"]
+
+log = logging.getLogger("trainvitals.alerts")
+
+DEFAULT_MAX_ALERTS_PER_RULE = 64
+"""Alerts one rule may hold in one run (firing, pending or recently resolved) before more
+are only counted: a rule keyed on a free label otherwise opens one alert per value."""
 
 # Verdicts of one observation.
 _BAD, _BAND, _CLEAR, _UNKNOWN = "bad", "band", "clear", "unknown"
@@ -225,8 +232,23 @@ class Engine:
     are seconds.
     """
 
-    def __init__(self, rules: Iterable[Rule], *, run_ttl: float = 86400.0, resolved_retention: float = 900.0) -> None:
+    def __init__(
+        self,
+        rules: Iterable[Rule],
+        *,
+        run_ttl: float = 86400.0,
+        resolved_retention: float = 900.0,
+        max_alerts_per_rule: int = DEFAULT_MAX_ALERTS_PER_RULE,
+    ) -> None:
+        if max_alerts_per_rule < 1:
+            raise ValueError(f"max_alerts_per_rule must be at least 1, got {max_alerts_per_rule}")
         self.rules: list[Rule] = _rule_objects(rules)
+        self.max_alerts_per_rule = max_alerts_per_rule
+        # (rule index, run) -> alerts held; past the bound new ones are counted, not opened.
+        self._per_rule_run: dict[tuple[int, str], int] = {}
+        self._flooded: set[tuple[int, str]] = set()  # said once per rule and run
+        self.suppressed: dict[str, int] = {}
+        """Alerts not opened past ``max_alerts_per_rule``, by alert name."""
         self.run_ttl = run_ttl
         self.resolved_retention = resolved_retention
         self._lock = threading.Lock()
@@ -393,7 +415,9 @@ class Engine:
                 inst.value = value
             return None
         if inst is None:
-            inst = self._new_instance(key, rule, series_labels(run, rank, labels), run)
+            inst = self._bounded_instance(key, rule, labels, run, rank)
+            if inst is None:
+                return None
         return self._advance(inst, verdict, value, step, now)  # type: ignore[arg-type]
 
     def _advance(self, inst: _Instance, verdict: str, value: float, step: int, now: float) -> Transition | None:
@@ -449,7 +473,9 @@ class Engine:
                 seen.add(key)
                 inst = self._instances.get(key)
                 if inst is None:
-                    inst = self._new_instance(key, rule, series_labels(run, rank, ev.labels), run)
+                    inst = self._bounded_instance(key, rule, ev.labels, run, rank)
+                    if inst is None:
+                        continue
                     per_run[key] = inst
                 old = inst.state
                 inst.step, inst.detail = step, ev.detail
@@ -522,14 +548,43 @@ class Engine:
                         self._drop(key, inst)
         return out
 
+    def _bounded_instance(
+        self, key: tuple, rule: Rule, labels: Mapping[str, str], run: str, rank: int
+    ) -> _Instance | None:
+        """A new alert of ``rule`` in ``run``, unless the rule holds ``max_alerts_per_rule``
+        there already (a rule on a free label: one alert per value): then None, counted in
+        :attr:`suppressed` and logged once per rule and run."""
+        held = self._per_rule_run.get((key[0], run), 0)
+        if held >= self.max_alerts_per_rule:
+            self.suppressed[rule.alert] = self.suppressed.get(rule.alert, 0) + 1
+            if (key[0], run) not in self._flooded:
+                self._flooded.add((key[0], run))
+                log.warning(
+                    "rule %s holds %d alerts in run %r (max_alerts_per_rule): further ones in this run "
+                    "are not opened or paged, only counted in trainvitals_alerts_suppressed_total",
+                    rule.alert,
+                    held,
+                    run,
+                )
+            return None
+        return self._new_instance(key, rule, series_labels(run, rank, labels), run)
+
     def _new_instance(self, key: tuple, rule: Rule, labels: dict[str, str], run: str) -> _Instance:
         inst = self._instances[key] = _Instance(rule, key[0], labels, run, key)
         self._live[key[0]] += 1
+        per = (key[0], run)
+        self._per_rule_run[per] = self._per_rule_run.get(per, 0) + 1
         return inst
 
     def _drop(self, key: tuple, inst: _Instance) -> None:
         del self._instances[key]
         self._live[key[0]] -= 1
+        per = (key[0], inst.run)
+        left = self._per_rule_run.get(per, 0) - 1
+        if left > 0:
+            self._per_rule_run[per] = left
+        else:
+            self._per_rule_run.pop(per, None)
         per_run = self._event_instances.get((key[1], key[2]))
         if per_run is not None:
             per_run.pop(key, None)
@@ -546,6 +601,7 @@ class Engine:
             self._drop(key, inst)
         self._history.forget_run(run)
         self._latest.forget_run(run)
+        self._flooded = {f for f in self._flooded if f[1] != run}
         for run_rank in [k for k in self._event_instances if k[0] == run]:
             del self._event_instances[run_rank]
         del self._runs[run]

@@ -45,7 +45,7 @@ from urllib.parse import quote
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from trainvitals.alerts.dispatch import Dispatcher, RetryPolicy
-from trainvitals.alerts.engine import Engine
+from trainvitals.alerts.engine import DEFAULT_MAX_ALERTS_PER_RULE, Engine
 from trainvitals.alerts.loading import RuleSpec, resolve_rules
 from trainvitals.alerts.local import format_transition
 from trainvitals.alerts.notifiers.base import Notification, Notifier, rfc3339
@@ -122,6 +122,7 @@ class AlertService:
         *,
         run_ttl: float = 86400.0,
         resolved_retention: float = 900.0,
+        max_alerts_per_rule: int = DEFAULT_MAX_ALERTS_PER_RULE,
         **kwargs: Any,
     ) -> AlertService:
         """Build from rules (what :func:`~trainvitals.alerts.loading.resolve_rules` takes:
@@ -131,7 +132,12 @@ class AlertService:
         :class:`~trainvitals.alerts.notifiers.config.NotifierConfigError`.
         Other keyword arguments go to the constructor.
         """
-        engine = Engine(resolve_rules(rules), run_ttl=run_ttl, resolved_retention=resolved_retention)
+        engine = Engine(
+            resolve_rules(rules),
+            run_ttl=run_ttl,
+            resolved_retention=resolved_retention,
+            max_alerts_per_rule=max_alerts_per_rule,
+        )
         return cls(engine, build_notifiers(notifiers), **kwargs)
 
     def serving_at(self, url: str) -> None:
@@ -473,6 +479,13 @@ class AlertService:
         for (name, severity, run), n in sorted(counts.items()):
             firing.add_metric([name, severity, run], n)
         yield firing
+        suppressed = CounterMetricFamily(
+            PREFIX + "alerts_suppressed", METRICS["alerts_suppressed_total"].help, labels=["alertname"]
+        )
+        flood = dict(self.engine.suppressed)
+        for name in sorted({r.alert for r in self.engine.rules} | set(flood)):
+            suppressed.add_metric([name], flood.get(name, 0))
+        yield suppressed
         stats = self.stats()
         if not stats:
             return

@@ -47,9 +47,10 @@ def fire(
     return svc.observe(r, now=now)
 
 
-def service(configs, **kw) -> AlertService:
+def service(configs, *, max_alerts_per_rule: int = 1000, **kw) -> AlertService:
+    """A service whose rules may open many alerts per run (these tests open hundreds)."""
     kw.setdefault("retry", FAST)
-    return AlertService(Engine(RULES), build_notifiers(configs), **kw)
+    return AlertService(Engine(RULES, max_alerts_per_rule=max_alerts_per_rule), build_notifiers(configs), **kw)
 
 
 def test_alertmanager_payload_resend_and_resolve():
@@ -352,7 +353,8 @@ def test_observe_batch_takes_a_whole_ingest_body():
         ],
     )
     assert sorted(t.labels["run"] for t in svc.observe_batch(batch, 10.0)) == ["a", "b"]
-    assert [f.name for f in svc.metric_families()] == ["trainvitals_alerts_firing"]  # no notifiers
+    names = [f.name for f in svc.metric_families()]
+    assert names == ["trainvitals_alerts_firing", "trainvitals_alerts_suppressed"]  # no notifiers
 
 
 def test_service_views_and_metrics(monkeypatch):
