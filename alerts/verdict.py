@@ -32,6 +32,7 @@ from trainvitals.alerts.loading import RuleSpec, resolve_rules
 from trainvitals.alerts.model import Rule, SilenceRule, ThresholdRule
 from trainvitals.alerts.state import Alert, AlertState, Transition
 from trainvitals.wire import METRICS, RUN_END_EVENT, Report, ReportBatch
+from trainvitals.wire.coverage import NOT_BLIND, REASONS, SIGNALS
 from trainvitals.wire.errors import ConfigurationError
 
 __all__ = [
@@ -142,6 +143,11 @@ class RunVerdict:
     """A report carried ``run_end`` (the job closed its monitor)."""
     incidents: list[Incident] = field(default_factory=list)
     coverage: dict[str, int] = field(default_factory=dict)
+    signals: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """What the reports' coverage entries said per built-in signal
+    (:mod:`trainvitals.wire.coverage`): ``active`` (reports it was active in), ``reports``
+    (reports that said), and the last inactive ``reason`` and ``detail``; empty for
+    reports from before coverage."""
     """Reports that carried figures of each signal (``optimizer``, ``loss``, ``params``,
     ``adam``, ``softmax``: the metric catalogue's groups); a signal absent here was never
     seen in this run's reports."""
@@ -165,11 +171,29 @@ class RunVerdict:
             "paged": self.paged,
             "incidents": [i.as_dict() for i in self.incidents],
             "coverage": dict(self.coverage),
+            "signals": {k: dict(v) for k, v in self.signals.items()},
         }
 
     def coverage_lines(self) -> list[str]:
-        """What was watched: per signal, how many of the run's reports carried its figures."""
+        """What was watched, per built-in signal: in how many reports it was active, and
+        why not where it was not (the reports' coverage entries; for reports from before
+        coverage, which reports carried its figures)."""
         out = []
+        if self.signals:
+            for name in SIGNALS:
+                sig = self.signals.get(name)
+                if sig is None:
+                    continue
+                if sig["active"]:
+                    line = f"  {name}: active in {sig['active']} of {sig['reports']} reports"
+                    if sig["reason"] and sig["active"] < sig["reports"]:
+                        line += f" (else {sig['reason']})"
+                else:
+                    blind = "" if sig["reason"] in NOT_BLIND else "NOT WATCHED: "
+                    why = REASONS.get(sig["reason"] or "", "")
+                    line = f"  {name}: {blind}{sig['reason']}: {sig['detail'] or why}"
+                out.append(line)
+            return out
         for group in SIGNAL_GROUPS:
             n = self.coverage.get(group, 0)
             out.append(
@@ -233,8 +257,19 @@ class VerdictBuilder:
                     run.coverage[group] = run.coverage.get(group, 0) + 1
         run.first_step = report.step if run.first_step is None else min(run.first_step, report.step)
         run.last_step = report.step if run.last_step is None else max(run.last_step, report.step)
-        if any(ev.kind == RUN_END_EVENT for ev in report.events):
+        ends = any(ev.kind == RUN_END_EVENT for ev in report.events)
+        if ends:
             run.ended = True
+        elif report.samples:  # the run_end report repeats the last coverage: counted once
+            for entry in getattr(report, "coverage", None) or ():
+                sig = run.signals.get(entry.signal)
+                if sig is None:
+                    sig = run.signals[entry.signal] = {"active": 0, "reports": 0, "reason": None, "detail": ""}
+                sig["reports"] += 1
+                if entry.active:
+                    sig["active"] += 1
+                else:
+                    sig["reason"], sig["detail"] = entry.reason, entry.detail
         for t in transitions:
             self._transition(t)
         if self._incidents:

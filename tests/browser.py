@@ -140,6 +140,7 @@ class Browser:
             "sessionId"
         ]
         self.requests = []
+        self._events = []  # the load event of this tab, not of one opened before
         self.send("Network.enable")
         self.send("Page.enable")
         self.send("Runtime.enable")

@@ -28,8 +28,11 @@ function headline(v){const n=v.incidents.length;const steps=v.first_step===null?
 function table(v){if(!v.incidents.length)return "";let h='<table class="incidents"><tr><th>alert</th><th>severity</th><th>series</th><th>first step</th><th>last step</th><th>peak</th><th>state</th><th>what to do</th></tr>';
  for(const i of v.incidents){h+=`<tr class="incident" data-alert="${esc(i.alert)}"><td>${esc(i.alert)}</td><td class="sev-${esc(i.severity)}">${esc(i.severity)}</td><td>${esc(Object.entries(i.labels).map(([k,x])=>k+"="+x).join(", ")||"-")}</td><td>${i.first_step}</td><td>${i.last_step}</td><td>${fmt(i.peak)}</td><td>${i.resolved?"resolved":"firing"}</td><td>${esc(i.action)}<div class="note">${esc(i.summary)}</div></td></tr>`;}
  return h+"</table>";}
-function coverage(v){const c=v.coverage||{};const names=["optimizer","loss","params","adam","softmax"];
- return '<p class="coverage">Watched: '+names.map(n=>c[n]?`${n} (${c[n]} of ${v.reports} reports)`:`${n}: no figures`).join("; ")+"</p>";}
+function coverage(v){const sig=v.signals||{};const names=Object.keys(sig);
+ if(names.length)return '<p class="coverage" data-role="coverage">Watched: '+names.map(n=>{const s=sig[n];
+  return s.active?`${esc(n)} (active in ${s.active} of ${s.reports} reports)`:`<b>${esc(n)}: ${esc(s.reason)}</b> (${esc(s.detail)})`;}).join("; ")+"</p>";
+ const c=v.coverage||{};const groups=["optimizer","loss","params","adam","softmax"];
+ return '<p class="coverage" data-role="coverage">Watched: '+groups.map(n=>c[n]?`${n} (${c[n]} of ${v.reports} reports)`:`${n}: no figures`).join("; ")+"</p>";}
 function draw(root,data){root.innerHTML="";const width=Math.floor(Math.min(640,Math.max(320,((root.clientWidth||1100)-120)/2)));
  for(const [ri,r] of data.runs.entries()){const v=r.verdict;const [cls,text]=headline(v);const sec=document.createElement("section");sec.className="run";sec.dataset.run=v.run;sec.id="run-"+ri;
   sec.innerHTML=`<h2>Run ${esc(v.run)}</h2><div class="verdict ${cls}" data-role="verdict">${esc(text)}${v.ended?"":" The run has not closed its monitor."}</div>${table(v)}${timeline(v)}${coverage(v)}<div class="plots"></div>`;

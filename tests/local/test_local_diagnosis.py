@@ -203,7 +203,9 @@ def test_preflight_names_the_missing_accumulation_division_within_30_steps(tmp_p
     assert done.returncode == 1, done.stdout + done.stderr
     assert "PAGE LossNotAccumNormalized {objective=main}: fired at step 22" in done.stdout
     assert "what was watched in run pre:" in done.stdout
-    assert "loss: figures in" in done.stdout and "softmax: no figures in any report (not watched)" in done.stdout
+    # What was watched, from the reports' coverage: zero-code loss accounting engaged.
+    assert "  loss: active in 29 of 30 reports (else no_input)" in done.stdout
+    assert "  softmax: not_requested: no observe_logits() or observe_distillation() call" in done.stdout
     assert "stopping the job after 30 optimizer steps" in done.stderr
     assert "trained 200 steps" not in done.stdout  # stopped, not run to its end
     reports = [json.loads(line) for line in (tmp_path / "trainvitals-check-pre.jsonl").read_text().splitlines()]
@@ -214,7 +216,7 @@ def test_preflight_names_the_missing_accumulation_division_within_30_steps(tmp_p
     )
     assert done.returncode == 0, done.stdout + done.stderr
     (run,) = json.loads(done.stdout)["runs"]
-    assert run["incidents"] == [] and run["coverage"]["loss"] > 0
+    assert run["incidents"] == [] and run["signals"]["loss"]["active"] == 29
 
 
 @pytest.mark.slow

@@ -46,6 +46,7 @@ def _facts(b) -> dict:
             incidents: Array.from(s.querySelectorAll('tr.incident')).map(r =>
                 Array.from(r.querySelectorAll('td')).slice(0, 7).map(td => td.textContent)),
             timeline: s.querySelectorAll('.tl-bar').length,
+            coverage: s.querySelector('[data-role=coverage]').textContent,
             plots: Array.from(s.querySelectorAll('figure.plot')).map(f => ({
                 panel: f.dataset.panel, canvas: f.querySelectorAll('canvas').length,
                 series: Array.from(f.querySelectorAll('.u-series th .u-label')).map(l => l.textContent)})),
@@ -104,6 +105,8 @@ def test_the_report_file_in_chromium(files: dict[str, Path], tmp_path: Path):
     assert i1["run"] == "i1" and i1["verdict"].startswith("1 incident(s), 1 of severity page in 25 reports")
     assert i1["incidents"] == [["GradientDilution", "page", "modality=image", "21", "24", "16.96", "firing"]]
     assert i1["timeline"] == 1
+    # What was watched, from the reports' coverage entries.
+    assert "loss (active in 24 of 24 reports)" in i1["coverage"] and "softmax: not_requested" in i1["coverage"]
     plots = {p["panel"]: p for p in i1["plots"]}
     assert plots["dilution"]["canvas"] >= 1
     assert "modality_excess_dilution_ratio{modality=image}" in plots["dilution"]["series"]
