@@ -59,8 +59,8 @@ def monitor_of(optimizer: Any) -> Monitor | None:
 
 
 def visible_logs() -> None:
-    """The job did not configure logging: show trainvitals' own lines (alerts firing and
-    resolving, the verdict at close) on stderr. A job that configures logging gets them
+    """The job did not configure logging: show trainvitals' own lines (what is watched,
+    alerts firing and resolving, the summary and verdict at close) on stderr. A job that configures logging gets them
     its way."""
     if not logging.getLogger().handlers and not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -125,7 +125,9 @@ class Monitor:
             from trainvitals.alerts import LocalEvaluator
 
             evaluator = LocalEvaluator(rules=rules)
-            visible_logs()
+        # What is watched (start), what was reported and delivered (close) and alerts in
+        # the job are said where the job can see them, even with logging unconfigured.
+        visible_logs()
         self._evaluator = evaluator
         self._headline: tuple[int, dict[str, float]] | None = None
         if evaluator is not None and hasattr(sink, "firing"):

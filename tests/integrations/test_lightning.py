@@ -68,7 +68,9 @@ def run_job(
         pytest.fail(f"the Lightning job did not finish within {timeout} s")
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-6000:]
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    result["log"] = logs[0]
+    return result
 
 
 def test_accumulated_steps_are_accounted_whole_and_mean_of_means_fires(tmp_path):
@@ -87,6 +89,11 @@ def test_accumulated_steps_are_accounted_whole_and_mean_of_means_fires(tmp_path)
     # Token means over 6 and 30 (or 12 and 24) label tokens, each halved: 30/6 = 5 or 24/12 = 2.
     assert {round(t["spread"], 4) for t in result["truth"]} == {5.0, 2.0}
     assert firing(reports) & LOSS_RULES == {"MeanOfMeansLoss"}
+    # One line at start (what is watched), one at close (what was reported and delivered).
+    (start,) = [line for line in result["log"].splitlines() if "(from the first optimizer step)" in line]
+    assert "watching optimizer, params, adam, loss" in start
+    (close,) = [line for line in result["log"].splitlines() if "closed after 60 optimizer step(s)" in line]
+    assert "reported: optimizer" in close and " 0 not delivered" in close, close
 
 
 @pytest.mark.parametrize("lengths", ["", "16,16"], ids=["mean-of-means", "healthy-equal-lengths"])

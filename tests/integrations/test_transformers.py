@@ -70,7 +70,9 @@ def run_job(tmp_path: Path, *options: str, env: dict | None = None, ranks: int =
         pytest.fail(f"the Trainer job did not finish within {timeout} s")
     for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-6000:]
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    result["log"] = logs[0]
+    return result
 
 
 def check_against_truth(result: dict, every: int) -> list[dict]:
@@ -99,6 +101,11 @@ def check_against_truth(result: dict, every: int) -> list[dict]:
 def test_current_trainer_weights_equal_the_truth_and_nothing_fires(tmp_path):
     result = run_job(tmp_path, "steps=60", "every=5", "accum=4")
     reports = check_against_truth(result, every=5)
+    # One line at start (what is watched), one at close (what was reported and delivered).
+    (start,) = [line for line in result["log"].splitlines() if "(from the first optimizer step)" in line]
+    assert "watching optimizer, params, adam, loss" in start
+    (close,) = [line for line in result["log"].splitlines() if "closed after 60 optimizer step(s)" in line]
+    assert "reported: optimizer" in close and "loss (" in close and " 0 not delivered" in close, close
     assert all(t["mass"] == pytest.approx(1.0, rel=1e-5) for t in result["truth"])  # normalized over the step
     assert all(t["spread"] == pytest.approx(1.0, rel=1e-5) for t in result["truth"])
     assert not firing(reports) & LOSS_RULES
