@@ -154,16 +154,25 @@ def test_zero_code_on_a_head_the_loss_bypasses_says_head_bypassed_and_warns(capl
     assert f"to HttpSink('{c.url}/v1/reports'), 0 not delivered" in close[0]
 
 
-def test_zero_code_on_a_label_smoothed_loss_says_not_cross_entropy():
+def test_zero_code_on_a_label_smoothed_loss_says_not_cross_entropy_and_warns(caplog):
+    caplog.set_level(logging.INFO, logger="trainvitals")
     model = TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with attach(model, opt, run="smooth", sink="null", every=1, loss_from_logits=True) as mon:
-        train(model, opt, 2, smoothing=0.1)
+    with running_collector() as c:
+        mon = attach(model, opt, run="smooth", collector=c.url, every=1, loss_from_logits=True)
+        train(model, opt, 25, smoothing=0.1)
         cov = by_signal(mon.latest_coverage())
         assert mon.value("loss") is None  # the figures are withheld ...
         assert cov["loss"]["reason"] == "not_cross_entropy"  # ... and the report says why
+        assert mon.flush(10)
+        alert = c.wait_for("SignalInactive", "smooth")
+        assert alert["labels"]["reason"] == "not_cross_entropy"
         train(model, opt, 1)
         assert by_signal(mon.latest_coverage())["loss"] == {"signal": "loss", "active": True}
+        mon.close()
+    (close,) = [r.getMessage() for r in caplog.records if "run 'smooth' closed after" in r.getMessage()]
+    # Reported once the loss was plain cross-entropy; the summary counts that report.
+    assert "loss (1 report(s))" in close, close
 
 
 def test_track_loss_that_is_not_called_reads_no_input():
