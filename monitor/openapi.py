@@ -14,7 +14,7 @@ adds what the route accepts and answers:
   with ``detail``;
 - the bearer tokens, when set: ``token`` on ingest, ``read_token`` on the reads.
 
-A schema fuzzer (schemathesis, ``tests/collector/test_fuzz_and_load.py``) checks the
+A schema fuzzer (schemathesis, ``tests/monitor/test_fuzz_and_load.py``) checks the
 collector against this document.
 """
 

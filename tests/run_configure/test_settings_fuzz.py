@@ -1,7 +1,7 @@
 """The live-settings routes under the schema fuzzer: schemathesis (its CLI, every check)
 against a real collector, from its own ``/openapi.json``, on ``/v1/runs/{run}/settings``
 only: every answer documented, no server error, a body valid against the schema taken
-and an invalid one refused (the collector's own routes: tests/collector)."""
+and an invalid one refused (the collector's own routes: tests/monitor)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ import json
 import subprocess
 
 import httpx
+import pytest
 
-from tests.collector.test_fuzz_and_load import EXCLUDED_CHECKS, SCHEMATHESIS, SCHEMATHESIS_CONFIG, _StatusCount
+from tests.monitor.test_fuzz_and_load import EXCLUDED_CHECKS, SCHEMATHESIS, SCHEMATHESIS_CONFIG, _StatusCount
 from tests.reports import make_body, make_report
 from trainvitals.monitor.app import create_app
 from trainvitals.monitor.server import serve_in_thread
 from trainvitals.monitor.settings import Settings
 
 
+@pytest.mark.slow  # a fuzzer run: minutes
 def test_schemathesis_finds_nothing_on_the_settings_routes(tmp_path):
     app = create_app(Settings(state_path=None))
     counted = _StatusCount(app)

@@ -1,13 +1,19 @@
-"""Small helpers of the collector-hardening tests: a recording webhook, promtool, bodies."""
+"""Helpers of the collector's tests: bodies, a recording webhook, promtool, a collector
+in a process of its own."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import httpx
+
+from tests.support import wait_until
 
 PROMTOOL = shutil.which("promtool")
 
@@ -73,3 +79,33 @@ class Recorder:
                 for a in b["alerts"]
                 if not a.get("repeat")
             ]
+
+
+def serve_process(config: Any, port: int, log: Any) -> subprocess.Popen:
+    """``trainvitals serve --config CONFIG --port PORT`` in a process of its own, once ready
+    (output to ``log``)."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from trainvitals.monitor.cli import main; main()",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, "the collector exited"
+        try:
+            return httpx.get(url + "/readyz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(ready, 60, "collector ready")
+    return proc

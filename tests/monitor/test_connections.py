@@ -8,8 +8,7 @@ import socket
 
 import httpx
 
-from tests.collector.helpers import body, promtool_clean, report
-from tests.collector.test_restart import _serve
+from tests.monitor.helpers import body, promtool_clean, report, serve_process
 from tests.support import free_port, wait_until
 
 JSON = {"Content-Type": "application/json"}
@@ -32,7 +31,7 @@ def test_half_open_connections_neither_block_requests_nor_flood_the_log(tmp_path
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        proc = _serve(config, port, log)
+        proc = serve_process(config, port, log)
         socks: list[socket.socket] = []
         try:
             for _ in range(HALF_OPEN):

@@ -3,7 +3,7 @@ series a rank stopped sending expire while the run lives; /metrics stays promtoo
 
 from __future__ import annotations
 
-from tests.collector.helpers import body, promtool_clean, report
+from tests.monitor.helpers import body, promtool_clean, report
 from tests.support import metric_series, metric_value, running_collector
 
 JSON = {"Content-Type": "application/json"}

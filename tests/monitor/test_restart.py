@@ -6,15 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 import torch
 
-from tests.collector.helpers import Recorder, body, report
+from tests.monitor.helpers import Recorder, body, report, serve_process
 from tests.support import free_port, wait_until
 from trainvitals.hooks.pack import pack
 from trainvitals.hooks.sender import Sender
@@ -88,34 +86,6 @@ def test_a_collector_answering_in_5s_still_receives_every_report_once():
     assert app.state.store.runs()[0].step == 40
 
 
-def _serve(config, port: int, log) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "from trainvitals.monitor.cli import main; main()",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            str(port),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        assert proc.poll() is None, "the collector exited"
-        try:
-            return httpx.get(url + "/readyz").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(ready, 60, "collector ready")
-    return proc
-
-
 def _delivered(path) -> int:
     """Deliveries the collector's state file records (read beside the running collector)."""
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
@@ -149,14 +119,14 @@ def test_sigkill_and_restart_resolve_a_cleared_alert_once_and_do_not_repage(tmp_
             assert r.status_code == 202, r.text
 
         with open(tmp_path / "serve.log", "wb") as log:
-            proc = _serve(config, port, log)
+            proc = serve_process(config, port, log)
             send(1, 50.0, 40.0)
             wait_until(lambda: len(hook.alerts()) == 2, 20, "two pages")
             # ... and their delivery recorded (a kill between the two pages it again: at least once).
             wait_until(lambda: _delivered(tmp_path / "state.sqlite3") == 2, 20, "the deliveries recorded")
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
-            proc = _serve(config, port, log)
+            proc = serve_process(config, port, log)
             try:
                 send(2, 1.0, 45.0)  # image cleared, text still high
                 wait_until(lambda: len(hook.alerts()) == 3, 20, "the resolve")
@@ -207,12 +177,12 @@ def test_a_retry_straddling_a_restart_is_applied_once(tmp_path):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         with open(tmp_path / f"{state}.log", "wb") as log:
-            proc = _serve(config, port, log)
+            proc = serve_process(config, port, log)
             first = httpx.post(url + "/v1/reports", content=body(one), headers=JSON).json()
             assert first == {"accepted": 1, "duplicates": []}
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
-            proc = _serve(config, port, log)
+            proc = serve_process(config, port, log)
             try:
                 again = httpx.post(url + "/v1/reports", content=body(one, {**one, "seq": 42}), headers=JSON)
                 text = httpx.get(url + "/metrics").text

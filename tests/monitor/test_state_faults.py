@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.collector.helpers import Recorder, body, report
+from tests.monitor.helpers import Recorder, body, report
 from tests.support import wait_until
 from trainvitals.monitor.app import create_app
 from trainvitals.monitor.server import serve_in_thread

@@ -12,7 +12,7 @@ Both run short by default (CI). ``TV_FULL_LENGTH=1`` runs them at full length
 (schemathesis: 1,000 cases per operation, a random seed, every phase; load: 60 s) and
 prints the figures docs/collector.md records:
 
-    TV_FULL_LENGTH=1 python -m pytest -p no:cacheprovider -s tests/collector/test_fuzz_and_load.py
+    TV_FULL_LENGTH=1 python -m pytest -p no:cacheprovider -s tests/monitor/test_fuzz_and_load.py
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
-from tests.collector.helpers import promtool_clean
+from tests.monitor.helpers import promtool_clean
 from tests.support import free_port, metric_value, parse_metrics, wait_until
 from trainvitals.monitor.app import create_app
 from trainvitals.monitor.server import serve_in_thread
@@ -84,6 +85,7 @@ class _StatusCount:
         await self.app(scope, receive, counted)
 
 
+@pytest.mark.slow  # a fuzzer run: minutes
 def test_schemathesis_finds_nothing(tmp_path):
     app = create_app(Settings(state_path=None))
     counted = _StatusCount(app)
@@ -274,6 +276,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.slow  # fifty sender processes
 def test_fifty_senders_every_report_applied_once(tmp_path: Path):
     config = tmp_path / "collector.yaml"
     config.write_text(f"state_path: {tmp_path / 'state.sqlite3'}\n")  # as deployed: durable

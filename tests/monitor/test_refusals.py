@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from tests.collector.helpers import Recorder, body, promtool_clean, report
+from tests.monitor.helpers import Recorder, body, promtool_clean, report
 from trainvitals.monitor.app import create_app
 from trainvitals.monitor.decode import decode_batch
 from trainvitals.monitor.server import serve_in_thread

@@ -14,8 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from tests.collector.helpers import body, report
-from tests.collector.test_restart import _serve
+from tests.monitor.helpers import body, report, serve_process
 from tests.support import free_port, wait_until
 from trainvitals.monitor.app import create_app
 from trainvitals.monitor.server import bind, serve_in_thread, uvicorn_config
@@ -68,7 +67,7 @@ def serve(tmp_path):
     port = free_port()
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        proc = _serve(config, port, log)
+        proc = serve_process(config, port, log)
         try:
             yield f"http://127.0.0.1:{port}", proc, log_path
         finally:

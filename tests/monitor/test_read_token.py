@@ -7,7 +7,7 @@ import base64
 
 import pytest
 
-from tests.collector.helpers import body, promtool_clean, report
+from tests.monitor.helpers import body, promtool_clean, report
 from tests.support import running_collector
 
 READ = "read-tok-8Fh2"

@@ -10,7 +10,7 @@ import subprocess
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.collector.helpers import PROMTOOL
+from tests.monitor.helpers import PROMTOOL
 from trainvitals.wire import PREFIX, metric_type
 from trainvitals.wire.schema import (
     _ABBREVIATIONS,

@@ -14,8 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.collector.helpers import Recorder, body, promtool_clean, report
-from tests.collector.test_restart import _serve
+from tests.monitor.helpers import Recorder, body, promtool_clean, report, serve_process
 from tests.support import dead_url, free_port, wait_until
 from trainvitals.hooks.sender import Sender
 from trainvitals.hooks.sinks import HttpSink
@@ -91,7 +90,7 @@ def test_no_secret_in_the_logs_of_the_collector_or_the_hooks(tmp_path, caplog):
         port = free_port()
         log_path = tmp_path / "serve.log"
         with open(log_path, "wb") as log:
-            proc = _serve(config, port, log)
+            proc = serve_process(config, port, log)
             try:
                 url = f"http://127.0.0.1:{port}"
                 # The hooks: a collector URL with a password, a dead one with another.
