@@ -150,8 +150,11 @@ class NormPlan:
             raise ValueError(f"NormPlan built for {self.count} tensors, given {len(tensors)}")
         out = torch.empty(self.count, device=self.device)
         for members, index, accumulate, total in self.groups:
-            rows = torch.cat([tensors[i] for i in members])
-            if rows.numel() != total:
+            try:
+                rows = torch.cat([tensors[i] for i in members])
+            except RuntimeError:  # shapes that no longer concatenate
+                rows = None
+            if rows is None or rows.numel() != total:
                 raise ValueError("NormPlan given tensors of other shapes than it was built for")
             rows = rows.view(len(members), -1)
             out.index_copy_(0, index, torch.linalg.vector_norm(rows, dim=1, dtype=accumulate).float())

@@ -60,7 +60,8 @@ class BackwardGradNorms:
         self._handles: list[Removable] = []
         self._params: list[torch.Tensor] = []
         self._plain = True  # see _hook_params
-        self._plan: tuple[tuple[int, ...] | None, NormPlan] | None = None  # key: the params with a grad (None: all)
+        # NormPlan.cached's slot; its key: the params with a grad (None: all of them)
+        self._plan: list[Any] = [None]
         self._key: tuple | None = None
         self._queued = False
         self._monitor: MonitorView | None = None
@@ -95,7 +96,7 @@ class BackwardGradNorms:
         self._plain = not any(
             p.is_complex() or isinstance(getattr(p, "_local_tensor", None), torch.Tensor) for p in self._params
         )
-        self._plan = None
+        self._plan = [None]
 
     # -- during the user's backward ---------------------------------------------
     def _accumulated(self, _param: torch.Tensor) -> None:
@@ -131,9 +132,8 @@ class BackwardGradNorms:
                 return
             if not self._plain:
                 grads = [real(local(g)) for g in grads]
-            if self._plan is None or self._plan[0] != key:
-                self._plan = (key, NormPlan(grads, monitor.device))
-            norms = self._plan[1].norms(grads)
+            # rebuilt when the set or the shapes change (a parameter's .data replaced)
+            norms = NormPlan.cached(self._plan, key, grads, monitor.device)
             scale = self._scale(monitor)
             if scale is not None:
                 norms = norms / scale

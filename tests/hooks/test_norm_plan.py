@@ -49,3 +49,16 @@ def test_wrong_count_raises():
     plan = NormPlan(tensors, torch.device("cpu"))
     with pytest.raises(ValueError, match="built for"):
         plan.norms(tensors[:-1])
+
+
+def test_cached_plan_rebuilds_when_the_shapes_change():
+    slot: list = [None]
+    tensors = _tensors()
+    NormPlan.cached(slot, "k", tensors, torch.device("cpu"))
+    first = slot[0][1]
+    # the same key, but a grouped tensor replaced by one of another shape (p.data = ...)
+    changed = list(tensors)
+    changed[0] = torch.randn(16, 20)
+    got = NormPlan.cached(slot, "k", changed, torch.device("cpu"))
+    assert slot[0][1] is not first
+    torch.testing.assert_close(got, _reference(changed), rtol=2e-6, atol=0.0, equal_nan=True)
