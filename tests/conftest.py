@@ -10,6 +10,29 @@ import pytest
 
 from tests.support import one_torch_thread as _one_torch_thread
 
+# Whole modules out of the quick loop (``pytest -m "not slow"``), beside the tests marked
+# ``@pytest.mark.slow`` in place: each of their tests starts processes (a job, a
+# framework's Trainer, a collector, Prometheus) or runs for many seconds. A module here
+# takes its own marks as well; a new slow module is added here or marked in place.
+SLOW_MODULES = (
+    "tests/integration/",  # real Prometheus and Alertmanager processes
+    "tests/e2e/",  # training jobs in fresh Pythons against a collector
+    "tests/integrations/test_transformers.py",  # HF Trainer jobs in fresh Pythons
+    "tests/integrations/test_lightning.py",
+    "tests/integrations/test_zero_code.py",
+    "tests/monitor/test_restart.py",  # collectors killed and started again
+    "tests/monitor/test_secrets.py",
+    "tests/monitor/test_demo.py",
+    "tests/monitor/test_promtool_conventions.py",  # promtool on a few hundred generated bodies
+    "tests/run_configure/test_configure.py::test_trainvitals_",  # the CLI against running jobs
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(SLOW_MODULES):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_trainvitals_environment() -> Iterator[None]:

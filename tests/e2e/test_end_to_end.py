@@ -16,7 +16,7 @@ from torch import nn
 from tests.support import dead_url, metric_value, running_collector
 from trainvitals.hooks import attach
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_readme_example_reaches_metrics_with_the_reference_grad_norm():
