@@ -31,7 +31,9 @@ resolved (-> pending/firing again).
 - Event rules fire on the report that carries the event and resolve on a later
   report of the same run without it, once ``hold_steps``/``hold`` have passed
   since the last such event. A ``run_end`` event marks a run finished:
-  RunSilent stays quiet for it.
+  RunSilent stays quiet for it, and its firing alerts resolve with the reason
+  (``run r ended at step s``; pending ones are dropped) unless the engine was built
+  with ``resolve_on_run_end=False`` (a replay judging what fired up to the end).
 - Timers (``tick``): RunSilent, holds in seconds, forgetting runs silent for
   ``run_ttl`` (their alerts resolve) and dropping resolved alerts after
   ``resolved_retention``.
@@ -239,11 +241,15 @@ class Engine:
         run_ttl: float = 86400.0,
         resolved_retention: float = 900.0,
         max_alerts_per_rule: int = DEFAULT_MAX_ALERTS_PER_RULE,
+        resolve_on_run_end: bool = True,
     ) -> None:
         if max_alerts_per_rule < 1:
             raise ValueError(f"max_alerts_per_rule must be at least 1, got {max_alerts_per_rule}")
         self.rules: list[Rule] = _rule_objects(rules)
         self.max_alerts_per_rule = max_alerts_per_rule
+        # A run that ends resolves its alerts; resolve_on_run_end=False keeps what was still
+        # firing at its end (a replay that judges a finished run's reports).
+        self.resolve_on_run_end = resolve_on_run_end
         # (rule index, run) -> alerts held; past the bound new ones are counted, not opened.
         self._per_rule_run: dict[tuple[int, str], int] = {}
         self._flooded: set[tuple[int, str]] = set()  # said once per rule and run
@@ -365,7 +371,7 @@ class Engine:
 
             if self._event_rules:
                 out.extend(self._observe_events(report, now))
-            if ended:
+            if ended and self.resolve_on_run_end:
                 out.extend(self._end_run(run, step, now))
         return out
 

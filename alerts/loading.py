@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from trainvitals.alerts.model import KINDS, RULE_TYPES, FieldError, Rule
+from trainvitals.alerts.model import KINDS, RULE_TYPES, FieldError, Rule, ThresholdRule
 from trainvitals.wire.errors import ConfigurationError
 
 __all__ = [
@@ -110,12 +110,28 @@ def _parse_one(raw: Any, source: str, index: int) -> Rule:
 
 
 def _check_unique(rules: Sequence[Rule], sources: Sequence[str], indices: Sequence[int]) -> None:
-    seen: dict[str, tuple[str, int]] = {}
+    # One alert may be split into variants by severity (as in Prometheus: the same alertname
+    # with severity page and warning), each a threshold rule on the same metric: their
+    # conditions say which applies (LossNotAccumNormalized per optimizer family).
+    seen: dict[str, list[tuple[Rule, str, int]]] = {}
     for rule, source, index in zip(rules, sources, indices, strict=True):
-        if rule.alert in seen:
-            other = seen[rule.alert]
-            raise _rule_error(source, rule.alert, index, "alert", f"duplicate alert name (also {other[0]} #{other[1]})")
-        seen[rule.alert] = (source, index)
+        for other, other_source, other_index in seen.get(rule.alert, []):
+            variant = (
+                isinstance(rule, ThresholdRule)
+                and isinstance(other, ThresholdRule)
+                and rule.metric == other.metric
+                and rule.severity != other.severity
+            )
+            if not variant:
+                raise _rule_error(
+                    source,
+                    rule.alert,
+                    index,
+                    "alert",
+                    f"duplicate alert name (also {other_source} #{other_index}); two rules may share a name "
+                    "only as variants of one threshold alert: the same metric, different severities",
+                )
+        seen.setdefault(rule.alert, []).append((rule, source, index))
 
 
 def parse_rules(data: Any, source: str = "<rules>") -> list[Rule]:

@@ -151,7 +151,7 @@ class Transition(Alert):
 
 
 def _figure(value: float) -> str:
-    return "?" if value != value else f"{value:.3g}"
+    return "?" if value != value else f"{value:.4g}"
 
 
 def format_duration(seconds: float) -> str:

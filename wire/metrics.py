@@ -251,6 +251,15 @@ _SPECS: tuple[MetricSpec, ...] = (
     ),
     _m("microbatches", "gauge", "count", (), "loss", "Micro-batches seen in the last optimizer step."),
     _m(
+        "optimizer_scale_invariant",
+        "gauge",
+        "value",
+        (),
+        "loss",
+        "Optimizer family: 1 Adam-like (the step does not grow with the gradient's scale), "
+        "0 SGD-like (it does), 0.5 unknown.",
+    ),
+    _m(
         "token_weight_spread_ratio",
         "gauge",
         "x",

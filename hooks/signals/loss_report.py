@@ -90,6 +90,7 @@ import torch
 
 from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.late_warnings import LateWarnings
+from trainvitals.hooks.optimizer_family import FAMILY_VALUE, optimizer_family
 from trainvitals.hooks.signals.base import MonitorView
 from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES, NORMALIZATIONS
 from trainvitals.hooks.signals.loss_binning import SumsLayout
@@ -133,6 +134,7 @@ class LossReport:
         self._objectives = objectives
         self._late = late
         self._indices = IndexCache()
+        self._family: torch.Tensor | None = None  # optimizer_scale_invariant, made once
 
     def report(
         self,
@@ -328,6 +330,10 @@ class LossReport:
             "modality_excess_dilution_ratio", expected[:m] / grad_share, mod_labels, present=samples[:m] * has_weight
         )
         self._emit_objectives(ctx, sums, wmax, wmin, calls, acc.weights, scale, some, declared)
+        # What a missing division does depends on the optimizer: the rules read it beside the mass.
+        if self._family is None:
+            self._family = torch.tensor(FAMILY_VALUE[optimizer_family(monitor.optimizer)], device=ctx.device)
+        ctx.emit("optimizer_scale_invariant", self._family)
         if acc.output:
             ctx.emit(
                 "modality_grad_norm",

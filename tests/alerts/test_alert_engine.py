@@ -226,12 +226,10 @@ def test_and_condition_with_fewer_labels_matches_by_restriction():
 - alert: Diluted
   metric: modality_grad_norm
   above: 1
-  and: [{metric: loss_weight_mass, above: 1.5}]
+  and: [{metric: grad_norm, above: 1.5}]
   summary: "{modality} {scope}"
 """)
-    r = wire_report(
-        0, [("modality_grad_norm", {"modality": "image", "scope": "output"}, 3.0), ("loss_weight_mass", {}, 4.0)]
-    )
+    r = wire_report(0, [("modality_grad_norm", {"modality": "image", "scope": "output"}, 3.0), ("grad_norm", {}, 4.0)])
     (t,) = eng.observe(r, now=0)
     assert t.state is F and t.summary == "image output"
 
@@ -383,7 +381,11 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
             ("modality_dilution_ratio", {"modality": "image"}, 12.0),
             ("modality_excess_dilution_ratio", {"modality": "image"}, 1.02),
         ],
-        "LossNotAccumNormalized": lambda s: [("loss_weight_mass", obj, 4.0), ("loss_accumulation_exponent", obj, 1.0)],
+        "LossNotAccumNormalized": lambda s: [
+            ("loss_weight_mass", obj, 4.0),
+            ("loss_accumulation_exponent", obj, 1.0),
+            ("optimizer_scale_invariant", {}, 0.0),
+        ],
         "LossWeightMassLow": lambda s: [("loss_weight_mass", obj, 0.25), ("loss_accumulation_exponent", obj, -1.0)],
         "MeanOfMeansLoss": lambda s: [("token_weight_spread_ratio", obj, 1.8 + 0.3 * math.sin(s))],
         "ParamDrift": lambda s: [

@@ -115,7 +115,9 @@ def test_webhook_slack_and_pagerduty_payloads_carry_the_links(external):
     assert resolved["annotations"]["summary"].startswith(
         "Resolved: GradientDilution in run mm/pt-1 (modality=image): run mm/pt-1 ended at step 30 after firing for"
     )
-    assert resolved["annotations"]["description"].startswith("While it fired: image gets 17.0x less gradient")
+    assert resolved["annotations"]["description"].startswith(
+        "While it fired: Run mm/pt-1, step 30: image samples get 17.0x less gradient"
+    )
     assert resolved["generatorURL"] == run_page and resolved["annotations"]["runbook_url"] == runbook
 
     s_fire, s_resolved = slack

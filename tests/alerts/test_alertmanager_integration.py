@@ -68,7 +68,8 @@ def test_alertmanager_delivers_firing_then_resolved(alertmanager):
             "modality": "image",
         }
         assert alert["annotations"]["summary"] == (
-            "image gets 17.0x less gradient than the intended loss normalization gives it in run mm-pt1"
+            "Run mm-pt1, step 20: image samples get 17.0x less gradient than the job's intended loss "
+            "normalization gives them; check how the loss is normalized (per token instead of per sample?)"
         )
         assert alert["annotations"]["runbook_url"] == "RUNBOOKS.md#gradientdilution"  # no external URL here
 

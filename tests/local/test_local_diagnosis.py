@@ -67,8 +67,9 @@ def test_a_job_without_collector_logs_the_firing_step_and_a_verdict_at_close(
         return
     # One line per transition: the alert, the step, the value, the summary; the run's end resolves it.
     assert alerts[0] == (
-        "trainvitals alert GradientDilution firing at step 21 (value 16.96): image gets 17.0x less gradient than "
-        "the intended loss normalization gives it in run i1 {run=i1, modality=image} "
+        "trainvitals alert GradientDilution firing at step 21 (value 16.96): Run i1, step 21: image samples get "
+        "17.0x less gradient than the job's intended loss normalization gives them; check how the loss is "
+        "normalized (per token instead of per sample?) {run=i1, modality=image} "
         "runbook: RUNBOOKS.md#gradientdilution"
     )
     assert len(alerts) == 2 and alerts[1].startswith(
@@ -103,7 +104,7 @@ def test_a_resolution_is_logged_with_its_step(tmp_path: Path, caplog: pytest.Log
         "trainvitals alert Resolved: GradientDilution in run r (modality=image) at step 25: "
         "modality_excess_dilution_ratio is back to "
     )
-    assert alerts[1].endswith("it fired at 17")
+    assert alerts[1].endswith("it fired at 16.96")
     verdict = mon.verdict()
     (incident,) = verdict.incidents
     assert (incident.first_step, incident.last_step, incident.resolved) == (21, 25, True)
