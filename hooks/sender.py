@@ -13,8 +13,10 @@ at close), is counted once in :attr:`Sender.dropped` and reported as
 Each report carries ``sender`` (random, one per Sender) and ``seq`` (its number
 from this sender): the collector applies a retried report once, so a retry after
 a timeout (the collector got it, the answer did not arrive) cannot double it.
-A report in flight when :meth:`close` stops waiting is counted as dropped, and
-taken back off that count if its delivery completes after all.
+:meth:`close` takes ``timeout`` once for everything; a report sent without an
+answer by then (in flight, or timed out: the collector may have applied it) is not
+counted as dropped but as :attr:`Sender.unconfirmed`, and the drops counted at close
+reach the collector in one last sample-free report when time is left.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 from trainvitals.hooks.pack import PendingReport
 from trainvitals.hooks.sinks import Sink
 from trainvitals.wire.body import encode_report
-from trainvitals.wire.schema import Report
+from trainvitals.wire.schema import RUN_END_EVENT, Report
 
 __all__ = ["Sender"]
 
@@ -72,6 +74,13 @@ class Sender:
         self._outbox: deque[bytes] = deque()
         self._outbox_bytes = 0
         self._busy = 0  # reports the thread holds outside the queues (encoding, in flight)
+        self._in_flight = 0  # of which in a delivery
+        # Outbox bodies sent once without an answer (a timeout): the collector may have them.
+        self._maybe_applied: set[int] = set()
+        self.unconfirmed = 0
+        """Reports sent without an answer when :meth:`close` stopped waiting (maybe applied)."""
+        self._last_head: dict[str, Any] | None = None  # run, rank, step of the latest report
+        self._last_ended = False
         self._retry_at = 0.0
         self._delay = backoff[0]
         self._stop = False
@@ -110,30 +119,46 @@ class Sender:
         return True
 
     def close(self, timeout: float, *, quiet: bool = False) -> int:
-        """Flush with a bounded wait, then stop; what is left is counted as dropped and
-        returned. ``quiet``: the caller says it (the monitor's close summary)."""
-        self.flush(timeout)
+        """Flush, stop, and send the final drop count, all within ``timeout`` seconds
+        together; what is left undelivered is counted as dropped and returned. ``quiet``:
+        the caller says it (the monitor's close summary).
+
+        Reports whose delivery is unknown (in flight when the time ran out, or retried
+        after a timeout: the collector may have applied them) are not counted as
+        dropped: :attr:`unconfirmed` holds how many. When the count grew at close, one
+        last sample-free report carries it (and the run's end, if that was not
+        delivered), so the collector's ``client_dropped_reports_total`` matches."""
+        deadline = time.monotonic() + timeout
+        # Keep a little of the time for that last report.
+        self.flush(timeout * 0.8)
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join(timeout=max(0.1, min(timeout, 10.0)))
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         with self._cond:
-            # Still queued, or in flight when we gave up waiting: not delivered (an
-            # in-flight batch that does arrive later is taken back off, see _run).
-            left = len(self._pending) + len(self._outbox) + self._busy
+            maybe = sum(1 for body in self._outbox if id(body) in self._maybe_applied)
+            in_flight = self._in_flight if self._thread.is_alive() else 0
+            left = len(self._pending) + len(self._outbox) - maybe + (self._busy - self._in_flight)
+            self.unconfirmed = maybe + in_flight
+            ended = self._last_ended and (left > 0 or self.unconfirmed > 0)
             self.dropped += left
             self._pending.clear()
             self._outbox.clear()
             self._outbox_bytes = 0
             self._closed = True
-        if left and not quiet:
+        if left and self._last_head is not None and not self._thread.is_alive():
+            self._send_count(ended, deadline)
+        if (left or self.unconfirmed) and not quiet:
             # A warning, unless the sink already warned that the collector is unreachable.
             level = logging.INFO if getattr(self.sink, "healthy", True) is False else logging.WARNING
             log.log(
                 level,
                 "trainvitals: %d report(s) not delivered when the monitor closed "
-                "(counted in client_dropped_reports_total)",
+                "(counted in client_dropped_reports_total)%s",
                 left,
+                f"; {self.unconfirmed} more sent without an answer (the collector may have applied them)"
+                if self.unconfirmed
+                else "",
             )
         try:
             self.sink.close()
@@ -163,13 +188,19 @@ class Sender:
                 if not self._outbox or time.monotonic() < self._retry_at:
                     continue
                 batch = self._take_batch()
-                self._busy = len(batch)
+                self._busy = self._in_flight = len(batch)
             outcome = self._deliver(batch)
             with self._cond:
-                if self._closed:  # close() gave up on this batch and counted it as dropped
+                self._in_flight = 0
+                if self._closed:  # close() stopped waiting for this batch: unconfirmed until now
                     if outcome == "sent":
-                        self.dropped -= len(batch)
                         self.sent += len(batch)
+                        settled = len(batch)
+                    else:  # not delivered, unless a try of it went unanswered (maybe applied)
+                        unanswered = getattr(self.sink, "unanswered", False)
+                        settled = 0 if unanswered else sum(id(b) not in self._maybe_applied for b in batch)
+                        self.dropped += settled
+                    self.unconfirmed = max(0, self.unconfirmed - settled)
                     self._busy = 0
                     self._cond.notify_all()
                     return
@@ -178,6 +209,8 @@ class Sender:
                     self.sent += len(batch)
                     self._delay = self.backoff[0]
                 elif outcome == "retry":
+                    if getattr(self.sink, "unanswered", False):  # sent, no answer: maybe applied
+                        self._maybe_applied.update(id(body) for body in batch)
                     for body in reversed(batch):  # back at the head; the byte bound still holds
                         self._outbox.appendleft(body)
                         self._outbox_bytes += len(body)
@@ -197,6 +230,8 @@ class Sender:
                 {**report, "samples": [*report["samples"], dropped], "sender": self.sender_id, "seq": self._seq}
             )
             data = encode_report(validated)
+            self._last_head = {"run": validated.run, "rank": validated.rank, "step": validated.step}
+            self._last_ended = any(ev.kind == RUN_END_EVENT for ev in validated.events)
         except Exception as exc:  # noqa: BLE001 - never let a bad report kill the thread
             with self._cond:
                 self.dropped += 1
@@ -211,6 +246,41 @@ class Sender:
                 self.on_report(validated)
             except Exception as exc:  # noqa: BLE001
                 self._warn_once("on_report", "in-process rule evaluation failed: %s", exc)
+
+    def _send_count(self, ended: bool, deadline: float) -> None:
+        """One last report with the final drop count (and the run's end), sent by the
+        caller of :meth:`close` within what is left of its time."""
+        left = deadline - time.monotonic()
+        if left <= 0.05:
+            return
+        dropped = {"name": "client_dropped_reports_total", "labels": {}, "value": float(self.dropped)}
+        events = [{"kind": RUN_END_EVENT, "detail": "the run ended; its last reports were not delivered"}]
+        self._seq += 1
+        try:
+            data = encode_report(
+                Report.model_validate(
+                    {
+                        **(self._last_head or {}),
+                        "time": time.time(),
+                        "samples": [dropped],
+                        "events": events if ended else [],
+                        "sender": self.sender_id,
+                        "seq": self._seq,
+                    }
+                )
+            )
+        except Exception as exc:  # noqa: BLE001 - never raise from close
+            log.debug("trainvitals: the final drop count could not be built: %s", exc)
+            return
+        bounded = hasattr(self.sink, "timeout")
+        saved = getattr(self.sink, "timeout", None)
+        if bounded:
+            self.sink.timeout = min(saved, left) if saved else left  # type: ignore[attr-defined]
+        try:
+            self._deliver([data])
+        finally:
+            if bounded:
+                self.sink.timeout = saved  # type: ignore[attr-defined]
 
     def _trim_locked(self) -> None:
         """Drop the oldest reports until the outbox fits its byte bound (keeps the newest)."""

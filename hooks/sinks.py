@@ -140,6 +140,8 @@ class HttpSink:
         self._refused_404 = 0
         self.on_answer: Callable[[dict[str, Any]], None] | None = None
         self._answer_failed = False
+        self.unanswered = False
+        """The last delivery was sent but got no answer (a read timeout): maybe applied."""
 
     def __repr__(self) -> str:
         return f"HttpSink({self._shown!r})"
@@ -162,11 +164,14 @@ class HttpSink:
         if len(body) >= self.gzip_min_bytes:
             body = gzip.compress(body, compresslevel=1)
             headers["Content-Encoding"] = "gzip"
+        self.unanswered = False
         try:
             resp = self._http().post(self.url, content=body, headers=headers, timeout=self.timeout)
         except Exception as exc:  # noqa: BLE001 - connection refused, timeout, DNS: all transient
             import httpx
 
+            # Sent whole, no answer: the collector may have applied it (the retry will tell).
+            self.unanswered = isinstance(exc, (httpx.ReadTimeout, httpx.RemoteProtocolError))
             if isinstance(exc, httpx.TimeoutException):
                 self._slower()
             self._set_health(False, f"collector {self._shown} unreachable ({type(exc).__name__}: {redact(str(exc))})")

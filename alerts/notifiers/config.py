@@ -97,12 +97,15 @@ def _registered(value: str) -> str:
 
 
 def _url_secrets(url: str) -> str:
-    """Register what a plain ``url`` setting may hide (a query string, a password): never logged."""
+    """Register what a plain ``url`` setting may hide, never logged: its password,
+    its path (a token often is one: ``/hooks/T0KEN``; registered with the host, so the
+    logs show ``http://***``), its query string and fragment."""
     parts = urlsplit(url)
-    if parts.query:
-        register_secret(parts.query)
-    if parts.password:
-        register_secret(parts.password)
+    for secret in (parts.query, parts.fragment, parts.password):
+        if secret:
+            register_secret(secret)
+    if parts.path.strip("/"):
+        register_secret(parts.netloc + parts.path)
     return url
 
 
