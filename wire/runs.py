@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from trainvitals.wire.errors import ConfigurationError
+
 __all__ = [
     "MAX_RUN",
     "RUN_CHARS",
@@ -59,10 +61,11 @@ def is_run(run: Any) -> bool:
 
 
 def check_run(run: Any, name: str = "run") -> str:
-    """``run`` if it is a valid run name; else ValueError ``{name}={run!r}: {RUN_RULE}``.
+    """``run`` if it is a valid run name; else :class:`~trainvitals.errors.ConfigurationError`
+    (a ValueError) ``{name}={run!r}: {RUN_RULE}``.
 
     ``name`` is what the caller calls it (``run``, ``TRAINVITALS_RUN``, ``--run``), so the
     message points at the argument to fix."""
     if not is_run(run):
-        raise ValueError(f"{name}={run!r}: {RUN_RULE}")
+        raise ConfigurationError(f"{name}={run!r}: {RUN_RULE}")
     return str(run)

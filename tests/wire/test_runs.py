@@ -23,6 +23,7 @@ from trainvitals.hooks.integration_support import run_name
 from trainvitals.monitor.cli import main
 from trainvitals.monitor.decode import BodyInvalid, decode_batch
 from trainvitals.wire import Report
+from trainvitals.wire.errors import ConfigurationError
 from trainvitals.wire.runs import MAX_RUN, RUN_PATTERN, RUN_REGEX, RUN_RULE, check_run, is_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +45,7 @@ def test_good_names_pass_every_check(run):
 
 @pytest.mark.parametrize("run", BAD)
 def test_bad_names_fail_every_check_with_the_rule(run):
-    with pytest.raises(ValueError, match=re.escape(RUN_RULE)):
+    with pytest.raises(ConfigurationError, match=re.escape(RUN_RULE)):
         check_run(run)
     assert not is_run(run)
     with pytest.raises(ValidationError):
