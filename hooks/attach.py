@@ -73,23 +73,20 @@ def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 def _framework_defaults(model: nn.Module, options: dict[str, Any], env_options: dict[str, Any]) -> None:
-    """Megatron-core's loss conventions, where the job has not said otherwise: with
+    """Megatron-core's loss convention, where the job has not said otherwise: with
     ``calculate_per_token_loss`` the loss is a sum over tokens that Megatron divides by
-    the step's tokens over all ranks after the backward (``loss_reduction="sum"``);
-    without it each micro-batch is averaged over its own tokens, one sample per
-    micro-batch: per-sample weighting is the intent (``loss_normalization="sample"``)."""
+    the step's tokens over all ranks after the backward (``loss_reduction="sum"``).
+    (Without it, loss accounting takes per-sample weighting as the intent on steps whose
+    micro-batches each hold one sample: :mod:`~trainvitals.hooks.signals.loss_accounting`.)"""
     from trainvitals.hooks.naming import unwrap
 
     inner = unwrap(model)
     config = getattr(inner, "config", None)
     if not type(inner).__module__.startswith("megatron.") or config is None:
         return
-    per_token = getattr(config, "calculate_per_token_loss", None)
     given = {**env_options, **options}
-    if per_token is True and "loss_reduction" not in given:
+    if getattr(config, "calculate_per_token_loss", None) is True and "loss_reduction" not in given:
         options["loss_reduction"] = "sum"
-    elif per_token is False and "loss_normalization" not in given:
-        options["loss_normalization"] = "sample"
 
 
 def attach(

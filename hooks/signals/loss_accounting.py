@@ -98,6 +98,7 @@ class _Step:
     wmin: torch.Tensor | None = None  # [objectives] smallest label-token weight
     probe_grads: torch.Tensor | None = None  # [M, P] per-modality parameter gradients
     layout: str = ""  # zero-code: why the head's output was not read as logits (the last such)
+    several: bool = False  # a micro-batch held several samples (Megatron's per-sample intent then fails)
 
 
 @dataclass
@@ -140,6 +141,7 @@ class LossAccounting(Signal):
         self._seam: _Seam | None = None  # the head's logits in the model's current forward
         self._head = ""  # the hooked LM head's name (zero-code)
         self._unfed = 0  # consecutive report steps whose logits got no gradient (zero-code)
+        self._per_sample = False  # Megatron's default loss: per-sample intent on one-sample micro-batches
 
     # -- lifecycle -------------------------------------------------------------
     def bind(self, monitor: MonitorView) -> list[Removable]:
@@ -269,6 +271,7 @@ class LossAccounting(Signal):
         self._head = next((n for n, m in monitor.model.named_modules() if m is module), type(module).__name__)
         slot = self._slot("main")
         root = monitor.model
+        self._per_sample = _megatron_per_sample(root) and monitor.config.loss_normalization is None
         vocab = expected_vocab(root, module)
         megatron = type(module).__module__.startswith("megatron.")
         fired = [False]  # the head ran in the model's current forward
@@ -406,10 +409,22 @@ class LossAccounting(Signal):
             rows, cols = (1, shape[0]) if segments is not None else (shape[0], 1)
         codes = self._codes(monitor, modality, view[..., 0], rows, cols)
         seg = self._segments(segments, shape, rows, cols, logits.device)
+        self._imply_intent(step, rows if seg is None else 2)
         self._ensure_sums(step, logits.device)
         seam = self._seam = _Seam((rows, cols), codes, seg)
         hook = self._logits_hook(monitor, step, view, logits._version, seam, slot, seq_first)
         logits.register_hook(hook)
+
+    def _imply_intent(self, step: _Step, samples: int) -> None:
+        """Megatron's default (``calculate_per_token_loss`` off) averages each micro-batch
+        over its own tokens: with one sample per micro-batch that is per-sample weighting,
+        Megatron's intent, so the step reads as declared ``normalization="sample"``; a
+        step with a micro-batch of several samples is a mean of means and reads as such."""
+        if not self._per_sample:
+            return
+        if samples > 1:
+            step.several = True
+        step.normalization = None if step.several else "sample"
 
     def _watch_per_token(self, monitor: MonitorView, output: torch.Tensor, seam: _Seam, slot: int) -> None:
         """The model returned its per-token losses [B, S] (or [S, B]): read the weights
@@ -835,3 +850,9 @@ def _layout_problem(logits: torch.Tensor | None, vocab: int | None) -> str:
     if vocab is not None and logits.shape[-1] != vocab:
         return f"has {logits.shape[-1]} entries in its last dimension, not the vocabulary's {vocab}"
     return ""
+
+
+def _megatron_per_sample(model: Any) -> bool:
+    """A Megatron-core model whose loss is averaged per micro-batch (its default)."""
+    config = getattr(model, "config", None)
+    return type(model).__module__.startswith("megatron.") and getattr(config, "calculate_per_token_loss", None) is False

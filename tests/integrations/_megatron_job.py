@@ -8,8 +8,9 @@ under ``torchrun`` (any world size) or alone. ``mode=attach``: the job attaches 
 itself (``attach(loss_from_logits=True)``, tagging each micro-batch's modality);
 ``mode=plain``: it knows nothing of trainvitals (for ``trainvitals run``).
 
-Each micro-batch is one sample: a text sample of 40 trained tokens or an image sample
-(an image placeholder prompt and a 3-token answer), alternating. ``per_token=1``:
+Each micro-batch is one sample (``mbs=N``: N samples of one kind): a text sample of 40
+trained tokens or an image sample (an image placeholder prompt and a 3-token answer),
+alternating. ``per_token=1``:
 ``calculate_per_token_loss`` (each token weighs the same over the step and the ranks:
 the short image answers get little gradient, I1); ``per_token=0``, Megatron's default:
 each micro-batch averaged over its own tokens (per-sample weighting, the intent).
@@ -61,31 +62,35 @@ def cpu_only() -> None:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 
-def samples(rank: int, count: int) -> list[dict]:
+def samples(rank: int, count: int, mbs: int = 1) -> list[dict]:
+    """``count`` micro-batches of ``mbs`` samples each; with ``mbs`` > 1 a micro-batch holds
+    samples of one kind (all text or all image), so micro-batches differ in token count."""
     g = torch.Generator().manual_seed(rank)
     out = []
     for i in range(count):
-        tokens = torch.randint(0, VOCAB, (1, SEQ + 1), generator=g)
-        mask = torch.zeros(1, SEQ)
         image = (i + rank) % 2 == 1
+        tokens = torch.randint(0, VOCAB, (mbs, SEQ + 1), generator=g)
+        mask = torch.zeros(mbs, SEQ)
         if image:
-            mask[0, SEQ - IMAGE_ANSWER :] = 1.0  # only the answer is trained on
+            mask[:, SEQ - IMAGE_ANSWER :] = 1.0  # only the answer is trained on
         else:
-            mask[0, SEQ - TEXT_TOKENS :] = 1.0
+            mask[:, SEQ - TEXT_TOKENS :] = 1.0
         out.append(
             {
                 "tokens": tokens[:, :-1],
                 "labels": tokens[:, 1:],
                 "loss_mask": mask,
-                "position_ids": torch.arange(SEQ)[None],
-                "attention_mask": torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1),
-                "modality": torch.tensor([int(image)]),
+                "position_ids": torch.arange(SEQ)[None].expand(mbs, SEQ),
+                "attention_mask": torch.triu(torch.ones(mbs, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1),
+                "modality": torch.full((mbs,), int(image)),
             }
         )
     return out
 
 
-def main(out: str, *, per_token: int = 0, mode: str = "attach", steps: int = 24, every: int = 1, micro: int = 4):
+def main(
+    out: str, *, per_token: int = 0, mode: str = "attach", steps: int = 24, every: int = 1, micro: int = 4, mbs: int = 1
+):
     torch.set_num_threads(1)
     cpu_only()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -178,7 +183,7 @@ def main(out: str, *, per_token: int = 0, mode: str = "attach", steps: int = 24,
         return output, partial(loss_func, batch["loss_mask"])
 
     forward_backward = get_forward_backward_func()
-    data = samples(rank, steps * micro)
+    data = samples(rank, steps * micro, mbs)
     for step in range(steps):
         optimizer.zero_grad()
         model.zero_grad_buffer()
@@ -188,7 +193,7 @@ def main(out: str, *, per_token: int = 0, mode: str = "attach", steps: int = 24,
             model=[model],
             num_microbatches=micro,
             seq_length=SEQ,
-            micro_batch_size=1,
+            micro_batch_size=mbs,
             decoder_seq_length=SEQ,
             forward_only=False,
         )

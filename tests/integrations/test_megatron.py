@@ -128,3 +128,18 @@ def trainvitals_free(cmd: list[str], cwd: Path) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=job_env(), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stderr
+
+
+def test_megatron_default_with_several_samples_per_micro_batch_is_a_mean_of_means(tmp_path):
+    """Per-sample weighting is Megatron's intent only with one sample per micro-batch:
+    two samples each (two text, or two image micro-batches: 80 against 6 label tokens),
+    each micro-batch averaged over its own tokens, is a mean of means and pages."""
+    out = tmp_path / "result.json"
+    trainvitals_free(_launch(1, out, "per_token=0", "mode=attach", "steps=52", "mbs=2"), tmp_path)
+    result = json.loads(out.read_text())
+    reports = read_reports(out.with_suffix(".jsonl"))
+    spread = figures(reports, "token_weight_spread_ratio", objective="main")
+    truth = _truth(result, False)
+    for s in range(1, 53):
+        assert spread[s] == pytest.approx(truth[s]["spread"], rel=1e-5) == pytest.approx(80 / 6), s
+    assert firing(reports) & LOSS_RULES == {"MeanOfMeansLoss"}
