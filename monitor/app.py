@@ -119,7 +119,7 @@ def create_app(
             await asyncio.sleep(settings.state_check_seconds)
             try:
                 await run_in_threadpool(db.check_file)
-                await run_in_threadpool(db.seqs_saved)
+                await run_in_threadpool(db.retry_writes)
             except Exception:
                 log.exception("checking the state file failed")
 

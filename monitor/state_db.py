@@ -458,6 +458,23 @@ class StateDB:
             self._unsaved_runs.update(runs)
             self._flush_seqs_locked()
 
+    def retry_writes(self) -> bool:
+        """Try again what the disk refused (the collector calls it every few seconds):
+        the ``seq`` numbers held, else one small write, so that :attr:`problem` clears
+        once the disk takes writes again even when nothing else is written. True when
+        nothing is failing."""
+        if self._unsaved_seqs or self._unsaved_runs:
+            return self.seqs_saved()
+        if not self._failing:
+            return True
+        kind = next(iter(self._failing))
+        try:
+            stamp = int(time.time() * 1000) % 2**31  # a value that changes: a real write
+            self._tx(kind, lambda: self._db.execute(f"PRAGMA user_version = {stamp}"))
+        except StateWriteError:
+            return False
+        return True
+
     def seqs_saved(self) -> bool:
         """True when every ``seq`` recorded is in the file (tries again what was not)."""
         if not self._unsaved_seqs:

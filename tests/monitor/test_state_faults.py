@@ -297,3 +297,19 @@ def test_a_bad_json_row_is_found_whatever_the_table(tmp_path):
     db.close()
     with pytest.raises(SettingsError, match="table 'run_settings' is not JSON"):
         create_app(Settings(state_path=state))
+
+
+def test_readyz_recovers_when_the_disk_does_even_with_nothing_to_write(tmp_path):
+    with _tmpfs(tmp_path / "disk") as disk, Recorder() as hook:
+        settings = _settings(tmp_path, disk / "state.sqlite3", hook)
+        with serve_in_thread(create_app(settings)) as url, httpx.Client(base_url=url, timeout=30) as c:
+            assert c.get("/readyz").status_code == 200
+            filler = _fill(disk)
+            # No seq: nothing the ingest must remember, but the alert states cannot be saved.
+            event = {"kind": "optimizer_state_reset", "detail": "no seq"}
+            assert c.post("/v1/reports", content=body(report("plain", 1, events=[event])), headers=JSON).is_success
+            wait_until(lambda: _pages(hook, "plain"), 20, "the page")
+            degraded = wait_until(lambda: c.get("/readyz").status_code == 503, 10, "degraded")
+            filler.unlink()
+            wait_until(lambda: c.get("/readyz").status_code == 200, 10, "ready once the disk takes writes")
+    assert degraded
