@@ -131,7 +131,8 @@ TASK = 'task=~"$task"'
 
 
 # -- thresholds from the default rules ------------------------------------------------
-_RULES = {r.alert: r for r in load_rules(["default"])}
+# An alert split into severity variants (LossNotAccumNormalized) draws its first, most severe one.
+_RULES = {r.alert: r for r in reversed(load_rules(["default"]))}
 _SEVERITY_COLORS = {"page": "red", "warning": "orange", "info": "blue"}
 
 
@@ -208,6 +209,17 @@ def _targets(p: P, instant: bool) -> list[Dataquery]:
     return out
 
 
+def describe(p: P) -> str:
+    """The panel's description: the metric's one definition, from the catalogue (what
+    /metrics' HELP and docs/metrics.md say too), then what the panel adds."""
+    if p.metric is None:
+        return p.description
+    definition = f"{PREFIX}{p.metric}: {METRICS[p.metric].help}"
+    if p.description == METRICS[p.metric].help:
+        return definition
+    return f"{definition}\n\n{p.description}"
+
+
 def build_panel(p: P, panel_id: int):
     instant = p.kind in ("stat", "bargauge", "table")
     if p.kind == "timeseries":
@@ -245,7 +257,7 @@ def build_panel(p: P, panel_id: int):
     b = (
         b.id(panel_id)
         .title(p.title)
-        .description(p.description)
+        .description(describe(p))
         .datasource(DATASOURCE)
         .unit(p.grafana_unit())
         .thresholds(_thresholds(p))
@@ -420,8 +432,8 @@ def overview() -> Board:
                 ),
                 P(
                     "Alerts firing (collector)",
-                    [(f"sum({m('alerts_firing')})", "firing")],
-                    "Alerts the collectors' own rule engines have firing now, all runs.",
+                    [(f"sum({m('alerts_firing', RUN)})", "firing")],
+                    "Alerts the collectors' own rule engines have firing now, for the runs selected.",
                     metric="alerts_firing",
                     kind="stat",
                     width=4,
@@ -433,6 +445,17 @@ def overview() -> Board:
                     "Last optimizer step each run reported.",
                     metric="step",
                     kind="bargauge",
+                    width=6,
+                    height=5,
+                ),
+                P(
+                    "Signals watching",
+                    [(m("signal_active", RUN), "{{run}} {{signal}}: {{reason}}")],
+                    "Each signal of each run: 1 watching, 0 not (with the reason); SignalInactive warns "
+                    "under the line for a reason other than not requested or not applicable.",
+                    metric="signal_active",
+                    lines=["SignalInactive"],
+                    kind="table",
                     width=6,
                     height=5,
                 ),
@@ -454,8 +477,9 @@ def overview() -> Board:
             [
                 P(
                     "Firing now (collector rules)",
-                    [(f"{m('alerts_firing')} > 0", "{{alertname}} ({{severity}})")],
-                    "Alerts the collectors evaluate, by rule and severity: how many series fire.",
+                    [(m("alerts_firing", RUN), "{{run}} {{alertname}} ({{severity}})")],
+                    "Alerts the collectors evaluate, by run, rule and severity: how many series fire "
+                    "(0 for each rule of a run that is watched and quiet).",
                     metric="alerts_firing",
                     width=12,
                 ),
@@ -594,12 +618,22 @@ def loss_accounting() -> Board:
                     max=1,
                 ),
                 P(
-                    "Dilution",
-                    [(m("modality_dilution_ratio", *mod), lg("modality_dilution_ratio"))],
-                    "Sample share / gradient share: how many times less gradient a modality gets "
-                    "than its samples' share (1: none). GradientDilution pages past the line.",
-                    metric="modality_dilution_ratio",
+                    "Dilution against the intended normalization",
+                    [(m("modality_excess_dilution_ratio", *mod), lg("modality_excess_dilution_ratio"))],
+                    "What GradientDilution pages on, past the line: how many times less gradient a "
+                    "modality gets than the loss normalization the job intends gives it (1: as intended).",
+                    metric="modality_excess_dilution_ratio",
                     lines=["GradientDilution"],
+                    width=12,
+                ),
+                P(
+                    "Dilution against the sample share",
+                    [(m("modality_dilution_ratio", *mod), lg("modality_dilution_ratio"))],
+                    "How many times less gradient a modality gets than its samples' share (1: none), "
+                    "deliberate or not; past the line with the intended normalization's blessing it is "
+                    "the info note LossNormalizationDilutes.",
+                    metric="modality_dilution_ratio",
+                    lines=["LossNormalizationDilutes"],
                     width=12,
                 ),
                 P(
@@ -655,6 +689,23 @@ def loss_accounting() -> Board:
                     lines=["LossNotAccumNormalized", "LossWeightMassLow"],
                 ),
                 P(
+                    "Accumulation exponent",
+                    [(m("loss_accumulation_exponent", RUN), lg("loss_accumulation_exponent"))],
+                    "How the mass scales with the micro-batch count: near 1 with a mass past the upper "
+                    "line, LossNotAccumNormalized fires; near -1 under the lower line, LossWeightMassLow.",
+                    metric="loss_accumulation_exponent",
+                ),
+                P(
+                    "Optimizer family",
+                    [(m("optimizer_scale_invariant", RUN), lg("optimizer_scale_invariant"))],
+                    "Decides what a missing division does and so LossNotAccumNormalized's severity: "
+                    "1 (Adam-like) warns, 0 (SGD-like) or 0.5 (unknown) pages.",
+                    metric="optimizer_scale_invariant",
+                    kind="stat",
+                    min=0,
+                    max=1,
+                ),
+                P(
                     "Micro-batches per step",
                     [(m("microbatches", RUN), lg("microbatches"))],
                     "track_loss calls in the last optimizer step.",
@@ -690,8 +741,7 @@ def parameter_drift() -> Board:
                 P(
                     "Top drifting 1D parameters",
                     [(f"topk(10, {drift})", "{{run}} {{param}}")],
-                    "Bits of range gained since attach (log2 of absmax over absmax at attach), "
-                    "largest ten. ParamDrift pages past the line when the drift is one-way, "
+                    "Largest ten. ParamDrift pages past the line when the drift is one-way, "
                     "gradient-free and undecayed.",
                     metric="param_drift_log2",
                     lines=["ParamDrift"],

@@ -277,7 +277,8 @@ _SPECS: tuple[MetricSpec, ...] = (
         "bits",
         ("param",),
         "params",
-        "log2(absmax / absmax at attach): bits of range gained (I4).",
+        "log2(1 + max|x - x_ref| / max(absmax(x_ref), 1e-2 x the median absmax(x_ref) of the model's 1D "
+        "parameters)), x_ref the value at attach: bits of range the largest move since attach amounts to (I4).",
     ),
     _m(
         "param_grad_relative_rms",

@@ -6,7 +6,11 @@ Drift: ``param_drift_log2 = log2(1 + max_i |x_i - ref_i| / scale)``, the bits of
 range a parameter's largest displacement from its reference amounts to. ``ref`` is
 the parameter at attach (for one that is all zeros then, a zero-initialized bias:
 its value at the first report where it is not) and ``scale`` that reference's
-absmax. A walk 1.0 -> 56 reads log2(56) = 5.8 bits; a walk through zero that
+absmax, or :data:`NEIGHBOUR_FLOOR` (1e-2) times the median reference absmax of the
+model's 1D parameters when that is larger: a parameter that stays orders of magnitude
+below its neighbours (a zero-initialised attention key bias, whose true gradient is
+zero, nudged by Adam to 1e-7) has no range at stake and does not read as drifting by
+its own tiny scale. A walk 1.0 -> 56 reads log2(56) = 5.8 bits; a walk through zero that
 changes sign, 1.0 -> -0.34, reads log2(2.34) = 1.2 bits (a ratio of absmax would
 read it as shrinking). The reference survives checkpoints through
 ``Monitor.state_dict()``, so drift keeps counting across resumes.
@@ -30,6 +34,9 @@ from trainvitals.hooks.signals.base import MonitorView
 from trainvitals.hooks.signals.param_series import Series
 from trainvitals.hooks.tensors import flat, group_amax, local
 
+NEIGHBOUR_FLOOR = 1e-2
+"""A 1D parameter's drift is measured against at least this fraction of the median
+reference scale (absmax) of the model's 1D parameters."""
 CONSISTENCY_SAMPLE = 1024
 """Elements per parameter whose change signs are kept."""
 
@@ -97,7 +104,13 @@ class DriftTracker:
         self.scale = torch.where(fresh, absmax, scale)
         self.ref_values = torch.where(fresh[self.owner], values, self.ref_values)
         moved = torch.where(fresh, self._zero, moved)
-        return torch.where(self.scale > 0, torch.log2(1 + moved / self.scale.clamp_min(1e-38)), self._zero)
+        # A scale that matters: a reference orders of magnitude below the model's other 1D
+        # parameters (a zero-initialised bias Adam nudged to 1e-8) is judged against
+        # NEIGHBOUR_FLOOR x their median scale, not against itself (1e-8 -> 1e-7 is no range).
+        known = torch.where(self.scale > 0, self.scale, torch.full_like(self.scale, float("nan")))
+        floor = torch.nan_to_num(torch.nanmedian(known), nan=0.0) * NEIGHBOUR_FLOOR
+        judged = torch.maximum(self.scale, floor)
+        return torch.where(self.scale > 0, torch.log2(1 + moved / judged.clamp_min(1e-38)), self._zero)
 
     def save_references(self) -> None:
         """Write the (possibly updated) references back to the per-parameter table."""

@@ -169,7 +169,8 @@ def test_each_dashboard_shows_what_it_is_for() -> None:
 
 def test_a_threshold_line_sits_where_its_rule_fires() -> None:
     d = load_dashboards()["trainvitals-loss.json"]
-    dilution = next(p for p in panels(d) if p["title"] == "Dilution")
+    dilution = next(p for p in panels(d) if p["title"] == "Dilution against the intended normalization")
+    assert "trainvitals_modality_excess_dilution_ratio" in dilution["targets"][0]["expr"]  # what pages
     steps = dilution["fieldConfig"]["defaults"]["thresholds"]["steps"]
     assert [s["value"] for s in steps] == [None, 5]  # GradientDilution: above 5
     mass = next(p for p in panels(d) if p["title"] == "Loss weight mass")
@@ -203,3 +204,55 @@ def test_a_metric_without_a_curated_panel_gets_one_on_its_groups_dashboard(monke
     built = boards["trainvitals-loss.json"].build().build()
     titles = [p.title for p in built.panels]
     assert titles.index(GENERATE.AUTO_ROW) < titles.index("probe_share_ratio")
+
+
+def _rules():
+    from trainvitals.alerts import resolve_rules
+    from trainvitals.alerts.model import ThresholdRule
+
+    return [r for r in resolve_rules("default") if isinstance(r, ThresholdRule)]
+
+
+def test_every_metric_a_default_rule_pages_or_warns_on_has_a_curated_panel_with_its_line() -> None:
+    curated = [
+        p
+        for d in load_dashboards().values()
+        for row in d["panels"]
+        if row.get("type") == "row" and row["title"] != GENERATE.AUTO_ROW
+        for p in row.get("panels", [])
+    ] + [p for d in load_dashboards().values() for p in d["panels"] if p.get("type") != "row"]
+    for rule in _rules():
+        if rule.severity not in ("page", "warning", "critical", "error") or rule.transform != "value":
+            continue  # a ratio to a median or an increase has no line on the raw series
+        shown = [p for p in curated if re.search(rf"\b{PREFIX}{rule.metric}\b", " ".join(_target_exprs(p)))]
+        assert shown, f"{rule.alert}: no curated panel shows {rule.metric}"
+        lines = [s["value"] for p in shown for s in p["fieldConfig"]["defaults"]["thresholds"]["steps"] if s["value"]]
+        assert rule.threshold in lines, f"{rule.alert}: no panel of {rule.metric} draws {rule.threshold}"
+
+
+def _target_exprs(panel: dict) -> list[str]:
+    return [t["expr"] for t in panel.get("targets", [])]
+
+
+def test_one_definition_per_metric_in_help_docs_and_dashboards() -> None:
+    from trainvitals.monitor.exposition import _help
+    from trainvitals.wire.reference import reference_markdown
+
+    docs = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    assert docs == reference_markdown()  # docs/metrics.md is the table's
+    descriptions = [(p, p.get("description", "")) for d in load_dashboards().values() for p in panels(d)]
+    for name, spec in METRICS.items():
+        assert _help(name) == spec.help  # the HELP line on /metrics
+        assert spec.help.replace("|", "\\|") in docs, name
+        for panel, text in descriptions:
+            if any(re.search(rf"\b{PREFIX}{name}\b", e) for e in _target_exprs(panel)) and f"{PREFIX}{name}:" in text:
+                assert f"{PREFIX}{name}: {spec.help}" in text, (panel["title"], name)
+    # Every panel of one metric states that metric's definition.
+    for panel, text in descriptions:
+        names = {n for e in _target_exprs(panel) for n in re.findall(rf"\b{PREFIX}(\w+)", e)}
+        plain = all(e.startswith(PREFIX) or e.startswith("topk(") for e in _target_exprs(panel))
+        if len(names) == 1 and (only := names.pop()) in METRICS and plain:
+            assert f"{PREFIX}{only}: {METRICS[only].help}" in text, (panel["title"], only)
+    # The drift metric's two old definitions are gone.
+    everything = docs + " ".join(t for _, t in descriptions)
+    assert "absmax at attach" not in everything and "log2 of absmax over absmax" not in everything
