@@ -25,6 +25,15 @@ SLOW_MODULES = (
     "tests/monitor/test_demo.py",
     "tests/monitor/test_promtool_conventions.py",  # promtool on a few hundred generated bodies
     "tests/run_configure/test_configure.py::test_trainvitals_",  # the CLI against running jobs
+    "tests/hooks/test_long_run.py",  # 300 steps with every signal on every step (70 s)
+    "tests/hooks/test_param_resume.py::test_the_collector_judges_drift_over_a_resumed_runs_life",
+    "tests/integrations/test_readme_examples.py",  # the README's Trainer and Lightning examples
+    "tests/monitor/test_cli_failures.py",  # collectors started as processes
+    "tests/monitor/test_connections.py",
+    "tests/monitor/test_connection_faults.py",
+    "tests/alerts/test_alertmanager_integration.py",  # a real Alertmanager
+    "tests/local/test_report_page.py::test_the_collectors_live_pages_in_chromium",  # headless chromium
+    "tests/local/test_report_page.py::test_the_report_file_in_chromium",
 )
 
 
