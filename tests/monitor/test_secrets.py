@@ -130,7 +130,7 @@ def test_no_secret_in_the_logs_of_the_collector_or_the_hooks(tmp_path, caplog):
     assert _leaks(served) == [], served
     records = "\n".join(r.getMessage() + (r.exc_text or "") for r in caplog.records)
     # The hooks did log their failures (and httpx every request URL).
-    assert "unreachable" in records and "refused 1 report(s) with 404" in records
+    assert "unreachable" in records and "/wrong/path/v1/reports answered 404" in records
     assert "http://tv:***@127.0.0.1" in records
     assert _leaks(records) == [], records
     assert _leaks(repr(good) + repr(bad)) == []
