@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainvitals.hooks.signals.base import REBINDING
 from trainvitals.hooks.step import StepContext
 from trainvitals.wire.live_settings import BUILTIN_SIGNALS, LIVE_FIELDS, MAX_INTERVAL, parse_entry
 
@@ -237,14 +238,18 @@ class LiveSettings:
             (i for i, s in enumerate(monitor.signals) if order.get(type(s), len(order)) > rank), len(monitor.signals)
         )
         events = len(monitor._pending_events)
-        handles = signal.run_guarded("bind", signal.bind, monitor) or []
-        # Binding again repeats the one-off weight-decay audit: it was reported at attach.
-        del monitor._pending_events[events:]
-        self._handles[id(signal)] = list(handles)
-        monitor._handles.extend(handles)
-        saved = self._stash.pop(name, None)
-        if saved:
-            signal.run_guarded("load_state_dict", signal.load_state_dict, saved)
+        token = REBINDING.set(True)  # the change logs one line (apply); the start-up lines are not repeated
+        try:
+            handles = signal.run_guarded("bind", signal.bind, monitor) or []
+            # Binding again repeats the one-off weight-decay audit: it was reported at attach.
+            del monitor._pending_events[events:]
+            self._handles[id(signal)] = list(handles)
+            monitor._handles.extend(handles)
+            saved = self._stash.pop(name, None)
+            if saved:
+                signal.run_guarded("load_state_dict", signal.load_state_dict, saved)
+        finally:
+            REBINDING.reset(token)
         monitor.signals.insert(at, signal)
 
     def _probe(self, monitor: Monitor) -> None:

@@ -29,6 +29,8 @@ from urllib.parse import quote
 import click
 
 from trainvitals.monitor.cli_options import bearer_token, read_token_file, token_file_option, token_options
+from trainvitals.monitor.settings import DEFAULT_PORT
+from trainvitals.wire.live_settings import MAX_TTL_SECONDS
 from trainvitals.wire.runs import RUN_RULE, is_run
 
 __all__ = ["configure", "default_report_file", "hook_config", "job_environment", "parse_duration", "run", "shim_folder"]
@@ -243,9 +245,10 @@ def _interval_or_off(text: str) -> int | None:
 @click.option(
     "--collector",
     envvar="TRAINVITALS_COLLECTOR",
-    required=True,
+    default=f"http://127.0.0.1:{DEFAULT_PORT}",
+    show_default=True,
     metavar="URL",
-    help="Collector base URL (env TRAINVITALS_COLLECTOR).",
+    help="Collector base URL, where `trainvitals serve` listens (env TRAINVITALS_COLLECTOR).",
 )
 @token_options
 @click.option(
@@ -296,6 +299,22 @@ def configure(
         body["probe_every"] = _interval_or_off(probe_every)
     if reset and body:
         raise click.UsageError("--reset goes back to the job's own settings: give it alone")
+    ctx = click.get_current_context()
+    duration_given = ctx.get_parameter_source("duration") is not click.core.ParameterSource.DEFAULT
+    if duration_given and not body:
+        raise click.UsageError(
+            f"--for {duration} says how long settings last, but no setting is given: add --every, "
+            "--signals, --per-param or --probe-every (or leave --for out to show what is set)"
+        )
+    ttl = None
+    if body:
+        ttl = parse_duration(duration)
+        if not 0 < ttl <= MAX_TTL_SECONDS:
+            raise click.BadParameter(
+                f"{duration}: settings last at most {MAX_TTL_SECONDS / 86400:g}d and more than 0s; "
+                "run configure again before they expire to extend them",
+                param_hint="'--for'",
+            )
     token = bearer_token(token, token_file)
     url = collector.rstrip("/") + "/v1/runs/" + quote(run_name, safe="/:") + "/settings"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -304,7 +323,7 @@ def configure(
             if reset:
                 resp = client.delete(url, headers=headers)
             elif body:
-                body["ttl_seconds"] = parse_duration(duration)
+                body["ttl_seconds"] = ttl
                 resp = client.put(url, json=body, headers=headers)
             else:
                 resp = client.get(url, headers={"Authorization": f"Bearer {read_token}"} if read_token else {})

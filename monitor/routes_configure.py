@@ -109,6 +109,7 @@ def _check_write_token(request: Request, settings: Settings) -> None:
         401: _WRITE_AUTH,
         404: _detail("No run of this name has reported to this collector (or a path no route takes)."),
         408: _detail("The body did not arrive within body_timeout_seconds."),
+        409: _detail("The run ended (its last report said so): no job is there to apply settings."),
         413: _detail("The body is over 64 KiB (declared or sent)."),
         422: _detail("A bad run name, or a setting out of range; the detail names the field."),
         503: _detail("The collector cannot write its state file now; retry later."),
@@ -129,12 +130,19 @@ async def put_settings(
         req = parse_request(data)
     except ValueError as exc:
         raise Refused(str(exc), status=422) from None
-    if not any(r.run == run for r in store.runs()):
+    known = next((r for r in store.runs() if r.run == run), None)
+    if known is None:
         # Names no other run: GET /v1/runs lists them, behind the read token.
         raise Refused(
             f"no run {run!r} has reported to this collector, or it expired "
             "(GET /v1/runs lists the runs; names are case-sensitive)",
             status=404,
+        )
+    if known.ended:
+        raise Refused(
+            f"run {run!r} ended at step {known.step} (its last report was Monitor.close()'s): "
+            "no job is there to apply settings",
+            status=409,
         )
     try:
         entry = table.set(run, req.values(), req.ttl_seconds)

@@ -16,6 +16,7 @@ wraps itself in :meth:`Signal.guard`. Nothing reaches the training loop.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
@@ -30,7 +31,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from trainvitals.hooks.config import Config
     from trainvitals.hooks.coverage import Coverage
 
-__all__ = ["MonitorView", "Removable", "Signal"]
+__all__ = ["REBINDING", "MonitorView", "Removable", "Signal"]
+
+REBINDING: contextvars.ContextVar[bool] = contextvars.ContextVar("trainvitals_rebinding", default=False)
+"""True while a live settings change binds a signal again (its one-off start-up lines, the
+weight-decay audit and "drift continues from the checkpoint", were said at attach)."""
 
 log = logging.getLogger("trainvitals")
 

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.indices import IndexCache
-from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
+from trainvitals.hooks.signals.base import REBINDING, MonitorView, Removable, Signal
 from trainvitals.hooks.signals.param_drift import DriftTracker, Reference
 from trainvitals.hooks.signals.param_series import choose, groups_key
 from trainvitals.hooks.signals.weight_decay_audit import audit_weight_decay
@@ -98,6 +98,7 @@ class ParamHealth(Signal):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._restore = state
+        self._restore_quiet = REBINDING.get()  # its own state back after a live settings change
         if self._drift is not None:
             self._apply(state)
 
@@ -106,9 +107,12 @@ class ParamHealth(Signal):
         restored = self._drift.load_state_dict(state)
         if restored:
             self._fresh = False  # the saved previous values are the baseline of the next change
-        log.info(
-            "trainvitals: 1D drift continues from the checkpoint for %d of %d parameters", len(restored), self._drift.n
-        )
+        if not (REBINDING.get() or getattr(self, "_restore_quiet", False)):  # a live change: not a checkpoint
+            log.info(
+                "trainvitals: 1D drift continues from the checkpoint for %d of %d parameters",
+                len(restored),
+                self._drift.n,
+            )
 
     # -- step ------------------------------------------------------------------
     def _tracker(self, monitor: MonitorView) -> DriftTracker:

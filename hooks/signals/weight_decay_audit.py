@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from trainvitals.hooks.signals.base import MonitorView
+from trainvitals.hooks.signals.base import REBINDING, MonitorView
 
 log = logging.getLogger("trainvitals")
 
@@ -32,6 +32,7 @@ def audit_weight_decay(monitor: MonitorView) -> str:
         shown = ", ".join(none[:SHOWN])
         more = f" and {len(none) - SHOWN} more" if len(none) > SHOWN else ""
         msg += f": {shown}{more} (under Adam, nothing pulls them back if they drift; docs/incidents.md, I4)"
-    log.info("trainvitals: %s", msg)
+    if not REBINDING.get():  # said once, at attach: a live settings change does not repeat it
+        log.info("trainvitals: %s", msg)
     monitor.event("weight_decay_audit", msg, {})
     return msg

@@ -250,11 +250,13 @@ def test_settings_expire_in_the_job_even_when_the_collector_is_gone(caplog):
     job.mon.close()
 
 
-def test_signals_and_per_parameter_series_switch_live_keeping_their_state():
+def test_signals_and_per_parameter_series_switch_live_keeping_their_state(caplog):
     with recording_collector() as got:
         job = Job(got.collector.url, "sig", every=1)
         start = {n: p.detach().clone() for n, p in job.model.named_parameters()}
         job.step(2)
+        caplog.set_level("INFO", logger="trainvitals")
+        caplog.clear()
         first = got.of("sig")[-1]
         assert "adam_exp_avg_norm" in first.names and "grad_norm" in first.names
         assert first.labels_of("param_max", "param") == {"0.bias", "1.weight", "1.bias", "2.bias"}
@@ -281,6 +283,12 @@ def test_signals_and_per_parameter_series_switch_live_keeping_their_state():
             "optimizer_state_reset" in g.events or "weight_decay_audit" in g.events for g in got.of("sig")[1:]
         )
         assert back.value("optimizer_state_resets_total") == 0
+        # Each change is one line in the job saying what changed; nothing else (no audit, no
+        # "drift continues from the checkpoint": no checkpoint is involved).
+        said = [r.getMessage() for r in caplog.records if r.name == "trainvitals"]  # the job's, not the collector's
+        assert len(said) == 2, said
+        assert "live settings from the collector from step 5" in said[0] and "signals=params" in said[0]
+        assert "back to the job's own settings from step 8" in said[1]
         # The drift is still measured from the values at attach, through both rebuilds.
         for name in ("0.bias", "2.bias"):
             ref, now = start[name], dict(job.model.named_parameters())[name].detach()
@@ -437,3 +445,36 @@ def test_trainvitals_configure_changes_a_running_job_and_it_goes_back():
     )
     assert [s for s in steps if s > last + 1] and all(s % 5 == 0 for s in steps if s > last + 1), steps
     assert last - first >= 10  # in force until the collector's clock passed the expiry
+
+
+# -- trainvitals configure's own checks ----------------------------------------------------
+def test_configure_defaults_to_serves_address_and_speaks_in_the_users_terms():
+    from click.testing import CliRunner
+
+    from trainvitals.monitor.cli import main
+    from trainvitals.monitor.cli_run import configure
+    from trainvitals.monitor.settings import DEFAULT_PORT, Settings
+
+    (collector,) = [p for p in configure.params if p.name == "collector"]
+    assert collector.default == f"http://{Settings.model_fields['host'].default}:{DEFAULT_PORT}"
+    over = CliRunner().invoke(main, ["configure", "r", "--every", "1", "--for", "8d"])
+    assert over.exit_code == 2 and "8d: settings last at most 7d" in over.output
+    assert "ttl_seconds" not in over.output
+    alone = CliRunner().invoke(main, ["configure", "r", "--for", "10m"])
+    assert alone.exit_code == 2 and "--for 10m says how long settings last, but no setting is given" in alone.output
+
+
+def test_settings_for_an_ended_run_are_refused_with_the_reason():
+    with running_collector() as c:
+        body = report("done", 40)
+        body["reports"][0]["events"] = [{"kind": "run_end", "labels": {}, "detail": ""}]
+        assert c.client.post("/v1/reports", json=body).status_code == 202
+        refused = c.client.put("/v1/runs/done/settings", json={"every": 1})
+        assert refused.status_code == 409
+        assert refused.json()["detail"].startswith("run 'done' ended at step 40")
+        from click.testing import CliRunner
+
+        from trainvitals.monitor.cli import main
+
+        out = CliRunner().invoke(main, ["configure", "done", "--every", "1", "--collector", c.url])
+        assert out.exit_code == 1 and "HTTP 409: run 'done' ended at step 40" in out.output
