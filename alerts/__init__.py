@@ -21,7 +21,8 @@ Modules, one concept each (the rule format is in ``docs/rules.md``):
 - ``state``: AlertState and the Alert/Transition snapshots;
 - ``transforms``: the ``increase``/``ratio_to_median`` value transforms;
 - ``conditions``: what ``and`` conditions read (another metric's latest series);
-- ``engine``: the state machines, on rule objects only (no I/O);
+- ``engine``: the state machines, on rule objects only (no I/O); ``instances``:
+  the state record of one alert and one run, and the row a restart brings back;
 - ``local``: LocalEvaluator (in-process, logs); ``service``: AlertService
   (collector); ``persistence``: what the service asks of a state store (the
   collector implements it; this package never imports the collector);

@@ -46,7 +46,6 @@ lock); no I/O.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -55,6 +54,14 @@ from os import PathLike
 from typing import Any
 
 from trainvitals.alerts.conditions import LabelPredicate, LatestSamples
+from trainvitals.alerts.instances import (
+    EXPORTED_FIELDS,
+    AlertInstance,
+    RunState,
+    export_row,
+    number_or_nan,
+    rule_index_of,
+)
 from trainvitals.alerts.model import (
     RULE_TYPES,
     Condition,
@@ -82,59 +89,6 @@ _BAD, _BAND, _CLEAR, _UNKNOWN = "bad", "band", "clear", "unknown"
 
 
 @dataclass(eq=False)
-class _Instance:
-    rule: Rule
-    index: int
-    labels: dict[str, str]
-    run: str
-    key: tuple
-    state: AlertState = AlertState.INACTIVE
-    value: float = math.nan
-    step: int | None = None
-    pending_step: int = 0
-    pending_time: float = 0.0
-    fired_at: float | None = None
-    resolved_at: float | None = None
-    # Start of the current clear streak (threshold rules) or the last event (event rules).
-    clear_step: int | None = None
-    clear_time: float | None = None
-    detail: str = ""
-    fired_value: float = math.nan
-    # Why it resolved when no value cleared it (the run ended, expired, reported again).
-    reason: str = ""
-
-    def since(self) -> float:
-        if self.state is AlertState.FIRING and self.fired_at is not None:
-            return self.fired_at
-        if self.state is AlertState.RESOLVED and self.resolved_at is not None:
-            return self.resolved_at
-        return self.pending_time
-
-    def snapshot(self, cls: type[Alert] = Alert, **extra: Any) -> Any:
-        return cls(
-            rule=self.rule,
-            labels=dict(self.labels),
-            state=self.state,
-            value=self.value,
-            step=self.step,
-            since=self.since(),
-            fired_at=self.fired_at,
-            resolved_at=self.resolved_at,
-            detail=self.detail,
-            fired_value=self.fired_value,
-            resolved_reason=self.reason,
-            **extra,
-        )
-
-
-@dataclass(eq=False)
-class _Run:
-    last_seen: float
-    last_step: int
-    closed: bool = False
-
-
-@dataclass(eq=False)
 class _Compiled:
     """A threshold rule with its matchers compiled."""
 
@@ -157,7 +111,7 @@ def _compile_matchers(matchers) -> LabelPredicate:
     return lambda labels: all(pred(labels.get(name)) for name, pred in preds)
 
 
-def _hold_done(rule: Rule, inst: _Instance, step: int | None, now: float) -> bool:
+def _hold_done(rule: Rule, inst: AlertInstance, step: int | None, now: float) -> bool:
     hold_steps = getattr(rule, "hold_steps", 0)
     hold = getattr(rule, "hold", 0.0)
     if hold_steps and (step is None or inst.clear_step is None or step - inst.clear_step < hold_steps):
@@ -178,50 +132,6 @@ def _rule_objects(rules: Iterable[Rule]) -> list[Rule]:
                 "(ThresholdRule, EventRule or SilenceRule); see resolve_rules()"
             )
     return out
-
-
-_EXPORTED = (
-    "step",
-    "pending_step",
-    "pending_time",
-    "fired_at",
-    "resolved_at",
-    "clear_step",
-    "clear_time",
-    "detail",
-    "reason",
-)
-
-
-def _float(v: Any) -> float:
-    return math.nan if v is None else float(v)
-
-
-def _export(key: tuple, inst: _Instance) -> dict[str, Any]:
-    """One instance as a JSON-ready dict (NaN as None)."""
-    out: dict[str, Any] = {
-        "alertname": inst.rule.alert,
-        "rule_index": key[0],
-        "run": key[1],
-        "rank": key[2],
-        "items": [list(kv) for kv in key[3]],
-        "labels": dict(inst.labels),
-        "state": inst.state.value,
-        "value": inst.value if math.isfinite(inst.value) else None,
-        "fired_value": inst.fired_value if math.isfinite(inst.fired_value) else None,
-    }
-    for name in _EXPORTED:
-        out[name] = getattr(inst, name)
-    return out
-
-
-def _rule_index(rules: list[Rule], by_name: Mapping[str, list[int]], row: Mapping[str, Any]) -> int | None:
-    """The rule a persisted alert belongs to now: same name (and index, when rules were reordered)."""
-    candidates = by_name.get(row["alertname"], [])
-    if not candidates:
-        return None
-    index = row.get("rule_index")
-    return index if index in candidates else candidates[0]
 
 
 class Engine:
@@ -283,9 +193,9 @@ class Engine:
         }
         self._event_rules = [(i, r) for i, r in enumerate(self.rules) if isinstance(r, EventRule)]
         # (rule index, run, rank, label items) -> instance
-        self._instances: dict[tuple[int, str, int, LabelItems], _Instance] = {}
+        self._instances: dict[tuple[int, str, int, LabelItems], AlertInstance] = {}
         # (run, rank) -> event-rule instances of that run, for holds.
-        self._event_instances: dict[tuple[str, int], dict[tuple, _Instance]] = {}
+        self._event_instances: dict[tuple[str, int], dict[tuple, AlertInstance]] = {}
         # What `and` conditions read: the latest report's samples of their metrics.
         self._latest = LatestSamples()
         # Instances per threshold rule: with none, a value short of the threshold
@@ -293,7 +203,7 @@ class Engine:
         self._live = [0] * len(self.rules)
         # What transforms remember, per (rule index, run, rank, label items).
         self._history = SeriesHistory()
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, RunState] = {}
         self._next_sweep = 0.0
         # Runs whose state changed since export_runs(dirty=True) last took them.
         self._dirty_runs: set[str] = set()
@@ -308,7 +218,7 @@ class Engine:
         with self._lock:
             info = self._runs.get(run)
             if info is None:
-                self._runs[run] = info = _Run(now, step)
+                self._runs[run] = info = RunState(now, step)
             else:
                 info.last_seen = max(info.last_seen, now)
                 info.last_step = step
@@ -426,7 +336,7 @@ class Engine:
                 return None
         return self._advance(inst, verdict, value, step, now)  # type: ignore[arg-type]
 
-    def _advance(self, inst: _Instance, verdict: str, value: float, step: int, now: float) -> Transition | None:
+    def _advance(self, inst: AlertInstance, verdict: str, value: float, step: int, now: float) -> Transition | None:
         rule = inst.rule
         old = inst.state
         inst.value, inst.step = value, step
@@ -457,7 +367,7 @@ class Engine:
             return None
         return inst.snapshot(Transition, old=old)
 
-    def _maybe_fire(self, inst: _Instance, step: int, now: float) -> None:
+    def _maybe_fire(self, inst: AlertInstance, step: int, now: float) -> None:
         rule = inst.rule
         assert isinstance(rule, ThresholdRule)
         if step - inst.pending_step >= rule.for_steps and (rule.for_ <= 0 or now - inst.pending_time >= rule.for_):
@@ -556,7 +466,7 @@ class Engine:
 
     def _bounded_instance(
         self, key: tuple, rule: Rule, labels: Mapping[str, str], run: str, rank: int
-    ) -> _Instance | None:
+    ) -> AlertInstance | None:
         """A new alert of ``rule`` in ``run``, unless the rule holds ``max_alerts_per_rule``
         there already (a rule on a free label: one alert per value): then None, counted in
         :attr:`suppressed` and logged once per rule and run."""
@@ -575,14 +485,14 @@ class Engine:
             return None
         return self._new_instance(key, rule, series_labels(run, rank, labels), run)
 
-    def _new_instance(self, key: tuple, rule: Rule, labels: dict[str, str], run: str) -> _Instance:
-        inst = self._instances[key] = _Instance(rule, key[0], labels, run, key)
+    def _new_instance(self, key: tuple, rule: Rule, labels: dict[str, str], run: str) -> AlertInstance:
+        inst = self._instances[key] = AlertInstance(rule, key[0], labels, run, key)
         self._live[key[0]] += 1
         per = (key[0], run)
         self._per_rule_run[per] = self._per_rule_run.get(per, 0) + 1
         return inst
 
-    def _drop(self, key: tuple, inst: _Instance) -> None:
+    def _drop(self, key: tuple, inst: AlertInstance) -> None:
         del self._instances[key]
         self._live[key[0]] -= 1
         per = (key[0], inst.run)
@@ -636,7 +546,7 @@ class Engine:
         (what :meth:`restore` takes after a restart)."""
         with self._lock:
             return [
-                _export(key, inst) for key, inst in self._instances.items() if inst.state is not AlertState.INACTIVE
+                export_row(key, inst) for key, inst in self._instances.items() if inst.state is not AlertState.INACTIVE
             ]
 
     def restore(
@@ -653,12 +563,12 @@ class Engine:
         with self._lock:
             for run, last_seen, last_step, closed in runs:
                 if run not in self._runs:
-                    self._runs[run] = _Run(last_seen, last_step, bool(closed))
+                    self._runs[run] = RunState(last_seen, last_step, bool(closed))
             by_name: dict[str, list[int]] = {}
             for i, rule in enumerate(self.rules):
                 by_name.setdefault(rule.alert, []).append(i)
             for row in alerts:
-                index = _rule_index(self.rules, by_name, row)
+                index = rule_index_of(self.rules, by_name, row)
                 if index is None:
                     gone.append(row)
                     continue
@@ -668,16 +578,16 @@ class Engine:
                     continue
                 rule = self.rules[index]
                 inst = self._new_instance(key, rule, dict(row["labels"]), row["run"])
-                for name in _EXPORTED:
+                for name in EXPORTED_FIELDS:
                     if name in row:
                         setattr(inst, name, row[name])
                 inst.state = AlertState(row["state"])
-                inst.value = _float(row.get("value"))
-                inst.fired_value = _float(row.get("fired_value"))
+                inst.value = number_or_nan(row.get("value"))
+                inst.fired_value = number_or_nan(row.get("fired_value"))
                 if isinstance(rule, EventRule):
                     self._event_instances.setdefault((row["run"], int(row["rank"])), {})[key] = inst
                 if row["run"] not in self._runs:
-                    self._runs[row["run"]] = _Run(inst.since(), inst.step or 0)
+                    self._runs[row["run"]] = RunState(inst.since(), inst.step or 0)
         return gone
 
     # ---------------------------------------------------------------- snapshots
