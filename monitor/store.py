@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
+from trainvitals.monitor.dedup import SeqWindow
+from trainvitals.monitor.handles import RemovableHandle
 from trainvitals.wire import PREFIX, RESERVED_NAMES, Report, ReportBatch, ends_run, exposed_family
 from trainvitals.wire.coverage import ACTIVE_METRIC, coverage_samples
 from trainvitals.wire.errors import Refused
@@ -132,35 +134,6 @@ class _Applied:
         self.reports = reports
 
 
-_SEQ_WINDOW = 4096  # sequence numbers remembered per (run, rank, sender)
-
-
-class _Seqs:
-    """The sequence numbers seen from one sender of one run and rank.
-
-    Senders number reports in order and retry the oldest first, so everything
-    below ``floor`` (the window's forgotten tail) was seen: treated as a duplicate.
-    """
-
-    __slots__ = ("floor", "seen")
-
-    def __init__(self) -> None:
-        self.floor = -1
-        self.seen: dict[int, None] = {}
-
-    def duplicate(self, seq: int) -> bool:
-        return seq <= self.floor or seq in self.seen
-
-    def add(self, seq: int) -> None:
-        seen = self.seen
-        seen[seq] = None
-        if len(seen) > _SEQ_WINDOW:
-            for old in list(seen)[: _SEQ_WINDOW // 2]:
-                del seen[old]
-                if old > self.floor:
-                    self.floor = old
-
-
 @dataclass(frozen=True)
 class RunInfo:
     """What ``GET /v1/runs`` shows for one run."""
@@ -186,26 +159,11 @@ class _Run:
     # rank -> reports received from it
     reports: dict[int, int] = field(default_factory=dict)
     # (rank, sender) -> sequence numbers seen
-    seqs: dict[tuple[int, str], _Seqs] = field(default_factory=dict)
+    seqs: dict[tuple[int, str], SeqWindow] = field(default_factory=dict)
 
     def count(self) -> int:
         samples = sum(len(fam) for fams in self.by_rank.values() for fam in fams.values())
         return 2 + self.ended + samples
-
-
-class RemovableHandle:
-    """Undo a registration with :meth:`remove` (like ``torch.utils.hooks``)."""
-
-    __slots__ = ("_remove",)
-
-    def __init__(self, remove: Callable[[], None]) -> None:
-        self._remove: Callable[[], None] | None = remove
-
-    def remove(self) -> None:
-        """Remove the registration; a second call does nothing."""
-        fn, self._remove = self._remove, None
-        if fn is not None:
-            fn()
 
 
 _NAME_OF = attrgetter("name")
@@ -312,7 +270,7 @@ class SeriesStore:
                 return
             known = r.seqs.get((rank, sender))
             if known is None:
-                known = r.seqs[(rank, sender)] = _Seqs()
+                known = r.seqs[(rank, sender)] = SeqWindow()
             known.floor = max(known.floor, floor)
             for seq in sorted(seqs):
                 known.add(seq)
@@ -354,7 +312,7 @@ class SeriesStore:
                 if report.seq is not None:
                     seqs = run.seqs.get((rank, report.sender))
                     if seqs is None:
-                        seqs = run.seqs[(rank, report.sender)] = _Seqs()
+                        seqs = run.seqs[(rank, report.sender)] = SeqWindow()
                     seqs.add(report.seq)
                 fams = run.by_rank.get(rank)
                 if fams is None:
