@@ -127,3 +127,19 @@ def test_alerts_never_names_the_collector():
         if "trainvitals.monitor" in line
     ]
     assert not mentions, mentions
+
+
+@pytest.mark.parametrize(
+    ("message", "ok"),
+    [
+        ("Wire: one check_run\n\nwhy it matters\n", True),
+        ("x" * 72 + "\n", True),
+        ("x" * 73 + "\n\nbody\n", False),
+        ("subject\nbody without the blank line\n", False),
+    ],
+)
+def test_the_commit_msg_hook_holds_subjects_to_72_characters(tmp_path, message, ok):
+    path = tmp_path / "COMMIT_EDITMSG"
+    path.write_text(message)
+    done = subprocess.run([str(ROOT / ".ci" / "commit-subject"), str(path)], capture_output=True, text=True)
+    assert (done.returncode == 0) == ok, done.stderr
