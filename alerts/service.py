@@ -42,18 +42,18 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from trainvitals.alerts.dispatch import Dispatcher, RetryPolicy
 from trainvitals.alerts.engine import DEFAULT_MAX_ALERTS_PER_RULE, Engine
 from trainvitals.alerts.loading import RuleSpec, resolve_rules
 from trainvitals.alerts.local import format_transition
-from trainvitals.alerts.notifiers.base import Notification, Notifier, rfc3339
+from trainvitals.alerts.notifiers.base import Notification, Notifier
 from trainvitals.alerts.notifiers.config import build_notifiers
 from trainvitals.alerts.persistence import AlertPersistence, alert_id
 from trainvitals.alerts.runbooks import runbook_url
+from trainvitals.alerts.service_views import alert_rows, metric_families
 from trainvitals.alerts.state import Alert, AlertState, Transition
-from trainvitals.wire import METRICS, PREFIX, exposed_family
 from trainvitals.wire.views import BatchView, ReportView
 
 __all__ = ["AlertService"]
@@ -412,51 +412,9 @@ class AlertService:
         run: str | None = None,
         states: Iterable[AlertState | str] | None = None,
     ) -> list[dict[str, Any]]:
-        """``GET /v1/alerts``: firing, pending and recently resolved alerts, as JSON-ready dicts.
-
-        ``run``: that run's only; ``states``: those states only (``firing``, ``pending``,
-        ``resolved``). Times are Unix seconds, each with its RFC 3339 twin (``fired_at`` and
-        ``fired_at_time``); ``runbook_url`` and ``generator_url`` are the links notifications carry.
-        """
-        # engine.alerts() leaves inactive ones out: these three states are all there is.
-        order = {AlertState.FIRING: 0, AlertState.PENDING: 1, AlertState.RESOLVED: 2}
-        wanted = {AlertState(x) for x in states} if states is not None else None
-        shown = sorted(
-            (
-                a
-                for a in self.engine.alerts()
-                if (include_pending or a.state is not AlertState.PENDING)
-                and (wanted is None or a.state in wanted)
-                and (run is None or a.labels.get("run") == run)
-            ),
-            key=lambda a: (order[a.state], a.alertname, sorted(a.labels.items())),
-        )
-        out = []
-        for a in shown:
-            resolved = a.state is AlertState.RESOLVED
-            row: dict[str, Any] = {
-                "alertname": a.alertname,
-                "labels": dict(a.labels),
-                "state": a.state.value,
-                "value": a.value if math.isfinite(a.value) else None,
-                "fired_value": a.fired_value if math.isfinite(a.fired_value) else None,
-                "since": a.since,
-                "severity": a.severity,
-                "summary": a.resolved_summary() if resolved else a.summary,
-                "description": a.resolved_description() if resolved else a.description,
-                "runbook": a.rule.runbook,
-                "runbook_url": self.runbook_url(a),
-                "generator_url": self.run_url(a.labels.get("run", "")) if a.labels.get("run") else "",
-                "step": a.step,
-                "fired_at": a.fired_at,
-                "resolved_at": a.resolved_at,
-                "resolved_reason": a.resolved_reason or None,
-            }
-            for name in ("since", "fired_at", "resolved_at"):
-                t = row[name]
-                row[name + "_time"] = rfc3339(t) if t is not None else None
-            out.append(row)
-        return out
+        """``GET /v1/alerts``: firing, pending and recently resolved alerts, as JSON-ready dicts
+        (:func:`trainvitals.alerts.service_views.alert_rows`)."""
+        return alert_rows(self, include_pending, run=run, states=states)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per-notifier counters: sent, failed, dropped, retries, queued."""
@@ -464,50 +422,7 @@ class AlertService:
 
     def metric_families(self) -> Iterator[Metric]:
         """Fresh metric families for the collector's exposition (a prometheus Collector)."""
-        firing = GaugeMetricFamily(
-            PREFIX + "alerts_firing", METRICS["alerts_firing"].help, labels=["alertname", "severity", "run"]
-        )
-        # Every rule for every live run, 0 when quiet: a dashboard filtered by run shows 0, not
-        # "no data", for a run that is watched and healthy.
-        rules = sorted({(r.alert, r.severity) for r in self.engine.rules})
-        counts: dict[tuple[str, str, str], int] = {
-            (name, severity, run): 0 for run in self.engine.run_names() for name, severity in rules
-        }
-        for a in self.engine.firing():
-            key = (a.alertname, a.severity, a.labels.get("run", ""))
-            counts[key] = counts.get(key, 0) + 1
-        for (name, severity, run), n in sorted(counts.items()):
-            firing.add_metric([name, severity, run], n)
-        yield firing
-        suppressed = CounterMetricFamily(
-            PREFIX + "alerts_suppressed", METRICS["alerts_suppressed_total"].help, labels=["alertname"]
-        )
-        flood = dict(self.engine.suppressed)
-        for name in sorted({r.alert for r in self.engine.rules} | set(flood)):
-            suppressed.add_metric([name], flood.get(name, 0))
-        yield suppressed
-        stats = self.stats()
-        if not stats:
-            return
-        sent = CounterMetricFamily(
-            PREFIX + exposed_family("notifications_total"),
-            METRICS["notifications_total"].help,
-            labels=["notifier", "outcome"],
-        )
-        retries = CounterMetricFamily(
-            PREFIX + exposed_family("notification_retries_total"),
-            METRICS["notification_retries_total"].help,
-            labels=["notifier"],
-        )
-        queued = GaugeMetricFamily(
-            PREFIX + "notifications_queued", METRICS["notifications_queued"].help, labels=["notifier"]
-        )
-        for name, c in sorted(stats.items()):
-            for outcome in ("sent", "failed", "dropped"):
-                sent.add_metric([name, outcome], c[outcome])
-            retries.add_metric([name], c["retries"])
-            queued.add_metric([name], c["queued"])
-        yield from (sent, retries, queued)
+        return metric_families(self)
 
     def collect(self) -> Iterator[Metric]:
         """prometheus_client Collector protocol: ``registry.register(service)``."""
