@@ -24,9 +24,10 @@ Modules, one concept each (the rule format is in ``docs/rules.md``):
 - ``engine``: the state machines, on rule objects only (no I/O); ``instances``:
   the state record of one alert and one run, and the row a restart brings back;
 - ``local``: LocalEvaluator (in-process, logs); ``service``: AlertService
-  (collector: evaluation, notifications, reconciliation), ``service_views``: its
-  ``/v1/alerts`` rows and Prometheus families; ``persistence``: what the service asks of a state store (the
-  collector implements it; this package never imports the collector);
+  (collector: evaluation, notifications, reconciliation); ``service_views``: its
+  ``/v1/alerts`` rows and Prometheus families; ``persistence``: what the service
+  asks of a state store (the collector implements it; this package never imports
+  the collector);
   ``dispatch`` and ``notifiers``: sending; ``export``: the Prometheus rule file;
   ``cli``: ``trainvitals rules check|export``.
 
