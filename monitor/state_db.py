@@ -127,6 +127,7 @@ CREATE TABLE IF NOT EXISTS drift_refs (
     rank INTEGER NOT NULL,
     param TEXT NOT NULL,
     ref REAL NOT NULL,
+    scale REAL NOT NULL,
     PRIMARY KEY (run, rank, param)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS drift_runs (
@@ -166,6 +167,8 @@ _COLUMNS = {
     "seqs": ("run", "rank", "sender", "seq"),
     "seq_floors": ("run", "rank", "sender", "floor"),
     "run_settings": ("run", "data", "set_at", "expires_at"),
+    "drift_refs": ("run", "rank", "param", "ref", "scale"),
+    "drift_runs": ("run", "seen"),
 }
 # (table, JSON column) read back at start: a row that is not JSON is a damaged file.
 _JSON_COLUMNS = (("alerts", "data"), ("notified", "notification"), ("run_settings", "data"))
@@ -548,8 +551,8 @@ class StateDB:
 
     # -- live settings -----------------------------------------------------------
 
-    def load_drift_refs(self, since: float) -> list[tuple[str, int, str, float]]:
-        """``(run, rank, param, ref)`` of the runs seen since ``since`` (older ones are
+    def load_drift_refs(self, since: float) -> list[tuple[str, int, str, float, float]]:
+        """``(run, rank, param, ref, scale)`` of the runs seen since ``since`` (older ones are
         deleted)."""
         try:
             self._tx(
@@ -564,19 +567,20 @@ class StateDB:
         except StateWriteError:
             pass  # counted and logged; what is there is still read
         with self._lock:
-            rows = self._db.execute("SELECT run, rank, param, ref FROM drift_refs").fetchall()
-        return [(r, int(k), p, float(v)) for r, k, p, v in rows]
+            rows = self._db.execute("SELECT run, rank, param, ref, scale FROM drift_refs").fetchall()
+        return [(r, int(k), p, float(v), float(sc)) for r, k, p, v, sc in rows]
 
     def save_drift_refs(
-        self, refs: Iterable[tuple[str, int, str, float, float]], runs: Iterable[str], now: float
+        self, refs: Iterable[tuple[str, int, str, float, float, float]], runs: Iterable[str], now: float
     ) -> None:
-        """Keep first references ``(run, rank, param, ref, now)`` (a kept one is not
+        """Keep first references ``(run, rank, param, ref, scale, now)`` (a kept one is not
         replaced) and mark ``runs`` seen at ``now``."""
         refs, runs = list(refs), sorted(set(runs) | {r[0] for r in refs})
 
         def body() -> None:
             self._db.executemany(
-                "INSERT OR IGNORE INTO drift_refs VALUES (?, ?, ?, ?)", [(r, k, p, v) for r, k, p, v, _ in refs]
+                "INSERT OR IGNORE INTO drift_refs VALUES (?, ?, ?, ?, ?)",
+                [(r, k, p, v, sc) for r, k, p, v, sc, _ in refs],
             )
             self._db.executemany(
                 "INSERT INTO drift_runs VALUES (?, ?) ON CONFLICT(run) DO UPDATE SET seen = excluded.seen",

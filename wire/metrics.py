@@ -281,6 +281,23 @@ _SPECS: tuple[MetricSpec, ...] = (
         "parameters)), x_ref the value at attach: bits of range the largest move since attach amounts to (I4).",
     ),
     _m(
+        "param_drift_reference_absmax",
+        "gauge",
+        "value",
+        ("param",),
+        "params",
+        "Largest absolute element of a 1D parameter's drift reference (its value at attach).",
+    ),
+    _m(
+        "param_drift_scale",
+        "gauge",
+        "value",
+        ("param",),
+        "params",
+        "The scale param_drift_log2 divides by: the reference's absmax, or 1e-2 x the median reference "
+        "absmax of the model's 1D parameters when that is larger.",
+    ),
+    _m(
         "param_grad_relative_rms",
         "gauge",
         "x",

@@ -73,6 +73,7 @@ class DriftTracker:
         chosen = [refs[id(s.param)] for s in self.one_d]
         self.ref_values = torch.cat([r.values for r in chosen]) if chosen else torch.zeros(0, device=dev)
         self.scale = torch.stack([r.scale for r in chosen]) if chosen else torch.zeros(0, device=dev)
+        self.judged = self.scale  # the scale drift is judged against; set by drift_bits
         self.window = monitor.config.drift_window
         self.prev = self.consistency.take_from(self.values(dev)).clone()
         self.ring = torch.zeros(self.window, self.prev.numel(), dtype=torch.int8, device=dev)
@@ -109,8 +110,8 @@ class DriftTracker:
         # NEIGHBOUR_FLOOR x their median scale, not against itself (1e-8 -> 1e-7 is no range).
         known = torch.where(self.scale > 0, self.scale, torch.full_like(self.scale, float("nan")))
         floor = torch.nan_to_num(torch.nanmedian(known), nan=0.0) * NEIGHBOUR_FLOOR
-        judged = torch.maximum(self.scale, floor)
-        return torch.where(self.scale > 0, torch.log2(1 + moved / judged.clamp_min(1e-38)), self._zero)
+        self.judged = torch.maximum(self.scale, floor)
+        return torch.where(self.scale > 0, torch.log2(1 + moved / self.judged.clamp_min(1e-38)), self._zero)
 
     def save_references(self) -> None:
         """Write the (possibly updated) references back to the per-parameter table."""

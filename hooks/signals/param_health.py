@@ -190,6 +190,10 @@ class ParamHealth(Signal):
                 ctx.emit("param_absmax", absmax, drift.labels)
                 # The combined scale is the same on every rank, so every rank keeps the same.
                 ctx.emit("param_drift_log2", drift.drift_bits(values, absmax, scale, moved), drift.labels)
+                # The reference's absmax and the scale judged against: what the collector needs
+                # to judge a run resumed without the monitor's state over its whole life.
+                ctx.emit("param_drift_reference_absmax", drift.scale, drift.labels)
+                ctx.emit("param_drift_scale", drift.judged, drift.labels)
                 if consistency:
                     sums = rest.pop(0)
                     ctx.emit("param_drift_consistency_ratio", sums[:n] / sums[n:].clamp_min(1), drift.labels)
