@@ -56,12 +56,13 @@ def test_close_against_a_hung_collector_waits_flush_timeout_once():
             sender.put(_packed(step, "hung"))
         wait_until(lambda: sender._in_flight, 10, "a delivery in flight")
         started = time.monotonic()
-        sender.close(2.0)
+        sender.close(3.0)
         took = time.monotonic() - started
     finally:
         hung.close()
-    # Once: not a flush of 2 s and then a join of 2 s more (the request's own timeout is 30 s).
-    assert took < 3.0, took
+    # Once: not a flush of 3 s and then a join of 3 s more (the request's own timeout is 30 s).
+    # The bound is the semantics (one deadline, not two), with 2 s left for a loaded machine.
+    assert took < 5.0, took
     assert sender.dropped + sender.unconfirmed == 5 and sender.unconfirmed >= 1
 
 
