@@ -495,3 +495,22 @@ class HealthyJob(Job):
             mon.track_loss(per_token, modality=modality, mask=mask, output=logits)
             (sample_mean(per_token, mask).mean() / self.ACCUM).backward()
         self.finish_step()
+
+
+# -- coverage ----------------------------------------------------------------------------
+class BlindLossJob(Job):
+    """Zero-code loss accounting (``loss_from_logits=True``) on a loss it cannot read: a
+    label-smoothed cross-entropy, whose logits' gradient is not a cross-entropy one, so
+    the loss figures are withheld (coverage ``not_cross_entropy``) and SignalInactive
+    warns. The fix: the plain cross-entropy, which zero-code accounting reads."""
+
+    def attach(self, url: str, run: str, **options: Any) -> Monitor:
+        options.setdefault("loss_from_logits", True)
+        return super().attach(url, run, **options)
+
+    def step(self, mon: Monitor) -> None:
+        ids, labels, _ = token_batch(self.gen, [12] * 4)
+        logits = self.model(ids)
+        smoothing = 0.0 if self.fixed else 0.1
+        F.cross_entropy(logits.flatten(0, 1), labels.flatten(), label_smoothing=smoothing).backward()
+        self.finish_step()

@@ -28,6 +28,7 @@ import httpx
 import pytest
 from _jobs import (
     AccumulationJob,
+    BlindLossJob,
     ClippedSpikeJob,
     DeclaredSampleJob,
     DeclaredTokenJob,
@@ -178,6 +179,8 @@ CASES = [
         {"task": "ie", "role": "teacher", "threshold": "0.99"},
     ),
     Case("NonFiniteLoss", "NonFiniteLoss", NonFiniteLossJob, 10, {"what": "loss"}),
+    # SignalInactive: for_steps 20, the loss figures withheld from the first report on.
+    Case("SignalInactive", "SignalInactive", BlindLossJob, 26, {"signal": "loss", "reason": "not_cross_entropy"}),
     Case("GradNormSpike", "GradNormSpike", SpikeJob, 30, {}),
     Case("GradNormSpike-clipped-between-reports", "GradNormSpike", ClippedSpikeJob, 30, {}),
 ]
