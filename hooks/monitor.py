@@ -445,7 +445,9 @@ class Monitor:
         """Sender thread: the in-process rules, then the headline figures for the trackers."""
         if self._evaluator is not None:
             self._evaluator.observe(report)
-        if report.samples:
+        # The sender adds its drop counter to every report; a report with nothing else (the
+        # run's end sent at close) has no figures and must not replace the last step's.
+        if any(s.name != "client_dropped_reports_total" for s in report.samples):
             from trainvitals.hooks.headline import headline_figures
 
             self._headline = (report.step, headline_figures(report.samples, self._firing_names()))
