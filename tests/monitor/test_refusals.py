@@ -190,5 +190,7 @@ def test_one_large_body_does_not_stall_the_event_loop(collector):
         time.sleep(0.02)
     # Relative to the ingest's own time, so a loaded machine (both stretch) does not fail
     # it: on the event loop, /healthz would wait for the whole ingest. What remains is the
-    # GIL held by one msgspec decode of 100,000 samples (about a fifth of the ingest).
-    assert worst < 0.5 * took[0], f"/healthz took {worst:.2f} s while a {took[0]:.2f} s ingest ran"
+    # GIL held by one msgspec decode of 100,000 samples (about a fifth of the ingest, more under load).
+    # A stalled loop makes /healthz wait for nearly the whole ingest; 0.8 leaves room for
+    # the decode's GIL share on a loaded 2-core machine (0.52 was seen in CI).
+    assert worst < 0.8 * took[0], f"/healthz took {worst:.2f} s while a {took[0]:.2f} s ingest ran"
