@@ -1,24 +1,15 @@
-"""The ``Monitor`` that ``attach()`` returns: optimizer hooks in, reports out.
+"""The ``Monitor`` that ``attach()`` returns: the user API, and what signals use of it.
 
-Data flow of one report step (each stage its own module):
-
-1. ``optimizer.step()`` runs the monitor's pre- and post-step hooks; the signals
-   (:mod:`trainvitals.hooks.signals`) do cheap bookkeeping on every step and, on
-   report steps, write batched tensor statistics into a
-   :class:`~trainvitals.hooks.step.StepContext`.
-2. :func:`trainvitals.hooks.distributed.combine` runs the cross-rank partials in one
-   collective.
-3. :func:`trainvitals.hooks.pack.pack` concatenates everything into one vector and
-   starts its one copy to the host.
-4. :class:`trainvitals.hooks.sender.Sender` (one thread) materializes, validates,
-   encodes and hands the report to a sink (:mod:`trainvitals.hooks.sinks`).
+Its hooks on the optimizer step, from a step's start to its report, are
+:mod:`trainvitals.hooks.lifecycle` (which names the stages of a report, each its own
+module); what it says in the job's log at attach and close is
+:mod:`trainvitals.hooks.summary`.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import sys
 import weakref
 from typing import Any
 
@@ -26,20 +17,22 @@ import torch
 from torch import nn
 
 from trainvitals.hooks import distributed
+from trainvitals.hooks import pack as packing
 from trainvitals.hooks.config import Config
 from trainvitals.hooks.coverage import Coverage
+from trainvitals.hooks.lifecycle import StepLifecycle
 from trainvitals.hooks.live_settings import LiveSettings
 from trainvitals.hooks.naming import clean_name, unwrap
-from trainvitals.hooks.pack import PendingReport, pack
+from trainvitals.hooks.pack import PendingReport
 from trainvitals.hooks.sender import Sender
 from trainvitals.hooks.signals.base import Removable, Signal
 from trainvitals.hooks.sinks import Sink
 from trainvitals.hooks.step import StepContext
-from trainvitals.hooks.tensors import foreach_norm32, is_sharded, local, real, stack_on
-from trainvitals.wire.coverage import NOT_BLIND
+from trainvitals.hooks.summary import log_summary, start_line, visible_logs
+from trainvitals.hooks.tensors import is_sharded
 from trainvitals.wire.schema import RUN_END_EVENT
 
-__all__ = ["STATE_FORMAT", "Monitor", "builtin_signal_classes", "monitor_of"]
+__all__ = ["STATE_FORMAT", "Monitor", "builtin_signal_classes", "monitor_of", "visible_logs"]
 
 STATE_FORMAT = 1
 """Version of ``Monitor.state_dict()``'s layout."""
@@ -56,18 +49,6 @@ def monitor_of(optimizer: Any) -> Monitor | None:
     ref = _BY_OPTIMIZER.get(optimizer)
     found = ref() if ref is not None else None
     return None if found is None or found._closed else found
-
-
-def visible_logs() -> None:
-    """The job did not configure logging: show trainvitals' own lines (what is watched,
-    alerts firing and resolving, the summary and verdict at close) on stderr. A job that configures logging gets them
-    its way."""
-    if not logging.getLogger().handlers and not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
 
 
 class Monitor:
@@ -108,7 +89,6 @@ class Monitor:
             from trainvitals.hooks.logits_finder import find_logits_module
 
             logits_module = find_logits_module(self.model, config.loss_from_logits)
-        self._ready = False  # gradients_ready() (or the pre-step hook) ran for this step
         self._pending_events: list[tuple[str, str, dict[str, str]]] = []
         self._warned: set[str] = set()
         self._latest: PendingReport | None = None
@@ -117,9 +97,6 @@ class Monitor:
         self._end_report = True  # False: the run goes on in another monitor (trainvitals run)
         self.automatic = False
         """Attached by ``trainvitals run`` (the job's own ``attach`` may take over)."""
-        self._reporting = False
-        self._pre_steps = 0
-        self._grad_cache: tuple[int, list[torch.Tensor], torch.Tensor] | None = None
         evaluator = None
         if rules is not None:
             from trainvitals.alerts import LocalEvaluator
@@ -134,9 +111,10 @@ class Monitor:
             sink.firing = self._firing_names  # a tracker sink shows the alerts firing
         self._sender = Sender(sink, max_queue_bytes=config.queue_bytes, on_report=self._observe_report)
         self.signals: list[Signal] = _default_signals(config.signals)
-        self._handles: list[Removable] = [optimizer.register_step_post_hook(self._after_step)]
+        self._steps = StepLifecycle(self)
+        self._handles: list[Removable] = [optimizer.register_step_post_hook(self._steps.after_step)]
         if config.step_boundary == "pre_step_hook":
-            self._handles.append(optimizer.register_step_pre_hook(self._before_step))
+            self._handles.append(optimizer.register_step_pre_hook(self._steps.before_step))
         for s in self.signals:
             self._handles.extend(s.run_guarded("bind", s.bind, self) or [])
         if logits_module is not None:
@@ -158,22 +136,6 @@ class Monitor:
     def reporting_next(self) -> bool:
         """Whether the optimizer step now being accumulated will be reported."""
         return not self._closed and self.reports_at(self.step + 1)
-
-    def grad_norms(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The optimizer's parameters that have a gradient (group order) and their
-        gradients' L2 norms (float32, on ``device``; rank-local shards when sharded).
-        One foreach call per optimizer step, shared by every signal that needs them."""
-        if self._grad_cache is None or self._grad_cache[0] != self._pre_steps:
-            params = [p for _, g in self.groups() for p in g["params"] if p.grad is not None]
-            grads = [real(local(p.grad)) for p in params]
-            norms = foreach_norm32(grads) if grads else []
-            self._grad_cache = (self._pre_steps, params, stack_on(norms, self.device))
-        return self._grad_cache[1], self._grad_cache[2]
-
-    def offer_grad_norms(self, params: list[torch.Tensor], norms: torch.Tensor) -> None:
-        """Seed this step's :meth:`grad_norms` with norms already taken (same order:
-        the groups' parameters that have a gradient), so nobody takes them again."""
-        self._grad_cache = (self._pre_steps, params, norms)
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str:
         return self.param_names.get(id(p), fallback)
@@ -254,7 +216,7 @@ class Monitor:
                 "the optimizer's pre-step hook marks the end of a step's gradients"
             )
         if not self._closed:
-            self._before_step(self.optimizer, (), {})
+            self._steps.before_step(self.optimizer, (), {})
 
     def observe_logits(
         self,
@@ -364,14 +326,14 @@ class Monitor:
             end.event(RUN_END_EVENT, f"Monitor.close() after {self.step} optimizer steps")
             try:
                 end.coverage = self._last_coverage or self._coverage_entries({})[0]
-                self._sender.put(pack(end, run=self.run, rank=self.rank))
+                self._sender.put(packing.pack(end, run=self.run, rank=self.rank))
             except Exception as exc:  # noqa: BLE001
                 self.warn_once("run_end", "could not queue the run_end report: %s", exc)
         left = self._sender.close(self.config.flush_timeout, quiet=True)
 
         if self._end_report:
             try:
-                self._log_summary(left)
+                log_summary(self, left)
             except Exception as exc:  # noqa: BLE001 - never into the training loop
                 log.warning("trainvitals: could not summarize run %r: %s", self.run, exc)
         if self._evaluator is not None and self._end_report:
@@ -395,51 +357,7 @@ class Monitor:
 
     def start_line(self) -> str:
         """What the monitor watches, in words (``attach`` logs it)."""
-        return (
-            f"run {self.run!r}, {type(self.optimizer).__name__} on {type(self.model).__name__}: "
-            f"{self.coverage.describe(self._coverage_entries({})[0])}; reports every {self.config.every} "
-            f"optimizer steps to {self._sender.sink!r}"
-        )
-
-    def _log_summary(self, left: int) -> None:
-        """One line at close: what was reported, what never engaged and why, what was not
-        delivered and where it was going."""
-        reported, never = self.coverage.summary()
-        sink = self._sender.sink
-        dropped = self._sender.dropped
-        parts = [f"run {self.run!r} closed after {self.step} optimizer step(s)"]
-        if reported:
-            parts.append("reported: " + ", ".join(f"{s} ({n} report(s))" for s, n in reported.items()))
-        elif self.step == 0:
-            entries, _ = self._coverage_entries({})
-            would = [e["signal"] for e in entries if e.get("reason") == "no_optimizer_step"]
-            parts.append(
-                "NOTHING was watched: no optimizer step ran"
-                + (f" (would have watched {', '.join(would)})" if would else "")
-            )
-            never = {e["signal"]: (e["reason"], e["detail"]) for e in entries if e.get("reason") != "no_optimizer_step"}
-        else:
-            parts.append("NOTHING was watched")
-        blind = {s: v for s, v in never.items() if v[0] not in NOT_BLIND}
-        if blind:
-            parts.append(
-                "never engaged: " + "; ".join(f"{s} ({r}: {d})" if d else f"{s} ({r})" for s, (r, d) in blind.items())
-            )
-        moot = {s: v for s, v in never.items() if v[0] in NOT_BLIND and v[0] != "not_requested"}
-        if moot:
-            parts.append("does not apply: " + "; ".join(f"{s} ({d})" for s, (_, d) in moot.items()))
-        skipped = [s for s, v in never.items() if v[0] == "not_requested"]
-        if skipped:
-            parts.append("not requested: " + ", ".join(skipped))
-        delivery = f"{self._sender.sent} report(s) delivered to {sink!r}, {dropped} not delivered"
-        problem = getattr(sink, "problem", None)
-        if dropped and problem:
-            delivery += f" ({problem})"
-        elif left:
-            delivery += f" ({left} still queued at close)"
-        parts.append(delivery)
-        level = logging.WARNING if (dropped or blind or not reported) else logging.INFO
-        log.log(level, "trainvitals: %s", "; ".join(parts))
+        return start_line(self)
 
     def _observe_report(self, report: Any) -> None:
         """Sender thread: the in-process rules, then the headline figures for the trackers."""
@@ -498,57 +416,6 @@ class Monitor:
         from trainvitals.hooks.signals.softmax import Softmax
 
         return self._signal(Softmax)
-
-    @torch.no_grad()  # statistics only: no autograd bookkeeping
-    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._ready = True
-        self._pre_steps += 1
-        self._grad_cache = None
-        self._reporting = self.reporting_next
-        for s in self.signals:
-            s.run_guarded("before_step", s.before_step, self, self._reporting)
-
-    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._ready:  # step_boundary="manual" and gradients_ready() was not called
-            self._before_step(optimizer, args, kwargs)
-        self._ready = False
-        self.step += 1
-        reporting = self._reporting
-        with torch.no_grad():
-            for s in self.signals:
-                s.run_guarded("after_step", s.after_step, self, reporting)
-        if reporting:
-            try:
-                self._report()
-            except Exception as exc:  # noqa: BLE001
-                self.warn_once("report", "could not assemble the report of step %d: %s", self.step, exc)
-        self._live.step_end(self, reporting)  # the next step runs with what is due
-
-    @torch.no_grad()  # statistics only: no autograd bookkeeping on any of it
-    def _report(self) -> None:
-        ctx = StepContext(step=self.step, device=self.device)
-        emitted: dict[str, bool] = {}
-        for s in self.signals:
-            before = len(ctx.emits) + len(ctx.reduces)
-            s.run_guarded("collect", s.collect, self, ctx)
-            if s.covers is not None:
-                emitted[s.covers] = len(ctx.emits) + len(ctx.reduces) > before
-        try:
-            ctx.coverage, ctx.final = self._coverage_entries(emitted, ctx.verdicts())
-            self._last_coverage = ctx.coverage
-        except Exception as exc:  # noqa: BLE001
-            self.warn_once("coverage", "could not assemble the coverage of step %d: %s", self.step, exc)
-        self._live.contribute(self, ctx)
-        distributed.combine(ctx)
-        for kind, detail, labels in self._pending_events:
-            ctx.event(kind, detail, labels)
-        self._pending_events.clear()
-        pending = pack(ctx, run=self.run, rank=self.rank)
-        if ctx.coverage:
-            self.coverage.note(ctx.coverage)
-            pending.settle = self.coverage.settle
-        self._latest = pending
-        self._sender.put(pending)
 
 
 def builtin_signal_classes() -> dict[str, type[Signal]]:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainvitals.hooks.grad_norms import GradNorms
 
 __all__ = ["Labels", "ReduceOp", "StepContext"]
 
@@ -74,6 +77,9 @@ class StepContext:
     final: set[str] = field(default_factory=set)
     """Signals whose entry no verdict of this report changes (failed, declared inactive)."""
     unless: list[_Unless] = field(default_factory=list)
+    grad_norms: GradNorms | None = None
+    """The step's gradient norms (:mod:`trainvitals.hooks.grad_norms`), taken once before
+    ``optimizer.step()`` when a running signal uses them; None otherwise."""
 
     def inactive_when(self, signal: str, flag: torch.Tensor | None, reason: str, detail: str = "") -> None:
         """Make ``signal``'s coverage entry inactive for ``reason`` in this report: always

@@ -12,9 +12,10 @@ With gradient accumulation only the step's last backward holds its whole gradien
 the callback counts the step's backward passes and computes from the count the
 previous step had (a step with more computes again on each extra one and keeps the
 last; a shorter step, the last of an epoch, is measured after ``optimizer.step()``,
-after any clipping). The per-parameter norms of that computation are offered to the
-monitor's shared gradient-norm cache, so the report step's statistics (per-group
-norms, relative gradient RMS) need no second pass over the gradients. After
+after any clipping). The per-parameter norms of that computation are the report
+step's :class:`~trainvitals.hooks.grad_norms.GradNorms`, handed to every signal that
+uses them (per-group norms, relative gradient RMS): no second pass over the
+gradients. After
 ``optimizer.step()`` the value goes into a small ring on the device, one slot per
 step since the previous report.
 At the report: the last step's norm, the max and the mean over the steps since the
@@ -36,7 +37,6 @@ import torch
 
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
 from trainvitals.hooks.signals.param_series import groups_key
-from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.tensors import NormPlan, local, real
 
 log = logging.getLogger("trainvitals")
@@ -199,15 +199,3 @@ class BackwardGradNorms:
     def reset(self) -> None:
         self._current = self._per_param = None
         self._count = self._backwards = 0
-
-
-def emit_norm_history(ctx: StepContext, sq: torch.Tensor) -> torch.Tensor:
-    """Emit ``grad_norm`` (the last step), ``grad_norm_max`` / ``grad_norm_mean`` (over the
-    finite steps of ``sq``, absent when none); return the number of non-finite steps."""
-    norms = sq.sqrt()
-    finite = torch.isfinite(norms)
-    count = finite.sum()
-    ctx.emit("grad_norm", norms[-1])
-    ctx.emit("grad_norm_max", torch.where(finite, norms, float("-inf")).amax(), present=(count > 0).float())
-    ctx.emit("grad_norm_mean", torch.where(finite, norms, 0.0).sum() / count, present=(count > 0).float())
-    return (~finite).sum()

@@ -2,7 +2,8 @@
 
 A signal places its hooks in ``bind``; the monitor calls ``before_step`` and
 ``after_step`` around every optimizer step (cheap bookkeeping only), and
-``collect`` on report steps, where the signal computes its statistics as batched
+``collect`` on report steps (with the step's gradient norms in ``ctx.grad_norms``
+for a signal that ``uses_grad_norms``), where the signal computes its statistics as batched
 tensor work and hands them to the :class:`~trainvitals.hooks.step.StepContext`.
 Nothing here reads a tensor's value on the host: values reach the host once per
 report, on the sender thread.
@@ -30,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from trainvitals.hooks.config import Config
     from trainvitals.hooks.coverage import Coverage
+    from trainvitals.hooks.grad_norms import GradNorms
 
 __all__ = ["REBINDING", "MonitorView", "Removable", "Signal"]
 
@@ -68,13 +70,6 @@ class MonitorView(Protocol):
 
     def reports_at(self, step: int) -> bool: ...
 
-    def grad_norms(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The optimizer's parameters with a gradient and their gradients' L2 norms
-        (one foreach call per step, shared by every signal)."""
-        ...
-
-    def offer_grad_norms(self, params: list[torch.Tensor], norms: torch.Tensor) -> None: ...
-
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str: ...
 
     def groups(self) -> list[tuple[str, dict[str, Any]]]: ...
@@ -94,6 +89,9 @@ class Signal:
     """Why :meth:`turn_off` turned it off (where, and the error), for the coverage detail."""
     covers: str | None = None
     """The built-in signal name its coverage entry has (:mod:`trainvitals.hooks.coverage`)."""
+    uses_grad_norms: bool = False
+    """True: its ``collect`` reads ``ctx.grad_norms``, the step's gradient norms
+    (:mod:`trainvitals.hooks.grad_norms`), which are then taken before the step."""
 
     def bind(self, monitor: MonitorView) -> list[Removable]:
         """Place hooks; return their handles (anything with ``remove()``)."""
@@ -104,6 +102,11 @@ class Signal:
 
     def after_step(self, monitor: MonitorView, reporting: bool) -> None:
         """Called after ``optimizer.step()``."""
+
+    def measured_grad_norms(self) -> GradNorms | None:
+        """The step's gradient norms when this signal measured them already (asked before
+        ``optimizer.step()`` of a report step, after ``before_step``); None: not measured."""
+        return None
 
     def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
         """On report steps, after ``after_step``: emit this step's statistics."""

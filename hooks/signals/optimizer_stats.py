@@ -6,9 +6,11 @@ every backward (:mod:`~trainvitals.hooks.signals.backward_grad_norm`), with
 ``grad_norm_max`` / ``grad_norm_mean`` over the steps since the previous report, and
 ``nonfinite_total{what="grad"}`` the steps whose gradient was not finite.
 ``group_grad_norm{group}`` is the L2 norm of one param group's gradients, from the
-same measurement (before clipping, unscaled by a GradScaler); when no backward was
-seen completing the step's gradient (gradients set by hand, the short last step of
-an epoch), both are taken as the optimizer is about to use them.
+step's per-parameter norms (:mod:`~trainvitals.hooks.grad_norms`: the same
+measurement, before clipping, unscaled by a GradScaler); when no backward was seen
+completing the step's gradient (gradients set by hand, the short last step of an
+epoch), both are taken as the optimizer is about to use them. Every ``grad_norm``
+series is emitted here.
 ``param_norm`` is taken after the step. ``update_ratio`` = RMS(p_after - p_before) /
 RMS(p_after), on a sample of ``update_sample`` elements per tensor (evenly spaced
 runs of 16 contiguous elements; exact for smaller tensors), so no copy of the model
@@ -23,9 +25,10 @@ from typing import Any
 
 import torch
 
+from trainvitals.hooks.grad_norms import GradNorms
 from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.sampling import TensorsSample
-from trainvitals.hooks.signals.backward_grad_norm import BackwardGradNorms, emit_norm_history
+from trainvitals.hooks.signals.backward_grad_norm import BackwardGradNorms
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
 from trainvitals.hooks.step import ReduceOp, StepContext
 from trainvitals.hooks.tensors import NormPlan, flat, local
@@ -33,11 +36,10 @@ from trainvitals.hooks.tensors import NormPlan, flat, local
 
 class OptimizerStats(Signal):
     covers = "optimizer"
+    uses_grad_norms = True
 
     def __init__(self) -> None:
-        self._grad_norms: torch.Tensor | None = None
         self._param_norms: list[Any] = [None]  # NormPlan.cached's slot, for the parameters' norms
-        self._grad_group: torch.Tensor | None = None
         self._before: torch.Tensor | None = None
         self._sample_key: tuple | None = None
         self._sample: TensorsSample | None = None
@@ -87,18 +89,14 @@ class OptimizerStats(Signal):
         self._sample.take_into(tensors, self._sample_dst[after])
         return self._sample_bufs[after][0]
 
+    def measured_grad_norms(self) -> GradNorms | None:
+        fresh = self._history.fresh()  # taken at the end of the backward: no second pass
+        return GradNorms(*fresh, "backward") if fresh is not None else None
+
     def before_step(self, monitor: MonitorView, reporting: bool) -> None:
-        if not reporting:
-            return
-        params, group_of = self._params(monitor)
-        fresh = self._history.fresh()
-        if fresh is not None:  # taken at the end of the backward: no second pass
-            monitor.offer_grad_norms(*fresh)
-        _, self._grad_norms = monitor.grad_norms()  # same order: the groups' params with a grad
-        self._grad_group = self._indices.get(
-            [g for p, g in zip(params, group_of, strict=True) if p.grad is not None], monitor.device
-        )
-        self._before = self._sampled(monitor, params, group_of, after=False)
+        if reporting:
+            params, group_of = self._params(monitor)
+            self._before = self._sampled(monitor, params, group_of, after=False)
 
     def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
         dev = monitor.device
@@ -115,9 +113,11 @@ class OptimizerStats(Signal):
         # all rows go through one square and one index_add.
         values: list[torch.Tensor] = []
         bins: list[torch.Tensor | None] = []
-        if self._grad_norms is not None:
-            gn, grad_group = self._grad_norms, self._grad_group
-            assert grad_group is not None  # before_step sets it together with the norms
+        step_norms = ctx.grad_norms
+        if step_norms is not None:
+            gn = step_norms.norms
+            group_by_id = {id(p): g for p, g in zip(params, group_of, strict=True)}
+            grad_group = self._indices.get([group_by_id.get(id(p), 0) for p in step_norms.params], dev)
             # The gradient the optimizer applies is not finite although the backward's was
             # (set or scaled by hand after the backward), or no backward was seen: count
             # the step here; the backward's non-finite steps are counted from the history.
@@ -149,8 +149,7 @@ class OptimizerStats(Signal):
             .view(rows, n_groups)
         )
         sq = torch.cat([per_group.sum(1, keepdim=True), per_group], 1)
-        has_grad = self._grad_norms is not None
-        self._grad_norms = None
+        has_grad = step_norms is not None
 
         def emit(name: str, values: torch.Tensor, whole: bool = True) -> None:
             if whole:
@@ -171,7 +170,7 @@ class OptimizerStats(Signal):
             nonfinite = self._nonfinite
             assert nonfinite is not None  # set by collect above; nothing sets it back to None
             if rest:  # the per-step squared norms, combined across shards
-                nonfinite = self._nonfinite = nonfinite + emit_norm_history(ctx, rest[0])
+                nonfinite = self._nonfinite = nonfinite + _emit_history(ctx, rest[0])
             ctx.emit("nonfinite_total", nonfinite, {"what": "grad"})
 
         parts_to_combine: list[tuple[torch.Tensor, ReduceOp]] = [(sq, "sum")]
@@ -205,9 +204,22 @@ class OptimizerStats(Signal):
             self._nonfinite = state["nonfinite"].clone()
 
     def reset(self) -> None:
-        self._grad_norms = self._before = None
+        self._before = None
         self._history.reset()
 
     def close(self) -> None:
         self.reset()
         self._history.remove()
+
+
+def _emit_history(ctx: StepContext, sq: torch.Tensor) -> torch.Tensor:
+    """Emit ``grad_norm`` (the last step), ``grad_norm_max`` / ``grad_norm_mean`` (over the
+    finite steps of ``sq``, the squared norms since the previous report, absent when
+    none); return the number of non-finite steps."""
+    norms = sq.sqrt()
+    finite = torch.isfinite(norms)
+    count = finite.sum()
+    ctx.emit("grad_norm", norms[-1])
+    ctx.emit("grad_norm_max", torch.where(finite, norms, float("-inf")).amax(), present=(count > 0).float())
+    ctx.emit("grad_norm_mean", torch.where(finite, norms, 0.0).sum() / count, present=(count > 0).float())
+    return (~finite).sum()

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from trainvitals.hooks.grad_norms import GradNorms
 from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.signals.base import REBINDING, MonitorView, Removable, Signal
 from trainvitals.hooks.signals.param_drift import DriftTracker, Reference
@@ -59,6 +60,7 @@ _TINY = torch.finfo(torch.float32).tiny
 
 class ParamHealth(Signal):
     covers = "params"
+    uses_grad_norms = True
 
     def __init__(self) -> None:
         self._refs: dict[int, Reference] = {}
@@ -66,10 +68,6 @@ class ParamHealth(Signal):
         self._key: tuple | None = None
         self._drift: DriftTracker | None = None
         self._fresh = False  # tracker rebuilt at this report: no change to record yet
-        self._grad_sq: torch.Tensor | None = None
-        self._grad_numel: torch.Tensor | None = None
-        self._grad_pos: torch.Tensor | None = None  # series with a gradient -> gradient position
-        self._grad_labels: list[dict[str, str]] = []
         self._indices = IndexCache()
 
     # -- attach ----------------------------------------------------------------
@@ -123,21 +121,18 @@ class ParamHealth(Signal):
         return self._drift
 
     def before_step(self, monitor: MonitorView, reporting: bool) -> None:
-        if not reporting:
-            return
-        drift = self._tracker(monitor)
-        params, norms = monitor.grad_norms()  # shared with OptimizerStats: one foreach call
+        if reporting:  # parameters new to the groups: their references before their first step
+            self._tracker(monitor)
+
+    def _grad_rms_layout(
+        self, monitor: MonitorView, drift: DriftTracker, step_norms: GradNorms
+    ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, str]]]:
+        """For the step's gradient norms: each one's global element count, and the
+        positions and labels of the series that have a gradient."""
         dev = monitor.device
-        if not params:
-            self._grad_sq = None
-            return
-        self._grad_sq = norms.square()
-        # Global sizes (DTensor.numel is global).
-        self._grad_numel = self._indices.get([p.numel() for p in params], dev, torch.float32)
-        where = {id(p): j for j, p in enumerate(params)}
-        grad_series = [(s.name, where[id(s.param)]) for s in drift.series if id(s.param) in where]
-        self._grad_pos = self._indices.get([j for _, j in grad_series], dev)
-        self._grad_labels = [{"param": name} for name, _ in grad_series]
+        numel = self._indices.get([p.numel() for p in step_norms.params], dev, torch.float32)  # DTensor: global
+        grad_series = [(s.name, j) for s in drift.series if (j := step_norms.position(s.param)) is not None]
+        return numel, self._indices.get([j for _, j in grad_series], dev), [{"param": name} for name, _ in grad_series]
 
     def _weight_decay(self, monitor: MonitorView, drift: DriftTracker) -> torch.Tensor:
         groups = monitor.optimizer.param_groups
@@ -171,13 +166,14 @@ class ParamHealth(Signal):
                     (torch.cat([group_sum(drift.mean_abs_sign(), drift.sampled_owner, n), drift.sampled]), "sum")
                 )
         self._fresh = False
-        grad_sq = self._grad_sq if self._grad_labels else None
-        grads = grad_sq is not None
-        if grad_sq is not None:
-            parts.append((grad_sq, "sum"))
+        step_norms = ctx.grad_norms
+        grads = False
+        if step_norms is not None and step_norms.params:
+            grad_numel, grad_pos, grad_labels = self._grad_rms_layout(monitor, drift, step_norms)
+            if grad_labels:
+                grads = True
+                parts.append((step_norms.norms.square(), "sum"))
         wd = self._weight_decay(monitor, drift) if n else None
-        grad_numel, grad_pos, grad_labels = self._grad_numel, self._grad_pos, self._grad_labels
-        self._grad_sq = None
 
         def finish(*combined: torch.Tensor) -> None:
             rest = list(combined)
@@ -200,17 +196,12 @@ class ParamHealth(Signal):
                 assert wd is not None  # computed above whenever n
                 ctx.emit("param_weight_decay", wd, drift.labels)
             if grads:
-                assert grad_numel is not None and grad_pos is not None
                 rms = (rest.pop(0) / grad_numel).sqrt()
                 median = torch.median(rms).clamp_min(_TINY)
                 ctx.emit("param_grad_relative_rms", rms[grad_pos] / median, grad_labels)
 
         ctx.combine(parts, finish, across_ranks=monitor.sharded)
 
-    def reset(self) -> None:
-        self._grad_sq = None
-
     def close(self) -> None:
         self._drift = None
         self._refs.clear()
-        self._grad_sq = None

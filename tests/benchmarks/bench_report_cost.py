@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import trainvitals.hooks.distributed as distributed
-import trainvitals.hooks.monitor as monitor_module
+import trainvitals.hooks.pack as pack_module
 from trainvitals.hooks import attach
 
 VOCAB, D = 512, 64
@@ -123,12 +123,12 @@ def _instrument(mon: Any, around: Callable[[str, Callable[[], Any]], Any]) -> Ca
             _wrap(history, "_measure", around, "gradient norm at the end of backward")
     _wrap(mon, "track_loss", around, "track_loss (per micro-batch)")
     _wrap(mon._sender, "_encode", around, "sender encoding (its own thread)")
-    pack, combine = monitor_module.pack, distributed.combine
-    monitor_module.pack = lambda *a, **k: around("pack", lambda: pack(*a, **k))
+    pack, combine = pack_module.pack, distributed.combine
+    pack_module.pack = lambda *a, **k: around("pack", lambda: pack(*a, **k))
     distributed.combine = lambda ctx: around("loss emission (combine)", lambda: combine(ctx))
 
     def undo() -> None:
-        monitor_module.pack, distributed.combine = pack, combine
+        pack_module.pack, distributed.combine = pack, combine
 
     return undo
 

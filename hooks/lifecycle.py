@@ -1,0 +1,116 @@
+"""The monitor's hooks on the optimizer step: one optimizer step, start to report.
+
+Data flow of one report step (each stage its own module):
+
+1. ``optimizer.step()`` runs :meth:`StepLifecycle.before_step` and
+   :meth:`StepLifecycle.after_step`; the signals (:mod:`trainvitals.hooks.signals`)
+   do cheap bookkeeping on every step. On a report step the step's gradient norms
+   (:mod:`trainvitals.hooks.grad_norms`) are taken once before the step, for the
+   signals that use them, and every signal's ``collect`` writes batched tensor
+   statistics into a :class:`~trainvitals.hooks.step.StepContext`.
+2. :func:`trainvitals.hooks.distributed.combine` runs the cross-rank partials in one
+   collective.
+3. :func:`trainvitals.hooks.pack.pack` concatenates everything into one vector and
+   starts its one copy to the host.
+4. :class:`trainvitals.hooks.sender.Sender` (one thread) materializes, validates,
+   encodes and hands the report to a sink (:mod:`trainvitals.hooks.sinks`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainvitals.hooks import distributed
+from trainvitals.hooks import pack as packing
+from trainvitals.hooks.grad_norms import GradNorms
+from trainvitals.hooks.step import StepContext
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainvitals.hooks.monitor import Monitor
+
+__all__ = ["StepLifecycle"]
+
+
+class StepLifecycle:
+    """The per-step state of one monitor's optimizer hooks."""
+
+    def __init__(self, monitor: Monitor) -> None:
+        self.monitor = monitor
+        self.ready = False  # before_step ran for the step now being taken
+        self.reporting = False  # the step now being taken is a report step
+        self._grad_norms: GradNorms | None = None  # the step's, for its report
+
+    @torch.no_grad()  # statistics only: no autograd bookkeeping
+    def before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        mon = self.monitor
+        self.ready = True
+        self.reporting = mon.reporting_next
+        self._grad_norms = None
+        for s in mon.signals:
+            s.run_guarded("before_step", s.before_step, mon, self.reporting)
+        if self.reporting:
+            self._grad_norms = self._take_grad_norms()
+
+    def _take_grad_norms(self) -> GradNorms | None:
+        """The step's gradient norms, once: a signal's own measurement, else the applied
+        gradients'; None when no running signal uses them."""
+        mon = self.monitor
+        users = [s for s in mon.signals if s.uses_grad_norms and not s.broken]
+        if not users:
+            return None
+        for s in mon.signals:
+            measured = s.run_guarded("measured_grad_norms", s.measured_grad_norms)
+            if measured is not None:
+                return measured
+        try:
+            return GradNorms.applied([g for _, g in mon.groups()], mon.device)
+        except Exception as exc:  # noqa: BLE001 - never into the training loop
+            mon.warn_once("grad_norms", "could not take the gradient norms of step %d: %s", mon.step + 1, exc)
+            return None
+
+    def after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        mon = self.monitor
+        if not self.ready:  # step_boundary="manual" and gradients_ready() was not called
+            self.before_step(optimizer, args, kwargs)
+        self.ready = False
+        mon.step += 1
+        reporting = self.reporting
+        with torch.no_grad():
+            for s in mon.signals:
+                s.run_guarded("after_step", s.after_step, mon, reporting)
+        if reporting:
+            try:
+                self.report()
+            except Exception as exc:  # noqa: BLE001
+                mon.warn_once("report", "could not assemble the report of step %d: %s", mon.step, exc)
+        self._grad_norms = None
+        mon._live.step_end(mon, reporting)  # the next step runs with what is due
+
+    @torch.no_grad()  # statistics only: no autograd bookkeeping on any of it
+    def report(self) -> None:
+        mon = self.monitor
+        ctx = StepContext(step=mon.step, device=mon.device, grad_norms=self._grad_norms)
+        emitted: dict[str, bool] = {}
+        for s in mon.signals:
+            before = len(ctx.emits) + len(ctx.reduces)
+            s.run_guarded("collect", s.collect, mon, ctx)
+            if s.covers is not None:
+                emitted[s.covers] = len(ctx.emits) + len(ctx.reduces) > before
+        try:
+            ctx.coverage, ctx.final = mon._coverage_entries(emitted, ctx.verdicts())
+            mon._last_coverage = ctx.coverage
+        except Exception as exc:  # noqa: BLE001
+            mon.warn_once("coverage", "could not assemble the coverage of step %d: %s", mon.step, exc)
+        mon._live.contribute(mon, ctx)
+        distributed.combine(ctx)
+        for kind, detail, labels in mon._pending_events:
+            ctx.event(kind, detail, labels)
+        mon._pending_events.clear()
+        pending = packing.pack(ctx, run=mon.run, rank=mon.rank)
+        if ctx.coverage:
+            mon.coverage.note(ctx.coverage)
+            pending.settle = mon.coverage.settle
+        mon._latest = pending
+        mon._sender.put(pending)
