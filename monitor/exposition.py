@@ -22,7 +22,9 @@ from prometheus_client import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.utils import floatToGoString as _fmt
 
-from trainvitals.monitor.store import LabelKey, RemovableHandle, RunCopy, SeriesStore
+from trainvitals.monitor.handles import RemovableHandle
+from trainvitals.monitor.series import LabelKey, RunCopy
+from trainvitals.monitor.store import SeriesStore
 from trainvitals.wire import METRICS, PREFIX, exposed_name, metric_type, series_labels
 
 __all__ = ["REPORT_OUTCOMES", "FamilySource", "ReportCounter", "StoreCollector"]
