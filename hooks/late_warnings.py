@@ -8,6 +8,7 @@ looked at on a later call, once the copy has landed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,31 +23,44 @@ class LateWarnings:
     to the host asynchronously and looked at on a later call, once it has landed."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[str, str, torch.Tensor, Any]] = []
+        # (keys, messages, host values, completion event or None)
+        self._pending: list[tuple[tuple[str, ...], tuple[str, ...], torch.Tensor, Any]] = []
         self._done: set[str] = set()
 
     def add(self, key: str, message: str, value: torch.Tensor) -> None:
-        if key in self._done or any(p[0] == key for p in self._pending):
+        """Log ``message % count`` once if ``value`` (one element) turns out > 0."""
+        self.add_many([(key, message)], value.detach().reshape(1).clone())
+
+    def add_many(self, warnings: Sequence[tuple[str, str]], values: torch.Tensor) -> None:
+        """Several warnings at once, ``(key, message)`` each, with their counts in
+        ``values`` (1-D, one element per warning): one copy to the host for all.
+        ``values`` must be a tensor the caller no longer writes (it is kept as is
+        on a CPU)."""
+        pending = {k for p in self._pending for k in p[0]}
+        if all(k in self._done or k in pending for k, _ in warnings):
             return
-        value = value.detach().reshape(())
-        if value.device.type == "cpu":
-            self._pending.append((key, message, value.clone(), None))
-        elif value.device.type == "cuda":
-            host = torch.empty((), dtype=value.dtype, pin_memory=True)
-            host.copy_(value, non_blocking=True)
+        keys = tuple(k for k, _ in warnings)
+        messages = tuple(msg for _, msg in warnings)
+        values = values.detach()
+        if values.device.type == "cpu":
+            self._pending.append((keys, messages, values, None))
+        elif values.device.type == "cuda":
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-            self._pending.append((key, message, host, ready))
+            self._pending.append((keys, messages, host, ready))
         # other devices: no cheap completion test; the event in the report remains
 
     def poll(self, monitor: MonitorView) -> None:
         keep = []
-        for key, message, host, ready in self._pending:
+        for keys, messages, host, ready in self._pending:
             if ready is not None and not ready.query():
-                keep.append((key, message, host, ready))
+                keep.append((keys, messages, host, ready))
                 continue
-            count = float(host)  # a host tensor whose copy has completed: no device sync
-            if count > 0:
-                self._done.add(key)
-                monitor.warn_once(key, message, int(count))
+            counts = host.tolist()  # a host tensor whose copy has completed: no device sync
+            for key, message, count in zip(keys, messages, counts, strict=True):
+                if count > 0 and key not in self._done:
+                    self._done.add(key)
+                    monitor.warn_once(key, message, int(count))
         self._pending = keep

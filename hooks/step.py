@@ -137,6 +137,37 @@ class StepContext:
         decided on the sender thread so the step never waits for the value."""
         self.events.append(_Event(kind, detail, labels or {}, None if when is None else when.detach().reshape(1)))
 
+    def emit_rows(
+        self,
+        names: Sequence[str],
+        values: torch.Tensor,
+        labels: Sequence[Labels],
+        *,
+        present: torch.Tensor | None = None,
+    ) -> None:
+        """``emit(names[i], values[i], labels, present=present[i])`` for each row of
+        ``values`` ``[len(names), len(labels)]``, split with one op (the rows of one
+        computation need no op each)."""
+        if tuple(values.shape) != (len(names), len(labels)):
+            raise ValueError(f"emit_rows: values {tuple(values.shape)} for {len(names)} names x {len(labels)} labels")
+        if present is not None and present.shape != values.shape:
+            raise ValueError(f"emit_rows: present {tuple(present.shape)} for values {tuple(values.shape)}")
+        if not labels:
+            return
+        rows = values.detach().unbind(0) if values.requires_grad else values.unbind(0)
+        gates = present.unbind(0) if present is not None else [None] * len(names)
+        for name, row, gate in zip(names, rows, gates, strict=True):
+            self.emits.append(_Emit(name, row, list(labels), gate))
+
+    def events_when(self, events: Sequence[tuple[str, str, Labels | None]], when: torch.Tensor) -> None:
+        """``event(kind, detail, labels, when=when[i])`` for each ``(kind, detail,
+        labels)`` of ``events`` and element of the 1-D ``when``, split with one op."""
+        if when.numel() != len(events):
+            raise ValueError(f"events_when: {when.numel()} flags for {len(events)} events")
+        flags = when.detach().view(-1, 1).unbind(0)
+        for (kind, detail, labels), flag in zip(events, flags, strict=True):
+            self.events.append(_Event(kind, detail, labels or {}, flag))
+
     def combine(
         self, parts: Sequence[tuple[torch.Tensor, ReduceOp]], then: Callable[..., None], *, across_ranks: bool
     ) -> None:

@@ -135,6 +135,7 @@ class LossReport:
         self._late = late
         self._indices = IndexCache()
         self._family: torch.Tensor | None = None  # optimizer_scale_invariant, made once
+        self._plans: dict[tuple[Any, ...], _Plan] = {}  # per report layout
 
     def report(
         self,
@@ -166,57 +167,67 @@ class LossReport:
             wmin = torch.full((MAX_OBJECTIVES,), float("inf"), dtype=fdt, device=dev)
         else:
             assert acc.wmax is not None and acc.wmin is not None
-            sums, wmax, wmin = acc.sums, acc.wmax, acc.wmin
+            sums, wmax, wmin = acc.sums, acc.wmax, acc.wmin  # the finished step's: written in place
         if nonfinite is not None:
-            sums = sums.clone()
-            sums[lay.nonfinite] = nonfinite.to(sums.device, sums.dtype)
-        self._warn_late(monitor, sums, nonfinite, zero_code)
+            sums[lay.nonfinite].copy_(nonfinite.reshape(()))
+        self._warn_late(monitor, sums, nonfinite is not None, zero_code)
         ctx.combine(
             [(sums, "sum"), (wmax, "max"), (wmin, "min")],
             lambda s, mx, mn: self._emit(monitor, ctx, s, mx, mn, acc, nonfinite is not None, zero_code, probe, gram),
             across_ranks=True,
         )
 
-    def _warn_late(
-        self, monitor: MonitorView, sums: torch.Tensor, nonfinite: torch.Tensor | None, zero_code: bool
-    ) -> None:
-        """The log-once warnings about this rank's values (read a step later, no host sync)."""
+    def _warn_late(self, monitor: MonitorView, sums: torch.Tensor, nonfinite: bool, zero_code: bool) -> None:
+        """The log-once warnings about this rank's values (read a step later, no host
+        sync), their counts taken from ``sums`` with one gather."""
         lay = self._layout
-        self._late.add(
-            "loss_mixed_modality",
-            "%d sample(s) mix modalities among their label tokens; each counts under the "
-            "highest code. Pass one modality per sample (or per label token of it).",
-            sums[lay.mixed],
-        )
-        self._late.add(
-            "loss_unknown_modality",
-            f"%d label token(s) carry a modality code outside 0..{lay.bins - 2} "
-            f"(attach(modalities={list(monitor.modalities)})); they count toward totals only",
-            sums[lay.unknown],
-        )
+        warnings = [
+            (
+                "loss_mixed_modality",
+                "%d sample(s) mix modalities among their label tokens; each counts under the "
+                "highest code. Pass one modality per sample (or per label token of it).",
+                lay.mixed,
+            ),
+            (
+                "loss_unknown_modality",
+                f"%d label token(s) carry a modality code outside 0..{lay.bins - 2} "
+                f"(attach(modalities={list(monitor.modalities)})); they count toward totals only",
+                lay.unknown,
+            ),
+        ]
         if zero_code:
-            self._late.add(
-                "loss_not_cross_entropy",
-                "loss_from_logits: %d micro-batch(es) of a reported step had a logits gradient that "
-                "is not a plain cross-entropy one (label smoothing, a distillation or z-loss term on "
-                "the same logits, logit soft-capping after the hooked module); their token weights "
-                "cannot be read from it, so that step's loss-accounting figures are left out. Use "
-                "track_loss with the per-token cross-entropy (docs/integrations.md)",
-                sums[lay.not_ce],
+            warnings.append(
+                (
+                    "loss_not_cross_entropy",
+                    "loss_from_logits: %d micro-batch(es) of a reported step had a logits gradient that "
+                    "is not a plain cross-entropy one (label smoothing, a distillation or z-loss term on "
+                    "the same logits, logit soft-capping after the hooked module); their token weights "
+                    "cannot be read from it, so that step's loss-accounting figures are left out. Use "
+                    "track_loss with the per-token cross-entropy (docs/integrations.md)",
+                    lay.not_ce,
+                )
             )
-            self._late.add(
-                "loss_logits_overwritten",
-                "loss_from_logits: %d micro-batch(es) of a reported step had their logits overwritten "
-                "in place between the forward and the backward (a fused cross-entropy that reuses the "
-                "logits' memory, as Megatron's on float32 logits); the logits' values are gone, so the "
-                "token weights cannot be read from their gradient and that step's loss-accounting "
-                "figures are left out",
-                sums[lay.overwritten],
+            warnings.append(
+                (
+                    "loss_logits_overwritten",
+                    "loss_from_logits: %d micro-batch(es) of a reported step had their logits overwritten "
+                    "in place between the forward and the backward (a fused cross-entropy that reuses the "
+                    "logits' memory, as Megatron's on float32 logits); the logits' values are gone, so the "
+                    "token weights cannot be read from their gradient and that step's loss-accounting "
+                    "figures are left out",
+                    lay.overwritten,
+                )
             )
-        if nonfinite is not None:
-            self._late.add(
-                "loss_nonfinite", "%d micro-batch(es) had a non-finite per-token loss on a label token", nonfinite
+        if nonfinite:
+            warnings.append(
+                (
+                    "loss_nonfinite",
+                    "%d micro-batch(es) had a non-finite per-token loss on a label token",
+                    lay.nonfinite,
+                )
             )
+        index = self._indices.get([w[2] for w in warnings], sums.device)
+        self._late.add_many([(k, msg) for k, msg, _ in warnings], sums.index_select(0, index))
 
     def _emit(
         self,
@@ -231,13 +242,39 @@ class LossReport:
         probe: ModalityProbe | None,
         gram: torch.Tensor | None,
     ) -> None:
-        """The step's figures from the sums combined over ranks (see the module docstring)."""
+        """The step's figures from the sums combined over ranks (see the module docstring).
+
+        Every ratio of one kind is one division over index-gathered numerators and
+        denominators (``_Plan``), so a report costs a few dozen tensor ops whatever the
+        number of modalities and objectives."""
         lay = self._layout
         names = list(monitor.modalities)
         m = len(names)
         mod_labels = [{"modality": n} for n in names]
+        config = monitor.config
+        calls = acc.calls
+        full = acc.fired or monitor.world_size > 1  # weights arrived: the figures about them
+        active = [(name, k) for name, k in sorted(self._objectives.items(), key=lambda kv: kv[1]) if calls[k]]
+        declared = acc.normalization or config.loss_normalization
+        # How the job's loss combines across ranks sets the unit of weight (see module doc).
+        scale: float | None  # None: the step's label tokens
+        if config.loss_reduction == "sum":
+            scale = float(config.loss_scale) if config.loss_scale is not None else None
+        else:
+            scale = float(monitor.world_size)
+        plan = self._plan(
+            m,
+            tuple(k for _, k in active) if full else (),
+            tuple(acc.weights.get(k, 1.0) for _, k in active) if full else (),
+            scale,
+            declared,
+            zero_code,
+            sums.device,
+            sums.dtype,
+        )
         if counting_nonfinite or monitor.world_size > 1:
             ctx.emit("nonfinite_total", sums[lay.nonfinite], {"what": "loss"})
+        gate: torch.Tensor | None = None  # zero-code: every figure present only where the weights are sound
         if zero_code:
             # Weights read from a gradient that is not a plain cross-entropy one are wrong:
             # say so (_warn_late's log line, the coverage) and leave the step's figures out.
@@ -255,163 +292,287 @@ class LossReport:
                 "the gradient at the logits is not a plain cross-entropy one (label smoothing, a "
                 "distillation or z-loss term, soft-capping after the head); the step's figures are left out",
             )
-            blind = sums[lay.not_ce] + sums[lay.overwritten]
-            ctx = _Gated(ctx, (blind == 0).to(sums.dtype))  # type: ignore[assignment]
-        calls = acc.calls
-        ctx.emit("microbatches", self._indices.get([float(max(calls))], ctx.device, sums.dtype)[0])
-        samples, tokens = sums[lay.samples], sums[lay.tokens]
-        weight, loss_sum = sums[lay.weight], sums[lay.loss]
-        total_samples, total_tokens, total_weight = samples.sum(), tokens.sum(), weight.sum()
-        some = (total_tokens > 0).float()
-        if acc.fired:
-            ctx.inactive_when("loss", 1 - some, "no_input", "no label token in the reported step")
+            gate = sums.index_select(0, plan.blind).sum().reshape(1) == 0
 
-        ctx.emit("loss", loss_sum.sum() / total_tokens, present=some)
-        ctx.emit("modality_loss", loss_sum[:m] / tokens[:m], mod_labels, present=tokens[:m])
-        sample_share = samples[:m] / total_samples
-        ctx.emit("modality_sample_share_ratio", sample_share, mod_labels, present=some.expand(m))
-        ctx.emit("modality_token_share_ratio", tokens[:m] / total_tokens, mod_labels, present=some.expand(m))
-        ctx.event(
-            "loss_sample_mixed_modality",
-            "samples whose label tokens mix modalities (counted under the highest code)",
-            when=sums[lay.mixed],
+        def gated(present: torch.Tensor) -> torch.Tensor:
+            return present if gate is None else present * gate
+
+        ctx.emit("microbatches", self._indices.get([float(max(calls))], ctx.device, sums.dtype), present=gate)
+
+        # The pool every ratio reads from: the sums, the per-bin totals, the weight
+        # extremes, host-known constants, the exponent fit's products and its
+        # numerator and denominator, sqrt of the output sums (``_Plan``).
+        totals = sums.index_select(0, plan.rows).view(len(_ROWS), lay.bins).sum(1)
+        products = sums.index_select(0, plan.fit).view(-1, 2).prod(1)
+        fit = products[:4].view(2, 2) @ plan.sign  # n sxy - sx sy, n sxx - sx sx
+        pool = torch.cat([sums, totals, wmax, wmin, plan.consts, products, fit, sums[lay.output].sqrt()])
+        first = pool.index_select(0, plan.num1) / pool.index_select(0, plan.den1)
+        raw = pool.index_select(0, plan.present) != 0
+        presence = gated(raw & (pool.index_select(0, plan.present_and) != 0))
+        if acc.fired:
+            ctx.inactive_when("loss", ~raw[:1], "no_input", "no label token in the reported step")
+        ctx.emit("loss", first[:1], present=presence[:1])
+        ctx.emit_rows(
+            ("modality_loss", "modality_sample_share_ratio", "modality_token_share_ratio"),
+            first[1 : 1 + 3 * m].view(3, m),
+            mod_labels,
+            present=presence[1 : 1 + 3 * m].view(3, m),
         )
-        ctx.event(
-            "loss_unknown_modality_code",
-            "label tokens with a modality code outside attach(modalities=...)",
-            when=sums[lay.unknown],
-        )
+        # Mixed and unknown codes, a gradient that is not cross-entropy; then a declared
+        # modality that marks positions only of samples without label tokens (positions
+        # where its label tokens are 0): no sample of it carries loss, so it reads as absent.
+        flags = pool.index_select(0, plan.flags) * (pool.index_select(0, plan.flags_if_zero) == 0)
+        events = [
+            (
+                "loss_sample_mixed_modality",
+                "samples whose label tokens mix modalities (counted under the highest code)",
+                None,
+            ),
+            ("loss_unknown_modality_code", "label tokens with a modality code outside attach(modalities=...)", None),
+        ]
         if zero_code:
-            ctx.event(
-                "loss_not_cross_entropy",
-                "loss_from_logits: a micro-batch's logits gradient is not a plain cross-entropy one; "
-                "this step's loss-accounting figures are left out (docs/integrations.md)",
-                when=sums[lay.not_ce],
+            events.append(
+                (
+                    "loss_not_cross_entropy",
+                    "loss_from_logits: a micro-batch's logits gradient is not a plain cross-entropy one; "
+                    "this step's loss-accounting figures are left out (docs/integrations.md)",
+                    None,
+                )
             )
-        # A declared modality that marks positions only of samples without label tokens:
-        # no sample of it carries loss, so it reads as absent.
-        unlabeled = (sums[lay.positions][:m] > 0) & (tokens[:m] == 0)
-        for k, name in enumerate(names):
-            ctx.event(
+        events.extend(
+            (
                 "modality_without_label_tokens",
                 f"modality {name!r} marks positions only of samples without label tokens: none of its "
                 "samples carries loss (docs/signals.md, 'Loss accounting')",
                 {"modality": name},
-                when=unlabeled[k],
             )
-        self._late.add(
-            "loss_modality_without_labels",
-            "%d declared modality(ies) mark positions only of samples without label tokens, so they "
-            "read as absent from the shares (docs/signals.md, 'Loss accounting')",
-            unlabeled.sum(),
+            for name in names
         )
-        if not acc.fired and monitor.world_size == 1:
+        ctx.events_when(events, flags)
+        self._late.add_many(
+            [
+                (
+                    "loss_modality_without_labels",
+                    "%d declared modality(ies) mark positions only of samples without label tokens, so they "
+                    "read as absent from the shares (docs/signals.md, 'Loss accounting')",
+                )
+            ],
+            (flags[len(events) - m :] > 0).sum().reshape(1),
+        )
+        if not full:
             return  # no weights arrived on this step: nothing honest to say about them
 
-        # How the job's loss combines across ranks sets the unit of weight (see module doc).
-        # (Python numbers, not new device tensors: creating one would wait for the device.)
-        scale: float | torch.Tensor
-        if monitor.config.loss_reduction == "sum":
-            scale = float(monitor.config.loss_scale) if monitor.config.loss_scale is not None else total_tokens
+        second = first.index_select(0, plan.num2) / first.index_select(0, plan.den2)
+        # the fit: n >= 2 samples and var(log n) > MIN_LOG_LENGTH_VAR
+        fit_ok = (first.index_select(0, plan.fit_checks) > plan.fit_bounds).all().reshape(1)
+        exponent = first[plan.exponent : plan.exponent + 1]
+        dilution = second[:m]
+        if declared is not None:
+            excess = second[m : 2 * m]
         else:
-            scale = float(monitor.world_size)
-        has_weight = (total_weight != 0).float()
-        grad_share = weight[:m] / total_weight
-        ctx.emit("modality_grad_share_ratio", grad_share, mod_labels, present=has_weight.expand(m))
-        ctx.emit("modality_dilution_ratio", sample_share / grad_share, mod_labels, present=samples[:m] * has_weight)
-        n, sx, sy, sxx, sxy = sums[lay.fit].unbind()
-        var_x = sxx / n - (sx / n) ** 2
-        fit_ok = (n >= 2) & (var_x > MIN_LOG_LENGTH_VAR)
-        exponent = (n * sxy - sx * sy) / (n * sxx - sx * sx)
-        ctx.emit("loss_norm_exponent", exponent, present=fit_ok.float())
-        declared = acc.normalization or monitor.config.loss_normalization
-        expected = self._expected_share(sums, exponent, fit_ok, declared)
-        ctx.emit(
-            "modality_excess_dilution_ratio", expected[:m] / grad_share, mod_labels, present=samples[:m] * has_weight
-        )
-        self._emit_objectives(ctx, sums, wmax, wmin, calls, acc.weights, scale, some, declared)
+            # undeclared: sqrt when the fitted exponent is 0.5 (a deliberate choice), else per sample
+            sqrt_like = fit_ok & ((exponent - 0.5).abs() < SQRT_TOLERANCE)
+            excess = torch.where(sqrt_like, second[m : 2 * m], dilution)
+        ctx.emit("modality_grad_share_ratio", first[1 + 3 * m : 1 + 4 * m], mod_labels, present=presence[plan.p_share])
+        weighted = presence[plan.p_weighted]
+        ctx.emit("modality_dilution_ratio", dilution, mod_labels, present=weighted)
+        ctx.emit("loss_norm_exponent", exponent, present=gated(fit_ok))
+        ctx.emit("modality_excess_dilution_ratio", excess, mod_labels, present=weighted)
+        if active:
+            self._emit_objectives(
+                ctx, plan, first, second, pool, presence, [(n, calls[k]) for n, k in active], declared, gated
+            )
         # What a missing division does depends on the optimizer: the rules read it beside the mass.
         if self._family is None:
-            self._family = torch.tensor(FAMILY_VALUE[optimizer_family(monitor.optimizer)], device=ctx.device)
-        ctx.emit("optimizer_scale_invariant", self._family)
+            self._family = torch.tensor([FAMILY_VALUE[optimizer_family(monitor.optimizer)]], device=ctx.device)
+        ctx.emit("optimizer_scale_invariant", self._family, present=gate)
         if acc.output:
             ctx.emit(
                 "modality_grad_norm",
-                sums[lay.output][:m].sqrt() / scale,
+                second[plan.grad_norm : plan.grad_norm + m],
                 [{"modality": n, "scope": "output"} for n in names],
-                present=samples[:m],
+                present=presence[plan.p_samples],
             )
         if gram is not None:
             assert probe is not None
-            probe.emit(ctx, gram, names, scale)
-
-    def _expected_share(
-        self, sums: torch.Tensor, exponent: torch.Tensor, fit_ok: torch.Tensor, declared: str | None
-    ) -> torch.Tensor:
-        """Each bin's share of the gradient weight under the intended normalization: the
-        declared one; undeclared, sqrt when the fitted exponent is 0.5 (a known deliberate
-        choice), else per sample (every sample weighs the same)."""
-        lay = self._layout
-        by_beta = {0.0: sums[lay.samples], 0.5: sums[lay.sqrt_tokens], 1.0: sums[lay.tokens]}
-        if declared is not None:
-            weights = by_beta[NORMALIZATIONS[declared]]
-        else:
-            sqrt_like = fit_ok & ((exponent - 0.5).abs() < SQRT_TOLERANCE)
-            weights = torch.where(sqrt_like, by_beta[0.5], by_beta[0.0])
-        return weights / weights.sum()
+            probe.emit(ctx, gram, names, first[plan.scale] if scale is None else scale)
 
     def _emit_objectives(
         self,
         ctx: StepContext,
-        sums: torch.Tensor,
-        wmax: torch.Tensor,
-        wmin: torch.Tensor,
-        calls: list[int],
-        weights: dict[int, float],
-        scale: float | torch.Tensor,
-        some: torch.Tensor,
+        plan: _Plan,
+        first: torch.Tensor,
+        second: torch.Tensor,
+        pool: torch.Tensor,
+        presence: torch.Tensor,
+        objectives: list[tuple[str, int]],
         declared: str | None,
+        gated: Any,
     ) -> None:
-        """Per objective: its weight mass relative to its declared weight, how that mass
-        scales with the step's micro-batches, and its token-weight spread (I2, I3)."""
-        lay = self._layout
-        active = [(name, k) for name, k in sorted(self._objectives.items(), key=lambda kv: kv[1]) if calls[k]]
-        if not active:
-            return
-        dev = sums.device
-        slots = self._indices.get([k for _, k in active], dev)
-        labels = [{"objective": name} for name, _ in active]
-        declared_weight = self._indices.get([weights.get(k, 1.0) for _, k in active], dev, sums.dtype)
-        mass = sums[lay.mass].index_select(0, slots) / declared_weight / scale
-        ctx.emit("loss_weight_mass", mass, labels, present=some.expand(len(active)))
+        """Per objective (name, micro-batches): its weight mass relative to its declared
+        weight, how that mass scales with the step's micro-batches, and its token-weight
+        spread (I2, I3)."""
+        k = len(objectives)
+        labels = [{"objective": name} for name, _ in objectives]
+        dev, dt = first.device, first.dtype
+        log_n = self._indices.get([math.log(max(c, 2)) for _, c in objectives], dev, dt)
+        several = self._indices.get([float(c >= 2) for _, c in objectives], dev, dt)
+        mass = second[plan.mass : plan.mass + k]
+        ctx.emit("loss_weight_mass", mass, labels, present=presence[plan.p_some_k])
         # mass = N^k for N micro-batches: k = 1 when their losses were not divided by N,
         # 0 when normalized, -1 when divided twice (a coefficient shifts it by log c / log N).
-        log_n = self._indices.get([math.log(max(calls[k], 2)) for _, k in active], dev, sums.dtype)
-        several = self._indices.get([float(calls[k] >= 2) for _, k in active], dev, sums.dtype)
-        ctx.emit("loss_accumulation_exponent", torch.log(mass) / log_n, labels, present=several * (mass > 0))
-        top, bottom = wmax.index_select(0, slots), wmin.index_select(0, slots)
-        spread_ok = (sums[lay.nonuniform].index_select(0, slots) == 0) & (bottom > 0) & torch.isfinite(top)
+        ctx.emit("loss_accumulation_exponent", torch.log(mass) / log_n, labels, present=gated(several * (mass > 0)))
+        spread = first[plan.spread : plan.spread + k]
         if declared == "sample":  # per-sample weighting declared: unequal token weights are the intent
-            spread_ok = torch.zeros_like(spread_ok)
-        ctx.emit("token_weight_spread_ratio", top / bottom, labels, present=spread_ok.float())
+            spread_ok = plan.none_k
+        else:
+            # every micro-batch's token weights uniform, the smallest weight > 0, the largest finite
+            uniform, bottom, top = pool.index_select(0, plan.spread_checks).view(3, k).unbind(0)
+            spread_ok = (uniform == 0) & (bottom > 0) & torch.isfinite(top)
+        ctx.emit("token_weight_spread_ratio", spread, labels, present=gated(spread_ok))
+
+    def _plan(
+        self,
+        m: int,
+        slots: tuple[int, ...],
+        declared_weights: tuple[float, ...],
+        scale: float | None,
+        declared: str | None,
+        zero_code: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> _Plan:
+        key = (m, slots, declared_weights, scale, declared, zero_code, device, dtype)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 16:
+                self._plans.clear()
+            plan = self._plans[key] = _Plan(self._layout, *key)
+        return plan
 
 
-class _Gated:
-    """A StepContext whose samples are present only where ``ok`` > 0 (a 0-d tensor)."""
+_ROWS = ("samples", "tokens", "sqrt_tokens", "loss", "weight")
+"""The per-bin rows of the sums whose totals over bins a report divides by."""
 
-    def __init__(self, ctx: StepContext, ok: torch.Tensor) -> None:
-        self._ctx = ctx
-        self._ok = ok.reshape(())
-        self.device = ctx.device
-        self.step = ctx.step
+_SHARES = {0.0: "samples", 0.5: "sqrt_tokens", 1.0: "tokens"}
+"""The bin row whose share each normalization's exponent intends."""
 
-    def emit(self, name: str, values: torch.Tensor, labels: Any = None, *, present: torch.Tensor | None = None) -> None:
-        n = values.numel()
-        gate = self._ok.expand(n) if present is None else present.reshape(-1).to(self._ok.dtype) * self._ok
-        self._ctx.emit(name, values, labels, present=gate)
 
-    def event(self, *args: Any, **kwargs: Any) -> None:
-        self._ctx.event(*args, **kwargs)
+class _Plan:
+    """The index tensors of one report layout (modalities, active objectives, scale,
+    declared normalization): which pool entries each ratio divides. Built once per
+    layout on the host; a report then costs a gather pair and one division per level.
 
-    def inactive_when(self, *args: Any, **kwargs: Any) -> None:
-        self._ctx.inactive_when(*args, **kwargs)
+    The pool is ``cat([sums, totals of the _ROWS over bins, wmax, wmin, consts,
+    products, fit, sqrt(output)])``: ``consts`` is ``[1, 0, scale or 1, declared
+    weights...]``; ``products`` the exponent fit's ``[n sxy, sx sy, n sxx, sx sx, n
+    n]``, ``fit`` its numerator and denominator. Level 1 (``num1 / den1``) is, in
+    order: the loss; per modality its loss, its sample, token, weight and
+    sqrt-token shares; the exponent, var(log n), n; the scale (scale / 1); per
+    objective its spread, its mass over its declared weight; per modality sqrt of its
+    output sums. Level 2 (``num2 / den2`` over level 1): per modality the dilution
+    and the intended share over the weight share; per objective the mass over the
+    scale; per modality its output gradient norm over the scale."""
+
+    def __init__(
+        self,
+        lay: SumsLayout,
+        m: int,
+        slots: tuple[int, ...],
+        declared_weights: tuple[float, ...],
+        scale: float | None,
+        declared: str | None,
+        zero_code: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        k = len(slots)
+        at = {name: lay.size + i for i, name in enumerate(_ROWS)}
+        wmax0 = lay.size + len(_ROWS)
+        wmin0 = wmax0 + lay.objectives
+        one = wmin0 + lay.objectives
+        zero, scale_at, weights0 = one + 1, one + 2, one + 3
+        prod0 = weights0 + k
+        fit0 = prod0 + 5
+        out0 = fit0 + 2
+        n, sx, sy, sxx, sxy = range(lay.fit.start, lay.fit.stop)
+
+        def bins(row: str) -> list[int]:
+            start = getattr(lay, row).start
+            return list(range(start, start + m))
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(device)
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device)
+
+        share = {row: 1 + (i + 1) * m for i, row in enumerate(("samples", "tokens", "weight", "sqrt_tokens"))}
+        num1 = [at["loss"], *bins("loss")]
+        den1 = [at["tokens"], *bins("tokens")]
+        for row in share:
+            num1 += bins(row)
+            den1 += [at[row]] * m
+        self.exponent = len(num1)
+        num1 += [fit0, fit0 + 1, n]  # the exponent, var(log n) = (n sxx - sx sx) / n^2, n
+        den1 += [fit0 + 1, prod0 + 4, one]
+        self.fit_checks = tensor([self.exponent + 1, self.exponent + 2])
+        self.fit_bounds = floats([MIN_LOG_LENGTH_VAR, 1.5])  # n >= 2 counts
+        self.scale = len(num1)
+        num1.append(at["tokens"] if scale is None else scale_at)
+        den1.append(one)
+        self.spread = len(num1)
+        num1 += [wmax0 + s for s in slots]
+        den1 += [wmin0 + s for s in slots]
+        massw = len(num1)
+        num1 += [lay.mass.start + s for s in slots]
+        den1 += list(range(weights0, weights0 + k))
+        sqrt_output = len(num1)
+        num1 += list(range(out0, out0 + m))
+        den1 += [one] * m
+
+        intended = _SHARES[NORMALIZATIONS[declared]] if declared is not None else "sqrt_tokens"
+        num2 = [*range(share["samples"], share["samples"] + m), *range(share[intended], share[intended] + m)]
+        den2 = list(range(share["weight"], share["weight"] + m)) * 2
+        self.mass = len(num2)
+        num2 += list(range(massw, massw + k))
+        den2 += [self.scale] * k
+        self.grad_norm = len(num2)
+        num2 += list(range(sqrt_output, sqrt_output + m))
+        den2 += [self.scale] * m
+
+        # presence: both pool entries nonzero. The step's label tokens; per modality its
+        # label tokens, then the step's (the sample and token shares); the weight's
+        # total (grad share); the modality's samples and the weight's total (dilution);
+        # its samples (output norm); per objective the step's label tokens (mass).
+        present = [at["tokens"], *bins("tokens"), *[at["tokens"]] * (2 * m)]
+        present_and = [one] * len(present)
+        self.p_share = slice(len(present), len(present) + m)
+        present += [at["weight"]] * m
+        self.p_weighted = slice(len(present), len(present) + m)
+        present += bins("samples")
+        present_and += [one] * m + [at["weight"]] * m
+        self.p_samples = slice(len(present), len(present) + m)
+        present += bins("samples")
+        self.p_some_k = slice(len(present), len(present) + k)
+        present += [at["tokens"]] * k
+        present_and += [one] * (m + k)
+
+        # events: mixed, unknown, (not cross-entropy,) then each modality's positions
+        # times "its label tokens == 0"
+        counts = [lay.mixed, lay.unknown] + ([lay.not_ce] if zero_code else [])
+        self.flags = tensor(counts + bins("positions"))
+        self.flags_if_zero = tensor([zero] * len(counts) + bins("tokens"))
+
+        self.rows = tensor([i for row in _ROWS for i in range(getattr(lay, row).start, getattr(lay, row).stop)])
+        self.fit = tensor([n, sxy, sx, sy, n, sxx, sx, sx, n, n])
+        self.sign = floats([1.0, -1.0])
+        self.consts = floats([1.0, 0.0, 1.0 if scale is None else scale, *declared_weights])
+        self.num1, self.den1 = tensor(num1), tensor(den1)
+        self.num2, self.den2 = tensor(num2), tensor(den2)
+        self.present, self.present_and = tensor(present), tensor(present_and)
+        self.blind = tensor([lay.not_ce, lay.overwritten])
+        self.none_k = torch.zeros(k, dtype=torch.bool).to(device)
+        self.spread_checks = tensor(
+            [lay.nonuniform.start + s for s in slots] + [wmin0 + s for s in slots] + [wmax0 + s for s in slots]
+        )
