@@ -322,7 +322,7 @@ class LossReport:
         # modality that marks positions only of samples without label tokens (positions
         # where its label tokens are 0): no sample of it carries loss, so it reads as absent.
         flags = pool.index_select(0, plan.flags) * (pool.index_select(0, plan.flags_if_zero) == 0)
-        events = [
+        events: list[tuple[str, str, dict[str, str] | None]] = [
             (
                 "loss_sample_mixed_modality",
                 "samples whose label tokens mix modalities (counted under the highest code)",

@@ -1,0 +1,149 @@
+"""Loss accounting, per-step bookkeeping: what the optimizer step now being
+accumulated has gathered, and the helpers every capture path shares.
+
+:class:`StepBook` is the base of :class:`~trainvitals.hooks.signals.loss_accounting.
+LossAccounting`: it keeps the step in progress (a new one when the optimizer step
+count moves, or when a ``GradScaler`` skipped the step), its sums vector on the
+loss's device (laid out by :class:`~trainvitals.hooks.signals.loss_binning.SumsLayout`),
+the objectives' slots, the cumulative count of micro-batches with a non-finite
+loss, the scaler's inverse scale read at hook time, and the wrapper that makes a
+tensor hook skip the probe's own backward and never raise into the user's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainvitals.hooks.late_warnings import LateWarnings
+from trainvitals.hooks.signals.base import MonitorView, Signal
+from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES
+from trainvitals.hooks.signals.loss_binning import SumsLayout
+from trainvitals.hooks.signals.loss_probe import ModalityProbe
+from trainvitals.hooks.tensors import float_dtype
+
+__all__ = ["LossStep", "StepBook"]
+
+
+@dataclass
+class LossStep:
+    """What the optimizer step now being accumulated has gathered so far."""
+
+    token: tuple[int, Any]
+    reporting: bool
+    probe: bool
+    calls: list[int] = field(default_factory=lambda: [0] * MAX_OBJECTIVES)  # micro-batches per objective
+    weights: dict[int, float] = field(default_factory=dict)  # declared weight per objective slot
+    normalization: str | None = None  # declared by a track_loss call of the step
+    tracked: int = 0
+    fired: int = 0
+    outputs: int = 0
+    sums: torch.Tensor | None = None  # [layout.size], float64 (float32 on mps)
+    wmax: torch.Tensor | None = None  # [objectives] largest label-token weight
+    wmin: torch.Tensor | None = None  # [objectives] smallest label-token weight
+    probe_grads: torch.Tensor | None = None  # [M, P] per-modality parameter gradients
+    layout: str = ""  # zero-code: why the head's output was not read as logits (the last such)
+    several: bool = False  # a micro-batch held several samples (Megatron's per-sample intent then fails)
+
+
+class StepBook(Signal):
+    """The per-step state of loss accounting and the helpers its capture paths share."""
+
+    def __init__(self) -> None:
+        self._step: LossStep | None = None
+        self._final: LossStep | None = None
+        self._nonfinite: torch.Tensor | None = None  # cumulative, on the loss's device
+        self._probing = False  # set while the probe runs its own backward passes
+        self._late = LateWarnings()
+        self._layout: SumsLayout | None = None
+        self._probe: ModalityProbe | None = None
+        self._closed = False
+        self._objectives: dict[str, int] = {}  # name -> slot in the per-objective sums
+
+    def _slot(self, objective: str) -> int:
+        slot = self._objectives.get(objective)
+        if slot is None:
+            if len(self._objectives) >= MAX_OBJECTIVES:
+                raise ValueError(
+                    f"track_loss: objective {objective!r} would be the {MAX_OBJECTIVES + 1}th; "
+                    f"at most {MAX_OBJECTIVES} are accounted ({sorted(self._objectives)})"
+                )
+            slot = self._objectives[objective] = len(self._objectives)
+        return slot
+
+    def _ensure_sums(self, step: LossStep, device: torch.device) -> None:
+        if step.sums is None:
+            assert self._layout is not None
+            fdt = float_dtype(device)
+            step.sums = torch.zeros(self._layout.size, dtype=fdt, device=device)
+            step.wmax = torch.full((MAX_OBJECTIVES,), float("-inf"), dtype=fdt, device=device)
+            step.wmin = torch.full((MAX_OBJECTIVES,), float("inf"), dtype=fdt, device=device)
+
+    def _add_weights(
+        self,
+        step: LossStep,
+        slot: int,
+        block: torch.Tensor,
+        mass: torch.Tensor,
+        nonuniform: torch.Tensor,
+        wmax: torch.Tensor,
+        wmin: torch.Tensor,
+    ) -> None:
+        layout = self._layout
+        assert layout is not None and step.sums is not None
+        assert step.wmax is not None and step.wmin is not None
+        step.sums[layout.common].add_(block)
+        step.sums[layout.mass.start + slot].add_(mass)
+        step.sums[layout.nonuniform.start + slot].add_(nonuniform)
+        top, bottom = step.wmax[slot : slot + 1], step.wmin[slot : slot + 1]
+        torch.maximum(top, wmax, out=top)
+        torch.minimum(bottom, wmin, out=bottom)
+
+    def _current(self, monitor: MonitorView) -> LossStep:
+        # The scaler replaces its per-optimizer state in update(): a new object with
+        # the optimizer step count unchanged means the scaler skipped the step.
+        token = (monitor.step, getattr(monitor.scaler, "_per_optimizer_states", None))
+        step = self._step
+        if step is None or step.token[0] != token[0] or step.token[1] is not token[1]:
+            reporting = bool(monitor.reporting_next)
+            probe = reporting and self._probe is not None and self._probe.due(monitor, monitor.step + 1)
+            step = self._step = LossStep(token=token, reporting=reporting, probe=probe)
+        return step
+
+    def _count_nonfinite(self, loss: torch.Tensor, label: torch.Tensor | None) -> None:
+        bad = ~torch.isfinite(loss)
+        if label is not None:
+            bad &= label
+        if self._nonfinite is None:
+            self._nonfinite = torch.zeros((), dtype=torch.float32, device=loss.device)
+        elif self._nonfinite.device != loss.device:  # restored from a checkpoint on the CPU
+            self._nonfinite = self._nonfinite.to(loss.device)
+        self._nonfinite += bad.any()
+
+    @staticmethod
+    def _inv_scale(monitor: MonitorView, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        """1 / the GradScaler's scale, read at hook time as a tensor (no host sync)."""
+        scaler = monitor.scaler
+        if scaler is None:
+            return None
+        enabled = getattr(scaler, "is_enabled", None)
+        if enabled is not None and not enabled():
+            return None
+        scale = getattr(scaler, "_scale", None)
+        if not isinstance(scale, torch.Tensor):
+            return None
+        return scale.detach().reshape(()).to(device, dtype, non_blocking=True).reciprocal()
+
+    def _hook(self, where: str, fn: Any) -> Any:
+        """A tensor hook running ``fn(grad)``: skipped during the probe's own backward or
+        once the signal is off; a failure turns the signal off, never the user's backward."""
+
+        def hook(grad: torch.Tensor) -> None:
+            if self._probing or self._closed or self.broken:
+                return
+            with self.guard(where):
+                fn(grad)
+
+        return hook
