@@ -92,16 +92,14 @@ from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.late_warnings import LateWarnings
 from trainvitals.hooks.optimizer_family import FAMILY_VALUE, optimizer_family
 from trainvitals.hooks.signals.base import MonitorView
-from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES, NORMALIZATIONS
+from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES
 from trainvitals.hooks.signals.loss_binning import SumsLayout
+from trainvitals.hooks.signals.loss_plan import ROWS, Plan
 from trainvitals.hooks.signals.loss_probe import ModalityProbe
 from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.tensors import float_dtype
 
 __all__ = ["Accumulated", "LossReport"]
-
-MIN_LOG_LENGTH_VAR = 1e-6
-"""Below this variance of log(label tokens per sample) there is no slope to fit."""
 
 SQRT_TOLERANCE = 0.15
 """Undeclared, a fitted exponent within this of 0.5 is taken as a deliberate sqrt
@@ -135,7 +133,7 @@ class LossReport:
         self._late = late
         self._indices = IndexCache()
         self._family: torch.Tensor | None = None  # optimizer_scale_invariant, made once
-        self._plans: dict[tuple[Any, ...], _Plan] = {}  # per report layout
+        self._plans: dict[tuple[Any, ...], Plan] = {}  # per report layout
 
     def report(
         self,
@@ -245,7 +243,7 @@ class LossReport:
         """The step's figures from the sums combined over ranks (see the module docstring).
 
         Every ratio of one kind is one division over index-gathered numerators and
-        denominators (``_Plan``), so a report costs a few dozen tensor ops whatever the
+        denominators (``Plan``), so a report costs a few dozen tensor ops whatever the
         number of modalities and objectives."""
         lay = self._layout
         names = list(monitor.modalities)
@@ -301,8 +299,8 @@ class LossReport:
 
         # The pool every ratio reads from: the sums, the per-bin totals, the weight
         # extremes, host-known constants, the exponent fit's products and its
-        # numerator and denominator, sqrt of the output sums (``_Plan``).
-        totals = sums.index_select(0, plan.rows).view(len(_ROWS), lay.bins).sum(1)
+        # numerator and denominator, sqrt of the output sums (``Plan``).
+        totals = sums.index_select(0, plan.rows).view(len(ROWS), lay.bins).sum(1)
         products = sums.index_select(0, plan.fit).view(-1, 2).prod(1)
         fit = products[:4].view(2, 2) @ plan.sign  # n sxy - sx sy, n sxx - sx sx
         pool = torch.cat([sums, totals, wmax, wmin, plan.consts, products, fit, sums[lay.output].sqrt()])
@@ -400,7 +398,7 @@ class LossReport:
     def _emit_objectives(
         self,
         ctx: StepContext,
-        plan: _Plan,
+        plan: Plan,
         first: torch.Tensor,
         second: torch.Tensor,
         pool: torch.Tensor,
@@ -441,138 +439,11 @@ class LossReport:
         zero_code: bool,
         device: torch.device,
         dtype: torch.dtype,
-    ) -> _Plan:
+    ) -> Plan:
         key = (m, slots, declared_weights, scale, declared, zero_code, device, dtype)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 16:
                 self._plans.clear()
-            plan = self._plans[key] = _Plan(self._layout, *key)
+            plan = self._plans[key] = Plan(self._layout, *key)
         return plan
-
-
-_ROWS = ("samples", "tokens", "sqrt_tokens", "loss", "weight")
-"""The per-bin rows of the sums whose totals over bins a report divides by."""
-
-_SHARES = {0.0: "samples", 0.5: "sqrt_tokens", 1.0: "tokens"}
-"""The bin row whose share each normalization's exponent intends."""
-
-
-class _Plan:
-    """The index tensors of one report layout (modalities, active objectives, scale,
-    declared normalization): which pool entries each ratio divides. Built once per
-    layout on the host; a report then costs a gather pair and one division per level.
-
-    The pool is ``cat([sums, totals of the _ROWS over bins, wmax, wmin, consts,
-    products, fit, sqrt(output)])``: ``consts`` is ``[1, 0, scale or 1, declared
-    weights...]``; ``products`` the exponent fit's ``[n sxy, sx sy, n sxx, sx sx, n
-    n]``, ``fit`` its numerator and denominator. Level 1 (``num1 / den1``) is, in
-    order: the loss; per modality its loss, its sample, token, weight and
-    sqrt-token shares; the exponent, var(log n), n; the scale (scale / 1); per
-    objective its spread, its mass over its declared weight; per modality sqrt of its
-    output sums. Level 2 (``num2 / den2`` over level 1): per modality the dilution
-    and the intended share over the weight share; per objective the mass over the
-    scale; per modality its output gradient norm over the scale."""
-
-    def __init__(
-        self,
-        lay: SumsLayout,
-        m: int,
-        slots: tuple[int, ...],
-        declared_weights: tuple[float, ...],
-        scale: float | None,
-        declared: str | None,
-        zero_code: bool,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
-        k = len(slots)
-        at = {name: lay.size + i for i, name in enumerate(_ROWS)}
-        wmax0 = lay.size + len(_ROWS)
-        wmin0 = wmax0 + lay.objectives
-        one = wmin0 + lay.objectives
-        zero, scale_at, weights0 = one + 1, one + 2, one + 3
-        prod0 = weights0 + k
-        fit0 = prod0 + 5
-        out0 = fit0 + 2
-        n, sx, sy, sxx, sxy = range(lay.fit.start, lay.fit.stop)
-
-        def bins(row: str) -> list[int]:
-            start = getattr(lay, row).start
-            return list(range(start, start + m))
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(device)
-
-        def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device)
-
-        share = {row: 1 + (i + 1) * m for i, row in enumerate(("samples", "tokens", "weight", "sqrt_tokens"))}
-        num1 = [at["loss"], *bins("loss")]
-        den1 = [at["tokens"], *bins("tokens")]
-        for row in share:
-            num1 += bins(row)
-            den1 += [at[row]] * m
-        self.exponent = len(num1)
-        num1 += [fit0, fit0 + 1, n]  # the exponent, var(log n) = (n sxx - sx sx) / n^2, n
-        den1 += [fit0 + 1, prod0 + 4, one]
-        self.fit_checks = tensor([self.exponent + 1, self.exponent + 2])
-        self.fit_bounds = floats([MIN_LOG_LENGTH_VAR, 1.5])  # n >= 2 counts
-        self.scale = len(num1)
-        num1.append(at["tokens"] if scale is None else scale_at)
-        den1.append(one)
-        self.spread = len(num1)
-        num1 += [wmax0 + s for s in slots]
-        den1 += [wmin0 + s for s in slots]
-        massw = len(num1)
-        num1 += [lay.mass.start + s for s in slots]
-        den1 += list(range(weights0, weights0 + k))
-        sqrt_output = len(num1)
-        num1 += list(range(out0, out0 + m))
-        den1 += [one] * m
-
-        intended = _SHARES[NORMALIZATIONS[declared]] if declared is not None else "sqrt_tokens"
-        num2 = [*range(share["samples"], share["samples"] + m), *range(share[intended], share[intended] + m)]
-        den2 = list(range(share["weight"], share["weight"] + m)) * 2
-        self.mass = len(num2)
-        num2 += list(range(massw, massw + k))
-        den2 += [self.scale] * k
-        self.grad_norm = len(num2)
-        num2 += list(range(sqrt_output, sqrt_output + m))
-        den2 += [self.scale] * m
-
-        # presence: both pool entries nonzero. The step's label tokens; per modality its
-        # label tokens, then the step's (the sample and token shares); the weight's
-        # total (grad share); the modality's samples and the weight's total (dilution);
-        # its samples (output norm); per objective the step's label tokens (mass).
-        present = [at["tokens"], *bins("tokens"), *[at["tokens"]] * (2 * m)]
-        present_and = [one] * len(present)
-        self.p_share = slice(len(present), len(present) + m)
-        present += [at["weight"]] * m
-        self.p_weighted = slice(len(present), len(present) + m)
-        present += bins("samples")
-        present_and += [one] * m + [at["weight"]] * m
-        self.p_samples = slice(len(present), len(present) + m)
-        present += bins("samples")
-        self.p_some_k = slice(len(present), len(present) + k)
-        present += [at["tokens"]] * k
-        present_and += [one] * (m + k)
-
-        # events: mixed, unknown, (not cross-entropy,) then each modality's positions
-        # times "its label tokens == 0"
-        counts = [lay.mixed, lay.unknown] + ([lay.not_ce] if zero_code else [])
-        self.flags = tensor(counts + bins("positions"))
-        self.flags_if_zero = tensor([zero] * len(counts) + bins("tokens"))
-
-        self.rows = tensor([i for row in _ROWS for i in range(getattr(lay, row).start, getattr(lay, row).stop)])
-        self.fit = tensor([n, sxy, sx, sy, n, sxx, sx, sx, n, n])
-        self.sign = floats([1.0, -1.0])
-        self.consts = floats([1.0, 0.0, 1.0 if scale is None else scale, *declared_weights])
-        self.num1, self.den1 = tensor(num1), tensor(den1)
-        self.num2, self.den2 = tensor(num2), tensor(den2)
-        self.present, self.present_and = tensor(present), tensor(present_and)
-        self.blind = tensor([lay.not_ce, lay.overwritten])
-        self.none_k = torch.zeros(k, dtype=torch.bool).to(device)
-        self.spread_checks = tensor(
-            [lay.nonuniform.start + s for s in slots] + [wmin0 + s for s in slots] + [wmax0 + s for s in slots]
-        )

@@ -14,8 +14,12 @@ on the reference shape too (two roles and the distillation pass).
     python tests/benchmarks/bench_softmax.py            # the table and a key=value line
     python tests/benchmarks/bench_softmax.py --runs 31 --threads 1
 
-The last line holds ``key=value`` figures: ``observe_ms_<config>`` (one call) and
-``step_ms_<config>`` (one call with its share of the report), e.g.
+The last line holds ``key=value`` figures: ``observe_ms_<config>`` (one call),
+``step_ms_<config>`` (one call with its share of the report), ``read_ms_<config>``
+(one read pass over the same kept positions, ``amax(-1)``: the memory floor of any
+statistic of them; ``x read`` is the call with its share over it) and
+``lse_ms_<config>`` (a bare ``logsumexp(-1)`` of them, the naive one-statistic
+cost: it makes full-size temporaries), e.g.
 ``observe_ms_512x8192`` for the reference decoder's [4, 128, 8192] float32 logits.
 """
 
@@ -68,6 +72,34 @@ def kept_positions(shape: tuple[int, ...], cap: int) -> int:
     positions = math.prod(shape[:-1])
     stride = sm.subsample_stride(positions, cap, shape[1] if len(shape) == 3 else 1)
     return -(-positions // stride)
+
+
+def kept_rows(logits: torch.Tensor, cap: int) -> torch.Tensor:
+    """The positions the signal keeps, as [kept, V] (a strided view, as the signal reads them)."""
+    shape = tuple(logits.shape)
+    positions = math.prod(shape[:-1])
+    stride = sm.subsample_stride(positions, cap, shape[1] if len(shape) == 3 else 1)
+    return logits.reshape(-1, shape[-1])[::stride]
+
+
+def pass_ms(fn, rows: torch.Tensor, runs: int, calls: int) -> float:
+    """Median ms of ``fn(rows)``, timed like an observe call."""
+    times = []
+    for run in range(runs + 1):
+        for _ in range(calls):
+            t0 = time.thread_time()
+            fn(rows)
+            if run:
+                times.append(time.thread_time() - t0)
+    return statistics.median(times) * 1e3
+
+
+def read_pass(rows: torch.Tensor) -> torch.Tensor:
+    return rows.amax(-1)
+
+
+def lse_pass(rows: torch.Tensor) -> torch.Tensor:
+    return rows.logsumexp(-1)
 
 
 def finish_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
@@ -130,7 +162,10 @@ def main(argv: list[str] | None = None) -> None:
         f"softmax signal, {args.threads} thread(s), softmax_max_positions={cap}, {args.calls} calls per "
         f"reported step, medians of {args.runs} steps (thread CPU time)"
     )
-    print(f"{'config':<18}{'shape':<18}{'dtype':<10}{'kept':>6}{'ms/call':>9}{'+report':>9}{'ns/logit':>10}")
+    print(
+        f"{'config':<18}{'shape':<18}{'dtype':<10}{'kept':>6}{'ms/call':>9}{'+report':>9}{'ns/logit':>10}"
+        f"{'read ns':>9}{'x read':>8}{'lse ns':>8}"
+    )
     only = set(filter(None, args.only.split(",")))
     for name, shape, dtype, scale in CONFIGS:
         if only and name not in only:
@@ -138,11 +173,16 @@ def main(argv: list[str] | None = None) -> None:
         logits = lm_like_logits(shape, dtype, scale=scale)
         kept = kept_positions(shape, cap)
         ms, step_ms = time_steps(mon, model, opt, lambda x=logits: mon.observe_logits(x), args.runs, args.calls)
+        rows = kept_rows(logits, cap)
+        read, lse = pass_ms(read_pass, rows, args.runs, args.calls), pass_ms(lse_pass, rows, args.runs, args.calls)
         figures[f"observe_ms_{name}"] = ms
         figures[f"step_ms_{name}"] = step_ms
+        figures[f"read_ms_{name}"] = read
+        figures[f"lse_ms_{name}"] = lse
+        ns = 1e6 / (kept * shape[-1])  # ms -> ns per kept logit
         print(
             f"{name:<18}{tuple(shape)!s:<18}{str(dtype).removeprefix('torch.'):<10}{kept:>6}"
-            f"{ms:>9.2f}{step_ms:>9.2f}{step_ms * 1e6 / (kept * shape[-1]):>10.2f}"
+            f"{ms:>9.2f}{step_ms:>9.2f}{step_ms * ns:>10.2f}{read * ns:>9.2f}{step_ms / read:>8.1f}{lse * ns:>8.2f}"
         )
     if not only or "distill_512x8192" in only:
         shape = (4, 128, 8192)

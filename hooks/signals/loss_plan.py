@@ -1,0 +1,148 @@
+"""Loss accounting's report plan: which entries of the step's sums each figure divides.
+
+:class:`~trainvitals.hooks.signals.loss_report.LossReport` turns a reported step's
+sums into some thirty figures over modalities and objectives. Made one by one they
+cost a tensor op each (a slice, a division, a comparison: ~120 ops per report);
+instead the report concatenates everything it reads into one pool vector and each
+level of ratios is one gather of numerators, one of denominators and one division.
+A :class:`Plan` holds those index tensors for one report layout (modalities,
+active objectives, scale, declared normalization), built once on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainvitals.hooks.signals.loss_arguments import NORMALIZATIONS
+from trainvitals.hooks.signals.loss_binning import SumsLayout
+
+__all__ = ["MIN_LOG_LENGTH_VAR", "ROWS", "SHARES", "Plan"]
+
+MIN_LOG_LENGTH_VAR = 1e-6
+"""Below this variance of log(label tokens per sample) there is no slope to fit."""
+
+ROWS = ("samples", "tokens", "sqrt_tokens", "loss", "weight")
+"""The per-bin rows of the sums whose totals over bins a report divides by."""
+
+SHARES = {0.0: "samples", 0.5: "sqrt_tokens", 1.0: "tokens"}
+"""The bin row whose share each normalization's exponent intends."""
+
+
+class Plan:
+    """The index tensors of one report layout (modalities, active objectives, scale,
+    declared normalization): which pool entries each ratio divides. Built once per
+    layout on the host; a report then costs a gather pair and one division per level.
+
+    The pool is ``cat([sums, totals of the ROWS over bins, wmax, wmin, consts,
+    products, fit, sqrt(output)])``: ``consts`` is ``[1, 0, scale or 1, declared
+    weights...]``; ``products`` the exponent fit's ``[n sxy, sx sy, n sxx, sx sx, n
+    n]``, ``fit`` its numerator and denominator. Level 1 (``num1 / den1``) is, in
+    order: the loss; per modality its loss, its sample, token, weight and
+    sqrt-token shares; the exponent, var(log n), n; the scale (scale / 1); per
+    objective its spread, its mass over its declared weight; per modality sqrt of its
+    output sums. Level 2 (``num2 / den2`` over level 1): per modality the dilution
+    and the intended share over the weight share; per objective the mass over the
+    scale; per modality its output gradient norm over the scale."""
+
+    def __init__(
+        self,
+        lay: SumsLayout,
+        m: int,
+        slots: tuple[int, ...],
+        declared_weights: tuple[float, ...],
+        scale: float | None,
+        declared: str | None,
+        zero_code: bool,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        k = len(slots)
+        at = {name: lay.size + i for i, name in enumerate(ROWS)}
+        wmax0 = lay.size + len(ROWS)
+        wmin0 = wmax0 + lay.objectives
+        one = wmin0 + lay.objectives
+        zero, scale_at, weights0 = one + 1, one + 2, one + 3
+        prod0 = weights0 + k
+        fit0 = prod0 + 5
+        out0 = fit0 + 2
+        n, sx, sy, sxx, sxy = range(lay.fit.start, lay.fit.stop)
+
+        def bins(row: str) -> list[int]:
+            start = getattr(lay, row).start
+            return list(range(start, start + m))
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(device)
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device)
+
+        share = {row: 1 + (i + 1) * m for i, row in enumerate(("samples", "tokens", "weight", "sqrt_tokens"))}
+        num1 = [at["loss"], *bins("loss")]
+        den1 = [at["tokens"], *bins("tokens")]
+        for row in share:
+            num1 += bins(row)
+            den1 += [at[row]] * m
+        self.exponent = len(num1)
+        num1 += [fit0, fit0 + 1, n]  # the exponent, var(log n) = (n sxx - sx sx) / n^2, n
+        den1 += [fit0 + 1, prod0 + 4, one]
+        self.fit_checks = tensor([self.exponent + 1, self.exponent + 2])
+        self.fit_bounds = floats([MIN_LOG_LENGTH_VAR, 1.5])  # n >= 2 counts
+        self.scale = len(num1)
+        num1.append(at["tokens"] if scale is None else scale_at)
+        den1.append(one)
+        self.spread = len(num1)
+        num1 += [wmax0 + s for s in slots]
+        den1 += [wmin0 + s for s in slots]
+        massw = len(num1)
+        num1 += [lay.mass.start + s for s in slots]
+        den1 += list(range(weights0, weights0 + k))
+        sqrt_output = len(num1)
+        num1 += list(range(out0, out0 + m))
+        den1 += [one] * m
+
+        intended = SHARES[NORMALIZATIONS[declared]] if declared is not None else "sqrt_tokens"
+        num2 = [*range(share["samples"], share["samples"] + m), *range(share[intended], share[intended] + m)]
+        den2 = list(range(share["weight"], share["weight"] + m)) * 2
+        self.mass = len(num2)
+        num2 += list(range(massw, massw + k))
+        den2 += [self.scale] * k
+        self.grad_norm = len(num2)
+        num2 += list(range(sqrt_output, sqrt_output + m))
+        den2 += [self.scale] * m
+
+        # presence: both pool entries nonzero. The step's label tokens; per modality its
+        # label tokens, then the step's (the sample and token shares); the weight's
+        # total (grad share); the modality's samples and the weight's total (dilution);
+        # its samples (output norm); per objective the step's label tokens (mass).
+        present = [at["tokens"], *bins("tokens"), *[at["tokens"]] * (2 * m)]
+        present_and = [one] * len(present)
+        self.p_share = slice(len(present), len(present) + m)
+        present += [at["weight"]] * m
+        self.p_weighted = slice(len(present), len(present) + m)
+        present += bins("samples")
+        present_and += [one] * m + [at["weight"]] * m
+        self.p_samples = slice(len(present), len(present) + m)
+        present += bins("samples")
+        self.p_some_k = slice(len(present), len(present) + k)
+        present += [at["tokens"]] * k
+        present_and += [one] * (m + k)
+
+        # events: mixed, unknown, (not cross-entropy,) then each modality's positions
+        # times "its label tokens == 0"
+        counts = [lay.mixed, lay.unknown] + ([lay.not_ce] if zero_code else [])
+        self.flags = tensor(counts + bins("positions"))
+        self.flags_if_zero = tensor([zero] * len(counts) + bins("tokens"))
+
+        self.rows = tensor([i for row in ROWS for i in range(getattr(lay, row).start, getattr(lay, row).stop)])
+        self.fit = tensor([n, sxy, sx, sy, n, sxx, sx, sx, n, n])
+        self.sign = floats([1.0, -1.0])
+        self.consts = floats([1.0, 0.0, 1.0 if scale is None else scale, *declared_weights])
+        self.num1, self.den1 = tensor(num1), tensor(den1)
+        self.num2, self.den2 = tensor(num2), tensor(den2)
+        self.present, self.present_and = tensor(present), tensor(present_and)
+        self.blind = tensor([lay.not_ce, lay.overwritten])
+        self.none_k = torch.zeros(k, dtype=torch.bool).to(device)
+        self.spread_checks = tensor(
+            [lay.nonuniform.start + s for s in slots] + [wmin0 + s for s in slots] + [wmax0 + s for s in slots]
+        )
