@@ -61,7 +61,51 @@ class SumsLayout:
         # before the backward (Megatron's fused cross-entropy on float32 logits)
         self.overwritten = self.not_ce + 1
         self.nonfinite = self.overwritten + 1  # the cumulative counter rides along in reports
-        self.size = self.nonfinite + 1
+        # absorbs what the per-row binning adds outside the layout (never read)
+        self.scratch = self.nonfinite + 1
+        self.size = self.scratch + 1
+        self._tensors: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def bin_columns(self, device: torch.device, count_unknown: bool) -> torch.Tensor:
+        """``[bins + 1]`` bin ids a row's bin is compared with to one-hot it: the bins,
+        then the overflow bin again (its label tokens are the unknown count) or never."""
+        key = ("columns", device, count_unknown)
+        if key not in self._tensors:
+            m = self.bins - 1
+            self._tensors[key] = torch.tensor([*range(self.bins), m if count_unknown else -1]).to(device)
+        return self._tensors[key]
+
+    def prepared_targets(self, device: torch.device) -> torch.Tensor:
+        """Where the entries of a per-row ``[5, bins + 1]`` block (samples, tokens,
+        sqrt tokens, loss, positions per bin; then the extra column) go in the sums:
+        the per-bin rows, the tokens row's extra entry to ``unknown``, the others to
+        ``scratch``."""
+        key = ("prepared", device)
+        if key not in self._tensors:
+            b = self.bins
+            rows = [self.samples, self.tokens, self.sqrt_tokens, self.loss, self.positions]
+            targets = []
+            for i, row in enumerate(rows):
+                targets += [*range(row.start, row.stop), self.unknown if i == 1 else self.scratch]
+            assert len(targets) == 5 * (b + 1)
+            self._tensors[key] = torch.tensor(targets).to(device)
+        return self._tensors[key]
+
+    def weight_targets(self, slot: int, device: torch.device) -> torch.Tensor:
+        """Where ``weight_sums``' block, mass and non-uniform flag of objective ``slot`` go."""
+        key = ("weights", slot, device)
+        if key not in self._tensors:
+            common = list(range(self.common.start, self.common.stop))
+            targets = [*common, self.mass.start + slot, self.nonuniform.start + slot]
+            self._tensors[key] = torch.tensor(targets).to(device)
+        return self._tensors[key]
+
+    def constant(self, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 0-d tensor holding ``value`` (``where`` with a Python number makes one per call)."""
+        key = ("constant", value, dtype, device)
+        if key not in self._tensors:
+            self._tensors[key] = torch.tensor(value, dtype=dtype).to(device)
+        return self._tensors[key]
 
 
 def packed_sample_ids(segments: torch.Tensor) -> torch.Tensor:
@@ -77,17 +121,22 @@ def packed_sample_ids(segments: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Batch:
-    """One micro-batch, binned: what its hooks need during the backward."""
+    """One micro-batch, binned: what its hooks need during the backward. Samples are
+    either the rows (``rows_as_samples``: no segments, one code per row; every
+    per-sample sum is a row sum and the per-bin sums one product with ``onehot``), or
+    numbered per token (``sid``)."""
 
-    lab: torch.Tensor  # [N] bool: label tokens
-    sid: torch.Tensor  # [N] sample id per token
+    lab: torch.Tensor | None  # [N] bool: label tokens (None: every token, rows as samples only)
+    sid: torch.Tensor | None  # [N] sample id per token (None: rows as samples)
     n_samples: int
     has: torch.Tensor  # [S] bool: the sample has label tokens
     s_bin: torch.Tensor  # [S] modality bin per sample
-    tok_bin: torch.Tensor  # [N] modality bin per token (its sample's)
+    tok_bin: torch.Tensor | None  # [N] modality bin per token (its sample's); None: rows as samples
     log_n: torch.Tensor  # [S] log of label tokens per sample
     fdt: torch.dtype
     probe_masks: torch.Tensor | None = None  # [M, N] label tokens per modality (probe steps)
+    onehot: torch.Tensor | None = None  # [S, bins + 1] the rows' bins one-hot (rows as samples)
+    shape: tuple[int, int] = (0, 0)  # [rows, cols] of the micro-batch
 
 
 def bin_batch(
@@ -105,6 +154,8 @@ def bin_batch(
     token and loss sums (and the mixed / unknown counts) into ``sums``. With
     ``count_unknown=False`` codes outside the declared modalities are not counted as
     unknown (untagged zero-code micro-batches: they count toward the totals only)."""
+    if seg is None and (isinstance(codes, int) or codes.dim() == 1):
+        return _bin_rows(layout, sums, loss, label, codes, probe=probe, count_unknown=count_unknown)
     m = layout.bins - 1
     rows, cols = loss.shape
     dev = loss.device
@@ -181,6 +232,7 @@ def bin_batch(
         tok_bin=tok_bin,
         log_n=torch.log(n_s.clamp_min(1.0)),
         fdt=fdt,
+        shape=(rows, cols),
     )
     if probe:
         mods = torch.arange(m, device=dev)[:, None]
@@ -188,29 +240,101 @@ def bin_batch(
     return batch
 
 
+def _bin_rows(
+    layout: SumsLayout,
+    sums: torch.Tensor,
+    loss: torch.Tensor,
+    label: torch.Tensor | None,
+    codes: Any,
+    *,
+    probe: bool,
+    count_unknown: bool,
+) -> Batch:
+    """``bin_batch`` when every row is one sample with one code: per-row sums, then
+    every per-bin sum at once as ``features [5, R] @ onehot [R, bins + 1]`` (the extra
+    column repeats the overflow bin where it counts as unknown), added into the sums
+    with one ``index_add_``. A row without label tokens adds 0 to every feature but its
+    positions, so it is binned by its code here (its positions count there) and moved
+    to the overflow bin only for the hooks (``s_bin``)."""
+    m = layout.bins - 1
+    rows, cols = loss.shape
+    dev, fdt = loss.device, sums.dtype
+    if label is None:
+        n_s = torch.full((rows,), float(cols), dtype=fdt, device=dev)
+        loss_s = loss.sum(1, dtype=fdt)
+    else:
+        n_s = label.sum(1, dtype=fdt)
+        loss_s = torch.where(label, loss, layout.constant(0.0, loss.dtype, dev)).sum(1, dtype=fdt)
+    if isinstance(codes, int):
+        binned = torch.full((rows,), codes if 0 <= codes < m else m, dtype=torch.long, device=dev)
+    else:
+        binned = codes.long().clamp(-1, m).remainder_(m + 1)  # outside 0..m-1: the overflow bin m
+    onehot = (binned.unsqueeze(1) == layout.bin_columns(dev, count_unknown)).to(fdt)
+    positions = torch.full_like(n_s, float(cols))
+    features = torch.stack([n_s.clamp(max=1.0), n_s, n_s.sqrt(), loss_s, positions])
+    sums.index_add_(0, layout.prepared_targets(dev), (features @ onehot).view(-1))
+    has = n_s > 0
+    s_bin = binned.masked_fill(~has, m)
+    batch = Batch(
+        lab=None if label is None else label.reshape(-1),
+        sid=None,
+        n_samples=rows,
+        has=has,
+        s_bin=s_bin,
+        tok_bin=None,
+        log_n=torch.log(n_s.clamp_min(1.0)),
+        fdt=fdt,
+        onehot=onehot,
+        shape=(rows, cols),
+    )
+    if probe:
+        lab = label.reshape(-1) if label is not None else torch.ones(rows * cols, dtype=torch.bool, device=dev)
+        mods = torch.arange(m, device=dev)[:, None]
+        tok_bin = s_bin.repeat_interleave(cols)
+        batch.probe_masks = ((tok_bin[None, :] == mods) & lab[None, :]).to(loss.dtype)
+    return batch
+
+
 def weight_sums(
     layout: SumsLayout, b: Batch, w: torch.Tensor, rtol: float = UNIFORM_RTOL
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the token weights ``w`` [N] (``dL/dl``, unscaled) of one micro-batch of one
-    objective: its common block of the sums (weight per bin, the exponent fit's
-    sufficient statistics), its weight mass, whether its token weights are
-    non-uniform (beyond ``rtol``: weights read from a bfloat16 gradient need more
-    than float rounding), and its largest and smallest label-token weight."""
+    objective: ``[bins + 7]`` to add at ``layout.weight_targets(slot)`` (the weight per
+    bin and the exponent fit's sufficient statistics, its weight mass, whether its
+    token weights are non-uniform beyond ``rtol``: weights read from a bfloat16
+    gradient need more than float rounding), then its largest and smallest
+    label-token weight (``[1]`` each)."""
     fdt, dev = b.fdt, w.device
+    zero = layout.constant(0.0, fdt, dev)
     lab = b.lab
-    w = torch.where(lab, w, 0.0)
-    w_s = torch.zeros(b.n_samples, dtype=fdt, device=dev).index_add_(0, b.sid, w)
+    if b.sid is None:  # rows as samples
+        w = w.reshape(b.shape)
+        if lab is not None:
+            w = torch.where(lab.view(b.shape), w, zero)
+        w_s = w.sum(1)
+    else:
+        assert lab is not None
+        w = torch.where(lab, w, zero)
+        w_s = torch.zeros(b.n_samples, dtype=fdt, device=dev).index_add_(0, b.sid, w)
     # Exponent fit: sufficient statistics over samples with positive weight.
     ok = b.has & (w_s > 0)
-    x = torch.where(ok, b.log_n, 0.0)
-    y = torch.where(ok, torch.log(torch.where(ok, w_s, 1.0)), 0.0)
+    x = torch.where(ok, b.log_n, zero)
+    y = torch.where(ok, torch.log(torch.where(ok, w_s, 1.0)), zero)
     # Token-weight uniformity within the micro-batch, and its extremes (I3).
-    wmax = torch.where(lab, w, float("-inf")).amax().reshape(1)
-    wmin = torch.where(lab, w, float("inf")).amin().reshape(1)
-    uniform = (wmin > 0) & (wmax <= wmin * (1 + rtol))
-    per_bin = torch.zeros(layout.bins, dtype=fdt, device=dev).index_add_(0, b.s_bin, w_s)
-    block = torch.cat([per_bin, torch.stack([ok.to(fdt), x, y, x * x, x * y]).sum(1)])
-    return block, per_bin.sum(), (torch.isfinite(wmin) & ~uniform).to(fdt).reshape(()), wmax, wmin
+    if lab is None:
+        wmin, wmax = torch.aminmax(w)
+        wmax, wmin = wmax.reshape(1), wmin.reshape(1)
+    else:
+        lab = lab.view(w.shape)
+        wmax = torch.where(lab, w, layout.constant(float("-inf"), fdt, dev)).amax().reshape(1)
+        wmin = torch.where(lab, w, layout.constant(float("inf"), fdt, dev)).amin().reshape(1)
+    nonuniform = (wmin.abs() < float("inf")) & ((wmin <= 0) | (wmax > wmin * (1 + rtol)))
+    if b.onehot is not None:
+        per_bin = w_s @ b.onehot[:, :-1]
+    else:
+        per_bin = torch.zeros(layout.bins, dtype=fdt, device=dev).index_add_(0, b.s_bin, w_s)
+    fit = torch.stack([ok.to(fdt), x, y, x * x, x * y]).sum(1)
+    return torch.cat([per_bin, fit, per_bin.sum().reshape(1), nonuniform.to(fdt)]), wmax, wmin
 
 
 def output_sums(
@@ -220,12 +344,10 @@ def output_sums(
     g = grad.detach()
     dims = tuple(range(lead_dims, g.dim()))
     # One fused reduction over the feature dims: no [B, T, V] temporary.
-    sq = (
-        (torch.linalg.vector_norm(g, dim=dims, dtype=torch.float32) if dims else g.float().abs())
-        .reshape(-1)
-        .to(b.fdt)
-        .square()
-    )
+    sq = (torch.linalg.vector_norm(g, dim=dims, dtype=torch.float32) if dims else g.float().abs()).to(b.fdt).square()
     if inv_scale is not None:
         sq = sq * (inv_scale * inv_scale)
-    return torch.zeros(layout.bins, dtype=b.fdt, device=sq.device).index_add_(0, b.tok_bin, sq)
+    if b.tok_bin is None:  # rows as samples: per row, then per bin
+        per_row = sq.reshape(b.shape).sum(1)
+        return torch.zeros(layout.bins, dtype=b.fdt, device=sq.device).index_add_(0, b.s_bin, per_row)
+    return torch.zeros(layout.bins, dtype=b.fdt, device=sq.device).index_add_(0, b.tok_bin, sq.reshape(-1))

@@ -61,6 +61,7 @@ class StepBook(Signal):
         self._probe: ModalityProbe | None = None
         self._closed = False
         self._objectives: dict[str, int] = {}  # name -> slot in the per-objective sums
+        self._slot_index: dict[tuple[int, torch.device], torch.Tensor] = {}  # [slot] on a device
 
     def _slot(self, objective: str) -> int:
         slot = self._objectives.get(objective)
@@ -82,24 +83,23 @@ class StepBook(Signal):
             step.wmin = torch.full((MAX_OBJECTIVES,), float("inf"), dtype=fdt, device=device)
 
     def _add_weights(
-        self,
-        step: LossStep,
-        slot: int,
-        block: torch.Tensor,
-        mass: torch.Tensor,
-        nonuniform: torch.Tensor,
-        wmax: torch.Tensor,
-        wmin: torch.Tensor,
+        self, step: LossStep, slot: int, values: torch.Tensor, wmax: torch.Tensor, wmin: torch.Tensor
     ) -> None:
+        """Add ``weight_sums``' values of objective ``slot`` into the step's sums, and
+        its extremes into the objective's largest and smallest weight."""
         layout = self._layout
         assert layout is not None and step.sums is not None
         assert step.wmax is not None and step.wmin is not None
-        step.sums[layout.common].add_(block)
-        step.sums[layout.mass.start + slot].add_(mass)
-        step.sums[layout.nonuniform.start + slot].add_(nonuniform)
-        top, bottom = step.wmax[slot : slot + 1], step.wmin[slot : slot + 1]
-        torch.maximum(top, wmax, out=top)
-        torch.minimum(bottom, wmin, out=bottom)
+        step.sums.index_add_(0, layout.weight_targets(slot, step.sums.device), values)
+        at = self._slots(slot, step.sums.device)
+        step.wmax.scatter_reduce_(0, at, wmax, "amax")
+        step.wmin.scatter_reduce_(0, at, wmin, "amin")
+
+    def _slots(self, slot: int, device: torch.device) -> torch.Tensor:
+        key = (slot, device)
+        if key not in self._slot_index:
+            self._slot_index[key] = torch.tensor([slot]).to(device)
+        return self._slot_index[key]
 
     def _current(self, monitor: MonitorView) -> LossStep:
         # The scaler replaces its per-optimizer state in update(): a new object with
@@ -113,14 +113,19 @@ class StepBook(Signal):
         return step
 
     def _count_nonfinite(self, loss: torch.Tensor, label: torch.Tensor | None) -> None:
-        bad = ~torch.isfinite(loss)
+        """Count the micro-batch if a label token's loss is not finite: ``loss * 0`` is
+        NaN exactly there and 0 elsewhere, so its sum is nonzero exactly then (a sum of
+        zeros cannot overflow; four ops instead of isfinite's six)."""
+        layout = self._layout
+        assert layout is not None
+        probe = loss * 0
         if label is not None:
-            bad &= label
+            probe = torch.where(label, probe, layout.constant(0.0, probe.dtype, probe.device))
         if self._nonfinite is None:
             self._nonfinite = torch.zeros((), dtype=torch.float32, device=loss.device)
         elif self._nonfinite.device != loss.device:  # restored from a checkpoint on the CPU
             self._nonfinite = self._nonfinite.to(loss.device)
-        self._nonfinite += bad.any()
+        self._nonfinite += probe.sum() != 0
 
     @staticmethod
     def _inv_scale(monitor: MonitorView, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:

@@ -112,6 +112,9 @@ def _wrap(obj: Any, name: str, around: Callable[[str, Callable[[], Any]], Any], 
     setattr(obj, name, wrapped)
 
 
+LOSS_HOOKS = "loss hooks in the backward (per micro-batch)"
+
+
 def _instrument(mon: Any, around: Callable[[str, Callable[[], Any]], Any]) -> Callable[[], None]:
     """Attribute the monitor's parts to labels; returns a function that undoes the
     module-level patches (the per-object ones go with the monitor)."""
@@ -122,6 +125,14 @@ def _instrument(mon: Any, around: Callable[[str, Callable[[], Any]], Any]) -> Ca
         if history is not None:
             _wrap(history, "_measure", around, "gradient norm at the end of backward")
     _wrap(mon, "track_loss", around, "track_loss (per micro-batch)")
+    loss = next((s for s in mon.signals if type(s).__name__ == "LossAccounting"), None)
+    if loss is not None:  # its tensor hooks run in the backward, outside track_loss
+        make = loss._hook
+
+        def hook(where: str, fn: Callable[[Any], None]) -> Any:
+            return make(where, lambda grad: around(LOSS_HOOKS, lambda: fn(grad)))
+
+        loss._hook = hook
     _wrap(mon._sender, "_encode", around, "sender encoding (its own thread)")
     pack, combine = pack_module.pack, distributed.combine
     pack_module.pack = lambda *a, **k: around("pack", lambda: pack(*a, **k))
@@ -150,8 +161,10 @@ def thread_time_profile(batches: list[torch.Tensor], steps: int) -> dict[str, fl
             spent[label] += time.thread_time() - t0
             inside.discard(label)
 
-    undo = _instrument(mon, around)
     step = _stepper(model, opt, mon)
+    for i in range(3):  # the loss signal starts at the first track_loss: instrument it too
+        step(batches[i % len(batches)])
+    undo = _instrument(mon, around)
     try:
         for i in range(3):
             step(batches[i % len(batches)])
@@ -230,11 +243,18 @@ def main(argv: list[str] | None = None) -> None:
             main_thread += ms
         print(f"{label:<48} {ms:7.3f} {ops.get(label, 0):>10}")
     ours = sum(n for label, n in ops.items() if label != "model, loss and optimizer (not ours)")
+    for label in sorted(set(ops) - set(profile) - {"model, loss and optimizer (not ours)"}):
+        print(f"{label:<48} {'':>7} {ops[label]:>10}")
     print(f"{'training thread, ours in total':<48} {main_thread:7.3f} {ours:>10}")
+    loss_labels = [k for k in ops if "LossAccounting" in k or "loss" in k.split(" (")[0] or k == LOSS_HOOKS]
+    loss_labels = [k for k in loss_labels if k != "model, loss and optimizer (not ours)"]
+    loss_ms = sum(profile.get(k, 0.0) for k in loss_labels)
+    loss_ops = sum(ops[k] for k in loss_labels)
+    print(f"{'loss accounting in total (' + ', '.join(sorted(loss_labels)) + ')'}: {loss_ms:.3f} ms, {loss_ops} ops")
     print(
         f"ratio={sbs['ratio']:.3f} ratio_min={sbs['ratio_min']:.3f} ratio_max={sbs['ratio_max']:.3f} "
         f"report_ms={sbs['report_ms']:.2f} training_thread_ms={main_thread:.2f} torch_ops={ours} "
-        f"unmonitored_ms={sbs['base_ms']:.2f}"
+        f"unmonitored_ms={sbs['base_ms']:.2f} loss_ms={loss_ms:.3f} loss_ops={loss_ops}"
     )
 
 
