@@ -95,9 +95,13 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
     for e in ctx.emits:
         parts.append(e.values)
         if e.present is not None:
-            gated.extend(range(len(layout), len(layout) + len(e.labels)))
+            start = len(layout)
+            gated.extend(range(start, start + len(e.labels)) if e.gated is None else (start + i for i in e.gated))
             presence.append(e.present)
-        layout.extend((e.name, lab) for lab in e.labels)
+        if e.names is None:
+            layout.extend((e.name, lab) for lab in e.labels)
+        else:
+            layout.extend(zip(e.names, e.labels, strict=True))
     flags: list[tuple[str, str, dict[str, str]]] = []
     events: list[dict[str, Any]] = []
     for ev in ctx.events:

@@ -123,9 +123,11 @@ class TensorsSample:
         parts = out.split(self.sizes)
         return [p if b is None else p.view(b.blocks, b.width) for p, b in zip(parts, self.blocks, strict=True)]
 
-    def take_into(self, tensors: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor]) -> None:
-        """Copy the sampled elements of ``tensors`` into ``destinations`` (from
-        :meth:`destinations`) with one foreach call: no temporary per tensor."""
+    def sources(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of ``tensors`` shaped like :meth:`destinations`: what :meth:`take_into`
+        copies. They stay valid while each tensor keeps its storage (a caller may keep
+        them; a view of a non-contiguous tensor is a copy, so only contiguous ones are kept
+        fresh that way)."""
         sources = []
         for t, b in zip(tensors, self.blocks, strict=True):
             if b is None:
@@ -133,4 +135,9 @@ class TensorsSample:
             else:  # the block view straight from the tensor when its storage is its layout
                 x = t if t.is_contiguous() and not t.is_complex() else flat(t)
                 sources.append(x.as_strided((b.blocks, b.width), (b.spacing, 1), x.storage_offset()))
-        torch._foreach_copy_(list(destinations), sources)
+        return sources
+
+    def take_into(self, tensors: Sequence[torch.Tensor], destinations: Sequence[torch.Tensor]) -> None:
+        """Copy the sampled elements of ``tensors`` into ``destinations`` (from
+        :meth:`destinations`) with one foreach call: no temporary per tensor."""
+        torch._foreach_copy_(list(destinations), self.sources(tensors))

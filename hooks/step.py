@@ -37,7 +37,9 @@ class _Emit:
     name: str
     values: torch.Tensor  # 1-D, one element per labels entry
     labels: list[Labels]
-    present: torch.Tensor | None = None  # 1-D like values: a sample is sent only where > 0
+    present: torch.Tensor | None = None  # 1-D like values (or like gated): a sample is sent only where > 0
+    names: list[str] | None = None  # a block (emit_block): each element's name; else all are ``name``
+    gated: list[int] | None = None  # a block: the elements ``present`` is for (None: all of them)
 
 
 @dataclass
@@ -123,6 +125,34 @@ class StepContext:
                 raise ValueError(f"{name}: present has {present.numel()} elements for {values.numel()} values")
         if len(labels):
             self.emits.append(_Emit(name, values, list(labels), present))
+
+    def emit_block(
+        self,
+        series: Sequence[tuple[str, Sequence[Labels]]],
+        values: torch.Tensor,
+        *,
+        present: torch.Tensor | None = None,
+        gated: Sequence[int] = (),
+    ) -> None:
+        """Report several series from one 1-D tensor: ``series`` lists (wire name, one
+        labels dict per element) in the order their values lie end to end in ``values``.
+        The same as one :meth:`emit` per series, without a slice per series. With
+        ``present`` (one value per position in ``gated``, positions in ``values``), those
+        samples are sent only where it is > 0, decided on the sender thread."""
+        names: list[str] = []
+        labels: list[Labels] = []
+        for name, labs in series:
+            names.extend([name] * len(labs))
+            labels.extend(labs)
+        values = _flat(values)
+        if values.numel() != len(labels):
+            raise ValueError(f"{names[:1]}: {values.numel()} values for {len(labels)} label sets")
+        if present is not None:
+            present = _flat(present)
+            if present.numel() != len(gated) or any(not 0 <= i < len(labels) for i in gated):
+                raise ValueError(f"emit_block: present has {present.numel()} elements for gated {list(gated)}")
+        if labels:
+            self.emits.append(_Emit(names[0], values, labels, present, names, list(gated)))
 
     def reduce(self, tensor: torch.Tensor, op: ReduceOp, then: Callable[[torch.Tensor], None]) -> None:
         """Combine ``tensor`` across data-parallel ranks with ``op``, then call ``then``

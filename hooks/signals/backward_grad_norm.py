@@ -15,9 +15,8 @@ last; a shorter step, the last of an epoch, is measured after ``optimizer.step()
 after any clipping). The per-parameter norms of that computation are the report
 step's :class:`~trainvitals.hooks.grad_norms.GradNorms`, handed to every signal that
 uses them (per-group norms, relative gradient RMS): no second pass over the
-gradients. After
-``optimizer.step()`` the value goes into a small ring on the device, one slot per
-step since the previous report.
+gradients. After ``optimizer.step()`` the value (a 0-d tensor on the device) joins
+those of the steps since the previous report, stacked at the report.
 At the report: the last step's norm, the max and the mean over the steps since the
 previous report (non-finite steps left out of both and counted), so a spike on any
 step reaches the next report without a host sync. Cost: one pass over the gradients
@@ -69,8 +68,7 @@ class BackwardGradNorms:
         self._per_param: tuple[list[torch.Tensor], torch.Tensor] | None = None  # and per parameter
         self._backwards = 0  # backward passes seen in the current step
         self._expected = 1  # ... in the previous step: the one that completes the gradient
-        self._ring: torch.Tensor | None = None
-        self._count = 0  # steps recorded since the last take()
+        self._since: list[torch.Tensor] = []  # the squared norms of the steps since the last take()
 
     @property
     def available(self) -> bool:
@@ -138,7 +136,7 @@ class BackwardGradNorms:
             if scale is not None:
                 norms = norms / scale
             self._per_param = (params, norms)
-            self._current = norms.square().sum()
+            self._current = torch.dot(norms, norms)
 
     def fresh(self) -> tuple[list[torch.Tensor], torch.Tensor] | None:
         """This step's per-parameter gradient norms (unscaled, before clipping), once the
@@ -159,7 +157,8 @@ class BackwardGradNorms:
 
     # -- around the optimizer step ------------------------------------------------
     def end_step(self, monitor: MonitorView) -> None:
-        """After ``optimizer.step()``: the step's value joins the ring (no host sync)."""
+        """After ``optimizer.step()``: the step's value joins those since the previous
+        report (a list of 0-d tensors: no op per step, no host sync)."""
         if not self.available:
             return
         if groups_key(monitor) != self._key:
@@ -173,21 +172,21 @@ class BackwardGradNorms:
         current, self._current = self._current, None
         if current is None:
             return
+        self._since.append(current)
         size = max(1, monitor.config.every)
-        if self._ring is None or self._ring.numel() != size or self._ring.device != current.device:
-            self._ring = torch.zeros(size, device=current.device)
-            self._count = 0
-        self._ring[self._count % size].copy_(current)
-        self._count += 1
+        if len(self._since) > size:  # the last report interval's worth
+            del self._since[:-size]
 
     def take(self) -> torch.Tensor | None:
         """The squared norms of the steps since the previous take (oldest first), or None."""
-        if self._ring is None or not self._count:
+        if not self._since:
             return None
-        n = min(self._count, self._ring.numel())
-        start = self._count % self._ring.numel() if self._count > n else 0
-        values = torch.roll(self._ring, -start)[:n] if start else self._ring[:n].clone()
-        self._count = 0
+        first = self._since[0].device
+        if all(t.device == first for t in self._since):
+            values = torch.stack(self._since)
+        else:
+            values = torch.stack([t.to(first) for t in self._since])
+        self._since = []
         return values
 
     def remove(self) -> None:
@@ -198,4 +197,5 @@ class BackwardGradNorms:
 
     def reset(self) -> None:
         self._current = self._per_param = None
-        self._count = self._backwards = 0
+        self._since = []
+        self._backwards = 0

@@ -26,12 +26,93 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.grad_norms import GradNorms
-from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.sampling import TensorsSample
 from trainvitals.hooks.signals.backward_grad_norm import BackwardGradNorms
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
-from trainvitals.hooks.step import ReduceOp, StepContext
-from trainvitals.hooks.tensors import NormPlan, flat, local
+from trainvitals.hooks.step import Labels, ReduceOp, StepContext
+from trainvitals.hooks.tensors import NormPlan, flat, foreach_norm32, local
+
+
+class _Layout:
+    """One arrangement of the optimizer's parameters, made again only when the
+    parameters, their storage or the sample size change: the update sample's buffers
+    and the views every report reads (each view made per report would be an op of a
+    few microseconds)."""
+
+    def __init__(self, monitor: MonitorView, params: list[torch.Tensor], group_of: list[int]) -> None:
+        dev = monitor.device
+        self.n_groups = len(monitor.optimizer.param_groups)
+        self.group_of = group_of
+        self.group_by_id = {id(p): g for p, g in zip(params, group_of, strict=True)}
+        self.tensors = [local(p).detach() for p in params]
+        self.sample = TensorsSample([flat(t).numel() for t in self.tensors], monitor.config.update_sample)
+        size = sum(self.sample.sizes)
+        self.before = torch.empty(size, dtype=torch.float32, device=dev)
+        self.after = torch.empty(size, dtype=torch.float32, device=dev)
+        self.diff = torch.empty(size, dtype=torch.float32, device=dev)
+        self.on_device = bool(self.tensors) and all(t.device == dev for t in self.tensors)
+        # Views of the parameters kept while their storage is the same (the key of the
+        # layout); a non-contiguous tensor's flat view would be a copy: made each time.
+        self.kept = all(t.is_contiguous() or t.dim() <= 1 for t in self.tensors)
+        self.sources = self.sample.sources(self.tensors) if self.on_device and self.kept else []
+        self.before_dst = self.sample.destinations(self.before)
+        self.after_dst = self.sample.destinations(self.after)
+        # The sample's elements per group (parameters are listed group by group).
+        per_group = [0] * self.n_groups
+        for g, k in zip(group_of, self.sample.sizes, strict=True):
+            per_group[g] += k
+        self.diff_groups = list(self.diff.split(per_group))
+        self.after_groups = list(self.after.split(per_group))
+        # Small tensors of one shape normed together (NormPlan) when the model has them.
+        plan = NormPlan(self.tensors, dev)
+        self.param_plan = plan if plan.groups else None
+        self.matrices: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def take(self, dst: list[torch.Tensor], buf: torch.Tensor, dev: torch.device) -> None:
+        """The sample of the parameters now into ``buf`` (through its views ``dst``)."""
+        if self.on_device:  # every tensor's sample in one call
+            torch._foreach_copy_(dst, self.sources if self.kept else self.sample.sources(self.tensors))
+        elif self.tensors:
+            buf.copy_(self.sample.take(self.tensors, dev))
+
+    def matrix(
+        self, grad_groups: tuple[int, ...] | None, whole_grad: bool, upd: bool, dev: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(M, bias): ``addmv(bias, M, x)`` turns x, the squares of [gradient norms (of the
+        parameters in ``grad_groups``; None: no gradient row), parameter norms, the
+        sample's update and the sample per group], into the numerators then the
+        denominators of the emitted values before their root: [whole model (unless
+        ``whole_grad`` is False for the gradient), group 0, group 1, ...] per statistic;
+        a norm's denominator is 1."""
+        key = (grad_groups, whole_grad, upd)
+        if key not in self.matrices:
+            g = self.n_groups
+            n_g = len(grad_groups) if grad_groups is not None else 0
+            n_p = len(self.group_of)
+            rows: list[tuple[list[int], list[int] | None]] = []  # (numerator columns, denominator columns)
+
+            def family(num: list[list[int]], den: list[list[int]] | None, whole: bool = True) -> None:
+                if whole:
+                    rows.append(([c for m in num for c in m], None if den is None else [c for d in den for c in d]))
+                rows.extend((m, None if den is None else den[k]) for k, m in enumerate(num))
+
+            if grad_groups is not None:
+                family([[j for j, gg in enumerate(grad_groups) if gg == k] for k in range(g)], None, whole_grad)
+            family([[n_g + j for j, gg in enumerate(self.group_of) if gg == k] for k in range(g)], None)
+            if upd:
+                base = n_g + n_p
+                family([[base + k] for k in range(g)], [[base + g + k] for k in range(g)])
+            k = len(rows)
+            m = torch.zeros(2 * k, n_g + n_p + (2 * g if upd else 0), dtype=torch.float32)
+            bias = torch.zeros(2 * k, dtype=torch.float32)
+            for r, (num, den) in enumerate(rows):
+                m[r, num] = 1.0
+                if den is None:
+                    bias[k + r] = 1.0
+                else:
+                    m[k + r, den] = 1.0
+            self.matrices[key] = (m.to(dev), bias.to(dev))
+        return self.matrices[key]
 
 
 class OptimizerStats(Signal):
@@ -39,17 +120,10 @@ class OptimizerStats(Signal):
     uses_grad_norms = True
 
     def __init__(self) -> None:
-        self._param_norms: list[Any] = [None]  # NormPlan.cached's slot, for the parameters' norms
-        self._before: torch.Tensor | None = None
-        self._sample_key: tuple | None = None
-        self._sample: TensorsSample | None = None
-        self._sample_group: torch.Tensor | None = None
-        # Two buffers for the sample (before and after the step) and their views, per sample layout.
-        self._sample_bufs: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        self._sample_dst: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        self._bins: tuple[int, tuple[torch.Tensor | None, ...], torch.Tensor] | None = None
-        self._nonfinite: torch.Tensor | None = None
-        self._indices = IndexCache()
+        self._key: tuple | None = None
+        self._layout: _Layout | None = None
+        self._before: _Layout | None = None  # the layout whose before buffer holds this step's sample
+        self._nonfinite: torch.Tensor | None = None  # [1]
         self._history = BackwardGradNorms(self)
 
     def bind(self, monitor: MonitorView) -> list[Removable]:
@@ -59,35 +133,17 @@ class OptimizerStats(Signal):
     def after_step(self, monitor: MonitorView, reporting: bool) -> None:
         self._history.end_step(monitor)
 
-    @staticmethod
-    def _params(monitor: MonitorView) -> tuple[list[torch.Tensor], list[int]]:
+    def _current(self, monitor: MonitorView) -> _Layout:
         params, group_of = [], []
-        for gi, (_, g) in enumerate(monitor.groups()):
+        for gi, g in enumerate(monitor.optimizer.param_groups):
             for p in g["params"]:
                 params.append(p)
                 group_of.append(gi)
-        return params, group_of
-
-    def _sampled(
-        self, monitor: MonitorView, params: list[torch.Tensor], group_of: list[int], after: bool
-    ) -> torch.Tensor:
-        """The sample of ``params`` as float32 on the device, in the before (or after)
-        buffer: copied by one foreach call into views made once per layout."""
-        dev = monitor.device
-        key = tuple((id(p), p.numel()) for p in params)
-        if key != self._sample_key:
-            self._sample_key = key
-            self._sample = TensorsSample([flat(local(p)).numel() for p in params], monitor.config.update_sample)
-            self._sample_group = self._sample.owners(dev, group_of)
-            bufs = [torch.empty(sum(self._sample.sizes), dtype=torch.float32, device=dev) for _ in range(2)]
-            self._sample_bufs = ([bufs[0]], [bufs[1]])
-            self._sample_dst = (self._sample.destinations(bufs[0]), self._sample.destinations(bufs[1]))
-        assert self._sample is not None
-        tensors = [local(p) for p in params]
-        if not tensors or any(t.device != dev for t in tensors):
-            return self._sample.take(tensors, dev)  # a non-blocking copy to the device per tensor
-        self._sample.take_into(tensors, self._sample_dst[after])
-        return self._sample_bufs[after][0]
+        # the storage too: a parameter whose .data was replaced needs views of the new one
+        key = (tuple(map(id, params)), tuple(local(p).data_ptr() for p in params), monitor.config.update_sample)
+        if key != self._key or self._layout is None:
+            self._key, self._layout = key, _Layout(monitor, params, group_of)
+        return self._layout
 
     def measured_grad_norms(self) -> GradNorms | None:
         fresh = self._history.fresh()  # taken at the end of the backward: no second pass
@@ -95,113 +151,98 @@ class OptimizerStats(Signal):
 
     def before_step(self, monitor: MonitorView, reporting: bool) -> None:
         if reporting:
-            params, group_of = self._params(monitor)
-            self._before = self._sampled(monitor, params, group_of, after=False)
+            layout = self._current(monitor)
+            layout.take(layout.before_dst, layout.before, monitor.device)
+            self._before = layout
 
     def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
         dev = monitor.device
+        layout = self._current(monitor)
         groups = monitor.groups()
-        n_groups = len(groups)
-        params, group_of = self._params(monitor)
         group_labels = [{"group": label} for label, _ in groups]
-
         if self._nonfinite is None:
-            self._nonfinite = torch.zeros((), device=dev)
+            self._nonfinite = torch.zeros(1, device=dev)
         self._nonfinite = self._nonfinite.to(dev)
         history = self._history.take()
-        # Per-element values whose squares are summed per group, and their group bins:
-        # all rows go through one square and one index_add.
-        values: list[torch.Tensor] = []
-        bins: list[torch.Tensor | None] = []
+        upd = self._before is layout and bool(layout.tensors)
+        self._before = None
         step_norms = ctx.grad_norms
-        if step_norms is not None:
-            gn = step_norms.norms
-            group_by_id = {id(p): g for p, g in zip(params, group_of, strict=True)}
-            grad_group = self._indices.get([group_by_id.get(id(p), 0) for p in step_norms.params], dev)
+        applied_bad: torch.Tensor | None = None
+        if step_norms is not None and step_norms.measured == "applied":
             # The gradient the optimizer applies is not finite although the backward's was
             # (set or scaled by hand after the backward), or no backward was seen: count
             # the step here; the backward's non-finite steps are counted from the history.
-            # x - x is 0 exactly for a finite x and NaN for inf or NaN: isfinite in two
-            # ops where torch.isfinite takes four.
-            applied_bad = (gn - gn).ne(0).any()
+            # (Norms from the backward are the history's last step: counted there.)
+            # x - x is 0 exactly for a finite x and NaN for inf or NaN.
+            gn = step_norms.norms
+            applied_bad = (gn - gn).ne(0).any(0, keepdim=True)
             if history is not None:
-                last = history[-1]
+                last = history[-1:]
                 applied_bad = applied_bad & (last - last).eq(0)
-            self._nonfinite = self._nonfinite + applied_bad
-            values.append(gn)
-            bins.append(grad_group)
-        # under no_grad: no detach needed; by shape groups (NormPlan), the plan kept per params
-        values.append(NormPlan.cached(self._param_norms, tuple(map(id, params)), [local(p) for p in params], dev))
-        bins.append(self._indices.get(group_of, dev))
-        upd = False
-        if self._before is not None and self._sample_group is not None:
-            after = self._sampled(monitor, params, group_of, after=True)
-            if after.shape == self._before.shape:
-                upd = True
-                values += [after - self._before, after]
-                bins += [self._sample_group, None]  # None: the same bins as the row before
-        self._before = None
-        # Sums of squares, rows of [whole model, g0, g1, ...]; summed across ranks when sharded.
-        rows = len(values)
-        per_group = (
-            torch.zeros(rows * n_groups, dtype=torch.float32, device=dev)
-            .index_add_(0, self._row_bins(bins, n_groups), torch.cat(values).square())
-            .view(rows, n_groups)
-        )
-        sq = torch.cat([per_group.sum(1, keepdim=True), per_group], 1)
-        has_grad = step_norms is not None
+        # One foreach norm: the parameters, the sample's update and the sample, per group.
+        norm_inputs: list[torch.Tensor] = [] if layout.param_plan is not None else list(layout.tensors)
+        if upd:
+            layout.take(layout.after_dst, layout.after, dev)
+            torch.sub(layout.after, layout.before, out=layout.diff)
+            norm_inputs += layout.diff_groups + layout.after_groups
+        pieces = [step_norms.norms] if step_norms is not None else []
+        if layout.param_plan is not None:
+            pieces.append(layout.param_plan.norms(layout.tensors))
+        if norm_inputs:
+            pieces.append(torch.stack(foreach_norm32(norm_inputs)))
+        squares = torch.cat(pieces).square()
+        grad_groups = None
+        if step_norms is not None:
+            grad_groups = tuple(layout.group_by_id.get(id(p), 0) for p in step_norms.params)
+        matrix, bias = layout.matrix(grad_groups, history is None, upd, dev)
+        series: list[tuple[str, list[Labels]]] = []
+        for name, present in (("grad_norm", step_norms is not None), ("param_norm", True), ("update_ratio", upd)):
+            if present:
+                if name != "grad_norm" or history is None:
+                    series.append((name, [{}]))
+                series.append(("group_" + name, group_labels))
 
-        def emit(name: str, values: torch.Tensor, whole: bool = True) -> None:
-            if whole:
-                ctx.emit(name, values[0])
-            ctx.emit("group_" + name, values[1:], group_labels)
-
-        def finish(total: torch.Tensor, *rest: torch.Tensor) -> None:
-            total = total.view(-1, n_groups + 1)
-            row = 0
-            roots = total[: 1 + int(has_grad)].sqrt()  # the norms: grad (when seen), param
-            if has_grad:
-                emit("grad_norm", roots[row], whole=history is None)
-                row += 1
-            emit("param_norm", roots[row])
-            row += 1
-            if upd:
-                emit("update_ratio", (total[row] / total[row + 1]).sqrt())
+        def finish(sq: torch.Tensor, *rest: torch.Tensor) -> None:
+            total = torch.addmv(bias, matrix, sq)
+            k = total.numel() // 2
+            values = [(total[:k] / total[k:]).sqrt()]
             nonfinite = self._nonfinite
             assert nonfinite is not None  # set by collect above; nothing sets it back to None
-            if rest:  # the per-step squared norms, combined across shards
-                nonfinite = self._nonfinite = nonfinite + _emit_history(ctx, rest[0])
-            ctx.emit("nonfinite_total", nonfinite, {"what": "grad"})
+            if applied_bad is not None:
+                nonfinite = nonfinite + applied_bad
+            emitted = list(series)
+            gated: list[int] = []
+            present = None
+            if rest:  # the per-step squared norms since the previous report, combined across shards
+                norms = rest[0].sqrt()
+                # non-finite steps as -1 (a finite norm is >= 0): left out of the max and the mean
+                marked = torch.nan_to_num(norms, nan=-1.0, posinf=-1.0)
+                count = marked.ge(0).sum(0, keepdim=True)
+                values += [
+                    norms[-1:],
+                    marked.amax(0, keepdim=True),
+                    marked.clamp_min(0).sum(0, keepdim=True) / count,
+                ]
+                nonfinite = nonfinite + (norms.numel() - count)
+                emitted += [("grad_norm", [{}]), ("grad_norm_max", [{}]), ("grad_norm_mean", [{}])]
+                gated = [k + 1, k + 2]
+                present = count.expand(2)
+            self._nonfinite = nonfinite
+            values.append(nonfinite)
+            emitted.append(("nonfinite_total", [{"what": "grad"}]))
+            ctx.emit_block(emitted, torch.cat(values), present=present, gated=gated)
 
-        parts_to_combine: list[tuple[torch.Tensor, ReduceOp]] = [(sq, "sum")]
+        parts_to_combine: list[tuple[torch.Tensor, ReduceOp]] = [(squares, "sum")]
         if history is not None:
             parts_to_combine.append((history, "sum"))
         ctx.combine(parts_to_combine, finish, across_ranks=monitor.sharded)
 
-    def _row_bins(self, bins: list[torch.Tensor | None], n_groups: int) -> torch.Tensor:
-        """Group bins of the rows laid end to end (row r's bins offset by r * n_groups);
-        made again only when a row's bins are other tensors (their content is cached)."""
-        cached = self._bins
-        if (
-            cached is None
-            or cached[0] != n_groups
-            or len(cached[1]) != len(bins)
-            or any(a is not b for a, b in zip(cached[1], bins, strict=True))
-        ):
-            parts, last = [], None
-            for r, b in enumerate(bins):
-                last = b if b is not None else last
-                assert last is not None  # the first row always has its bins
-                parts.append(last + r * n_groups)
-            cached = self._bins = (n_groups, tuple(bins), torch.cat(parts))
-        return cached[2]
-
     def state_dict(self) -> dict[str, Any]:
-        return {"nonfinite": self._nonfinite.cpu() if self._nonfinite is not None else None}
+        return {"nonfinite": self._nonfinite.reshape(()).cpu() if self._nonfinite is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("nonfinite") is not None:
-            self._nonfinite = state["nonfinite"].clone()
+            self._nonfinite = state["nonfinite"].reshape(1).clone()
 
     def reset(self) -> None:
         self._before = None
@@ -210,16 +251,3 @@ class OptimizerStats(Signal):
     def close(self) -> None:
         self.reset()
         self._history.remove()
-
-
-def _emit_history(ctx: StepContext, sq: torch.Tensor) -> torch.Tensor:
-    """Emit ``grad_norm`` (the last step), ``grad_norm_max`` / ``grad_norm_mean`` (over the
-    finite steps of ``sq``, the squared norms since the previous report, absent when
-    none); return the number of non-finite steps."""
-    norms = sq.sqrt()
-    finite = torch.isfinite(norms)
-    count = finite.sum()
-    ctx.emit("grad_norm", norms[-1])
-    ctx.emit("grad_norm_max", torch.where(finite, norms, float("-inf")).amax(), present=(count > 0).float())
-    ctx.emit("grad_norm_mean", torch.where(finite, norms, 0.0).sum() / count, present=(count > 0).float())
-    return (~finite).sum()
