@@ -32,6 +32,13 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.reshape(-1)
 
 
+def _one(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (one element) as a 1-element 1-D tensor outside autograd; no op when it is one."""
+    if t.dim() == 1 and not t.requires_grad:
+        return t
+    return t.detach().reshape(1)
+
+
 @dataclass
 class _Emit:
     name: str
@@ -92,7 +99,7 @@ class StepContext:
 
         if signal not in SIGNALS or reason not in REASONS:
             raise ValueError(f"inactive_when: unknown signal {signal!r} or reason {reason!r}")
-        self.unless.append(_Unless(signal, None if flag is None else flag.detach().reshape(1), reason, detail))
+        self.unless.append(_Unless(signal, None if flag is None else _one(flag), reason, detail))
 
     def verdicts(self) -> dict[str, tuple[str, str]]:
         """The flag-free verdicts, the first per signal."""
@@ -165,7 +172,7 @@ class StepContext:
     ) -> None:
         """Attach an event to this report; with ``when`` (a 0-d tensor), only if it is > 0,
         decided on the sender thread so the step never waits for the value."""
-        self.events.append(_Event(kind, detail, labels or {}, None if when is None else when.detach().reshape(1)))
+        self.events.append(_Event(kind, detail, labels or {}, None if when is None else _one(when)))
 
     def emit_rows(
         self,

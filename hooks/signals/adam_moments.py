@@ -38,11 +38,10 @@ from trainvitals.hooks.signals.optimizer_state import (
     AdamEntry,
     StateWalk,
     is_adam_group,
-    stack_steps,
 )
 from trainvitals.hooks.signals.param_series import choose
-from trainvitals.hooks.step import StepContext
-from trainvitals.hooks.tensors import NormPlan, flat, local, real
+from trainvitals.hooks.step import ReduceOp, StepContext
+from trainvitals.hooks.tensors import NormPlan, flat, foreach_norm32, local, real
 
 BATCH = 1 << 18
 """Sampled elements per batch: bounds the temporaries to a few MB."""
@@ -64,6 +63,7 @@ class _Batch:
         self.v: torch.Tensor | None = None
         self.below: torch.Tensor | None = None
         self.dst: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []  # the moments' views copied into dst (AdamMoments._sources)
         self.parts: list[torch.Tensor] = []
 
 
@@ -119,6 +119,52 @@ class MomentPlan:
         self.labels = [series_labels[b] for b in present] + [
             {"group": groups[g][0]} for g, _ in sorted(group_slot.items(), key=lambda kv: kv[1])
         ]
+        out_of_series = {pos: j for j, pos in enumerate(present)}
+        entry_bins: list[list[int]] = [[] for _ in entries]
+        for i, pos in zip(series_entries, series_bins, strict=True):
+            entry_bins[i].append(out_of_series[pos])
+        for i, g in zip(group_entries, group_bins, strict=True):
+            entry_bins[i].append(len(present) + g)
+        self._reduction(entry_bins, sizes, dev)
+        self.sources_key: tuple | None = None  # the state tensors the batches' source views are of
+
+    def _reduction(self, entry_bins: list[list[int]], sizes: list[int], dev: torch.device) -> None:
+        """What turns the report's norms into the emitted values. The norms, squared, lie
+        in one vector z: the exact exp_avg norms [E], the exact exp_avg_sq norms [E], then
+        per batch its segments' (bias-corrected) update norms [k] and below-eps counts
+        (as norms of 0/1) [k]. ``matrix @ z`` gives, per bin (series then groups), the
+        rows [below-eps count, update sum of squares, exp_avg and exp_avg_sq sums of
+        squares]; divided by ``denominator`` (the sampled elements, 1 for the norms), the
+        ratio row as it is and the root of the others (``powers``)."""
+        n_entries, n_out = len(entry_bins), len(self.labels)
+        length = 2 * n_entries + 2 * sum(len(b.segments) for b in self.batches)
+        matrix = torch.zeros(4 * n_out, length, dtype=torch.float64)
+        for e, bins in enumerate(entry_bins):
+            for b in bins:
+                matrix[2 * n_out + b, e] = 1.0
+                matrix[3 * n_out + b, n_entries + e] = 1.0
+        at = 2 * n_entries
+        for batch in self.batches:
+            k = len(batch.segments)
+            for j, (e, _, _) in enumerate(batch.segments):
+                for b in entry_bins[e]:
+                    matrix[n_out + b, at + j] = 1.0
+                    matrix[b, at + k + j] = 1.0
+            at += 2 * k
+        sampled = torch.zeros(n_out, dtype=torch.float64)
+        for e, bins in enumerate(entry_bins):
+            for b in bins:
+                sampled[b] += sizes[e]
+        self.n_out = n_out
+        self.matrix = matrix.to(dev)
+        self.bin_sampled = sampled.to(dev)  # summed across shards when sharded
+        self.denominator = self.denominator_of(self.bin_sampled)
+        self.ratio_rows = (torch.arange(4 * n_out) < n_out).to(dev)
+        self.powers = torch.where(self.ratio_rows, 1.0, 0.5).to(torch.float64)  # the ratio as it is, roots else
+
+    def denominator_of(self, sampled: torch.Tensor) -> torch.Tensor:
+        s = sampled.clamp_min(1)
+        return torch.cat([s, s, torch.ones(2 * self.n_out, dtype=s.dtype, device=s.device)])
 
     def _batches(self, sizes: list[int], dev: torch.device) -> list[_Batch]:
         """Batches of at most BATCH sampled elements; a sample larger than a batch (a huge
@@ -236,15 +282,18 @@ class AdamMoments:
         if plan_key != self._plan_key:
             self._plan_key = plan_key
             self._plan = MomentPlan(monitor, entries, series_of, series_labels)
+            self._norm_plan = [None]
         plan = self._plan
         assert plan is not None
+        if not plan.n_out:
+            return
 
-        if len(walk.entry_steps) == len(walk.steps):
-            steps = now.to(torch.float64)
-        else:
-            steps = now.to(torch.float64).index_select(0, self._indices.get(walk.entry_steps, dev))
+        steps = now
+        if len(walk.entry_steps) != len(walk.steps):
+            steps = now.index_select(0, self._indices.get(walk.entry_steps, dev))
         betas, eps = self._hyperparameters(monitor, entries)
-        bc1, bc2 = (1 - betas**steps).clamp_min(_TINY)  # [2, E]: both bias corrections at once
+        # [2, E]: both bias corrections at once, in float64 (the betas' dtype)
+        bc1, bc2 = (1 - betas**steps).clamp_min(_TINY).unbind()
 
         sharded = monitor.sharded
         ms = [e.state["exp_avg"] for e in entries]
@@ -253,54 +302,64 @@ class AdamMoments:
         if sharded:
             ms, vs, raw = [local(t) for t in ms], [local(t) for t in vs], [local(t) for t in raw]
         moments = [real(t) for t in ms] + [real(t) for t in raw]
-        # by shape groups (NormPlan: a few us less per tensor than a foreach norm and a stack)
-        sq = NormPlan.cached(self._norm_plan, plan_key, moments, dev).to(torch.float64).square().view(2, -1)
+        # Small tensors of one shape normed together (NormPlan) when the model has them;
+        # else the exact norms join the first batch's foreach call.
+        if self._norm_plan[0] is None:
+            self._norm_plan = [(plan_key, NormPlan(moments, dev))]
+        moment_plan = self._norm_plan[0][1]
+        pieces: list[torch.Tensor] = []
+        joined: list[torch.Tensor] = []
+        if moment_plan.groups:
+            pieces.append(NormPlan.cached(self._norm_plan, plan_key, moments, dev))
+        else:
+            joined = moments
 
-        # Per element only c = eps * sqrt(1 - b2^t) is needed:
+        # Per element only c = eps * sqrt(1 - b2^t) and g = sqrt(1 - b2^t) / (1 - b1^t) are needed:
         #   sqrt(v_hat) < eps  <=>  sqrt(v) < c
-        #   (m_hat / (sqrt(v_hat) + eps))^2 = m^2 / (sqrt(v) + c)^2 * (1 - b2^t) / (1 - b1^t)^2
-        # the last factor is applied per entry, after the sums.
-        c = (eps * bc2.sqrt()).to(torch.float32)
-        # Rows: update sum of squares, elements below eps.
-        acc = torch.zeros(2, len(entries), dtype=torch.float64, device=dev)
+        #   m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) + c) * g
+        root = bc2.sqrt()
+        c = (eps * root).to(torch.float32)
+        g = (root / bc1).to(torch.float32)
+        self._sources(plan, ms, vs)
         for batch in plan.batches:
             plan.views(batch)
             m, v, below = batch.m, batch.v, batch.below
             assert m is not None and v is not None and below is not None
-            src = [plan.source(ms[i], i, a, b) for i, a, b in batch.segments]
-            src += [plan.source(vs[i], i, a, b) for i, a, b in batch.segments]
-            torch._foreach_copy_(batch.dst, src)  # every segment of the batch in one call
+            torch._foreach_copy_(batch.dst, batch.src)  # every segment of the batch in one call
             ce = c.index_select(0, batch.index)
             v.sqrt_()
             torch.lt(v, ce, out=below)  # 0/1 as float32
-            m.div_(v.add_(ce))
-            # Per-segment sums of squares (of 0/1 for the count) in one foreach call.
-            sums = stack_steps(list(torch._foreach_norm(batch.parts)), dev).to(torch.float64).square()
-            k = len(batch.lengths)
-            sums[k:].round_()  # float32 norms of 0/1: the counts are integers
-            acc.index_add_(1, batch.owner, sums.view(2, k))
-        acc[0].mul_(bc2).div_(bc1.square())
-
-        if not plan.n_bins:
-            return
-        # [5, E]: m, v sums of squares, update sum of squares, below eps, sampled elements.
-        per_entry = torch.cat([sq, acc, plan.sampled])
-        if plan.bin_entries is not None:
-            per_entry = per_entry.index_select(1, plan.bin_entries)
-        binned = torch.zeros(5, plan.n_bins, dtype=torch.float64, device=dev).index_add_(1, plan.bins, per_entry)
-        if plan.keep is not None:
-            binned = binned.index_select(1, plan.keep)
+            m.mul_(g.index_select(0, batch.index)).div_(v.add_(ce))
+            # The segments' norms (of 0/1 for the counts) in one foreach call.
+            pieces.append(torch.stack(foreach_norm32(joined + batch.parts)))
+            joined = []
+        z = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch.float64).square()
+        sums = torch.mv(plan.matrix, z)
         labels = plan.labels
+        names = ("adam_eps_dominated_ratio", "adam_normalized_update_rms", "adam_exp_avg_norm", "adam_exp_avg_sq_norm")
 
-        def finish(t: torch.Tensor) -> None:
-            t = t.view(5, -1)
-            sampled = t[4].clamp_min(1)
-            ctx.emit("adam_eps_dominated_ratio", t[3] / sampled, labels)
-            ctx.emit("adam_normalized_update_rms", (t[2] / sampled).sqrt(), labels)
-            ctx.emit("adam_exp_avg_norm", t[0].sqrt(), labels)
-            ctx.emit("adam_exp_avg_sq_norm", t[1].sqrt(), labels)
+        def finish(t: torch.Tensor, *sampled: torch.Tensor) -> None:
+            den = plan.denominator if not sampled else plan.denominator_of(sampled[0])
+            # float32 norms of 0/1: the counts are integers
+            values = (torch.where(plan.ratio_rows, t.round(), t) / den) ** plan.powers
+            ctx.emit_block([(name, labels) for name in names], values)
 
-        ctx.combine([(binned, "sum")], finish, across_ranks=sharded)
+        parts: list[tuple[torch.Tensor, ReduceOp]] = [(sums, "sum")]
+        if sharded:
+            parts.append((plan.bin_sampled, "sum"))
+        ctx.combine(parts, finish, across_ranks=sharded)
+
+    def _sources(self, plan: MomentPlan, ms: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+        """The batches' source views of the moments, made again only when a moment
+        tensor is another one or has other storage (each view is an op per report)."""
+        key = tuple(t.data_ptr() for t in ms) + tuple(t.data_ptr() for t in vs)
+        key += tuple(id(t) for t in ms) + tuple(id(t) for t in vs)
+        if key == plan.sources_key and all(t.is_contiguous() for t in ms + vs):
+            return
+        for batch in plan.batches:
+            batch.src = [plan.source(ms[i], i, a, b) for i, a, b in batch.segments]
+            batch.src += [plan.source(vs[i], i, a, b) for i, a, b in batch.segments]
+        plan.sources_key = key
 
     def close(self) -> None:
         self._plan = None

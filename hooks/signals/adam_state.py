@@ -56,11 +56,11 @@ class AdamState(Signal):
     def state_dict(self) -> dict[str, Any]:
         if self._resets is None:
             return {}
-        return {"resets": self._resets.count.cpu(), "report_step": self._resets.report_step}
+        return {"resets": self._resets.count.reshape(()).cpu(), "report_step": self._resets.report_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._resets is not None and state.get("resets") is not None:
-            self._resets.count = state["resets"].to(self._resets.count.device)
+            self._resets.count = state["resets"].reshape(1).to(self._resets.count.device)
             # Steps elapsed since the last report are counted from the saved one.
             self._resets.report_step = int(state.get("report_step", self._resets.report_step))
 

@@ -82,7 +82,16 @@ class DriftTracker:
         self._up = torch.empty(self.prev.numel(), dtype=torch.int8, device=dev)
         self._down = torch.empty(self.prev.numel(), dtype=torch.int8, device=dev)
         self._zero = torch.zeros((), device=dev)  # for torch.where without a scalar tensor per call
+        self._nan = torch.full((), float("nan"), device=dev)
         self.changes = 0
+        self._slots = list(self.ring.unbind(0))  # the ring's rows as views, made once
+        # Per-parameter reductions written in place (include_self=False: every parameter
+        # with an element is overwritten; one without keeps the identity).
+        self._max = torch.full((3, self.n), float("-inf"), device=dev)
+        self._min = torch.full((self.n,), float("inf"), device=dev)
+        self._owner3 = self.owner.expand(3, -1)
+        self._sign_sums = torch.zeros(self.n, dtype=torch.int32, device=dev)
+        self._denominators: dict[int, torch.Tensor] = {}
 
     def values(self, dev: torch.device) -> torch.Tensor:
         """The local elements of the 1D parameters, end to end, as float32."""
@@ -95,23 +104,34 @@ class DriftTracker:
         """Per parameter, the largest |x - ref| over its local elements."""
         return group_amax((values - self.ref_values).abs(), self.owner, self.n)
 
+    def extremes(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per parameter, over its local elements: the minimum ``[n]``, and ``[3, n]``
+        rows of the maximum, the largest ``|x|`` and the largest ``|x - ref|`` (one
+        reduction for the three). The buffers are reused: read them in this report."""
+        rows = torch.stack([values, values.abs(), (values - self.ref_values).abs()])
+        self._max.scatter_reduce_(1, self._owner3, rows, "amax", include_self=False)
+        self._min.scatter_reduce_(0, self.owner, values, "amin", include_self=False)
+        return self._min, self._max
+
     def drift_bits(
         self, values: torch.Tensor, absmax: torch.Tensor, scale: torch.Tensor, moved: torch.Tensor
     ) -> torch.Tensor:
         """``param_drift_log2`` from the combined absmax, reference scale and displacement.
         A parameter still all zeros at its reference takes, at the first report where it
         is not, its values then as its reference (drift 0 there)."""
-        fresh = (scale <= 0) & (absmax > 0)
-        self.scale = torch.where(fresh, absmax, scale)
+        had = scale > 0  # a reference with a range; else it takes the values now (0 while all zeros)
+        self.scale = torch.where(had, scale, absmax)
+        has = self.scale > 0
+        fresh = has > had  # the parameters that take their reference now
         self.ref_values = torch.where(fresh[self.owner], values, self.ref_values)
-        moved = torch.where(fresh, self._zero, moved)
         # A scale that matters: a reference orders of magnitude below the model's other 1D
         # parameters (a zero-initialised bias Adam nudged to 1e-8) is judged against
         # NEIGHBOUR_FLOOR x their median scale, not against itself (1e-8 -> 1e-7 is no range).
-        known = torch.where(self.scale > 0, self.scale, torch.full_like(self.scale, float("nan")))
+        known = torch.where(has, self.scale, self._nan)
         floor = torch.nan_to_num(torch.nanmedian(known), nan=0.0) * NEIGHBOUR_FLOOR
         self.judged = torch.maximum(self.scale, floor)
-        return torch.where(self.scale > 0, torch.log2(1 + moved / self.judged.clamp_min(1e-38)), self._zero)
+        # 0 where the reference is taken now (no displacement yet) or is still all zeros
+        return torch.where(had, torch.log2(1 + moved / self.judged.clamp_min(1e-38)), self._zero)
 
     def save_references(self) -> None:
         """Write the (possibly updated) references back to the per-parameter table."""
@@ -123,15 +143,32 @@ class DriftTracker:
     def record_change(self, now: torch.Tensor) -> None:
         """Push sign(now - prev) of the sampled elements into the ring (NaN: no change)."""
         sign = torch.gt(now, self.prev, out=self._up) - torch.lt(now, self.prev, out=self._down)
-        slot = self.changes % self.window
-        self.sums += sign - self.ring[slot]
-        self.ring[slot] = sign
+        slot = self._slots[self.changes % self.window]
+        self.sums.add_(sign).sub_(slot)
+        slot.copy_(sign)
         self.changes += 1
         self.prev.copy_(now)
 
     def mean_abs_sign(self) -> torch.Tensor:
         """Per sampled element, |mean sign| over the changes in the window."""
         return self.sums.abs().to(torch.float32) / min(self.changes, self.window)
+
+    def abs_sign_sums(self) -> torch.Tensor:
+        """Per parameter, the sum over its sampled elements of |sum of the signs in the
+        window| (an integer; the buffer is reused: read it in this report)."""
+        return self._sign_sums.scatter_reduce_(0, self.sampled_owner, self.sums.abs(), "sum", include_self=False)
+
+    def consistency_ratio(self, sign_sums: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+        """``param_drift_consistency_ratio`` from :meth:`abs_sign_sums` and the sampled
+        element counts (combined across shards): the mean |mean sign| per element."""
+        w = min(self.changes, self.window)
+        if sampled is self.sampled:  # one process: the denominators are the same every report
+            den = self._denominators.get(w)
+            if den is None:
+                den = self._denominators[w] = self.sampled.clamp_min(1) * w
+        else:
+            den = sampled.clamp_min(1) * w
+        return sign_sums / den
 
     # -- checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -173,5 +210,6 @@ class DriftTracker:
             self.scale = torch.stack([r.scale for r in chosen])
         if same_window:
             self.changes = int(state.get("changes", 0))
-            self.sums = self.ring.to(torch.int32).sum(0)
+            self.sums = self.ring.sum(0, dtype=torch.int32)
+            self._slots = list(self.ring.unbind(0))
         return restored

@@ -40,6 +40,7 @@ are combined in the report's one collective.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -51,7 +52,6 @@ from trainvitals.hooks.signals.param_drift import DriftTracker, Reference
 from trainvitals.hooks.signals.param_series import choose, groups_key
 from trainvitals.hooks.signals.weight_decay_audit import audit_weight_decay
 from trainvitals.hooks.step import ReduceOp, StepContext
-from trainvitals.hooks.tensors import group_amax, group_amin, group_sum
 
 log = logging.getLogger("trainvitals")
 
@@ -127,10 +127,11 @@ class ParamHealth(Signal):
     def _grad_rms_layout(
         self, monitor: MonitorView, drift: DriftTracker, step_norms: GradNorms
     ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, str]]]:
-        """For the step's gradient norms: each one's global element count, and the
+        """For the step's gradient norms: the root of each one's global element count, and the
         positions and labels of the series that have a gradient."""
         dev = monitor.device
-        numel = self._indices.get([p.numel() for p in step_norms.params], dev, torch.float32)  # DTensor: global
+        # the root of each global element count (DTensor.numel is global): RMS = norm / root
+        numel = self._indices.get([math.sqrt(p.numel()) for p in step_norms.params], dev, torch.float32)
         grad_series = [(s.name, j) for s in drift.series if (j := step_norms.position(s.param)) is not None]
         return numel, self._indices.get([j for _, j in grad_series], dev), [{"param": name} for name, _ in grad_series]
 
@@ -151,10 +152,8 @@ class ParamHealth(Signal):
             ctx.inactive_when("params", None, "no_parameters", "the optimizer holds no 1D parameter to watch")
         if n:
             values = drift.values(dev)
-            parts.append((group_amin(values, drift.owner, n), "min"))
-            parts.append(
-                (torch.cat([group_amax(values, drift.owner, n), drift.scale, drift.displacement(values)]), "max")
-            )
+            low, high = drift.extremes(values)
+            parts += [(low, "min"), (high, "max"), (drift.scale, "max")]
             now = drift.consistency.take_from(values)
             if not self._fresh:
                 drift.record_change(now)
@@ -162,43 +161,49 @@ class ParamHealth(Signal):
                 drift.prev.copy_(now)
             if drift.changes:
                 consistency = True
-                parts.append(
-                    (torch.cat([group_sum(drift.mean_abs_sign(), drift.sampled_owner, n), drift.sampled]), "sum")
-                )
+                parts += [(drift.abs_sign_sums(), "sum"), (drift.sampled, "sum")]
         self._fresh = False
         step_norms = ctx.grad_norms
+        sharded = monitor.sharded
         grads = False
         if step_norms is not None and step_norms.params:
-            grad_numel, grad_pos, grad_labels = self._grad_rms_layout(monitor, drift, step_norms)
+            root_numel, grad_pos, grad_labels = self._grad_rms_layout(monitor, drift, step_norms)
             if grad_labels:
                 grads = True
-                parts.append((step_norms.norms.square(), "sum"))
+                # across shards the squares add up; in one process the norms are what it takes
+                parts.append((step_norms.norms.square() if sharded else step_norms.norms, "sum"))
         wd = self._weight_decay(monitor, drift) if n else None
 
         def finish(*combined: torch.Tensor) -> None:
             rest = list(combined)
+            series: list[tuple[str, list[dict[str, str]]]] = []
+            pieces: list[torch.Tensor] = []
             if n:
-                pmin = rest.pop(0)
-                pmax, scale, moved = rest.pop(0).view(3, n).unbind()
-                absmax = torch.maximum(pmax, -pmin)
-                ctx.emit("param_min", pmin, drift.labels)
-                ctx.emit("param_max", pmax, drift.labels)
-                ctx.emit("param_absmax", absmax, drift.labels)
+                pmin, high, scale = rest.pop(0), rest.pop(0), rest.pop(0)
+                pmax, absmax, moved = (high if high.dim() == 2 else high.view(3, n)).unbind()
                 # The combined scale is the same on every rank, so every rank keeps the same.
-                ctx.emit("param_drift_log2", drift.drift_bits(values, absmax, scale, moved), drift.labels)
+                bits = drift.drift_bits(values, absmax, scale, moved)
                 # The reference's absmax and the scale judged against: what the collector needs
                 # to judge a run resumed without the monitor's state over its whole life.
-                ctx.emit("param_drift_reference_absmax", drift.scale, drift.labels)
-                ctx.emit("param_drift_scale", drift.judged, drift.labels)
+                pieces += [pmin, pmax, absmax, bits, drift.scale, drift.judged]
+                names = ["param_min", "param_max", "param_absmax", "param_drift_log2"]
+                names += ["param_drift_reference_absmax", "param_drift_scale"]
                 if consistency:
-                    sums = rest.pop(0)
-                    ctx.emit("param_drift_consistency_ratio", sums[:n] / sums[n:].clamp_min(1), drift.labels)
+                    sign_sums, sampled = rest.pop(0), rest.pop(0)
+                    pieces.append(drift.consistency_ratio(sign_sums, sampled))
+                    names.append("param_drift_consistency_ratio")
                 assert wd is not None  # computed above whenever n
-                ctx.emit("param_weight_decay", wd, drift.labels)
+                pieces.append(wd)
+                names.append("param_weight_decay")
+                series += [(name, drift.labels) for name in names]
             if grads:
-                rms = (rest.pop(0) / grad_numel).sqrt()
+                norms = rest.pop(0)
+                rms = (norms.sqrt() if sharded else norms) / root_numel
                 median = torch.median(rms).clamp_min(_TINY)
-                ctx.emit("param_grad_relative_rms", rms[grad_pos] / median, grad_labels)
+                pieces.append(rms[grad_pos] / median)
+                series.append(("param_grad_relative_rms", grad_labels))
+            if pieces:
+                ctx.emit_block(series, torch.cat(pieces))
 
         ctx.combine(parts, finish, across_ranks=monitor.sharded)
 

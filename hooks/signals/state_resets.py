@@ -33,7 +33,7 @@ class ResetDetector:
     """Compares each walk with the previous one; emits the counter and events."""
 
     def __init__(self, monitor: MonitorView, walk: StateWalk, steps: torch.Tensor | None) -> None:
-        self.count = torch.zeros((), device=monitor.device)
+        self.count = torch.zeros(1, device=monitor.device)  # 1-D: emitted as it is
         self.groups_key = groups_key(monitor)
         self.groups_params = {id(p) for g in monitor.optimizer.param_groups for p in g["params"]}
         # A state that exists at attach (a resumed run) is the baseline.
@@ -63,7 +63,7 @@ class ResetDetector:
         ids = tuple(walk.ids)
         if now is not None and self.steps is not None:
             if ids == self.order and not any(walk.recreated):
-                flag = (now < self.steps).any()  # the usual case: one compare, no index
+                flag = (now < self.steps).any(0, keepdim=True)  # the usual case: one compare, no index
             else:
                 prev_pos = {pid: j for j, pid in enumerate(self.order)}
                 kept = [
@@ -72,7 +72,7 @@ class ResetDetector:
                     if pid in prev_pos and not rec
                 ]
                 fresh = [j for j, rec in enumerate(walk.recreated) if rec]
-                flag = torch.zeros((), dtype=torch.bool, device=dev)
+                flag = torch.zeros(1, dtype=torch.bool, device=dev)
                 if kept:
                     a = self._indices.get([j for j, _ in kept], dev)
                     b = self._indices.get([k for _, k in kept], dev)
@@ -84,7 +84,7 @@ class ResetDetector:
             self.count = self.count + 1
             ctx.event("optimizer_state_reset", "; ".join(reasons))
         elif flag is not None:
-            self.count = self.count + flag.to(self.count.dtype)
+            self.count = self.count + flag
             ctx.event(
                 "optimizer_state_reset",
                 f"a step count went back or restarted since step {monitor.step - elapsed} "
