@@ -162,3 +162,35 @@ class NormPlan:
             rest = stack_on(foreach_norm32([tensors[i] for i in self.rest]), self.device)
             out.index_copy_(0, self.rest_index, rest)
         return out
+
+
+DENSE_SUM_LIMIT = 1 << 20
+"""Largest 0/1 matrix (rows x columns) :class:`SparseSum` keeps dense (8 MiB in float64)."""
+
+
+class SparseSum:
+    """``out[r] = sum of x[c]`` over given (r, c) pairs: a fixed 0/1 matrix times a
+    vector. One ``mv`` with the dense matrix while it is small (one op); past
+    :data:`DENSE_SUM_LIMIT` entries (thousands of tensors into hundreds of bins) a
+    gather and an ``index_add_`` (three ops, memory linear in the pairs)."""
+
+    def __init__(
+        self, rows: int, cols: int, pairs: Sequence[tuple[int, int]], device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.rows = rows
+        self.dense: torch.Tensor | None = None
+        if rows * cols <= DENSE_SUM_LIMIT:
+            m = torch.zeros(rows, cols, dtype=dtype)
+            for r, c in pairs:
+                m[r, c] = 1.0
+            self.dense = m.to(device)
+        else:
+            self.dst = torch.tensor([r for r, _ in pairs], dtype=torch.long).to(device)
+            self.src = torch.tensor([c for _, c in pairs], dtype=torch.long).to(device)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The sums (plus ``bias``, a tensor of ``rows`` elements, when given)."""
+        if self.dense is not None:
+            return torch.mv(self.dense, x) if bias is None else torch.addmv(bias, self.dense, x)
+        out = bias.clone() if bias is not None else torch.zeros(self.rows, dtype=x.dtype, device=x.device)
+        return out.index_add_(0, self.dst, x.index_select(0, self.src))

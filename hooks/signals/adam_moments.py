@@ -41,7 +41,7 @@ from trainvitals.hooks.signals.optimizer_state import (
 )
 from trainvitals.hooks.signals.param_series import choose
 from trainvitals.hooks.step import ReduceOp, StepContext
-from trainvitals.hooks.tensors import NormPlan, flat, foreach_norm32, local, real
+from trainvitals.hooks.tensors import NormPlan, SparseSum, flat, foreach_norm32, local, real
 
 BATCH = 1 << 18
 """Sampled elements per batch: bounds the temporaries to a few MB."""
@@ -132,31 +132,29 @@ class MomentPlan:
         """What turns the report's norms into the emitted values. The norms, squared, lie
         in one vector z: the exact exp_avg norms [E], the exact exp_avg_sq norms [E], then
         per batch its segments' (bias-corrected) update norms [k] and below-eps counts
-        (as norms of 0/1) [k]. ``matrix @ z`` gives, per bin (series then groups), the
+        (as norms of 0/1) [k]. ``matrix(z)`` gives, per bin (series then groups), the
         rows [below-eps count, update sum of squares, exp_avg and exp_avg_sq sums of
         squares]; divided by ``denominator`` (the sampled elements, 1 for the norms), the
         ratio row as it is and the root of the others (``powers``)."""
         n_entries, n_out = len(entry_bins), len(self.labels)
         length = 2 * n_entries + 2 * sum(len(b.segments) for b in self.batches)
-        matrix = torch.zeros(4 * n_out, length, dtype=torch.float64)
+        pairs: list[tuple[int, int]] = []
         for e, bins in enumerate(entry_bins):
             for b in bins:
-                matrix[2 * n_out + b, e] = 1.0
-                matrix[3 * n_out + b, n_entries + e] = 1.0
+                pairs += [(2 * n_out + b, e), (3 * n_out + b, n_entries + e)]
         at = 2 * n_entries
         for batch in self.batches:
             k = len(batch.segments)
             for j, (e, _, _) in enumerate(batch.segments):
                 for b in entry_bins[e]:
-                    matrix[n_out + b, at + j] = 1.0
-                    matrix[b, at + k + j] = 1.0
+                    pairs += [(n_out + b, at + j), (b, at + k + j)]
             at += 2 * k
         sampled = torch.zeros(n_out, dtype=torch.float64)
         for e, bins in enumerate(entry_bins):
             for b in bins:
                 sampled[b] += sizes[e]
         self.n_out = n_out
-        self.matrix = matrix.to(dev)
+        self.matrix = SparseSum(4 * n_out, length, pairs, dev, torch.float64)
         self.bin_sampled = sampled.to(dev)  # summed across shards when sharded
         self.denominator = self.denominator_of(self.bin_sampled)
         self.ratio_rows = (torch.arange(4 * n_out) < n_out).to(dev)
@@ -334,7 +332,7 @@ class AdamMoments:
             pieces.append(torch.stack(foreach_norm32(joined + batch.parts)))
             joined = []
         z = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch.float64).square()
-        sums = torch.mv(plan.matrix, z)
+        sums = plan.matrix(z)
         labels = plan.labels
         names = ("adam_eps_dominated_ratio", "adam_normalized_update_rms", "adam_exp_avg_norm", "adam_exp_avg_sq_norm")
 

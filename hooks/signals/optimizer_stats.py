@@ -30,7 +30,7 @@ from trainvitals.hooks.sampling import TensorsSample
 from trainvitals.hooks.signals.backward_grad_norm import BackwardGradNorms
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
 from trainvitals.hooks.step import Labels, ReduceOp, StepContext
-from trainvitals.hooks.tensors import NormPlan, flat, foreach_norm32, local
+from trainvitals.hooks.tensors import NormPlan, SparseSum, flat, foreach_norm32, local
 
 
 class _Layout:
@@ -66,7 +66,7 @@ class _Layout:
         # Small tensors of one shape normed together (NormPlan) when the model has them.
         plan = NormPlan(self.tensors, dev)
         self.param_plan = plan if plan.groups else None
-        self.matrices: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.matrices: dict[tuple, tuple[SparseSum, torch.Tensor]] = {}
 
     def take(self, dst: list[torch.Tensor], buf: torch.Tensor, dev: torch.device) -> None:
         """The sample of the parameters now into ``buf`` (through its views ``dst``)."""
@@ -77,8 +77,8 @@ class _Layout:
 
     def matrix(
         self, grad_groups: tuple[int, ...] | None, whole_grad: bool, upd: bool, dev: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(M, bias): ``addmv(bias, M, x)`` turns x, the squares of [gradient norms (of the
+    ) -> tuple[SparseSum, torch.Tensor]:
+        """(M, bias): ``M(x, bias)`` turns x, the squares of [gradient norms (of the
         parameters in ``grad_groups``; None: no gradient row), parameter norms, the
         sample's update and the sample per group], into the numerators then the
         denominators of the emitted values before their root: [whole model (unless
@@ -103,15 +103,16 @@ class _Layout:
                 base = n_g + n_p
                 family([[base + k] for k in range(g)], [[base + g + k] for k in range(g)])
             k = len(rows)
-            m = torch.zeros(2 * k, n_g + n_p + (2 * g if upd else 0), dtype=torch.float32)
+            pairs: list[tuple[int, int]] = []
             bias = torch.zeros(2 * k, dtype=torch.float32)
             for r, (num, den) in enumerate(rows):
-                m[r, num] = 1.0
+                pairs += [(r, c) for c in num]
                 if den is None:
                     bias[k + r] = 1.0
                 else:
-                    m[k + r, den] = 1.0
-            self.matrices[key] = (m.to(dev), bias.to(dev))
+                    pairs += [(k + r, c) for c in den]
+            cols = n_g + n_p + (2 * g if upd else 0)
+            self.matrices[key] = (SparseSum(2 * k, cols, pairs, dev, torch.float32), bias.to(dev))
         return self.matrices[key]
 
 
@@ -203,7 +204,7 @@ class OptimizerStats(Signal):
                 series.append(("group_" + name, group_labels))
 
         def finish(sq: torch.Tensor, *rest: torch.Tensor) -> None:
-            total = torch.addmv(bias, matrix, sq)
+            total = matrix(sq, bias)
             k = total.numel() // 2
             values = [(total[:k] / total[k:]).sqrt()]
             nonfinite = self._nonfinite

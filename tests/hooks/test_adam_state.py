@@ -33,8 +33,19 @@ def assert_matches(samples: list[dict], ref: dict[str, dict[str, float]]) -> Non
             assert got[label] == pytest.approx(want, rel=2e-5, abs=1e-9), (metric, label)
 
 
+@pytest.fixture(params=["dense", "indexed"])
+def sums(request, monkeypatch):
+    """Both ways the figures are binned: a dense 0/1 matrix, and the gather and
+    index_add of models with thousands of tensors."""
+    if request.param == "indexed":
+        from trainvitals.hooks import tensors
+
+        monkeypatch.setattr(tensors, "DENSE_SUM_LIMIT", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("opt_name", ADAM_VARIANTS)
-def test_statistics_match_the_elementwise_reference(opt_name):
+def test_statistics_match_the_elementwise_reference(opt_name, sums):
     model, opt, mon = monitored(opt_name)
     scale = LARGE_EPS_LOSS_SCALE if "large-eps" in opt_name else 1.0
     for step in range(5):

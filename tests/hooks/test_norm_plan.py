@@ -62,3 +62,25 @@ def test_cached_plan_rebuilds_when_the_shapes_change():
     got = NormPlan.cached(slot, "k", changed, torch.device("cpu"))
     assert slot[0][1] is not first
     torch.testing.assert_close(got, _reference(changed), rtol=2e-6, atol=0.0, equal_nan=True)
+
+
+def test_sparse_sum_is_the_same_dense_and_indexed(monkeypatch):
+    """SparseSum against a plain loop, with the dense matrix and with the gather path
+    that models with thousands of tensors take."""
+    from trainvitals.hooks import tensors
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, generator=g, dtype=torch.float64)
+    pairs = [(r, c) for r in range(7) for c in range(40) if (r * 7 + c * 3) % 5 == 0]
+    bias = torch.arange(7, dtype=torch.float64)
+    want = bias.clone()
+    for r, c in pairs:
+        want[r] += x[c]
+    dense = tensors.SparseSum(7, 40, pairs, torch.device("cpu"), torch.float64)
+    assert dense.dense is not None
+    monkeypatch.setattr(tensors, "DENSE_SUM_LIMIT", 0)
+    indexed = tensors.SparseSum(7, 40, pairs, torch.device("cpu"), torch.float64)
+    assert indexed.dense is None
+    for s in (dense, indexed):
+        assert torch.allclose(s(x, bias), want, rtol=1e-12)
+        assert torch.allclose(s(x), want - bias, rtol=1e-12)
