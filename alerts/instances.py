@@ -1,22 +1,21 @@
-"""One alert's state record in the engine, one run's, and their persisted form.
+"""One alert's state record in the engine, and one run's.
 
-:class:`AlertInstance` is the state of one (rule, series) pair that the engine's state
-machines (:mod:`trainvitals.alerts.engine`) advance; :func:`export_row` writes it as the
-JSON-ready row the collector's state file keeps, and :data:`EXPORTED_FIELDS` names the
-fields a restart brings back (``Engine.restore``).
+:class:`AlertInstance` is the state of one (rule, series) pair that the state machine
+(:mod:`trainvitals.alerts.transitions`) advances and the engine's table
+(:mod:`trainvitals.alerts.alert_table`) holds; :class:`RunState` what the engine knows
+of one run. Their persisted form is :mod:`trainvitals.alerts.engine_state`'s.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from trainvitals.alerts.model import Rule
 from trainvitals.alerts.state import Alert, AlertState
 
-__all__ = ["EXPORTED_FIELDS", "AlertInstance", "RunState", "export_row", "number_or_nan", "rule_index_of"]
+__all__ = ["AlertInstance", "RunState"]
 
 
 @dataclass(eq=False)
@@ -70,47 +69,3 @@ class RunState:
     last_seen: float
     last_step: int
     closed: bool = False
-
-
-EXPORTED_FIELDS = (
-    "step",
-    "pending_step",
-    "pending_time",
-    "fired_at",
-    "resolved_at",
-    "clear_step",
-    "clear_time",
-    "detail",
-    "reason",
-)
-
-
-def number_or_nan(v: Any) -> float:
-    return math.nan if v is None else float(v)
-
-
-def export_row(key: tuple, inst: AlertInstance) -> dict[str, Any]:
-    """One instance as a JSON-ready dict (NaN as None)."""
-    out: dict[str, Any] = {
-        "alertname": inst.rule.alert,
-        "rule_index": key[0],
-        "run": key[1],
-        "rank": key[2],
-        "items": [list(kv) for kv in key[3]],
-        "labels": dict(inst.labels),
-        "state": inst.state.value,
-        "value": inst.value if math.isfinite(inst.value) else None,
-        "fired_value": inst.fired_value if math.isfinite(inst.fired_value) else None,
-    }
-    for name in EXPORTED_FIELDS:
-        out[name] = getattr(inst, name)
-    return out
-
-
-def rule_index_of(rules: list[Rule], by_name: Mapping[str, list[int]], row: Mapping[str, Any]) -> int | None:
-    """The rule a persisted alert belongs to now: same name (and index, when rules were reordered)."""
-    candidates = by_name.get(row["alertname"], [])
-    if not candidates:
-        return None
-    index = row.get("rule_index")
-    return index if index in candidates else candidates[0]
