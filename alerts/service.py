@@ -9,27 +9,26 @@
     service.alerts()                     # GET /v1/alerts
     service.stop()
 
-``observe`` is cheap and never does I/O: it evaluates the rules and queues
-notifications. Every notifier whose payload carries an ``endsAt`` (Alertmanager,
-the webhook) gets firing alerts again every ``resend_interval`` with ``endsAt =
-now + ends_at_horizon`` (default 4 x ``resend_interval``, as Prometheus does), so
-a receiver that honours ``endsAt`` keeps them while the collector lives and
-expires them if it dies; Slack and PagerDuty payloads carry no ``endsAt`` and are
-sent once per change. A run that ends (its ``run_end`` event) resolves its
-alerts; a resolved notice says so, or the value the alert cleared at, and how
-long it fired.
-
-Links: ``runbook_url`` is absolute, the collector's own page of the alert's
-runbook (``{external_url}/runbooks/{anchor}``, :mod:`trainvitals.alerts.runbooks`)
-unless the rule names a URL or ``runbook_base_url`` puts the runbooks elsewhere;
-``generatorURL`` is the run's page, ``{external_url}/runs/{run}``. The collector
-sets ``external_url`` to where it serves unless the configuration names one.
+``observe`` is cheap and never does I/O: it evaluates the rules
+(:mod:`trainvitals.alerts.engine`) and queues notifications
+(:mod:`trainvitals.alerts.notifications` builds them, :mod:`trainvitals.alerts.dispatch`
+sends them). Every notifier whose payload carries an ``endsAt`` (Alertmanager, the
+webhook) gets firing alerts again every ``resend_interval`` with ``endsAt = now +
+ends_at_horizon`` (default 4 x ``resend_interval``, as Prometheus does), so a receiver
+that honours ``endsAt`` keeps them while the collector lives and expires them if it
+dies; Slack and PagerDuty payloads carry no ``endsAt`` and are sent once per change. A
+run that ends (its ``run_end`` event) resolves its alerts; a resolved notice says so,
+or the value the alert cleared at, and how long it fired. The timers run on a thread
+of their own (:mod:`trainvitals.alerts.ticker`).
 
 With ``persistence`` (an :class:`~trainvitals.alerts.persistence.AlertPersistence`;
 the collector's state file implements it) alert states, runs and the notifications
-delivered survive a restart: :meth:`start` restores them, resends a resolve that
-a crash lost (or for a rule that is gone), and pages for a firing alert only
-where it was not delivered yet; a still-firing alert does not page again.
+delivered survive a restart: they are written as they change
+(:mod:`trainvitals.alerts.state_writer`), and :meth:`start` restores them, resends a
+resolve that a crash lost (or for a rule that is gone), and pages for a firing alert
+only where it was not delivered yet (:mod:`trainvitals.alerts.reconcile`); a
+still-firing alert does not page again. What the service shows (the ``/v1/alerts``
+rows, its Prometheus families) is :mod:`trainvitals.alerts.service_views`'.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
-from urllib.parse import quote
 
 from prometheus_client.core import Metric
 
@@ -48,12 +46,15 @@ from trainvitals.alerts.dispatch import Dispatcher, RetryPolicy
 from trainvitals.alerts.engine import DEFAULT_MAX_ALERTS_PER_RULE, Engine
 from trainvitals.alerts.loading import RuleSpec, resolve_rules
 from trainvitals.alerts.local import format_transition
-from trainvitals.alerts.notifiers.base import Notification, Notifier
+from trainvitals.alerts.notifications import NotificationBuilder
+from trainvitals.alerts.notifiers.base import Notifier
 from trainvitals.alerts.notifiers.config import build_notifiers
-from trainvitals.alerts.persistence import AlertPersistence, alert_id
-from trainvitals.alerts.runbooks import runbook_url
+from trainvitals.alerts.persistence import AlertPersistence
+from trainvitals.alerts.reconcile import reconcile
 from trainvitals.alerts.service_views import alert_rows, metric_families
 from trainvitals.alerts.state import Alert, AlertState, Transition
+from trainvitals.alerts.state_writer import StateWriter
+from trainvitals.alerts.ticker import Ticker
 from trainvitals.wire.views import BatchView, ReportView
 
 __all__ = ["AlertService"]
@@ -90,28 +91,26 @@ class AlertService:
             )
         self.engine = engine
         self.persistence = persistence
+        self._writer = StateWriter(engine, persistence) if persistence is not None else None
         self.dispatcher = Dispatcher(
             notifiers,
             queue_size=queue_size,
             retry=retry,
-            on_delivered=self._delivered if persistence is not None else None,
+            on_delivered=self._writer.delivered if self._writer is not None else None,
         )
-        self._alerts_dirty = False
-        self._resync = False  # a write failed or the file was recreated: save everything
-        self._unrecorded: list[tuple[str, list[Notification]]] = []  # deliveries not written yet
         self._restored = False
         self.resend_interval = resend_interval
-        self.ends_at_horizon = horizon
         self.tick_interval = tick_interval
-        self.external_url = external_url.rstrip("/") if external_url else ""
-        # A configured external URL wins over where serve binds (a proxy, a DNS name).
-        self._external_url_given = bool(external_url) and not external_url_default
-        self.runbook_base_url = runbook_base_url
+        self.notifications = NotificationBuilder(
+            horizon,
+            external_url=external_url,
+            external_url_default=external_url_default,
+            runbook_base_url=runbook_base_url,
+        )
         self._resends = any(n.wants_repeats for n in notifiers)
         self._last_sent: dict[tuple, float] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._ticker: threading.Thread | None = None
+        self._ticker = Ticker(self.tick, tick_interval)
         self._listeners: list[Callable[[ReportView | None, list[Transition]], None]] = []
 
     @classmethod
@@ -140,19 +139,34 @@ class AlertService:
         )
         return cls(engine, build_notifiers(notifiers), **kwargs)
 
+    # ----------------------------------------------------------------- links
+
+    @property
+    def external_url(self) -> str:
+        """The base of the links notifications carry (no trailing slash; empty: none)."""
+        return self.notifications.external_url
+
+    @property
+    def ends_at_horizon(self) -> float:
+        """Seconds ahead of now a firing notification's ``endsAt`` lies."""
+        return self.notifications.ends_at_horizon
+
+    @property
+    def runbook_base_url(self) -> str | None:
+        return self.notifications.runbook_base_url
+
     def serving_at(self, url: str) -> None:
         """Where the collector serves (its base URL): the links' base unless ``external_url``
         was configured (called by ``serve`` once the port is bound)."""
-        if not self._external_url_given:
-            self.external_url = url.rstrip("/")
+        self.notifications.serving_at(url)
 
     def runbook_url(self, a: Alert) -> str:
-        """The absolute runbook link of ``a`` (see the module doc)."""
-        return runbook_url(a.rule.runbook, self.external_url, self.runbook_base_url)
+        """The absolute runbook link of ``a`` (:mod:`trainvitals.alerts.notifications`)."""
+        return self.notifications.runbook_url(a)
 
     def run_url(self, run: str) -> str:
         """The run's page, ``generatorURL`` (empty without an external URL)."""
-        return f"{self.external_url}/runs/{quote(run, safe='/:')}" if self.external_url else ""
+        return self.notifications.run_url(run)
 
     # ------------------------------------------------------------ evaluation
 
@@ -207,17 +221,17 @@ class AlertService:
                 for a in due:
                     self._last_sent[a.key] = now
             for a in due:
-                self.dispatcher.enqueue(self._notification(a, now, repeat=True))
+                self.dispatcher.enqueue(self.notifications.notification(a, now, repeat=True))
         return transitions
 
     def _notify(self, transitions: list[Transition], now: float) -> None:
-        self._alerts_dirty = True
+        writer = self._writer
+        if writer is not None:
+            writer.alerts_changed()
         # Pages first, whatever the disk does: the state write below may fail (full disk).
         self._enqueue_transitions(transitions, now)
-        if self.persistence is not None and any(
-            t.state in (AlertState.FIRING, AlertState.RESOLVED) for t in transitions
-        ):
-            self._save_alerts()  # at once: a crash right after a page must not page again
+        if writer is not None and any(t.state in (AlertState.FIRING, AlertState.RESOLVED) for t in transitions):
+            writer.save_alerts()  # at once: a crash right after a page must not page again
 
     def _enqueue_transitions(self, transitions: list[Transition], now: float) -> None:
         for t in transitions:
@@ -225,79 +239,30 @@ class AlertService:
                 log.info("alert %s", format_transition(t, self.runbook_url(t)))
                 with self._lock:
                     self._last_sent[t.key] = now
-                self.dispatcher.enqueue(self._notification(t, now))
+                self.dispatcher.enqueue(self.notifications.notification(t, now))
             elif t.state is AlertState.RESOLVED and t.old is AlertState.FIRING:
                 log.info("alert %s", format_transition(t, self.runbook_url(t)))
                 with self._lock:
                     self._last_sent.pop(t.key, None)
-                self.dispatcher.enqueue(self._notification(t, now))
-
-    def _notification(self, a: Alert, now: float, *, repeat: bool = False) -> Notification:
-        firing = a.state is AlertState.FIRING
-        if firing:
-            annotations = {"summary": a.summary, "description": a.description}
-        else:
-            annotations = {"summary": a.resolved_summary(now), "description": a.resolved_description()}
-        annotations["runbook_url"] = self.runbook_url(a)
-        return Notification(
-            status="firing" if firing else "resolved",
-            labels=a.alert_labels,
-            annotations=annotations,
-            starts_at=a.fired_at if a.fired_at is not None else now,
-            ends_at=now + self.ends_at_horizon if firing else (a.resolved_at or now),
-            value=a.value,
-            generator_url=self.run_url(a.labels.get("run", "")) if a.labels.get("run") else "",
-            repeat=repeat,
-        )
+                self.dispatcher.enqueue(self.notifications.notification(t, now))
 
     # ------------------------------------------------------------ persistence
 
     def save(self) -> None:
-        """Write changed runs and, when any changed, the alerts (no-op without persistence).
-
-        A failed write (the persistence logs and counts it) is tried again at the next
+        """Write changed runs and, when any changed, the alerts (no-op without persistence;
+        :mod:`trainvitals.alerts.state_writer`). A failed write is tried again at the next
         call, in full: every run, the alerts and the deliveries not recorded."""
-        if self.persistence is None:
-            return
-        full = self._resync
-        self._resync = False
-        try:
-            self.persistence.save_runs(self.engine.export_runs(dirty=not full))
-        except Exception:  # noqa: BLE001 - any persistence: it logs and counts its own failures
-            self._resync = True
-        if self._alerts_dirty or full:
-            self._save_alerts()
-        with self._lock:
-            owed, self._unrecorded = self._unrecorded, []
-        for notifier, batch in owed:
-            self._delivered(notifier, batch)
+        if self._writer is not None:
+            self._writer.save()
 
     def resync(self) -> None:
         """Write everything in full at the next :meth:`save` (the state file was recreated)."""
-        self._resync = True
-        self._alerts_dirty = True
-
-    def _save_alerts(self) -> None:
-        self._alerts_dirty = False
-        if self.persistence is None:
-            return
-        try:
-            self.persistence.replace_alerts(self.engine.export_alerts())
-        except Exception:  # noqa: BLE001 - any persistence: it logs and counts its own failures
-            self._alerts_dirty = True  # logged and counted by the persistence; next tick again
-
-    def _delivered(self, notifier: str, batch: list[Notification]) -> None:
-        if self.persistence is None:
-            return
-        try:
-            self.persistence.record_sent(notifier, batch)
-        except Exception:  # noqa: BLE001 - any persistence: it logs and counts its own failures
-            with self._lock:  # logged and counted by the persistence; recorded at the next save
-                if len(self._unrecorded) < 10_000:
-                    self._unrecorded.append((notifier, batch))
+        if self._writer is not None:
+            self._writer.resync()
 
     def restore(self, now: float | None = None) -> None:
-        """Bring back what the persistence holds and reconcile the notifiers with it.
+        """Bring back what the persistence holds and reconcile the notifiers with it
+        (:func:`trainvitals.alerts.reconcile.reconcile`).
 
         Called by :meth:`start` (once). For each notifier: an alert it was last told
         is firing that is no longer firing (it resolved, its run expired or its rule
@@ -307,65 +272,10 @@ class AlertService:
             return
         self._restored = True
         now = time.time() if now is None else now
-        gone = self.engine.restore(self.persistence.load_runs(), self.persistence.load_alerts())
-        for row in gone:
-            log.info("alert %s%s: its rule is gone; resolving it downstream", row["alertname"], row["labels"])
-        ledger = self.persistence.load_notified()
-        current = {alert_id(a.alertname, a.labels): a for a in self.engine.alerts()}
-        names = {n.name for n in self.dispatcher.notifiers}
-        resolves = pages = 0
-        for (notifier, aid), (status, sent) in ledger.items():
-            a = current.get(aid)
-            if notifier not in names or status != "firing" or (a is not None and a.state is AlertState.FIRING):
-                continue
-            ended = a.resolved_at if a is not None and a.resolved_at is not None else now
-            value = sent.get("value")
-            if a is not None:
-                annotations = {
-                    **sent["annotations"],
-                    "summary": a.resolved_summary(now),
-                    "description": a.resolved_description(),
-                }
-            else:
-                labels = sent["labels"]
-                series = ", ".join(f"{k}={v}" for k, v in labels.items() if k not in ("alertname", "severity", "run"))
-                annotations = {
-                    **sent["annotations"],
-                    "summary": f"Resolved: {labels.get('alertname', '?')} in run {labels.get('run', '?')}"
-                    + (f" ({series})" if series else "")
-                    + ": its rule is gone, or its run was forgotten, while the collector was down",
-                    "description": "While it fired: " + sent["annotations"].get("summary", ""),
-                }
-            self.dispatcher.enqueue_to(
-                notifier,
-                Notification(
-                    status="resolved",
-                    labels=sent["labels"],
-                    annotations=annotations,
-                    starts_at=sent["starts_at"],
-                    ends_at=ended,
-                    value=math.nan if value is None else value,
-                    generator_url=sent.get("generator_url", ""),
-                ),
-            )
-            resolves += 1
-        for aid, a in current.items():
-            if a.state is not AlertState.FIRING:
-                continue
-            for name in names:
-                last = ledger.get((name, aid))
-                if last is None or last[0] != "firing":
-                    self.dispatcher.enqueue_to(name, self._notification(a, now))
-                    pages += 1
-            with self._lock:
+        firing = reconcile(self.engine, self.persistence, self.dispatcher, self.notifications, now)
+        with self._lock:  # still firing: re-sent at the next tick, not paged again
+            for a in firing:
                 self._last_sent.setdefault(a.key, now - self.resend_interval)
-        log.info(
-            "restored %d run(s) and %d alert(s) from the state file; %d resolve(s) and %d page(s) owed to notifiers",
-            len(self.engine.export_runs()),
-            len(current),
-            resolves,
-            pages,
-        )
 
     # --------------------------------------------------------------- threads
 
@@ -374,27 +284,13 @@ class AlertService:
         ``tick_interval`` s)."""
         self.restore()
         self.dispatcher.start()
-        if self._ticker is None:
-            self._stop.clear()
-            self._ticker = threading.Thread(target=self._tick_loop, name="trainvitals-alert-ticker", daemon=True)
-            self._ticker.start()
-
-    def _tick_loop(self) -> None:
-        while not self._stop.wait(self.tick_interval):
-            try:
-                self.tick()
-            except Exception:
-                log.exception("alert tick failed")
+        self._ticker.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the ticker; deliver what can be delivered within ``timeout``; close."""
-        self._stop.set()
-        if self._ticker is not None:
-            self._ticker.join(timeout)
-            self._ticker = None
+        self._ticker.stop(timeout)
         self.dispatcher.stop(timeout)
-        if self.persistence is not None:
-            self.save()
+        self.save()
 
     def __enter__(self) -> AlertService:
         self.start()
