@@ -19,7 +19,8 @@ from typing import Any
 
 from trainvitals.alerts.loading import RuleSpec
 from trainvitals.alerts.state import Alert, AlertState, Transition
-from trainvitals.alerts.verdict import RunVerdict, VerdictBuilder, format_value, format_verdict
+from trainvitals.alerts.verdict import RunVerdict, VerdictBuilder
+from trainvitals.alerts.verdict_text import format_value, format_verdict
 from trainvitals.wire import Report
 
 __all__ = ["LocalEvaluator", "format_transition"]

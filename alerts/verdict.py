@@ -12,40 +12,30 @@ highest for an ``above`` rule, the lowest for a ``below`` one, in the rule's
 unit) and a line of what to do (the first sentence of the runbook's "Fix").
 RunSilent rules are left out: a file of reports, or a job that is reporting, is
 not silent. Pure Python, no torch, no I/O besides reading the runbooks once.
+The verdict in words (log lines, the ``check`` table) is
+:mod:`trainvitals.alerts.verdict_text`'s; reading recorded reports,
+:mod:`trainvitals.alerts.report_files`'.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from operator import attrgetter
-from pathlib import Path
 from typing import Any
 
 from trainvitals.alerts.engine import Engine
 from trainvitals.alerts.loading import RuleSpec, resolve_rules
 from trainvitals.alerts.model import Rule, SilenceRule, ThresholdRule
 from trainvitals.alerts.state import Alert, AlertState, Transition
-from trainvitals.wire import METRICS, RUN_END_EVENT, Report, ReportBatch
+from trainvitals.wire import METRICS, RUN_END_EVENT, Report
 from trainvitals.wire.coverage import NOT_BLIND, REASONS, SIGNALS
-from trainvitals.wire.errors import ConfigurationError
 
-__all__ = [
-    "Incident",
-    "ReportFileError",
-    "RunVerdict",
-    "VerdictBuilder",
-    "action_for",
-    "format_value",
-    "format_verdict",
-    "read_report_files",
-    "verdict_table",
-]
+__all__ = ["Incident", "RunVerdict", "VerdictBuilder", "action_for"]
 
 SEVERITY_ORDER = {"page": 0, "warning": 1, "info": 2}
 _name = attrgetter("name")
@@ -82,13 +72,6 @@ def action_for(rule: Rule) -> str:
         return fix
     text = " ".join((rule.description or rule.summary or "").split())
     return text.split(". ")[0].rstrip(".") + "." if text else f"see the runbook of {rule.alert}"
-
-
-def format_value(value: float) -> str:
-    """A value as the tables and log lines show it (4 significant digits)."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "nan"
-    return f"{value:.4g}"
 
 
 @dataclass
@@ -364,137 +347,3 @@ def _summary_at(alert: Alert, value: float) -> str:
         return replace(alert, value=value, fired_value=value, state=AlertState.FIRING).summary
     except Exception:  # noqa: BLE001 - a template that cannot render keeps the last text
         return alert.summary
-
-
-# -- text ------------------------------------------------------------------------------
-
-
-def format_verdict(verdict: RunVerdict, *, report_file: str | None = None) -> list[str]:
-    """The verdict as log lines: a headline, then one line per incident and its fix."""
-    steps = (
-        f"steps {verdict.first_step}-{verdict.last_step}"
-        if verdict.first_step is not None and verdict.first_step != verdict.last_step
-        else f"step {verdict.last_step}"
-    )
-    where = f"; reports in {report_file}" if report_file else ""
-    if not verdict.incidents:
-        return [f"trainvitals verdict for run {verdict.run}: no incident in {verdict.reports} reports ({steps}){where}"]
-    pages = sum(i.severity == "page" for i in verdict.incidents)
-    lines = [
-        f"trainvitals verdict for run {verdict.run}: {len(verdict.incidents)} incident(s)"
-        f"{f', {pages} of severity page' if pages else ''} in {verdict.reports} reports ({steps}){where}"
-    ]
-    for i in verdict.incidents:
-        state = (
-            f"resolved at step {i.last_step}"
-            if i.resolved
-            else (
-                f"still firing when the run ended at step {i.last_step}"
-                if i.ended_firing
-                else f"still firing at step {i.last_step}"
-            )
-        )
-        where_labels = f" {{{i.where}}}" if i.labels else ""
-        lines.append(
-            f"  {i.severity.upper()} {i.alert}{where_labels}: fired at step {i.first_step}, {state}, "
-            f"peak {format_value(i.peak)}: {i.summary}"
-        )
-        lines.append(f"    what to do: {i.action}")
-    return lines
-
-
-def verdict_table(verdicts: Iterable[RunVerdict]) -> str:
-    """A plain-text table of every incident of every run (``trainvitals check``)."""
-    rows = [("RUN", "ALERT", "SEVERITY", "SERIES", "FIRST", "LAST", "PEAK", "STATE", "WHAT TO DO")]
-    quiet = []
-    for v in verdicts:
-        if not v.incidents:
-            quiet.append(f"{v.run}: no incident in {v.reports} reports (steps {v.first_step}-{v.last_step})")
-        for i in v.incidents:
-            rows.append(
-                (
-                    v.run,
-                    i.alert,
-                    i.severity,
-                    i.where or "-",
-                    str(i.first_step),
-                    str(i.last_step),
-                    format_value(i.peak),
-                    "resolved" if i.resolved else "firing",
-                    i.action,
-                )
-            )
-    lines = []
-    if len(rows) > 1:
-        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
-        for r in rows:
-            lines.append("  ".join(cell.ljust(w) for cell, w in zip(r[:-1], widths, strict=False)) + "  " + r[-1])
-    return "\n".join(lines + quiet)
-
-
-# -- reading files ---------------------------------------------------------------------
-
-
-class ReportFileError(ConfigurationError):
-    """A report file that cannot be read; the message names the file and the line."""
-
-
-def _first_error(exc: ValueError) -> str:
-    errors = getattr(exc, "errors", None)
-    if errors is None:
-        return str(exc)
-    errs = errors(include_url=False)
-    parts = [
-        f"{'.'.join(str(p) for p in e['loc']) or 'line'}: {e['msg'].removeprefix('Value error, ')}" for e in errs[:3]
-    ]
-    return "; ".join(parts) + (f"; ... and {len(errs) - 3} more" if len(errs) > 3 else "")
-
-
-def read_report_file(path: str | Path, decode: Callable[[bytes], list[Any]] | None = None) -> Iterator[tuple[int, Any]]:
-    """(line number, report) for each report of a JSONL file (a file sink's, or wire
-    bodies one per line); :class:`ReportFileError` names the first bad line.
-
-    ``decode``: a faster decoder of one line into reports with the wire models'
-    attributes (the collector's); a line it refuses is read again by the wire models,
-    whose message names the problem."""
-    path = Path(path)
-    try:
-        fh = path.open(encoding="utf-8")
-    except OSError as exc:
-        raise ReportFileError(f"{path}: cannot read it: {exc.strerror or exc}") from None
-    with fh:
-        try:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                if decode is not None:
-                    try:
-                        fast = decode(line.encode())
-                    except ValueError:
-                        pass  # the wire models say what is wrong, below
-                    else:
-                        for report in fast:
-                            yield lineno, report
-                        continue
-                try:
-                    obj = json.loads(line)
-                except ValueError as exc:
-                    raise ReportFileError(f"{path}:{lineno}: not valid JSON: {exc}") from None
-                try:
-                    if isinstance(obj, Mapping) and "reports" in obj:
-                        reports = list(ReportBatch.model_validate(obj).reports)
-                    else:
-                        reports = [Report.model_validate(obj)]
-                except ValueError as exc:  # pydantic.ValidationError
-                    raise ReportFileError(f"{path}:{lineno}: not a trainvitals report: {_first_error(exc)}") from None
-                for report in reports:
-                    yield lineno, report
-        except UnicodeDecodeError as exc:
-            raise ReportFileError(f"{path}: not a text file of JSON lines ({exc.reason})") from None
-
-
-def read_report_files(paths: Iterable[str | Path], decode: Callable[[bytes], list[Any]] | None = None) -> Iterator[Any]:
-    """Every report of every file, in file order."""
-    for p in paths:
-        for _, report in read_report_file(p, decode):
-            yield report

@@ -60,7 +60,7 @@ def decode_line(line: bytes) -> list[Any]:
 
 
 def _judge(files: list[Path], rules: tuple[str, ...]) -> Any:
-    from trainvitals.alerts.verdict import ReportFileError, read_report_files
+    from trainvitals.alerts.report_files import ReportFileError, read_report_files
 
     builder = _builder(rules)
     try:
@@ -143,7 +143,7 @@ def check(
 
 
 def _print(verdicts: list[Any], as_json: bool, *, files: list[str], job: dict[str, Any] | None = None) -> None:
-    from trainvitals.alerts.verdict import format_verdict, verdict_table
+    from trainvitals.alerts.verdict_text import format_verdict, verdict_table
 
     if as_json:
         out: dict[str, Any] = {"files": files, "runs": [v.as_dict() for v in verdicts]}
@@ -208,7 +208,7 @@ def _preflight(
         if as_json:
             _print([], True, files=[str(path)], job=job)
         sys.exit(EXIT_JOB)
-    from trainvitals.alerts.verdict import ReportFileError, read_report_file
+    from trainvitals.alerts.report_files import ReportFileError, read_report_file
 
     try:
         for _, report in read_report_file(path, decode_line):
@@ -243,7 +243,7 @@ def report(files: tuple[Path, ...], output: Path, rules: tuple[str, ...], title:
 
     Nothing in the page is fetched from elsewhere: mail it, open it offline.
     """
-    from trainvitals.alerts.verdict import ReportFileError, read_report_files
+    from trainvitals.alerts.report_files import ReportFileError, read_report_files
     from trainvitals.monitor.report_page import RunHistory, render_page
 
     builder = _builder(rules)

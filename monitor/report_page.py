@@ -35,7 +35,8 @@ from importlib import resources
 from typing import Any
 
 from trainvitals.alerts.model import ThresholdRule
-from trainvitals.alerts.verdict import RunVerdict, VerdictBuilder, format_value
+from trainvitals.alerts.verdict import RunVerdict, VerdictBuilder
+from trainvitals.alerts.verdict_text import format_value
 
 __all__ = ["MAX_BUCKETS", "MAX_SERIES", "PANELS", "Panel", "RunHistory", "page_data", "render_page"]
 
