@@ -21,15 +21,22 @@ Modules, one concept each (the rule format is in ``docs/rules.md``):
 - ``state``: AlertState and the Alert/Transition snapshots;
 - ``transforms``: the ``increase``/``ratio_to_median`` value transforms;
 - ``conditions``: what ``and`` conditions read (another metric's latest series);
-- ``engine``: the state machines, on rule objects only (no I/O); ``instances``:
-  the state record of one alert and one run, and the row a restart brings back;
-- ``local``: LocalEvaluator (in-process, logs); ``service``: AlertService
-  (collector: evaluation, notifications, reconciliation); ``service_views``: its
-  ``/v1/alerts`` rows and Prometheus families; ``persistence``: what the service
-  asks of a state store (the collector implements it; this package never imports
-  the collector);
-  ``dispatch`` and ``notifiers``: sending; ``export``: the Prometheus rule file;
-  ``cli``: ``trainvitals rules check|export``.
+- ``engine``: the state machines over reports and timers, on rule objects only (no
+  I/O); ``rule_index``: the rules compiled and indexed for it; ``transitions``: one
+  alert's moves (pending, firing, resolved); ``instances``: the state record of one
+  alert and one run; ``alert_table``: the alerts held, bounded per rule and run;
+  ``engine_state``: their export and restore across a restart;
+- ``verdict``: a run's incidents from the engine's transitions; ``verdict_text``: the
+  verdict as log lines and a table; ``report_files``: reading recorded reports;
+- ``local``: LocalEvaluator (in-process, logs); ``service``: AlertService (collector:
+  evaluation, wiring); ``notifications``: an alert as a notification, with its links;
+  ``state_writer``: saving the service's state as it changes; ``reconcile``: the
+  notifiers told what they missed after a restart; ``ticker``: the timer thread;
+  ``service_views``: the ``/v1/alerts`` rows and Prometheus families;
+  ``persistence``: what the service asks of a state store (the collector implements
+  it; this package never imports the collector);
+- ``dispatch`` and ``notifiers``: sending; ``runbooks``: the runbook pages;
+  ``export``: the Prometheus rule file; ``cli``: ``trainvitals rules check|export``.
 
 Attributes load lazily: the rule model and engine need only pydantic and
 PyYAML; the service and notifiers bring httpx and prometheus_client. No torch.
