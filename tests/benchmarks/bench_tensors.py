@@ -14,7 +14,7 @@ with AdamW, alternating which goes first; per round, each twin's backward and
 - per backward: the monitored backward minus the twin's (the end-of-backward
   gradient norm: what every step pays, reported or not), and per tensor;
 - per step: the monitored ``optimizer.step()`` minus the twin's on steps that do
-  not report (the norm's ring slot, the signals' bookkeeping);
+  not report (the norm's per-step entry, the signals' bookkeeping);
 - per report: the same on report steps (the statistics, packing and queuing).
 
     python tests/benchmarks/bench_tensors.py                      # 100, 1000, 10000 tensors
