@@ -10,6 +10,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import JSONResponse
+
+from trainvitals.wire.errors import Refused
 
 __all__ = [
     "AlertView",
@@ -21,6 +24,7 @@ __all__ = [
     "RunSettingsAnswer",
     "RunView",
     "ShownSettings",
+    "refused_response",
 ]
 
 
@@ -28,6 +32,12 @@ class Problem(BaseModel):
     """Every error answer: what was refused and why."""
 
     detail: str
+
+
+def refused_response(exc: Refused) -> JSONResponse:
+    """The one answer to a :class:`~trainvitals.errors.Refused`: ``{"detail": ...}``, its
+    status and headers (the shape FastAPI gives its own errors)."""
+    return JSONResponse(Problem(detail=exc.detail).model_dump(), exc.status, headers=exc.headers)
 
 
 class IngestAnswer(BaseModel):

@@ -4,7 +4,7 @@ The parts live in ``app.state`` (the routes read them through
 :mod:`trainvitals.monitor.deps`); one router per resource:
 
 - ``POST /v1/reports`` (:mod:`~trainvitals.monitor.routes_ingest`, body handling in
-  :mod:`~trainvitals.monitor.request_body`),
+  :mod:`~trainvitals.monitor.request_body`; taken before the routing, :class:`CollectorApp`),
 - ``GET /metrics`` (:mod:`~trainvitals.monitor.routes_metrics`),
 - ``GET /v1/runs`` (:mod:`~trainvitals.monitor.routes_runs`),
 - ``PUT/GET/DELETE /v1/runs/{run}/settings`` (:mod:`~trainvitals.monitor.routes_configure`),
@@ -19,6 +19,9 @@ Other components hook in after :func:`create_app`::
     app.state.store.on_ingest(callback)                          # see every accepted batch
     app.state.exporter.register_family_source(families)          # add families to /metrics
     app.include_router(router)                                   # more endpoints
+
+Middleware added with ``app.add_middleware`` does not see ``POST /v1/reports``: the app
+(:class:`CollectorApp`) answers it before its middleware and routing.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 from trainvitals.alerts import AlertService, NotifierConfigError, RuleError
 from trainvitals.monitor import (
@@ -45,7 +49,7 @@ from trainvitals.monitor import (
     routes_runbooks,
     routes_runs,
 )
-from trainvitals.monitor.answers import Problem
+from trainvitals.monitor.answers import refused_response
 from trainvitals.monitor.auth import ReadAuthMiddleware
 from trainvitals.monitor.exposition import ReportCounter, StoreCollector
 from trainvitals.monitor.lifetime import LifetimeDrift
@@ -55,7 +59,7 @@ from trainvitals.monitor.state_db import StateDB
 from trainvitals.monitor.store import SeriesStore
 from trainvitals.wire.errors import Refused
 
-__all__ = ["create_app", "tune_gc"]
+__all__ = ["CollectorApp", "create_app", "tune_gc"]
 
 log = logging.getLogger("trainvitals.monitor")
 
@@ -138,7 +142,7 @@ def create_app(
             if state is not None:
                 state.close()
 
-    app = FastAPI(
+    app = CollectorApp(
         title="trainvitals collector",
         summary="Ingests training-health reports and exports them to Prometheus.",
         lifespan=lifespan,
@@ -174,10 +178,28 @@ def create_app(
 
 
 async def _refused(request: Request, exc: Exception) -> JSONResponse:
-    """The one answer to a :class:`~trainvitals.errors.Refused`: ``{"detail": ...}``,
-    its status and headers (the shape FastAPI gives its own errors)."""
+    """Every route's refusals: :func:`~trainvitals.monitor.answers.refused_response`."""
     assert isinstance(exc, Refused)
-    return JSONResponse(Problem(detail=exc.detail).model_dump(), exc.status, headers=exc.headers)
+    return refused_response(exc)
+
+
+class CollectorApp(FastAPI):
+    """The collector's FastAPI app, with ``POST /v1/reports`` taken before the routing:
+    :func:`~trainvitals.monitor.routes_ingest.ingest_endpoint` answers it as the route
+    does (the route still documents it, and serves it under a ``root_path``), without the
+    middleware, routing and dependency injection that cost about a tenth of an ingest.
+    Middleware added to the app does not see those requests."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["path"] == "/v1/reports"
+            and scope["method"] == "POST"
+            and not scope.get("root_path")
+        ):
+            await routes_ingest.ingest_endpoint(self, scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
 
 def _alert_service(settings: Settings, state: StateDB | None = None) -> AlertService:

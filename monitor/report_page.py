@@ -37,6 +37,7 @@ from typing import Any
 from trainvitals.alerts.model import ThresholdRule
 from trainvitals.alerts.verdict import RunVerdict, VerdictBuilder
 from trainvitals.alerts.verdict_text import format_value
+from trainvitals.monitor.series import Labels
 
 __all__ = ["MAX_BUCKETS", "MAX_SERIES", "PANELS", "Panel", "RunHistory", "page_data", "render_page"]
 
@@ -165,6 +166,8 @@ class RunHistory:
             labels = sample.labels
             if rank is not None:
                 key = tuple(sorted([*labels.items(), rank]))
+            elif labels.__class__ is Labels:  # the decoder's shared labels: the store's key
+                key = labels.key
             else:  # as the store keys them: sorted label items, without copying the dict
                 key = tuple(labels.items()) if len(labels) < 2 else tuple(sorted(labels.items()))
             per_metric = run.get(name)

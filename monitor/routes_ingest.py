@@ -1,14 +1,29 @@
-"""``POST /v1/reports``: ingest a batch of reports (format: ``docs/wire.md``)."""
+"""``POST /v1/reports``: ingest a batch of reports (format: ``docs/wire.md``).
+
+Two ways in, one ingest (:func:`ingest`): :func:`ingest_endpoint`, a plain ASGI
+endpoint the collector app calls for ``POST /v1/reports`` before FastAPI's routing
+(:class:`~trainvitals.monitor.app.CollectorApp`: routing, dependency injection and
+response validation cost about a tenth of the ingest), and the FastAPI route
+:func:`ingest_reports`, which documents the route in ``/openapi.json`` and serves the
+requests the endpoint does not take (an app mounted under a ``root_path``). Both read
+the body with the same limits, answer with the same bytes (the refusals through
+:func:`~trainvitals.monitor.answers.refused_response`, the app's one handler) and count
+the same outcomes.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import State
+from starlette.responses import PlainTextResponse, Response
+from starlette.types import Receive, Scope, Send
 
-from trainvitals.monitor.answers import IngestAnswer
+from trainvitals.monitor.answers import IngestAnswer, refused_response
 from trainvitals.monitor.deps import ReportsDep, RunSettingsDep, SettingsDep, StoreDep
 from trainvitals.monitor.lifetime import LifetimeDrift
 from trainvitals.monitor.request_body import BodyRefused, parse_batch, read_body
@@ -17,7 +32,7 @@ from trainvitals.monitor.state_db import StateDB
 from trainvitals.monitor.store import IngestResult, SeriesStore
 from trainvitals.wire.errors import Refused
 
-__all__ = ["router"]
+__all__ = ["ingest", "ingest_endpoint", "router"]
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +63,50 @@ async def ingest_reports(
     rank, ``sender`` and ``seq``), skipped this time. A refused body changes
     nothing and is counted in ``trainvitals_collector_reports_total{outcome}``.
     """
+    return await ingest(request, request.app.state)
+
+
+async def ingest_endpoint(app: Any, scope: Scope, receive: Receive, send: Send) -> None:
+    """``POST /v1/reports`` as a plain ASGI endpoint of ``app`` (the collector app): the
+    answers of :func:`ingest_reports` as FastAPI gives them, byte for byte (an unexpected
+    error: 500 ``Internal Server Error``, raised on to the server, as Starlette does)."""
+    started = False
+
+    async def sending(message: Any) -> None:
+        nonlocal started
+        started = True
+        await send(message)
+
     try:
-        body = await read_body(request, settings)
-        state = request.app.state.state_db
-        lifetime = request.app.state.lifetime
-        if len(body) > _INLINE_BYTES:
-            result, runs = await run_in_threadpool(_apply, store, body, state, run_settings, lifetime)
+        try:
+            answer = await ingest(Request(scope, receive), app.state)
+        except Refused as exc:
+            response: Response = refused_response(exc)
         else:
-            result, runs = _apply(store, body, state, run_settings, lifetime)
+            # What FastAPI sends for the route's response model (exclude_unset, by alias).
+            response = Response(
+                answer.model_dump_json(exclude_unset=True, by_alias=True), 202, None, "application/json"
+            )
+        await response(scope, receive, sending)
+    except Exception:
+        if not started:
+            await PlainTextResponse("Internal Server Error", status_code=500)(scope, receive, send)
+        raise
+
+
+async def ingest(request: Request, state: State) -> IngestAnswer:
+    """Read, decode and apply the request's body; the answer, or :class:`Refused` (counted
+    in ``trainvitals_collector_reports_total{outcome}`` and logged)."""
+    reports = state.reports
+    run_settings = state.run_settings
+    try:
+        body = await read_body(request, state.settings)
+        if len(body) > _INLINE_BYTES:
+            result, runs = await run_in_threadpool(
+                _apply, state.store, body, state.state_db, run_settings, state.lifetime
+            )
+        else:
+            result, runs = _apply(state.store, body, state.state_db, run_settings, state.lifetime)
     except Refused as exc:  # answered by the app's handler; counted and logged here
         reports.inc(exc.outcome)
         client = request.client.host if request.client else "?"

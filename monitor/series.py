@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from trainvitals.monitor.dedup import SeqWindow
 
-__all__ = ["Families", "LabelKey", "RunCopy", "RunInfo", "RunSeries", "drop_stale", "label_key"]
+__all__ = ["Families", "LabelKey", "Labels", "RunCopy", "RunInfo", "RunSeries", "drop_stale", "label_key"]
 
 # A series inside one run and rank: its label items, sorted. The name is the outer key.
 LabelKey = tuple[tuple[str, str], ...]
@@ -61,6 +61,29 @@ class RunSeries:
 def label_key(labels: dict[str, str]) -> LabelKey:
     # Inlined in SeriesStore.apply (hot path); keep the two in step.
     return tuple(labels.items()) if len(labels) < 2 else tuple(sorted(labels.items()))
+
+
+def _read_only(self: Labels, *args: object, **kwargs: object) -> None:
+    raise TypeError("Labels are shared by every sample spelled alike: copy them (dict(labels)) to change them")
+
+
+class Labels(dict[str, str]):
+    """A sample's labels as the collector's decoder hands them out: one object for all the
+    samples whose labels are spelled alike (they repeat in every report), carrying the
+    store's key for them (:func:`label_key`), so the store and the checks do their work
+    once per spelling, not once per sample. A dict to every reader; read-only."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        super().__init__(labels)
+        self.key: LabelKey = label_key(self)
+
+    def __reduce__(self) -> tuple[type[Labels], tuple[dict[str, str]]]:  # copy, pickle
+        return Labels, (dict(self),)
+
+    __setitem__ = __delitem__ = __ior__ = _read_only  # type: ignore[assignment]
+    update = pop = popitem = clear = setdefault = _read_only  # type: ignore[assignment]
 
 
 def drop_stale(fams: Families, before: int) -> int:

@@ -52,7 +52,7 @@ from trainvitals.monitor.limits import (
     SeriesLimitExceeded,
     check_budgets,
 )
-from trainvitals.monitor.series import LabelKey, RunCopy, RunInfo, RunSeries, drop_stale, label_key
+from trainvitals.monitor.series import LabelKey, Labels, RunCopy, RunInfo, RunSeries, drop_stale, label_key
 from trainvitals.wire import ReportBatch, ends_run
 from trainvitals.wire.coverage import ACTIVE_METRIC, coverage_samples
 
@@ -208,14 +208,18 @@ class SeriesStore:
                 if fams is None:
                     fams = run.by_rank[rank] = {}
                 gen = run.reports[rank] = run.reports.get(rank, 0) + 1
-                # Hot loop: no function calls beyond the builtins.
+                # Hot loop: no function calls beyond the builtins. The decoder's shared
+                # Labels carry their key; other labels (a ReportBatch) are keyed here.
                 for s in report.samples:
                     labels = s.labels
                     fam = fams.get(s.name)
                     if fam is None:
                         fam = fams[s.name] = {}
-                    key = tuple(labels.items()) if len(labels) < 2 else tuple(sorted(labels.items()))
-                    fam[key] = (s.value, gen)
+                    if labels.__class__ is Labels:
+                        fam[labels.key] = (s.value, gen)
+                    else:
+                        key = tuple(labels.items()) if len(labels) < 2 else tuple(sorted(labels.items()))
+                        fam[key] = (s.value, gen)
                 if report.coverage:
                     # The report's coverage replaces the rank's previous one whole (a
                     # reason that changed leaves no series behind).
