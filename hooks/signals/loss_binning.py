@@ -95,9 +95,19 @@ class SumsLayout:
         """Where ``weight_sums``' block, mass and non-uniform flag of objective ``slot`` go."""
         key = ("weights", slot, device)
         if key not in self._tensors:
-            common = list(range(self.common.start, self.common.stop))
-            targets = [*common, self.mass.start + slot, self.nonuniform.start + slot]
+            weight = list(range(self.weight.start, self.weight.stop))
+            fit = list(range(self.fit.start, self.fit.stop))
+            targets = [*weight, self.scratch, *fit, self.mass.start + slot, self.nonuniform.start + slot]
             self._tensors[key] = torch.tensor(targets).to(device)
+        return self._tensors[key]
+
+    def constant_rows(self, rows: int, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``[rows]`` filled with ``value`` (made once per shape; never written)."""
+        key = ("rows", rows, value, dtype, device)
+        if key not in self._tensors:
+            if len(self._tensors) > 256:  # micro-batch shapes changed many times: start over
+                self._tensors.clear()
+            self._tensors[key] = torch.full((rows,), value, dtype=dtype, device=device)
         return self._tensors[key]
 
     def constant(self, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -136,6 +146,7 @@ class Batch:
     fdt: torch.dtype
     probe_masks: torch.Tensor | None = None  # [M, N] label tokens per modality (probe steps)
     onehot: torch.Tensor | None = None  # [S, bins + 1] the rows' bins one-hot (rows as samples)
+    onehot_t: torch.Tensor | None = None  # its transpose (a view)
     shape: tuple[int, int] = (0, 0)  # [rows, cols] of the micro-batch
 
 
@@ -270,7 +281,7 @@ def _bin_rows(
     else:
         binned = codes.long().clamp(-1, m).remainder_(m + 1)  # outside 0..m-1: the overflow bin m
     onehot = (binned.unsqueeze(1) == layout.bin_columns(dev, count_unknown)).to(fdt)
-    positions = torch.full_like(n_s, float(cols))
+    positions = layout.constant_rows(rows, float(cols), fdt, dev)
     features = torch.stack([n_s.clamp(max=1.0), n_s, n_s.sqrt(), loss_s, positions])
     sums.index_add_(0, layout.prepared_targets(dev), (features @ onehot).view(-1))
     has = n_s > 0
@@ -285,6 +296,7 @@ def _bin_rows(
         log_n=torch.log(n_s.clamp_min(1.0)),
         fdt=fdt,
         onehot=onehot,
+        onehot_t=onehot.t(),
         shape=(rows, cols),
     )
     if probe:
@@ -319,7 +331,7 @@ def weight_sums(
     # Exponent fit: sufficient statistics over samples with positive weight.
     ok = b.has & (w_s > 0)
     x = torch.where(ok, b.log_n, zero)
-    y = torch.where(ok, torch.log(torch.where(ok, w_s, 1.0)), zero)
+    y = torch.where(ok, w_s.log(), zero)  # log of w_s <= 0 is never taken
     # Token-weight uniformity within the micro-batch, and its extremes (I3).
     if lab is None:
         wmin, wmax = torch.aminmax(w)
@@ -329,12 +341,14 @@ def weight_sums(
         wmax = torch.where(lab, w, layout.constant(float("-inf"), fdt, dev)).amax().reshape(1)
         wmin = torch.where(lab, w, layout.constant(float("inf"), fdt, dev)).amin().reshape(1)
     nonuniform = (wmin.abs() < float("inf")) & ((wmin <= 0) | (wmax > wmin * (1 + rtol)))
-    if b.onehot is not None:
-        per_bin = w_s @ b.onehot[:, :-1]
+    if b.onehot is not None:  # [bins + 1]: the extra column goes to scratch
+        per_bin = torch.mv(b.onehot_t, w_s)
+        mass = w_s.sum().reshape(1)
     else:
-        per_bin = torch.zeros(layout.bins, dtype=fdt, device=dev).index_add_(0, b.s_bin, w_s)
+        per_bin = torch.zeros(layout.bins + 1, dtype=fdt, device=dev).index_add_(0, b.s_bin, w_s)
+        mass = per_bin.sum().reshape(1)
     fit = torch.stack([ok.to(fdt), x, y, x * x, x * y]).sum(1)
-    return torch.cat([per_bin, fit, per_bin.sum().reshape(1), nonuniform.to(fdt)]), wmax, wmin
+    return torch.cat([per_bin, fit, mass, nonuniform.to(fdt)]), wmax, wmin
 
 
 def output_sums(

@@ -16,10 +16,14 @@ import torch
 from trainvitals.hooks.signals.loss_arguments import NORMALIZATIONS
 from trainvitals.hooks.signals.loss_binning import SumsLayout
 
-__all__ = ["MIN_LOG_LENGTH_VAR", "ROWS", "SHARES", "Plan"]
+__all__ = ["MIN_LOG_LENGTH_VAR", "ROWS", "SHARES", "SQRT_TOLERANCE", "Plan"]
 
 MIN_LOG_LENGTH_VAR = 1e-6
 """Below this variance of log(label tokens per sample) there is no slope to fit."""
+
+SQRT_TOLERANCE = 0.15
+"""Undeclared, a fitted exponent within this of 0.5 is taken as a deliberate sqrt
+normalization (it is 0 per sample, 1 per token: far from either)."""
 
 ROWS = ("samples", "tokens", "sqrt_tokens", "loss", "weight")
 """The per-bin rows of the sums whose totals over bins a report divides by."""
@@ -64,7 +68,7 @@ class Plan:
         zero, scale_at, weights0 = one + 1, one + 2, one + 3
         prod0 = weights0 + k
         fit0 = prod0 + 5
-        out0 = fit0 + 2
+        out0 = fit0 + 3
         n, sx, sy, sxx, sxy = range(lay.fit.start, lay.fit.stop)
 
         def bins(row: str) -> list[int]:
@@ -84,10 +88,13 @@ class Plan:
             num1 += bins(row)
             den1 += [at[row]] * m
         self.exponent = len(num1)
-        num1 += [fit0, fit0 + 1, n]  # the exponent, var(log n) = (n sxx - sx sx) / n^2, n
-        den1 += [fit0 + 1, prod0 + 4, one]
-        self.fit_checks = tensor([self.exponent + 1, self.exponent + 2])
-        self.fit_bounds = floats([MIN_LOG_LENGTH_VAR, 1.5])  # n >= 2 counts
+        # the exponent, minus it, var(log n) = (n sxx - sx sx) / n^2, n
+        num1 += [fit0, fit0 + 2, fit0 + 1, n]
+        den1 += [fit0 + 1, fit0 + 1, prod0 + 4, one]
+        # the fit holds with var(log n) > MIN_LOG_LENGTH_VAR and n >= 2 (counts); sqrt-like
+        # when also 0.5 - SQRT_TOLERANCE < exponent < 0.5 + SQRT_TOLERANCE
+        self.fit_checks = tensor([self.exponent + 2, self.exponent + 3, self.exponent, self.exponent + 1])
+        self.fit_bounds = floats([MIN_LOG_LENGTH_VAR, 1.5, 0.5 - SQRT_TOLERANCE, -0.5 - SQRT_TOLERANCE])
         self.scale = len(num1)
         num1.append(at["tokens"] if scale is None else scale_at)
         den1.append(one)
@@ -136,13 +143,20 @@ class Plan:
 
         self.rows = tensor([i for row in ROWS for i in range(getattr(lay, row).start, getattr(lay, row).stop)])
         self.fit = tensor([n, sxy, sx, sy, n, sxx, sx, sx, n, n])
-        self.sign = floats([1.0, -1.0])
+        # products [n sxy, sx sy, n sxx, sx sx, n n] -> [numerator, denominator, -numerator]
+        self.fit_signs = floats(
+            [[1.0, 0.0, -1.0], [-1.0, 0.0, 1.0], [0.0, 1.0, 0.0], [0.0, -1.0, 0.0], [0.0, 0.0, 0.0]]
+        )
         self.consts = floats([1.0, 0.0, 1.0 if scale is None else scale, *declared_weights])
         self.num1, self.den1 = tensor(num1), tensor(den1)
         self.num2, self.den2 = tensor(num2), tensor(den2)
         self.present, self.present_and = tensor(present), tensor(present_and)
         self.blind = tensor([lay.not_ce, lay.overwritten])
         self.none_k = torch.zeros(k, dtype=torch.bool).to(device)
+        # the spread holds where every micro-batch was uniform (a count: 0), the smallest
+        # weight is in (0, inf) and the largest finite: each within its row's open bounds
         self.spread_checks = tensor(
             [lay.nonuniform.start + s for s in slots] + [wmin0 + s for s in slots] + [wmax0 + s for s in slots]
         )
+        self.spread_low = floats([[-0.5], [0.0], [float("-inf")]])
+        self.spread_high = floats([[0.5], [float("inf")], [float("inf")]])

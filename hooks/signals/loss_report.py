@@ -101,10 +101,6 @@ from trainvitals.hooks.tensors import float_dtype
 
 __all__ = ["Accumulated", "LossReport"]
 
-SQRT_TOLERANCE = 0.15
-"""Undeclared, a fitted exponent within this of 0.5 is taken as a deliberate sqrt
-normalization (it is 0 per sample, 1 per token: far from either)."""
-
 
 @dataclass(frozen=True)
 class Accumulated:
@@ -302,7 +298,7 @@ class LossReport:
         # numerator and denominator, sqrt of the output sums (``Plan``).
         totals = sums.index_select(0, plan.rows).view(len(ROWS), lay.bins).sum(1)
         products = sums.index_select(0, plan.fit).view(-1, 2).prod(1)
-        fit = products[:4].view(2, 2) @ plan.sign  # n sxy - sx sy, n sxx - sx sx
+        fit = products @ plan.fit_signs  # n sxy - sx sy, n sxx - sx sx, sx sy - n sxy
         pool = torch.cat([sums, totals, wmax, wmin, plan.consts, products, fit, sums[lay.output].sqrt()])
         first = pool.index_select(0, plan.num1) / pool.index_select(0, plan.den1)
         raw = pool.index_select(0, plan.present) != 0
@@ -347,30 +343,27 @@ class LossReport:
             for name in names
         )
         ctx.events_when(events, flags)
-        self._late.add_many(
-            [
-                (
-                    "loss_modality_without_labels",
-                    "%d declared modality(ies) mark positions only of samples without label tokens, so they "
-                    "read as absent from the shares (docs/signals.md, 'Loss accounting')",
-                )
-            ],
-            (flags[len(events) - m :] > 0).sum().reshape(1),
+        self._late.add_positive(
+            "loss_modality_without_labels",
+            "%d declared modality(ies) mark positions only of samples without label tokens, so they "
+            "read as absent from the shares (docs/signals.md, 'Loss accounting')",
+            flags,
+            len(events) - m,
         )
         if not full:
             return  # no weights arrived on this step: nothing honest to say about them
 
         second = first.index_select(0, plan.num2) / first.index_select(0, plan.den2)
         # the fit: n >= 2 samples and var(log n) > MIN_LOG_LENGTH_VAR
-        fit_ok = (first.index_select(0, plan.fit_checks) > plan.fit_bounds).all().reshape(1)
+        checks = first.index_select(0, plan.fit_checks) > plan.fit_bounds
+        fit_ok = checks[:2].all().reshape(1)
         exponent = first[plan.exponent : plan.exponent + 1]
         dilution = second[:m]
         if declared is not None:
             excess = second[m : 2 * m]
         else:
             # undeclared: sqrt when the fitted exponent is 0.5 (a deliberate choice), else per sample
-            sqrt_like = fit_ok & ((exponent - 0.5).abs() < SQRT_TOLERANCE)
-            excess = torch.where(sqrt_like, second[m : 2 * m], dilution)
+            excess = torch.where(checks.all(), second[m : 2 * m], dilution)
         ctx.emit("modality_grad_share_ratio", first[1 + 3 * m : 1 + 4 * m], mod_labels, present=presence[plan.p_share])
         weighted = presence[plan.p_weighted]
         ctx.emit("modality_dilution_ratio", dilution, mod_labels, present=weighted)
@@ -425,8 +418,8 @@ class LossReport:
             spread_ok = plan.none_k
         else:
             # every micro-batch's token weights uniform, the smallest weight > 0, the largest finite
-            uniform, bottom, top = pool.index_select(0, plan.spread_checks).view(3, k).unbind(0)
-            spread_ok = (uniform == 0) & (bottom > 0) & torch.isfinite(top)
+            checks = pool.index_select(0, plan.spread_checks).view(3, k)
+            spread_ok = ((checks > plan.spread_low) & (checks < plan.spread_high)).all(0)
         ctx.emit("token_weight_spread_ratio", spread, labels, present=gated(spread_ok))
 
     def _plan(
