@@ -25,18 +25,18 @@ scaler skips (inf/NaN gradients, ``optimizer.step`` not called) is detected when
 step whose ``optimizer.step`` the job skips is merged into the next one.
 
 Zero-code accounting (``attach(loss_from_logits=True)``) reads the same weights from
-the gradient at the logits instead of a per-token loss tensor
-(:mod:`~trainvitals.hooks.signals.logits_accounting`): a forward hook on the LM head
-places, on report steps only, a tensor hook on its output; during the backward that
-hook recovers every position's weight, loss and label flag and feeds them to the same
-binning and sums as ``track_loss``. Micro-batches are tagged with
-``Monitor.tag_batch``. When the gradient is not a plain cross-entropy one the step's
-figures are left out and a log line says so.
+the model's own outputs instead (the logits' gradient, Megatron's per-token losses,
+TRL's fused head): :mod:`~trainvitals.hooks.signals.loss_zero_code`, with samples
+tagged from a VLM's input ids by :mod:`~trainvitals.hooks.signals.loss_modality`.
 
-The binning arithmetic lives in :mod:`~trainvitals.hooks.signals.loss_binning`,
-the figures in :mod:`~trainvitals.hooks.signals.loss_report`, the argument checks
-in :mod:`~trainvitals.hooks.signals.loss_arguments`, the opt-in parameter-space
-probe (``attach(probe_every=N)``) in :mod:`~trainvitals.hooks.signals.loss_probe`.
+The modules, in data-flow order: the argument checks
+(:mod:`~trainvitals.hooks.signals.loss_arguments`), the step's bookkeeping
+(:mod:`~trainvitals.hooks.signals.loss_step`), the binning arithmetic
+(:mod:`~trainvitals.hooks.signals.loss_binning`), this signal (``track_loss`` and its
+hooks, coverage, collect), the figures (:mod:`~trainvitals.hooks.signals.loss_report`,
+whose index plan is :mod:`~trainvitals.hooks.signals.loss_plan`); the opt-in
+parameter-space probe (``attach(probe_every=N)``) is
+:mod:`~trainvitals.hooks.signals.loss_probe`.
 """
 
 from __future__ import annotations

@@ -341,7 +341,7 @@ def weight_sums(
         wmax = torch.where(lab, w, layout.constant(float("-inf"), fdt, dev)).amax().reshape(1)
         wmin = torch.where(lab, w, layout.constant(float("inf"), fdt, dev)).amin().reshape(1)
     nonuniform = (wmin.abs() < float("inf")) & ((wmin <= 0) | (wmax > wmin * (1 + rtol)))
-    if b.onehot is not None:  # [bins + 1]: the extra column goes to scratch
+    if b.onehot_t is not None:  # [bins + 1]: the extra column goes to scratch
         per_bin = torch.mv(b.onehot_t, w_s)
         mass = w_s.sum().reshape(1)
     else:

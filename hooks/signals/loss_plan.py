@@ -11,6 +11,8 @@ active objectives, scale, declared normalization), built once on the host.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from trainvitals.hooks.signals.loss_arguments import NORMALIZATIONS
@@ -78,7 +80,7 @@ class Plan:
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(device)
 
-        def floats(values: list[float]) -> torch.Tensor:
+        def floats(values: list[Any]) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device)
 
         share = {row: 1 + (i + 1) * m for i, row in enumerate(("samples", "tokens", "weight", "sqrt_tokens"))}

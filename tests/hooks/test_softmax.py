@@ -309,6 +309,17 @@ def test_a_failure_past_the_checks_turns_the_signal_off_instead_of_raising(monke
     mon.close()
 
 
+@pytest.mark.parametrize("name", ["ie\n", "a b", "", "x" * 65])
+def test_task_and_role_names_are_checked_whole(name):
+    """A trailing newline is no name either (a ``$``-anchored match would let it through)."""
+    mon, _, _ = monitor()
+    with pytest.raises(ValueError, match="short identifier"):
+        mon.observe_logits(torch.randn(4, 10), task=name)
+    with pytest.raises(ValueError, match="short identifier"):
+        mon.observe_logits(torch.randn(4, 10), role=name)
+    mon.close()
+
+
 def test_observing_makes_no_host_sync(monkeypatch):
     """No .item()/.tolist()/float()/bool() on the training thread, in the observe
     calls or in the step that reports them."""
