@@ -15,7 +15,37 @@ import torch
 
 from trainvitals.hooks.signals.base import MonitorView
 
-__all__ = ["LateWarnings"]
+__all__ = ["LateValue", "LateWarnings"]
+
+
+class LateValue:
+    """One small tensor copied to the host asynchronously and read on a later call,
+    once the copy has landed (on a CPU device at once): a fact about values that lets
+    a later report skip work, learned without waiting for the device."""
+
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None
+        self._ready: Any = None
+
+    def start(self, value: torch.Tensor) -> None:
+        """Copy ``value`` (a tensor the caller no longer writes) towards the host."""
+        value = value.detach()
+        self._ready = None
+        if value.device.type == "cpu":
+            self._host = value
+        elif value.device.type == "cuda":
+            self._host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            self._host.copy_(value, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:  # other devices: no cheap completion test; never known
+            self._host = None
+
+    def get(self) -> list[Any] | None:
+        """The values as a list once the copy has landed; None before that (or never started)."""
+        if self._host is None or (self._ready is not None and not self._ready.query()):
+            return None
+        return self._host.reshape(-1).tolist()  # a host tensor whose copy has completed: no device sync
 
 
 class LateWarnings:

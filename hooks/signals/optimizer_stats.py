@@ -219,11 +219,14 @@ class OptimizerStats(Signal):
                 # non-finite steps as -1 (a finite norm is >= 0): left out of the max and the mean
                 marked = torch.nan_to_num(norms, nan=-1.0, posinf=-1.0)
                 count = marked.ge(0).sum(0, keepdim=True)
-                values += [
-                    norms[-1:],
-                    marked.amax(0, keepdim=True),
-                    marked.clamp_min(0).sum(0, keepdim=True) / count,
-                ]
+                if norms.numel() == 1:  # one step since the report before (every=1): its norm is max and mean
+                    values += [norms, marked, marked]  # a non-finite step's are gated out by count
+                else:
+                    values += [
+                        norms[-1:],
+                        marked.amax(0, keepdim=True),
+                        marked.clamp_min(0).sum(0, keepdim=True) / count,
+                    ]
                 nonfinite = nonfinite + (norms.numel() - count)
                 emitted += [("grad_norm", [{}]), ("grad_norm_max", [{}]), ("grad_norm_mean", [{}])]
                 gated = [k + 1, k + 2]

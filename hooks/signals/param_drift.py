@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from trainvitals.hooks.late_warnings import LateValue
 from trainvitals.hooks.sampling import StridedSample, owner_index
 from trainvitals.hooks.signals.base import MonitorView
 from trainvitals.hooks.signals.param_series import Series
@@ -92,6 +93,15 @@ class DriftTracker:
         self._owner3 = self.owner.expand(3, -1)
         self._sign_sums = torch.zeros(self.n, dtype=torch.int32, device=dev)
         self._denominators: dict[int, torch.Tensor] = {}
+        self._settle()
+
+    def _settle(self) -> None:
+        """Forget whether every reference has its range (after the references changed)."""
+        # Whether every reference had a range at a past report, read without a sync: from
+        # then on no reference is taken again, the scale and the judged scale stay the same.
+        self._all_set = LateValue()
+        self._settled: torch.Tensor | None = None  # the judged scale, clamped, once known fixed
+        self._candidate: torch.Tensor | None = None  # the one the pending flag is about
 
     def values(self, dev: torch.device) -> torch.Tensor:
         """The local elements of the 1D parameters, end to end, as float32."""
@@ -118,7 +128,13 @@ class DriftTracker:
     ) -> torch.Tensor:
         """``param_drift_log2`` from the combined absmax, reference scale and displacement.
         A parameter still all zeros at its reference takes, at the first report where it
-        is not, its values then as its reference (drift 0 there)."""
+        is not, its values then as its reference (drift 0 there). Once every reference is
+        known (a report later, without a sync) to have a range, only the last step is left:
+        nothing else can change (the combined scale is then this scale on every rank)."""
+        if self._settled is None and self._candidate is not None and self._all_set.get() == [True]:
+            self._settled = self._candidate
+        if self._settled is not None:
+            return torch.log2(1 + moved / self._settled)
         had = scale > 0  # a reference with a range; else it takes the values now (0 while all zeros)
         self.scale = torch.where(had, scale, absmax)
         has = self.scale > 0
@@ -130,8 +146,10 @@ class DriftTracker:
         known = torch.where(has, self.scale, self._nan)
         floor = torch.nan_to_num(torch.nanmedian(known), nan=0.0) * NEIGHBOUR_FLOOR
         self.judged = torch.maximum(self.scale, floor)
+        self._candidate = self.judged.clamp_min(1e-38)
+        self._all_set.start(has.all())
         # 0 where the reference is taken now (no displacement yet) or is still all zeros
-        return torch.where(had, torch.log2(1 + moved / self.judged.clamp_min(1e-38)), self._zero)
+        return torch.where(had, torch.log2(1 + moved / self._candidate), self._zero)
 
     def save_references(self) -> None:
         """Write the (possibly updated) references back to the per-parameter table."""
@@ -208,6 +226,7 @@ class DriftTracker:
         if chosen:
             self.ref_values = torch.cat([r.values for r in chosen])
             self.scale = torch.stack([r.scale for r in chosen])
+        self._settle()
         if same_window:
             self.changes = int(state.get("changes", 0))
             self.sums = self.ring.sum(0, dtype=torch.int32)
