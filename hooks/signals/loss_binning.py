@@ -328,8 +328,9 @@ def weight_sums(
         assert lab is not None
         w = torch.where(lab, w, zero)
         w_s = torch.zeros(b.n_samples, dtype=fdt, device=dev).index_add_(0, b.sid, w)
-    # Exponent fit: sufficient statistics over samples with positive weight.
-    ok = b.has & (w_s > 0)
+    # Exponent fit: sufficient statistics over samples with positive weight (a sample
+    # without label tokens has w_s = 0 on the rows path: its weights are masked out).
+    ok = (w_s > 0) if b.sid is None else b.has & (w_s > 0)
     x = torch.where(ok, b.log_n, zero)
     y = torch.where(ok, w_s.log(), zero)  # log of w_s <= 0 is never taken
     # Token-weight uniformity within the micro-batch, and its extremes (I3).

@@ -146,9 +146,7 @@ class Plan:
         self.rows = tensor([i for row in ROWS for i in range(getattr(lay, row).start, getattr(lay, row).stop)])
         self.fit = tensor([n, sxy, sx, sy, n, sxx, sx, sx, n, n])
         # products [n sxy, sx sy, n sxx, sx sx, n n] -> [numerator, denominator, -numerator]
-        self.fit_signs = floats(
-            [[1.0, 0.0, -1.0], [-1.0, 0.0, 1.0], [0.0, 1.0, 0.0], [0.0, -1.0, 0.0], [0.0, 0.0, 0.0]]
-        )
+        self.fit_signs = floats([[1.0, -1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, -1.0, 0.0], [-1.0, 1.0, 0.0, 0.0, 0.0]])
         self.consts = floats([1.0, 0.0, 1.0 if scale is None else scale, *declared_weights])
         self.num1, self.den1 = tensor(num1), tensor(den1)
         self.num2, self.den2 = tensor(num2), tensor(den2)

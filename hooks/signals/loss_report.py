@@ -267,7 +267,7 @@ class LossReport:
             sums.dtype,
         )
         if counting_nonfinite or monitor.world_size > 1:
-            ctx.emit("nonfinite_total", sums[lay.nonfinite], {"what": "loss"})
+            ctx.emit("nonfinite_total", sums[lay.nonfinite : lay.nonfinite + 1], {"what": "loss"})
         gate: torch.Tensor | None = None  # zero-code: every figure present only where the weights are sound
         if zero_code:
             # Weights read from a gradient that is not a plain cross-entropy one are wrong:
@@ -298,7 +298,7 @@ class LossReport:
         # numerator and denominator, sqrt of the output sums (``Plan``).
         totals = sums.index_select(0, plan.rows).view(len(ROWS), lay.bins).sum(1)
         products = sums.index_select(0, plan.fit).view(-1, 2).prod(1)
-        fit = products @ plan.fit_signs  # n sxy - sx sy, n sxx - sx sx, sx sy - n sxy
+        fit = torch.mv(plan.fit_signs, products)  # n sxy - sx sy, n sxx - sx sx, sx sy - n sxy
         pool = torch.cat([sums, totals, wmax, wmin, plan.consts, products, fit, sums[lay.output].sqrt()])
         first = pool.index_select(0, plan.num1) / pool.index_select(0, plan.den1)
         raw = pool.index_select(0, plan.present) != 0
