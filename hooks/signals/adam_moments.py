@@ -62,6 +62,9 @@ class _Batch:
         self.m: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.below: torch.Tensor | None = None
+        self.cg: torch.Tensor | None = None  # [2, size]: each element's c then g (AdamMoments.collect)
+        self.ce: torch.Tensor | None = None
+        self.ge: torch.Tensor | None = None
         self.dst: list[torch.Tensor] = []
         self.src: list[torch.Tensor] = []  # the moments' views copied into dst (AdamMoments._sources)
         self.parts: list[torch.Tensor] = []
@@ -103,6 +106,10 @@ class MomentPlan:
         self.m_buf = torch.empty(width, dtype=torch.float32, device=dev)
         self.v_buf = torch.empty(width, dtype=torch.float32, device=dev)
         self.below_buf = torch.empty(width, dtype=torch.float32, device=dev)
+        self.cg_buf = torch.empty(2 * width, dtype=torch.float32, device=dev)
+        # Per entry c then g (see AdamMoments.collect), written in place: no cast op per report.
+        self.cg = torch.empty(2, len(entries), dtype=torch.float32, device=dev)
+        self.c, self.g = self.cg.unbind()
         self.n_series = len(series_labels)
         self.n_groups = len(group_slot)
         present = sorted(set(series_bins))
@@ -200,6 +207,8 @@ class MomentPlan:
             return
         batch.m, batch.v = self.m_buf[: batch.size], self.v_buf[: batch.size]
         batch.below = self.below_buf[: batch.size]
+        batch.cg = self.cg_buf[: 2 * batch.size].view(2, batch.size)
+        batch.ce, batch.ge = batch.cg.unbind()
         ms, vs = batch.m.split(batch.lengths), batch.v.split(batch.lengths)
         batch.parts = [*ms, *batch.below.split(batch.lengths)]
         batch.dst = []
@@ -315,19 +324,20 @@ class AdamMoments:
         # Per element only c = eps * sqrt(1 - b2^t) and g = sqrt(1 - b2^t) / (1 - b1^t) are needed:
         #   sqrt(v_hat) < eps  <=>  sqrt(v) < c
         #   m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) + c) * g
+        # (computed in float64, rounded once into the float32 buffers)
         root = bc2.sqrt()
-        c = (eps * root).to(torch.float32)
-        g = (root / bc1).to(torch.float32)
+        torch.mul(eps, root, out=plan.c)
+        torch.div(root, bc1, out=plan.g)
         self._sources(plan, ms, vs)
         for batch in plan.batches:
             plan.views(batch)
-            m, v, below = batch.m, batch.v, batch.below
-            assert m is not None and v is not None and below is not None
+            m, v, below, ce, ge = batch.m, batch.v, batch.below, batch.ce, batch.ge
+            assert m is not None and v is not None and below is not None and ce is not None and ge is not None
             torch._foreach_copy_(batch.dst, batch.src)  # every segment of the batch in one call
-            ce = c.index_select(0, batch.index)
+            torch.index_select(plan.cg, 1, batch.index, out=batch.cg)  # each element's c and g
             v.sqrt_()
             torch.lt(v, ce, out=below)  # 0/1 as float32
-            m.mul_(g.index_select(0, batch.index)).div_(v.add_(ce))
+            m.mul_(ge).div_(v.add_(ce))
             # The segments' norms (of 0/1 for the counts) in one foreach call.
             pieces.append(torch.stack(foreach_norm32(joined + batch.parts)))
             joined = []
