@@ -92,7 +92,9 @@ class DriftTracker:
         self._min = torch.full((self.n,), float("inf"), device=dev)
         self._owner3 = self.owner.expand(3, -1)
         self._sign_sums = torch.zeros(self.n, dtype=torch.int32, device=dev)
-        self._denominators: dict[int, torch.Tensor] = {}
+        # consistency_ratio's denominators for each number of changes in the window, made once
+        counts = self.sampled.clamp_min(1)
+        self._denominators = [counts * w for w in range(1, self.window + 1)]
         self._settle()
 
     def _settle(self) -> None:
@@ -159,13 +161,16 @@ class DriftTracker:
             self.refs[id(s.param)] = Reference(ref_values, scale)
 
     def record_change(self, now: torch.Tensor) -> None:
-        """Push sign(now - prev) of the sampled elements into the ring (NaN: no change)."""
-        sign = torch.gt(now, self.prev, out=self._up) - torch.lt(now, self.prev, out=self._down)
+        """Push sign(now - prev) of the sampled elements into the ring (NaN: no change).
+        ``now`` becomes the previous values: the caller writes it no more."""
+        up = torch.gt(now, self.prev, out=self._up)
+        down = torch.lt(now, self.prev, out=self._down)
         slot = self._slots[self.changes % self.window]
-        self.sums.add_(sign).sub_(slot)
-        slot.copy_(sign)
+        self.sums.sub_(slot)  # the oldest sign leaves the window,
+        torch.sub(up, down, out=slot)  # the new one takes its place in the ring
+        self.sums.add_(slot)
         self.changes += 1
-        self.prev.copy_(now)
+        self.prev = now
 
     def mean_abs_sign(self) -> torch.Tensor:
         """Per sampled element, |mean sign| over the changes in the window."""
@@ -181,9 +186,7 @@ class DriftTracker:
         element counts (combined across shards): the mean |mean sign| per element."""
         w = min(self.changes, self.window)
         if sampled is self.sampled:  # one process: the denominators are the same every report
-            den = self._denominators.get(w)
-            if den is None:
-                den = self._denominators[w] = self.sampled.clamp_min(1) * w
+            den = self._denominators[w - 1]
         else:
             den = sampled.clamp_min(1) * w
         return sign_sums / den
