@@ -188,9 +188,19 @@ class SparseSum:
             self.dst = torch.tensor([r for r, _ in pairs], dtype=torch.long).to(device)
             self.src = torch.tensor([c for _, c in pairs], dtype=torch.long).to(device)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The sums (plus ``bias``, a tensor of ``rows`` elements, when given)."""
+    def __call__(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The sums (plus ``bias``, a tensor of ``rows`` elements, when given), written
+        into ``out`` when given (a kept buffer whose views need no op per call)."""
         if self.dense is not None:
-            return torch.mv(self.dense, x) if bias is None else torch.addmv(bias, self.dense, x)
-        out = bias.clone() if bias is not None else torch.zeros(self.rows, dtype=x.dtype, device=x.device)
+            if bias is None:
+                return torch.mv(self.dense, x, out=out) if out is not None else torch.mv(self.dense, x)
+            return torch.addmv(bias, self.dense, x, out=out) if out is not None else torch.addmv(bias, self.dense, x)
+        if out is None:
+            out = bias.clone() if bias is not None else torch.zeros(self.rows, dtype=x.dtype, device=x.device)
+        elif bias is not None:
+            out.copy_(bias)
+        else:
+            out.zero_()
         return out.index_add_(0, self.dst, x.index_select(0, self.src))

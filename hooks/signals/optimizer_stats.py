@@ -66,7 +66,7 @@ class _Layout:
         # Small tensors of one shape normed together (NormPlan) when the model has them.
         plan = NormPlan(self.tensors, dev)
         self.param_plan = plan if plan.groups else None
-        self.matrices: dict[tuple, tuple[SparseSum, torch.Tensor]] = {}
+        self.matrices: dict[tuple, _Matrix] = {}
 
     def take(self, dst: list[torch.Tensor], buf: torch.Tensor, dev: torch.device) -> None:
         """The sample of the parameters now into ``buf`` (through its views ``dst``)."""
@@ -75,15 +75,14 @@ class _Layout:
         elif self.tensors:
             buf.copy_(self.sample.take(self.tensors, dev))
 
-    def matrix(
-        self, grad_groups: tuple[int, ...] | None, whole_grad: bool, upd: bool, dev: torch.device
-    ) -> tuple[SparseSum, torch.Tensor]:
-        """(M, bias): ``M(x, bias)`` turns x, the squares of [gradient norms (of the
+    def matrix(self, grad_groups: tuple[int, ...] | None, whole_grad: bool, upd: bool, dev: torch.device) -> _Matrix:
+        """``M(x, bias)`` turns x, the squares of [gradient norms (of the
         parameters in ``grad_groups``; None: no gradient row), parameter norms, the
         sample's update and the sample per group], into the numerators then the
         denominators of the emitted values before their root: [whole model (unless
         ``whole_grad`` is False for the gradient), group 0, group 1, ...] per statistic;
-        a norm's denominator is 1."""
+        a norm's denominator is 1. The result goes into a kept buffer whose halves,
+        numerators and denominators, are kept views."""
         key = (grad_groups, whole_grad, upd)
         if key not in self.matrices:
             g = self.n_groups
@@ -112,8 +111,22 @@ class _Layout:
                 else:
                     pairs += [(k + r, c) for c in den]
             cols = n_g + n_p + (2 * g if upd else 0)
-            self.matrices[key] = (SparseSum(2 * k, cols, pairs, dev, torch.float32), bias.to(dev))
+            self.matrices[key] = _Matrix(SparseSum(2 * k, cols, pairs, dev, torch.float32), bias.to(dev))
         return self.matrices[key]
+
+
+class _Matrix:
+    """A layout's :class:`SparseSum` with its bias and kept output: numerators, then denominators."""
+
+    def __init__(self, sums: SparseSum, bias: torch.Tensor) -> None:
+        self.sums, self.bias = sums, bias
+        self.out = torch.empty_like(bias)
+        self.num, self.den = self.out.view(2, -1).unbind()
+
+    def ratios(self, x: torch.Tensor) -> torch.Tensor:
+        """The emitted values: the root of each numerator over its denominator (a new tensor)."""
+        self.sums(x, self.bias, out=self.out)
+        return torch.div(self.num, self.den).sqrt_()
 
 
 class OptimizerStats(Signal):
@@ -195,7 +208,7 @@ class OptimizerStats(Signal):
         grad_groups = None
         if step_norms is not None:
             grad_groups = tuple(layout.group_by_id.get(id(p), 0) for p in step_norms.params)
-        matrix, bias = layout.matrix(grad_groups, history is None, upd, dev)
+        matrix = layout.matrix(grad_groups, history is None, upd, dev)
         series: list[tuple[str, list[Labels]]] = []
         for name, present in (("grad_norm", step_norms is not None), ("param_norm", True), ("update_ratio", upd)):
             if present:
@@ -204,9 +217,8 @@ class OptimizerStats(Signal):
                 series.append(("group_" + name, group_labels))
 
         def finish(sq: torch.Tensor, *rest: torch.Tensor) -> None:
-            total = matrix(sq, bias)
-            k = total.numel() // 2
-            values = [(total[:k] / total[k:]).sqrt()]
+            values = [matrix.ratios(sq)]
+            k = values[0].numel()
             nonfinite = self._nonfinite
             assert nonfinite is not None  # set by collect above; nothing sets it back to None
             if applied_bad is not None:
@@ -216,21 +228,24 @@ class OptimizerStats(Signal):
             present = None
             if rest:  # the per-step squared norms since the previous report, combined across shards
                 norms = rest[0].sqrt()
-                # non-finite steps as -1 (a finite norm is >= 0): left out of the max and the mean
-                marked = torch.nan_to_num(norms, nan=-1.0, posinf=-1.0)
-                count = marked.ge(0).sum(0, keepdim=True)
                 if norms.numel() == 1:  # one step since the report before (every=1): its norm is max and mean
-                    values += [norms, marked, marked]  # a non-finite step's are gated out by count
+                    finite = norms.lt(float("inf"))  # False for inf and NaN (one op, unlike isfinite)
+                    values += [norms, norms, norms]  # a non-finite step's max and mean are gated out
+                    nonfinite = nonfinite + finite.logical_not()
+                    present = finite.expand(2)
                 else:
+                    # non-finite steps as -1 (a finite norm is >= 0): left out of the max and the mean
+                    marked = torch.nan_to_num(norms, nan=-1.0, posinf=-1.0)
+                    count = marked.ge(0).sum(0, keepdim=True)
                     values += [
                         norms[-1:],
                         marked.amax(0, keepdim=True),
                         marked.clamp_min(0).sum(0, keepdim=True) / count,
                     ]
-                nonfinite = nonfinite + (norms.numel() - count)
+                    nonfinite = nonfinite + (norms.numel() - count)
+                    present = count.expand(2)
                 emitted += [("grad_norm", [{}]), ("grad_norm_max", [{}]), ("grad_norm_mean", [{}])]
                 gated = [k + 1, k + 2]
-                present = count.expand(2)
             self._nonfinite = nonfinite
             values.append(nonfinite)
             emitted.append(("nonfinite_total", [{"what": "grad"}]))
