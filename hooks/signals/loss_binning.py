@@ -133,7 +133,7 @@ def packed_sample_ids(segments: torch.Tensor) -> torch.Tensor:
 class Batch:
     """One micro-batch, binned: what its hooks need during the backward. Samples are
     either the rows (``rows_as_samples``: no segments, one code per row; every
-    per-sample sum is a row sum and the per-bin sums one product with ``onehot``), or
+    per-sample sum is a row sum, the per-bin sums one masked one-hot sum), or
     numbered per token (``sid``)."""
 
     lab: torch.Tensor | None  # [N] bool: label tokens (None: every token, rows as samples only)
@@ -145,8 +145,7 @@ class Batch:
     log_n: torch.Tensor  # [S] log of label tokens per sample
     fdt: torch.dtype
     probe_masks: torch.Tensor | None = None  # [M, N] label tokens per modality (probe steps)
-    onehot: torch.Tensor | None = None  # [S, bins + 1] the rows' bins one-hot (rows as samples)
-    onehot_t: torch.Tensor | None = None  # its transpose (a view)
+    rows_as_samples: bool = False  # binned by bin_rows (each row one sample, one code)
     shape: tuple[int, int] = (0, 0)  # [rows, cols] of the micro-batch
 
 
@@ -262,11 +261,12 @@ def _bin_rows(
     count_unknown: bool,
 ) -> Batch:
     """``bin_batch`` when every row is one sample with one code: per-row sums, then
-    every per-bin sum at once as ``features [5, R] @ onehot [R, bins + 1]`` (the extra
-    column repeats the overflow bin where it counts as unknown), added into the sums
-    with one ``index_add_``. A row without label tokens adds 0 to every feature but its
-    positions, so it is binned by its code here (its positions count there) and moved
-    to the overflow bin only for the hooks (``s_bin``)."""
+    every per-bin sum at once, ``features [R, 5]`` selected by a one-hot ``[R, bins +
+    1]`` and summed over rows (the extra column repeats the overflow bin where it
+    counts as unknown), added into the sums with one ``index_add_``. A row without
+    label tokens adds 0 to every feature but its positions, so it is binned by its
+    code here (its positions count there) and moved to the overflow bin only for the
+    hooks (``s_bin``)."""
     m = layout.bins - 1
     rows, cols = loss.shape
     dev, fdt = loss.device, sums.dtype
@@ -280,10 +280,13 @@ def _bin_rows(
         binned = torch.full((rows,), codes if 0 <= codes < m else m, dtype=torch.long, device=dev)
     else:
         binned = codes.long().clamp(-1, m).remainder_(m + 1)  # outside 0..m-1: the overflow bin m
-    onehot = (binned.unsqueeze(1) == layout.bin_columns(dev, count_unknown)).to(fdt)
+    # [R, 1, bins + 1] one-hot; selected with ``where``, not multiplied: a non-finite
+    # loss in one row must not turn another bin's sums into NaN (inf * 0)
+    onehot = binned.view(rows, 1, 1) == layout.bin_columns(dev, count_unknown)
     positions = layout.constant_rows(rows, float(cols), fdt, dev)
-    features = torch.stack([n_s.clamp(max=1.0), n_s, n_s.sqrt(), loss_s, positions])
-    sums.index_add_(0, layout.prepared_targets(dev), (features @ onehot).view(-1))
+    features = torch.stack([n_s.clamp(max=1.0), n_s, n_s.sqrt(), loss_s, positions], 1).unsqueeze(2)
+    block = torch.where(onehot, features, layout.constant(0.0, fdt, dev)).sum(0)  # [5, bins + 1]
+    sums.index_add_(0, layout.prepared_targets(dev), block.view(-1))
     has = n_s > 0
     s_bin = binned.masked_fill(~has, m)
     batch = Batch(
@@ -295,8 +298,7 @@ def _bin_rows(
         tok_bin=None,
         log_n=torch.log(n_s.clamp_min(1.0)),
         fdt=fdt,
-        onehot=onehot,
-        onehot_t=onehot.t(),
+        rows_as_samples=True,
         shape=(rows, cols),
     )
     if probe:
@@ -342,12 +344,10 @@ def weight_sums(
         wmax = torch.where(lab, w, layout.constant(float("-inf"), fdt, dev)).amax().reshape(1)
         wmin = torch.where(lab, w, layout.constant(float("inf"), fdt, dev)).amin().reshape(1)
     nonuniform = (wmin.abs() < float("inf")) & ((wmin <= 0) | (wmax > wmin * (1 + rtol)))
-    if b.onehot_t is not None:  # [bins + 1]: the extra column goes to scratch
-        per_bin = torch.mv(b.onehot_t, w_s)
-        mass = w_s.sum().reshape(1)
-    else:
-        per_bin = torch.zeros(layout.bins + 1, dtype=fdt, device=dev).index_add_(0, b.s_bin, w_s)
-        mass = per_bin.sum().reshape(1)
+    # [bins + 1]: the extra column goes to scratch. Added by bin, never a one-hot
+    # product: a non-finite weight stays in its own bin (inf * 0 would be NaN in all).
+    per_bin = torch.zeros(layout.bins + 1, dtype=fdt, device=dev).index_add_(0, b.s_bin, w_s)
+    mass = (w_s.sum() if b.rows_as_samples else per_bin.sum()).reshape(1)
     fit = torch.stack([ok.to(fdt), x, y, x * x, x * y]).sum(1)
     return torch.cat([per_bin, fit, mass, nonuniform.to(fdt)]), wmax, wmin
 

@@ -41,8 +41,8 @@ class Plan:
 
     The pool is ``cat([sums, totals of the ROWS over bins, wmax, wmin, consts,
     products, fit, sqrt(output)])``: ``consts`` is ``[1, 0, scale or 1, declared
-    weights...]``; ``products`` the exponent fit's ``[n sxy, sx sy, n sxx, sx sx, n
-    n]``, ``fit`` its numerator and denominator. Level 1 (``num1 / den1``) is, in
+    weights...]``; ``products`` the exponent fit's ``[n sxy, n sxx, sx sy, n n, sx sy,
+    sx sx, n sxy, n n]``, ``fit`` its numerator, denominator, minus numerator and 0. Level 1 (``num1 / den1``) is, in
     order: the loss; per modality its loss, its sample, token, weight and
     sqrt-token shares; the exponent, var(log n), n; the scale (scale / 1); per
     objective its spread, its mass over its declared weight; per modality sqrt of its
@@ -69,8 +69,8 @@ class Plan:
         one = wmin0 + lay.objectives
         zero, scale_at, weights0 = one + 1, one + 2, one + 3
         prod0 = weights0 + k
-        fit0 = prod0 + 5
-        out0 = fit0 + 3
+        fit0 = prod0 + 8
+        out0 = fit0 + 4
         n, sx, sy, sxx, sxy = range(lay.fit.start, lay.fit.stop)
 
         def bins(row: str) -> list[int]:
@@ -92,7 +92,7 @@ class Plan:
         self.exponent = len(num1)
         # the exponent, minus it, var(log n) = (n sxx - sx sx) / n^2, n
         num1 += [fit0, fit0 + 2, fit0 + 1, n]
-        den1 += [fit0 + 1, fit0 + 1, prod0 + 4, one]
+        den1 += [fit0 + 1, fit0 + 1, prod0 + 3, one]
         # the fit holds with var(log n) > MIN_LOG_LENGTH_VAR and n >= 2 (counts); sqrt-like
         # when also 0.5 - SQRT_TOLERANCE < exponent < 0.5 + SQRT_TOLERANCE
         self.fit_checks = tensor([self.exponent + 2, self.exponent + 3, self.exponent, self.exponent + 1])
@@ -144,9 +144,9 @@ class Plan:
         self.flags_if_zero = tensor([zero] * len(counts) + bins("tokens"))
 
         self.rows = tensor([i for row in ROWS for i in range(getattr(lay, row).start, getattr(lay, row).stop)])
-        self.fit = tensor([n, sxy, sx, sy, n, sxx, sx, sx, n, n])
-        # products [n sxy, sx sy, n sxx, sx sx, n n] -> [numerator, denominator, -numerator]
-        self.fit_signs = floats([[1.0, -1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0, -1.0, 0.0], [-1.0, 1.0, 0.0, 0.0, 0.0]])
+        # products [[n sxy, n sxx, sx sy, n n], [sx sy, sx sx, n sxy, n n]]; their
+        # difference [numerator, denominator, -numerator, 0]
+        self.fit = tensor([n, sxy, n, sxx, sx, sy, n, n, sx, sy, sx, sx, n, sxy, n, n])
         self.consts = floats([1.0, 0.0, 1.0 if scale is None else scale, *declared_weights])
         self.num1, self.den1 = tensor(num1), tensor(den1)
         self.num2, self.den2 = tensor(num2), tensor(den2)

@@ -297,9 +297,14 @@ class LossReport:
         # extremes, host-known constants, the exponent fit's products and its
         # numerator and denominator, sqrt of the output sums (``Plan``).
         totals = sums.index_select(0, plan.rows).view(len(ROWS), lay.bins).sum(1)
-        products = sums.index_select(0, plan.fit).view(-1, 2).prod(1)
-        fit = torch.mv(plan.fit_signs, products)  # n sxy - sx sy, n sxx - sx sx, sx sy - n sxy
-        pool = torch.cat([sums, totals, wmax, wmin, plan.consts, products, fit, sums[lay.output].sqrt()])
+        # [[n sxy, n sxx, sx sy, n n], [sx sy, sx sx, n sxy, n n]]; their difference is the
+        # fit's numerator, denominator, minus numerator (and 0). A difference, not a product
+        # with a sign matrix: a non-finite sy (an infinite weight) must leave the
+        # denominator finite (inf * 0 is NaN), so the exponent reads NaN, not absent.
+        products = sums.index_select(0, plan.fit).view(2, 4, 2).prod(2)
+        above, below = products.unbind()
+        fit = above - below
+        pool = torch.cat([sums, totals, wmax, wmin, plan.consts, products.view(-1), fit, sums[lay.output].sqrt()])
         first = pool.index_select(0, plan.num1) / pool.index_select(0, plan.den1)
         raw = pool.index_select(0, plan.present) != 0
         presence = gated(raw & (pool.index_select(0, plan.present_and) != 0))

@@ -426,6 +426,46 @@ def test_nonfinite_losses_are_counted_every_step_not_only_on_reports():
     mon.close()
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("output", [False, True])
+def test_a_nonfinite_token_stays_in_its_own_modality(layout, output):
+    """An image token with an infinite weight and another with a NaN loss: the text
+    figures stay what they are (its loss the plain mean, its grad share finite / inf =
+    0, its dilution inf), the image ones and the totals carry the inf or NaN, and the
+    exponent fit, whose lengths do vary, reads NaN rather than absent. A one-hot product
+    would spread inf * 0 = NaN over every modality."""
+    model, opt, mon = monitored()
+    batch = samples([30, 10, 12, 7], [0, 1, 0, 1], seed=3)
+    rows = padded(batch) if layout == "padded" else packed(batch, 40)
+    image_tokens = (rows.modality == 1 if rows.modality.dim() == 2 else rows.modality[:, None] == 1) & rows.mask
+    hit = image_tokens.nonzero()
+    per_token, logits = per_token_loss(model, rows)
+    nan_at = torch.zeros_like(per_token).index_put(tuple(hit[0]), torch.tensor(float("nan")))
+    per_token = per_token + nan_at
+    mon.track_loss(
+        per_token, modality=rows.modality, mask=rows.mask, segments=rows.segments, output=logits if output else None
+    )
+    weights = rows.mask.float() / rows.mask.sum()
+    weights = weights.index_put(tuple(hit[1]), torch.tensor(float("inf")))
+    torch.autograd.backward(per_token, weights)
+    opt.step()
+    opt.zero_grad()
+    text_tokens = rows.mask & ~image_tokens
+    assert mon.value("modality_loss", modality="text") == pytest.approx(per_token[text_tokens].mean().item(), rel=1e-5)
+    assert math.isnan(mon.value("modality_loss", modality="image"))
+    assert math.isnan(mon.value("loss"))
+    assert mon.value("modality_grad_share_ratio", modality="text") == 0.0
+    assert math.isnan(mon.value("modality_grad_share_ratio", modality="image"))  # inf / inf
+    assert mon.value("modality_dilution_ratio", modality="text") == float("inf")
+    assert mon.value("modality_sample_share_ratio", modality="text") == pytest.approx(0.5)
+    assert math.isnan(mon.value("loss_norm_exponent"))
+    assert mon.value("loss_weight_mass", objective="main") == float("inf")
+    assert mon.value("token_weight_spread_ratio", objective="main") is None  # the largest weight is not finite
+    if output:
+        assert math.isfinite(mon.value("modality_grad_norm", modality="text", scope="output"))
+    mon.close()
+
+
 def test_steps_that_are_not_reported_place_no_hooks():
     model, opt, mon = monitored(every=3)
     rows = padded(samples([30, 10], [0, 1], seed=65))
