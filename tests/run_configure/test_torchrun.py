@@ -4,9 +4,7 @@ step, from rank 0; ranks that never form a group report apart, each under its ra
 
 from __future__ import annotations
 
-import shutil
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,7 +13,9 @@ from tests.support import metric_value
 
 pytestmark = pytest.mark.slow  # two ranks and a launcher, each a Python that imports torch
 
-TORCHRUN = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+# torchrun as a module of this Python: a ``torchrun`` script on PATH may be another
+# environment's (its shebang names another Python, without this checkout).
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
 
 
 def _torchrun(got, run: str, *job: str):
@@ -28,7 +28,7 @@ def _torchrun(got, run: str, *job: str):
         "--every",
         "2",
         "--",
-        TORCHRUN,
+        *TORCHRUN,
         "--standalone",
         "--nproc-per-node",
         "2",
