@@ -1,10 +1,53 @@
-"""Data-parallel plumbing: who we are, and the one packed collective per report."""
+"""Data-parallel plumbing: who we are, the one packed collective per report, and
+letting go of its tensors before the interpreter ends.
+
+A collective's tensors are held by the process group's own threads for a moment
+after the call returns (gloo: its ``runLoop`` thread drops the finished work).
+Tensors made in Python carry a Python object, and dropping the last C++ reference
+to one takes the GIL; if that happens once the interpreter is finalizing, the thread
+is ended mid-destructor and the process aborts ("terminate called without an active
+exception", SIGABRT) although the job ended normally. A job whose last step reports
+and which then exits quickly (a rank with nothing to send) can lose that race, so
+:func:`settle`, called by ``Monitor.close`` (at the latest from ``atexit``, before
+finalization), waits until the threads have let go of every tensor we handed them.
+"""
 
 from __future__ import annotations
+
+import time
+import weakref
 
 import torch
 
 from trainvitals.hooks.step import StepContext
+
+_handed: list[weakref.ref[torch.Tensor]] = []  # tensors of our collectives, maybe still held
+
+
+def _held(ref: weakref.ref[torch.Tensor]) -> bool:
+    t = ref()
+    # One reference is the Python object's own; more are C++ holders (the group's work,
+    # or a view of it still alive).
+    return t is not None and t._use_count() > 1  # type: ignore[attr-defined]
+
+
+def handed(*tensors: torch.Tensor) -> None:
+    """Note tensors just given to a collective (weakly: nothing is kept alive)."""
+    _handed[:] = [r for r in _handed if _held(r)] + [weakref.ref(t) for t in tensors]
+
+
+def settle(timeout: float = 0.5) -> bool:
+    """Wait, at most ``timeout`` seconds, until the process group's threads have let go
+    of the tensors of our collectives (see the module docstring); True once they have.
+    Sleeping hands them the GIL; it takes a millisecond or less."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _handed[:] = [r for r in _handed if _held(r)]
+        if not _handed:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
 
 
 def _dist():
@@ -47,6 +90,7 @@ def combine(ctx: StepContext) -> None:
     # all_gather_single is the newer name (torch 2.13 warns on the old one).
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(gathered, packed)
+    handed(gathered, packed)
     gathered = gathered.view(world, -1)
     offset = 0
     for r in reduces:

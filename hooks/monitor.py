@@ -318,6 +318,8 @@ class Monitor:
         self._handles.clear()
         for s in self.signals:
             s.run_guarded("close", s.close)
+        # Before the interpreter ends: the process group's threads let go of our tensors.
+        distributed.settle()
         # A last, sample-free report tells the collector the run ended on purpose,
         # so RunSilent does not page for a job that simply finished. Its coverage is
         # the last report's (or, with no report, what each signal would have covered).

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from trainvitals.hooks import distributed
 from trainvitals.hooks.signals.base import MonitorView
 from trainvitals.hooks.step import StepContext
 
@@ -121,6 +122,7 @@ class ModalityProbe:
                 total = sum(p.numel() for p in self._params(monitor))
                 buf = torch.zeros(self.modalities, total, dtype=torch.float32, device=monitor.device)
             dist.all_reduce(buf)
+            distributed.handed(buf)
             return (buf @ buf.T).double() if ran else None
         return None if buf is None else (buf @ buf.T).double()
 

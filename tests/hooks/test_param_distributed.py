@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from _param_models import dp_single_process, grad_norm_reference
 
@@ -66,3 +67,26 @@ def test_grad_norm_is_the_global_norm_before_clipping(tmp_path, mode):
         assert value["grad_norm_max"] == pytest.approx(max(steps), rel=1e-5)
         assert value["grad_norm_mean"] == pytest.approx(sum(steps) / len(steps), rel=1e-5)
         assert value["grad_norm"] > 0.05 * 5  # well above the clip: the norm is taken before it
+
+
+def test_close_waits_until_the_process_group_lets_go_of_our_tensors():
+    """gloo's worker thread drops a finished collective's tensors after the call returns;
+    dropping a Python-made tensor takes the GIL, which aborts the process once the
+    interpreter is finalizing. ``Monitor.close`` (atexit at the latest) therefore waits,
+    bounded, until nothing but their Python objects holds the tensors we handed over."""
+    from trainvitals.hooks import distributed
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        distributed.handed(t)
+        assert distributed.settle(timeout=5.0)
+        assert t._use_count() == 1  # the group's work is gone: nothing is left to drop late
+        view = t.view(-1)  # another C++ holder: the wait gives up at its bound
+        distributed.handed(t)
+        assert not distributed.settle(timeout=0.05)
+        del view
+        assert distributed.settle(timeout=5.0)
+    finally:
+        dist.destroy_process_group()
