@@ -26,7 +26,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _jobs import (
+
+from tests.e2e._jobs import (
     AccumulationJob,
     BlindLossJob,
     ClippedSpikeJob,
@@ -46,7 +47,6 @@ from _jobs import (
     StateResetJob,
     run_job,
 )
-
 from tests.http_recorder import RecordingServer
 from tests.reports import make_body, make_report
 from tests.support import (

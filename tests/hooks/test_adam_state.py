@@ -8,8 +8,8 @@ import io
 
 import pytest
 import torch
-from _param_models import LARGE_EPS_LOSS_SCALE, OPTIMIZERS, Tiny, adam_reference, series, train
 
+from tests.hooks._param_models import LARGE_EPS_LOSS_SCALE, OPTIMIZERS, Tiny, adam_reference, series, train
 from trainvitals.hooks import attach
 
 ADAM_METRICS = ("adam_eps_dominated_ratio", "adam_normalized_update_rms", "adam_exp_avg_norm", "adam_exp_avg_sq_norm")

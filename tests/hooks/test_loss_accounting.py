@@ -8,7 +8,8 @@ import math
 
 import pytest
 import torch
-from _loss_models import (
+
+from tests.hooks._loss_models import (
     MODALITIES,
     Rows,
     TokenModel,
@@ -20,7 +21,6 @@ from _loss_models import (
     reference,
     samples,
 )
-
 from trainvitals.hooks import attach
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _loss_models import MODALITIES, TokenModel
 
+from tests.hooks._loss_models import MODALITIES, TokenModel
 from trainvitals.hooks import attach
 
 B, T, V = 3, 5, 7

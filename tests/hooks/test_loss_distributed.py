@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _loss_models import MODALITIES, TokenModel, dp_batches, per_token_loss, reduce_loss, reference
 
+from tests.hooks._loss_models import MODALITIES, TokenModel, dp_batches, per_token_loss, reduce_loss, reference
 from tests.support import run_ranks as run_rank_processes
 
 HERE = Path(__file__).resolve().parent

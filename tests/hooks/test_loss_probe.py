@@ -7,8 +7,8 @@ import logging
 
 import pytest
 import torch
-from _loss_models import MODALITIES, TokenModel, padded, per_token_loss, reduce_loss, samples
 
+from tests.hooks._loss_models import MODALITIES, TokenModel, padded, per_token_loss, reduce_loss, samples
 from trainvitals.hooks import attach
 
 BATCHES = [padded(samples([40, 12, 33], [0, 1, 0], seed=70), 0), padded(samples([25, 9], [1, 1], seed=71), 3)]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _param_models import dp_single_process, grad_norm_reference
 
+from tests.hooks._param_models import dp_single_process, grad_norm_reference
 from tests.support import run_ranks as run_rank_processes
 
 HERE = Path(__file__).resolve().parent

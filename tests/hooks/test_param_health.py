@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from _param_models import OPTIMIZERS, Tiny, param_reference, series, train
 
+from tests.hooks._param_models import OPTIMIZERS, Tiny, param_reference, series, train
 from trainvitals.hooks import attach
 from trainvitals.hooks.grad_norms import GradNorms
 
