@@ -33,7 +33,7 @@ from tests.run_configure._helpers import (
     trainvitals,
 )
 from tests.support import finish_all, free_port, one_torch_thread, running_collector, wait_until
-from trainvitals.hooks import attach
+from trainvitals.hooks import attach, live_settings
 from trainvitals.hooks.config import BUILTIN_SIGNALS
 from trainvitals.hooks.live_settings import LIVE_FIELDS, decode, encode, parse_entry
 from trainvitals.monitor import run_settings
@@ -57,8 +57,43 @@ def test_the_collector_and_the_hooks_agree_on_what_can_be_set():
     assert run_settings.LIVE_FIELDS == LIVE_FIELDS
 
 
+class StoppedClock:
+    """A clock that stands still until :meth:`advance` moves it: the collector's for live
+    settings (``RunSettingsTable(clock=...)``, Unix seconds) or the job's (the monotonic
+    clock of ``trainvitals.hooks.live_settings``). An override then stays in force however
+    slowly the machine runs the test, and expires when the test moves the clock, not when
+    the wall clock happens to pass its deadline."""
+
+    def __init__(self, start: float) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:  # stands in for the ``time`` module of live_settings
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def stop_the_collectors_clock(collector) -> StoppedClock:
+    clock = StoppedClock(time.time())
+    collector.app.state.run_settings = run_settings.RunSettingsTable(clock=clock)
+    return clock
+
+
+@pytest.fixture
+def job_clock(monkeypatch) -> StoppedClock:
+    """The job's clock for live settings' deadlines, stopped (see StoppedClock)."""
+    clock = StoppedClock(1000.0)
+    monkeypatch.setattr(live_settings, "time", clock)
+    return clock
+
+
 def test_settings_ride_in_the_answers_of_their_run_until_they_expire():
     with running_collector(state_path=None) as c:
+        clock = stop_the_collectors_clock(c)
         assert c.client.post("/v1/reports", json=report("a/b")).json() == {"accepted": 1, "duplicates": []}
         c.client.post("/v1/reports", json=report("other"))
         put = c.client.put(
@@ -72,21 +107,20 @@ def test_settings_ride_in_the_answers_of_their_run_until_they_expire():
             "signals": ["params", "adam"],
             "probe_every": None,
         }
-        assert shown["expires_at"] == pytest.approx(time.time() + 1.5, abs=1.0)
+        assert shown["expires_at"] == clock.now + 1.5
         answer = c.client.post("/v1/reports", json=report("a/b", 2)).json()
         entry = answer["settings"]["a/b"]
-        assert 0 < entry.pop("expires_in") <= 1.5
+        assert entry.pop("expires_in") == pytest.approx(1.5)
         assert entry == {"every": 1, "signals": ["params", "adam"], "probe_every": None}
         assert "settings" not in c.client.post("/v1/reports", json=report("other", 2)).json()
         runs = {r["run"]: r for r in c.client.get("/v1/runs").json()}
         assert runs["a/b"]["settings"]["every"] == 1 and runs["other"]["settings"] is None
         assert c.client.get("/v1/runs/a/b/settings").json()["settings"]["every"] == 1
+        clock.advance(1.4)
+        assert c.client.post("/v1/reports", json=report("a/b", 3)).json()["settings"]["a/b"]["every"] == 1
         # Expired: the job is told nothing, so it uses its own settings.
-        wait_until(
-            lambda: "settings" not in c.client.post("/v1/reports", json=report("a/b", 3)).json(),
-            10,
-            "the settings expired",
-        )
+        clock.advance(0.2)
+        assert "settings" not in c.client.post("/v1/reports", json=report("a/b", 3)).json()
         assert c.client.get("/v1/runs/a/b/settings").json() == {"run": "a/b", "settings": None}
         assert {r["run"]: r["settings"] for r in c.client.get("/v1/runs").json()}["a/b"] is None
         # A PUT replaces; DELETE goes back to the job's own at once.
@@ -209,21 +243,23 @@ class Job:
             assert self.mon.flush(10)
 
 
-def test_a_new_interval_applies_within_two_steps_and_expires_back():
+def test_a_new_interval_applies_within_two_steps_and_expires_back(job_clock):
     with recording_collector() as got:
+        collector_clock = stop_the_collectors_clock(got.collector)
         job = Job(got.collector.url, "live", every=2)
         job.step(3)
         assert got.steps("live") == [1, 2]
         ttl = 4.0
         put = got.collector.client.put("/v1/runs/live/settings", json={"every": 1, "ttl_seconds": ttl})
         assert put.status_code == 200
-        put_at = time.monotonic()
         # Step 4 is a report step (every 2): its answer carries every=1. The answer comes
         # after step 4 ended; the end of step 5 applies it: step 6 is the first at every=1.
         job.step(4)
         assert got.steps("live") == [1, 2, 4, 6, 7]
         assert job.mon.config.every == 1 and job.mon._live.applied == {"every": 1}
-        time.sleep(max(0.0, ttl - (time.monotonic() - put_at)) + 0.2)
+        # The deadline passes, on both sides (the job's own clock decides).
+        collector_clock.advance(ttl + 0.2)
+        job_clock.advance(ttl + 0.2)
         # Step 8 was decided with every=1; its end finds the deadline passed: every 2 again.
         job.step(5)
         assert got.steps("live") == [1, 2, 4, 6, 7, 8, 10, 12]
@@ -231,20 +267,21 @@ def test_a_new_interval_applies_within_two_steps_and_expires_back():
         job.mon.close()
 
 
-def test_settings_expire_in_the_job_even_when_the_collector_is_gone(caplog):
+def test_settings_expire_in_the_job_even_when_the_collector_is_gone(caplog, job_clock):
     with recording_collector() as got:
+        stop_the_collectors_clock(got.collector)
         job = Job(got.collector.url, "orphan", every=3, flush_timeout=0.5)
         job.step(1)
         got.collector.client.put("/v1/runs/orphan/settings", json={"every": 1, "ttl_seconds": 1.5})
         job.step(3)  # step 3 reports and gets every=1
         assert job.mon.config.every == 1
     # The collector is gone: reports queue up, and the settings still end on time.
-    deadline = time.monotonic() + 1.5
-    while time.monotonic() < deadline + 0.2:
+    for _ in range(3):
         job.opt.zero_grad()
         job.model(torch.randn(6, 4)).square().mean().backward()
         job.opt.step()
-        time.sleep(0.05)
+    assert job.mon.config.every == 1  # not yet: the job's clock has not passed the deadline
+    job_clock.advance(1.7)
     job.opt.step()
     assert job.mon.config.every == 3 and job.mon._live.applied == {}
     job.mon.close()
@@ -357,7 +394,6 @@ def test_data_parallel_ranks_switch_on_the_same_step(tmp_path):
     assert all(g.rank == 0 for g in got.of("ddp-live"))
 
 
-@pytest.mark.slow
 class _CollectorClock:
     """The collector's clock for live settings: stopped until :meth:`jump`, so an
     override stays in force however slowly this test gets to its checks (no race with
