@@ -62,8 +62,7 @@ class _Batch:
         self.m: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.below: torch.Tensor | None = None
-        self.cg: torch.Tensor | None = None  # [2, size]: each element's c then g (AdamMoments.collect)
-        self.ce: torch.Tensor | None = None
+        self.ce: torch.Tensor | None = None  # each element's c and g (AdamMoments.collect)
         self.ge: torch.Tensor | None = None
         self.dst: list[torch.Tensor] = []
         self.src: list[torch.Tensor] = []  # the moments' views copied into dst (AdamMoments._sources)
@@ -106,10 +105,11 @@ class MomentPlan:
         self.m_buf = torch.empty(width, dtype=torch.float32, device=dev)
         self.v_buf = torch.empty(width, dtype=torch.float32, device=dev)
         self.below_buf = torch.empty(width, dtype=torch.float32, device=dev)
-        self.cg_buf = torch.empty(2 * width, dtype=torch.float32, device=dev)
-        # Per entry c then g (see AdamMoments.collect), written in place: no cast op per report.
-        self.cg = torch.empty(2, len(entries), dtype=torch.float32, device=dev)
-        self.c, self.g = self.cg.unbind()
+        self.ce_buf = torch.empty(width, dtype=torch.float32, device=dev)
+        self.ge_buf = torch.empty(width, dtype=torch.float32, device=dev)
+        # Per entry c and g (see AdamMoments.collect), written in place: no cast op per report.
+        self.c = torch.empty(len(entries), dtype=torch.float32, device=dev)
+        self.g = torch.empty(len(entries), dtype=torch.float32, device=dev)
         self.n_series = len(series_labels)
         self.n_groups = len(group_slot)
         present = sorted(set(series_bins))
@@ -207,8 +207,7 @@ class MomentPlan:
             return
         batch.m, batch.v = self.m_buf[: batch.size], self.v_buf[: batch.size]
         batch.below = self.below_buf[: batch.size]
-        batch.cg = self.cg_buf[: 2 * batch.size].view(2, batch.size)
-        batch.ce, batch.ge = batch.cg.unbind()
+        batch.ce, batch.ge = self.ce_buf[: batch.size], self.ge_buf[: batch.size]
         ms, vs = batch.m.split(batch.lengths), batch.v.split(batch.lengths)
         batch.parts = [*ms, *batch.below.split(batch.lengths)]
         batch.dst = []
@@ -334,7 +333,9 @@ class AdamMoments:
             m, v, below, ce, ge = batch.m, batch.v, batch.below, batch.ce, batch.ge
             assert m is not None and v is not None and below is not None and ce is not None and ge is not None
             torch._foreach_copy_(batch.dst, batch.src)  # every segment of the batch in one call
-            torch.index_select(plan.cg, 1, batch.index, out=batch.cg)  # each element's c and g
+            # each element's c and g (two 1-D gathers: one along dim 1 of [2, E] is slower per element)
+            torch.index_select(plan.c, 0, batch.index, out=ce)
+            torch.index_select(plan.g, 0, batch.index, out=ge)
             v.sqrt_()
             torch.lt(v, ce, out=below)  # 0/1 as float32
             m.mul_(ge).div_(v.add_(ce))
