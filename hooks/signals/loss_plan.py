@@ -100,7 +100,6 @@ class Plan:
         self.scale = len(num1)
         num1.append(at["tokens"] if scale is None else scale_at)
         den1.append(one)
-        self.spread = len(num1)
         num1 += [wmax0 + s for s in slots]
         den1 += [wmin0 + s for s in slots]
         massw = len(num1)
@@ -113,10 +112,8 @@ class Plan:
         intended = SHARES[NORMALIZATIONS[declared]] if declared is not None else "sqrt_tokens"
         num2 = [*range(share["samples"], share["samples"] + m), *range(share[intended], share[intended] + m)]
         den2 = list(range(share["weight"], share["weight"] + m)) * 2
-        self.mass = len(num2)
         num2 += list(range(massw, massw + k))
         den2 += [self.scale] * k
-        self.grad_norm = len(num2)
         num2 += list(range(sqrt_output, sqrt_output + m))
         den2 += [self.scale] * m
 
@@ -126,16 +123,23 @@ class Plan:
         # its samples (output norm); per objective the step's label tokens (mass).
         present = [at["tokens"], *bins("tokens"), *[at["tokens"]] * (2 * m)]
         present_and = [one] * len(present)
-        self.p_share = slice(len(present), len(present) + m)
         present += [at["weight"]] * m
-        self.p_weighted = slice(len(present), len(present) + m)
         present += bins("samples")
         present_and += [one] * m + [at["weight"]] * m
-        self.p_samples = slice(len(present), len(present) + m)
         present += bins("samples")
-        self.p_some_k = slice(len(present), len(present) + k)
         present += [at["tokens"]] * k
         present_and += [one] * (m + k)
+
+        # Each level splits into its figures with one op (``Tensor.split``), not a slice each.
+        # level 1: loss; modality loss, sample and token shares; weight share; sqrt-token
+        # share; exponent; -exponent, var(log n), n; scale; spread; mass; sqrt(output)
+        self.first_sizes = [1, 3 * m, m, m, 1, 3, 1, k, k, m]
+        # presence: loss; the three rows; weight share; dilution; output norm; mass
+        self.presence_sizes = [1, 3 * m, m, m, m, k]
+        # level 2: dilution; intended over weight share; mass over scale; output norm
+        self.second_sizes = [m, m, k, m]
+        assert sum(self.first_sizes) == len(num1) and sum(self.second_sizes) == len(num2)
+        assert sum(self.presence_sizes) == len(present)
 
         # events: mixed, unknown, (not cross-entropy,) then each modality's positions
         # times "its label tokens == 0"

@@ -301,21 +301,22 @@ class LossReport:
         # fit's numerator, denominator, minus numerator (and 0). A difference, not a product
         # with a sign matrix: a non-finite sy (an infinite weight) must leave the
         # denominator finite (inf * 0 is NaN), so the exponent reads NaN, not absent.
-        products = sums.index_select(0, plan.fit).view(2, 4, 2).prod(2)
-        above, below = products.unbind()
+        above, below = sums.index_select(0, plan.fit).view(2, 4, 2).prod(2).unbind()
         fit = above - below
-        pool = torch.cat([sums, totals, wmax, wmin, plan.consts, products.view(-1), fit, sums[lay.output].sqrt()])
+        pool = torch.cat([sums, totals, wmax, wmin, plan.consts, above, below, fit, sums[lay.output].sqrt()])
         first = pool.index_select(0, plan.num1) / pool.index_select(0, plan.den1)
         raw = pool.index_select(0, plan.present) != 0
         presence = gated(raw & (pool.index_select(0, plan.present_and) != 0))
+        f_loss, f_rows, f_share, _, f_exponent, _, f_scale, f_spread, _, _ = first.split(plan.first_sizes)
+        p_loss, p_rows, p_share, p_weighted, p_samples, p_mass = presence.split(plan.presence_sizes)
         if acc.fired:
             ctx.inactive_when("loss", ~raw[:1], "no_input", "no label token in the reported step")
-        ctx.emit("loss", first[:1], present=presence[:1])
+        ctx.emit("loss", f_loss, present=p_loss)
         ctx.emit_rows(
             ("modality_loss", "modality_sample_share_ratio", "modality_token_share_ratio"),
-            first[1 : 1 + 3 * m].view(3, m),
+            f_rows.view(3, m),
             mod_labels,
-            present=presence[1 : 1 + 3 * m].view(3, m),
+            present=p_rows.view(3, m),
         )
         # Mixed and unknown codes, a gradient that is not cross-entropy; then a declared
         # modality that marks positions only of samples without label tokens (positions
@@ -359,24 +360,22 @@ class LossReport:
             return  # no weights arrived on this step: nothing honest to say about them
 
         second = first.index_select(0, plan.num2) / first.index_select(0, plan.den2)
+        dilution, intended, mass, grad_norm = second.split(plan.second_sizes)
         # the fit: n >= 2 samples and var(log n) > MIN_LOG_LENGTH_VAR
         checks = first.index_select(0, plan.fit_checks) > plan.fit_bounds
         fit_ok = checks[:2].all().reshape(1)
-        exponent = first[plan.exponent : plan.exponent + 1]
-        dilution = second[:m]
         if declared is not None:
-            excess = second[m : 2 * m]
+            excess = intended
         else:
             # undeclared: sqrt when the fitted exponent is 0.5 (a deliberate choice), else per sample
-            excess = torch.where(checks.all(), second[m : 2 * m], dilution)
-        ctx.emit("modality_grad_share_ratio", first[1 + 3 * m : 1 + 4 * m], mod_labels, present=presence[plan.p_share])
-        weighted = presence[plan.p_weighted]
-        ctx.emit("modality_dilution_ratio", dilution, mod_labels, present=weighted)
-        ctx.emit("loss_norm_exponent", exponent, present=gated(fit_ok))
-        ctx.emit("modality_excess_dilution_ratio", excess, mod_labels, present=weighted)
+            excess = torch.where(checks.all(), intended, dilution)
+        ctx.emit("modality_grad_share_ratio", f_share, mod_labels, present=p_share)
+        ctx.emit("modality_dilution_ratio", dilution, mod_labels, present=p_weighted)
+        ctx.emit("loss_norm_exponent", f_exponent, present=gated(fit_ok))
+        ctx.emit("modality_excess_dilution_ratio", excess, mod_labels, present=p_weighted)
         if active:
             self._emit_objectives(
-                ctx, plan, first, second, pool, presence, [(n, calls[k]) for n, k in active], declared, gated
+                ctx, plan, mass, f_spread, p_mass, pool, [(n, calls[k]) for n, k in active], declared, gated
             )
         # What a missing division does depends on the optimizer: the rules read it beside the mass.
         if self._family is None:
@@ -385,22 +384,22 @@ class LossReport:
         if acc.output:
             ctx.emit(
                 "modality_grad_norm",
-                second[plan.grad_norm : plan.grad_norm + m],
+                grad_norm,
                 [{"modality": n, "scope": "output"} for n in names],
-                present=presence[plan.p_samples],
+                present=p_samples,
             )
         if gram is not None:
             assert probe is not None
-            probe.emit(ctx, gram, names, first[plan.scale] if scale is None else scale)
+            probe.emit(ctx, gram, names, f_scale.reshape(()) if scale is None else scale)
 
     def _emit_objectives(
         self,
         ctx: StepContext,
         plan: Plan,
-        first: torch.Tensor,
-        second: torch.Tensor,
+        mass: torch.Tensor,
+        spread: torch.Tensor,
+        present: torch.Tensor,
         pool: torch.Tensor,
-        presence: torch.Tensor,
         objectives: list[tuple[str, int]],
         declared: str | None,
         gated: Any,
@@ -410,15 +409,13 @@ class LossReport:
         spread (I2, I3)."""
         k = len(objectives)
         labels = [{"objective": name} for name, _ in objectives]
-        dev, dt = first.device, first.dtype
+        dev, dt = mass.device, mass.dtype
         log_n = self._indices.get([math.log(max(c, 2)) for _, c in objectives], dev, dt)
         several = self._indices.get([float(c >= 2) for _, c in objectives], dev, dt)
-        mass = second[plan.mass : plan.mass + k]
-        ctx.emit("loss_weight_mass", mass, labels, present=presence[plan.p_some_k])
+        ctx.emit("loss_weight_mass", mass, labels, present=present)
         # mass = N^k for N micro-batches: k = 1 when their losses were not divided by N,
         # 0 when normalized, -1 when divided twice (a coefficient shifts it by log c / log N).
         ctx.emit("loss_accumulation_exponent", torch.log(mass) / log_n, labels, present=gated(several * (mass > 0)))
-        spread = first[plan.spread : plan.spread + k]
         if declared == "sample":  # per-sample weighting declared: unequal token weights are the intent
             spread_ok = plan.none_k
         else:
