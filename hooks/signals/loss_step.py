@@ -118,14 +118,15 @@ class StepBook(Signal):
         zeros cannot overflow; four ops instead of isfinite's six)."""
         layout = self._layout
         assert layout is not None
-        probe = loss * 0
+        zero = layout.constant(0.0, loss.dtype, loss.device)  # a kept 0-d tensor: no scalar wrapped per call
+        probe = loss * zero
         if label is not None:
-            probe = torch.where(label, probe, layout.constant(0.0, probe.dtype, probe.device))
+            probe = torch.where(label, probe, zero)
         if self._nonfinite is None:
             self._nonfinite = torch.zeros((), dtype=torch.float32, device=loss.device)
         elif self._nonfinite.device != loss.device:  # restored from a checkpoint on the CPU
             self._nonfinite = self._nonfinite.to(loss.device)
-        self._nonfinite += probe.sum() != 0
+        self._nonfinite += probe.sum() != zero
 
     @staticmethod
     def _inv_scale(monitor: MonitorView, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
