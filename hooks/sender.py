@@ -180,8 +180,13 @@ class Sender:
                 pending = list(self._pending)
                 self._pending.clear()
                 self._busy = len(pending)
-            for item in pending:
-                self._encode(item)
+            # Each packed report (torch tensors) is let go of once encoded, not when this
+            # frame ends: a delivery below may block past the interpreter's exit, and a
+            # tensor freed by a daemon thread once the interpreter is finalizing aborts the
+            # process ("terminate called without an active exception").
+            pending.reverse()
+            while pending:
+                self._encode(pending.pop())
             with self._cond:
                 self._busy = 0
                 self._cond.notify_all()

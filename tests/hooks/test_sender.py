@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -151,3 +154,41 @@ def test_attach_queue_bytes_bounds_the_http_queue():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with attach(model, opt, run="q", collector=dead_url(), queue_bytes=12345, flush_timeout=0.1) as mon:
         assert mon._sender.max_queue_bytes == 12345
+
+
+class _BlockedSink:
+    """A sink whose delivery blocks until released (a collector that never answers)."""
+
+    max_batch_bytes = 1 << 62
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def deliver(self, batch: list[bytes]) -> str:
+        self.entered.set()
+        self.release.wait(30)
+        return "sent"
+
+    def close(self) -> None:
+        self.release.set()
+
+
+def test_no_packed_report_is_held_while_a_delivery_blocks():
+    # A delivery can block past the interpreter's exit (a hung collector, close gave up):
+    # a torch tensor the daemon thread still held would then be freed while the
+    # interpreter is finalizing, which aborts the process. Encoded reports are bytes.
+    sink = _BlockedSink()
+    sender = Sender(sink)
+    try:
+        report = packed(1)
+        host = weakref.ref(report.host)
+        sender.put(report)
+        del report
+        assert sink.entered.wait(10)
+        gc.collect()
+        assert host() is None
+    finally:
+        sink.release.set()
+        sender.close(5)
+    assert sender.sent == 1 and sender.dropped == 0
