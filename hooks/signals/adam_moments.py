@@ -110,6 +110,10 @@ class MomentPlan:
         # Per entry c and g (see AdamMoments.collect), written in place: no cast op per report.
         self.c = torch.empty(len(entries), dtype=torch.float32, device=dev)
         self.g = torch.empty(len(entries), dtype=torch.float32, device=dev)
+        # Both bias corrections [2, E] (float64, the betas' dtype), written in place, and their rows.
+        self.bc = torch.empty(2, len(entries), dtype=torch.float64, device=dev)
+        self.bc1, self.bc2 = self.bc.unbind()
+        self.one = torch.ones((), dtype=torch.float64, device=dev)
         self.n_series = len(series_labels)
         self.n_groups = len(group_slot)
         present = sorted(set(series_bins))
@@ -299,7 +303,9 @@ class AdamMoments:
             steps = now.index_select(0, self._indices.get(walk.entry_steps, dev))
         betas, eps = self._hyperparameters(monitor, entries)
         # [2, E]: both bias corrections at once, in float64 (the betas' dtype)
-        bc1, bc2 = (1 - betas**steps).clamp_min(_TINY).unbind()
+        torch.pow(betas, steps, out=plan.bc)
+        torch.sub(plan.one, plan.bc, out=plan.bc).clamp_min_(_TINY)
+        bc1, bc2 = plan.bc1, plan.bc2
 
         sharded = monitor.sharded
         ms = [e.state["exp_avg"] for e in entries]
