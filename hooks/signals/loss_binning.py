@@ -66,29 +66,18 @@ class SumsLayout:
         self.size = self.scratch + 1
         self._tensors: dict[tuple[Any, ...], torch.Tensor] = {}
 
-    def bin_columns(self, device: torch.device, count_unknown: bool) -> torch.Tensor:
-        """``[bins + 1]`` bin ids a row's bin is compared with to one-hot it: the bins,
-        then the overflow bin again (its label tokens are the unknown count) or never."""
-        key = ("columns", device, count_unknown)
-        if key not in self._tensors:
-            m = self.bins - 1
-            self._tensors[key] = torch.tensor([*range(self.bins), m if count_unknown else -1]).to(device)
-        return self._tensors[key]
-
-    def prepared_targets(self, device: torch.device) -> torch.Tensor:
-        """Where the entries of a per-row ``[5, bins + 1]`` block (samples, tokens,
-        sqrt tokens, loss, positions per bin; then the extra column) go in the sums:
-        the per-bin rows, the tokens row's extra entry to ``unknown``, the others to
-        ``scratch``."""
-        key = ("prepared", device)
+    def bin_targets(self, device: torch.device, count_unknown: bool) -> torch.Tensor:
+        """``[6, bins]`` where a row of bin ``b`` adds each of its six features (samples,
+        tokens, sqrt tokens, loss, positions; then its tokens again): the per-bin rows at
+        ``b``, the last to ``unknown`` for the overflow bin when it counts as unknown,
+        else to ``scratch``."""
+        key = ("targets", device, count_unknown)
         if key not in self._tensors:
             b = self.bins
             rows = [self.samples, self.tokens, self.sqrt_tokens, self.loss, self.positions]
-            targets = []
-            for i, row in enumerate(rows):
-                targets += [*range(row.start, row.stop), self.unknown if i == 1 else self.scratch]
-            assert len(targets) == 5 * (b + 1)
-            self._tensors[key] = torch.tensor(targets).to(device)
+            table = [list(range(row.start, row.start + b)) for row in rows]
+            table.append([self.scratch] * (b - 1) + [self.unknown if count_unknown else self.scratch])
+            self._tensors[key] = torch.tensor(table).to(device)
         return self._tensors[key]
 
     def weight_targets(self, slot: int, device: torch.device) -> torch.Tensor:
@@ -133,7 +122,7 @@ def packed_sample_ids(segments: torch.Tensor) -> torch.Tensor:
 class Batch:
     """One micro-batch, binned: what its hooks need during the backward. Samples are
     either the rows (``rows_as_samples``: no segments, one code per row; every
-    per-sample sum is a row sum, the per-bin sums one masked one-hot sum), or
+    per-sample sum is a row sum, the per-bin sums one ``index_add_``), or
     numbered per token (``sid``)."""
 
     lab: torch.Tensor | None  # [N] bool: label tokens (None: every token, rows as samples only)
@@ -261,9 +250,9 @@ def _bin_rows(
     count_unknown: bool,
 ) -> Batch:
     """``bin_batch`` when every row is one sample with one code: per-row sums, then
-    every per-bin sum at once, ``features [R, 5]`` selected by a one-hot ``[R, bins +
-    1]`` and summed over rows (the extra column repeats the overflow bin where it
-    counts as unknown), added into the sums with one ``index_add_``. A row without
+    every per-bin sum at once, ``features [6, R]`` added into the sums with one
+    ``index_add_`` at targets gathered by the rows' bins (``SumsLayout.bin_targets``:
+    the sixth feature, the tokens again, is the unknown count). A row without
     label tokens adds 0 to every feature but its positions, so it is binned by its
     code here (its positions count there) and moved to the overflow bin only for the
     hooks (``s_bin``)."""
@@ -280,13 +269,12 @@ def _bin_rows(
         binned = torch.full((rows,), codes if 0 <= codes < m else m, dtype=torch.long, device=dev)
     else:
         binned = codes.long().clamp(-1, m).remainder_(m + 1)  # outside 0..m-1: the overflow bin m
-    # [R, 1, bins + 1] one-hot; selected with ``where``, not multiplied: a non-finite
-    # loss in one row must not turn another bin's sums into NaN (inf * 0)
-    onehot = binned.view(rows, 1, 1) == layout.bin_columns(dev, count_unknown)
+    # Each row's features added at its bin's entries: no one-hot product, so a
+    # non-finite loss in one row cannot turn another bin's sums into NaN (inf * 0).
     positions = layout.constant_rows(rows, float(cols), fdt, dev)
-    features = torch.stack([n_s.clamp(max=1.0), n_s, n_s.sqrt(), loss_s, positions], 1).unsqueeze(2)
-    block = torch.where(onehot, features, layout.constant(0.0, fdt, dev)).sum(0)  # [5, bins + 1]
-    sums.index_add_(0, layout.prepared_targets(dev), block.view(-1))
+    features = torch.stack([n_s.clamp(max=1.0), n_s, n_s.sqrt(), loss_s, positions, n_s])
+    targets = layout.bin_targets(dev, count_unknown).index_select(1, binned)  # [6, R]
+    sums.index_add_(0, targets.view(-1), features.view(-1))
     has = n_s > 0
     s_bin = binned.masked_fill(~has, m)
     batch = Batch(
