@@ -1,12 +1,33 @@
-"""Reports a run wrote (JSONL, the default sink) read back and judged by the default rules."""
+"""A framework job run in a fresh Python (its script writes its truth as JSON), and the
+reports it wrote (JSONL, the default sink) read back and judged by the default rules."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from trainvitals.alerts import Engine, resolve_rules
 from trainvitals.wire.schema import Report, ends_run
+
+
+def run_script(script: Path, tmp_path: Path, *options: str, timeout: float = 600) -> dict:
+    """``python SCRIPT TMP/result.json OPTIONS...`` in ``tmp_path``, offline (no Hub); fails
+    the test with the output's tail on a non-zero exit; returns the JSON it wrote. A fresh
+    process: a Trainer changes the working folder and global state."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(out), *options],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
 
 
 def read_reports(path: str | Path) -> list[dict]:

@@ -30,32 +30,17 @@ if os.environ.get("TV_HIDE_DATASETS"):
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
+from tests.integrations._hf_models import VOCAB, job_options, label_token_weights, tiny_llama_config, trainer_arguments
 from trainvitals.hooks.transformers import TrainvitalsCallback
 
-VOCAB = 64
 LENGTHS = (6, 30, 12, 24)  # one sample per micro-batch, in this order: token counts differ
 
 
 def tiny_llama() -> torch.nn.Module:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(tiny_llama_config())
 
 
 class Samples(torch.utils.data.IterableDataset):
@@ -108,16 +93,10 @@ class Truth(TrainerCallback):
         if not output.requires_grad:
             return
         labels, modality = self._inputs["labels"], self._inputs["modality"]
-        z = output.detach().double()
+        z = output.detach()
 
         def grab(grad):
-            g = grad.double()
-            target = torch.full_like(labels, -100)
-            target[:, :-1] = labels[:, 1:]  # the model's shift: position t predicts token t + 1
-            lab = target != -100
-            y = target.clamp_min(0)
-            p_y = torch.softmax(z, -1).gather(-1, y[..., None])[..., 0]
-            w = torch.where(lab, -g.gather(-1, y[..., None])[..., 0] / (1 - p_y), 0.0)
+            w, lab = label_token_weights(grad, z, labels)
             per_mod = [float(w[modality == m].sum()) for m in (0, 1)]
             self._micro.append(
                 {
@@ -173,7 +152,7 @@ def train(
     accum: int = 4,
     trainer: str = "default",
     save_steps: int = 0,
-    resume: bool = False,
+    resume: int = 0,
     rank: int = 0,
 ) -> dict:
     """Train in ``out_dir`` (the working folder too: the callback's default sink writes
@@ -184,20 +163,14 @@ def train(
     model = tiny_llama()
     truth = Truth(model)
     callback = TrainvitalsCallback(run="hf", every=every, modalities=("text", "image"), modality_field="modality")
-    args = TrainingArguments(
-        output_dir=out_dir,
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=accum,
-        max_steps=steps,
-        learning_rate=1e-3,
-        report_to="none",
-        use_cpu=True,
-        seed=0,
+    args = trainer_arguments(
+        TrainingArguments,
+        out_dir,
+        steps=steps,
+        accum=accum,
         label_names=["labels", "modality"],  # keeps the modality field through the column pruning
-        logging_steps=10_000,
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
-        disable_tqdm=True,
         **(_ddp_args() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else {}),
     )
     cls = ForgetfulTrainer if trainer == "forgetful" else Trainer
@@ -217,10 +190,6 @@ def train(
 
 if __name__ == "__main__":
     out = sys.argv[1]
-    options = {}
-    for kv in sys.argv[2:]:
-        key, value = kv.split("=", 1)
-        options[key] = int(value) if value.lstrip("-").isdigit() else (value == "1" if key == "resume" else value)
-    result = train(**options)
+    result = train(**job_options(sys.argv[2:]))
     if int(os.environ.get("RANK", "0")) == 0:
         Path(out).write_text(json.dumps(result))

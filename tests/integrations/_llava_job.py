@@ -28,39 +28,17 @@ if __name__ == "__main__":
 warnings.simplefilter("ignore")
 
 import torch  # noqa: E402
-from transformers import (  # noqa: E402
-    CLIPVisionConfig,
-    LlamaConfig,
-    LlavaConfig,
-    LlavaForConditionalGeneration,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from tests.integrations._hf_models import (  # noqa: E402
+    IMAGE,
+    PATCHES,
+    job_options,
+    label_token_weights,
+    tiny_llava,
+    trainer_arguments,
 )
-
 from trainvitals.hooks.transformers import TrainvitalsCallback  # noqa: E402
-
-VOCAB, IMAGE = 64, 63
-PATCHES = 4  # (8 / 4) ** 2 image features per image
-
-
-def tiny_llava() -> torch.nn.Module:
-    torch.manual_seed(0)
-    vision = CLIPVisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4
-    )
-    text = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-    )
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE, vision_feature_layer=-1)
-    return LlavaForConditionalGeneration(config)
 
 
 class Samples(torch.utils.data.IterableDataset):
@@ -107,16 +85,10 @@ class Truth(TrainerCallback):
         if not output.requires_grad:
             return
         labels, image = self._inputs["labels"], self._inputs["image"]
-        z = output.detach().double()
+        z = output.detach()
 
         def grab(grad):
-            g = grad.double()
-            target = torch.full_like(labels, -100)
-            target[:, :-1] = labels[:, 1:]
-            lab = target != -100
-            y = target.clamp_min(0)
-            p_y = torch.softmax(z, -1).gather(-1, y[..., None])[..., 0]
-            w = torch.where(lab, -g.gather(-1, y[..., None])[..., 0] / (1 - p_y), 0.0)
+            w, _ = label_token_weights(grad, z, labels)
             self._micro.append({"mass": float(w.sum()), "image": image})
 
         output.register_hook(grab)
@@ -142,20 +114,7 @@ def train(out_dir: str, *, answer: int = 1, steps: int = 24, every: int = 1, acc
     model = tiny_llava()
     truth = Truth(model)
     callback = TrainvitalsCallback(run="llava", every=every)  # no modalities, no modality field
-    args = TrainingArguments(
-        output_dir=out_dir,
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=accum,
-        max_steps=steps,
-        learning_rate=1e-3,
-        report_to="none",
-        use_cpu=True,
-        seed=0,
-        logging_steps=10_000,
-        save_strategy="no",
-        disable_tqdm=True,
-        remove_unused_columns=False,
-    )
+    args = trainer_arguments(TrainingArguments, out_dir, steps=steps, accum=accum, remove_unused_columns=False)
     job = Trainer(
         model=model, args=args, train_dataset=Samples(answer), data_collator=collate, callbacks=[callback, truth]
     )
@@ -168,5 +127,5 @@ def train(out_dir: str, *, answer: int = 1, steps: int = 24, every: int = 1, acc
 
 
 if __name__ == "__main__":
-    options = {k: int(v) for k, v in (kv.split("=", 1) for kv in sys.argv[2:])}
+    options = job_options(sys.argv[2:])
     Path(sys.argv[1]).write_text(json.dumps(train(str(Path(sys.argv[1]).parent / "run"), **options)))

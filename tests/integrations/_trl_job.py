@@ -29,12 +29,12 @@ warnings.simplefilter("ignore")
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
+from tests.integrations._hf_models import VOCAB, job_options, tiny_llama_config, trainer_arguments  # noqa: E402
 from trainvitals.hooks.transformers import TrainvitalsCallback  # noqa: E402
 
-VOCAB = 64
 LENGTHS = (6, 30, 12, 24)
 
 
@@ -46,19 +46,7 @@ class MeanOfMeansLlama(LlamaForCausalLM):
 
 def tiny_llama(cls: type) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return cls(config)
+    return cls(tiny_llama_config(pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
@@ -114,21 +102,7 @@ def train(out_dir: str, *, model: str = "default", steps: int = 24, every: int =
     os.chdir(out_dir)
     net = tiny_llama(MeanOfMeansLlama if model == "mean-of-means" else LlamaForCausalLM)
     callback = TrainvitalsCallback(run="sft", every=every)
-    args = SFTConfig(
-        output_dir=out_dir,
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=accum,
-        max_steps=steps,
-        learning_rate=1e-3,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        logging_steps=10_000,
-        save_strategy="no",
-        disable_tqdm=True,
-        gradient_checkpointing=False,
-    )
+    args = trainer_arguments(SFTConfig, out_dir, steps=steps, accum=accum, bf16=False, gradient_checkpointing=False)
     trainer = SFTTrainer(model=net, args=args, train_dataset=dataset(steps * accum), processing_class=tokenizer())
     truth = Truth(trainer.model)
     trainer.add_callback(callback)
@@ -142,8 +116,5 @@ def train(out_dir: str, *, model: str = "default", steps: int = 24, every: int =
 
 
 if __name__ == "__main__":
-    options: dict = {}
-    for kv in sys.argv[2:]:
-        key, value = kv.split("=", 1)
-        options[key] = int(value) if value.isdigit() else value
+    options = job_options(sys.argv[2:])
     Path(sys.argv[1]).write_text(json.dumps(train(str(Path(sys.argv[1]).parent / "run"), **options)))

@@ -7,15 +7,11 @@ as long as the text samples (the healthy twin) fire nothing."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integrations._alerts import LOSS_RULES, figures, firing, read_reports
+from tests.integrations._alerts import LOSS_RULES, figures, firing, read_reports, run_script
 
 HERE = Path(__file__).resolve().parent
 
@@ -23,17 +19,7 @@ pytestmark = pytest.mark.slow  # a fresh Python importing torch and transformers
 
 
 def run_job(tmp_path: Path, *options: str) -> dict:
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_llava_job.py"), str(out), *options],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return run_script(HERE / "_llava_job.py", tmp_path, *options)
 
 
 @pytest.mark.parametrize(("answer", "fires"), [(1, {"GradientDilution"}), (28, set())], ids=["short", "healthy"])

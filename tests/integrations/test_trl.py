@@ -6,15 +6,11 @@ mean of means) fires MeanOfMeansLoss."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integrations._alerts import LOSS_RULES, figures, firing, read_reports
+from tests.integrations._alerts import LOSS_RULES, figures, firing, read_reports, run_script
 
 HERE = Path(__file__).resolve().parent
 
@@ -22,17 +18,7 @@ pytestmark = pytest.mark.slow  # a fresh Python importing torch, transformers an
 
 
 def run_job(tmp_path: Path, *options: str) -> dict:
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "_trl_job.py"), str(out), *options],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return run_script(HERE / "_trl_job.py", tmp_path, *options)
 
 
 def check_against_truth(result: dict, every: int) -> list[dict]:

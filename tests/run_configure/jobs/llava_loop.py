@@ -10,35 +10,21 @@ with pixel values.
 """
 
 import os
+import sys
 import warnings
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.simplefilter("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the tiny models (torch and transformers only)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration  # noqa: E402
 
-VOCAB, IMAGE, PATCHES = 64, 63, 4
+from tests.integrations._hf_models import IMAGE, PATCHES, VOCAB, tiny_llava  # noqa: E402
 
-torch.manual_seed(0)
 torch.set_num_threads(1)
-vision = CLIPVisionConfig(
-    hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4
-)
-text = LlamaConfig(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=0,
-)
-model = LlavaForConditionalGeneration(
-    LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE, vision_feature_layer=-1)
-)
+model = tiny_llava()  # seeded
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 g = torch.Generator().manual_seed(0)
 
