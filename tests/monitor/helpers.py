@@ -1,8 +1,9 @@
 """Helpers of the collector's tests: bodies, a recording webhook, promtool, a collector
-in a process of its own."""
+in a process of its own, a collector that answers late."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -33,6 +34,28 @@ def promtool_clean(text: bytes) -> None:
     assert PROMTOOL is not None, "promtool is not installed (apt-get install prometheus)"
     proc = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, timeout=30)
     assert (proc.returncode, proc.stdout + proc.stderr) == (0, b""), (proc.stdout + proc.stderr).decode()
+
+
+class AnswerLate:
+    """ASGI middleware in front of a real collector: every ingest is applied at once and
+    answered only after ``delay`` seconds (a slow link, or a client timeout shorter than
+    the collector's answer)."""
+
+    def __init__(self, app: Any, delay: float) -> None:
+        self.app, self.delay = app, delay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/reports":
+            return await self.app(scope, receive, send)
+        held = []
+
+        async def later(message: Any) -> None:
+            held.append(message)
+
+        await self.app(scope, receive, later)
+        await asyncio.sleep(self.delay)
+        for m in held:
+            await send(m)
 
 
 class Recorder:

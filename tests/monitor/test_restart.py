@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from tests.monitor.helpers import Recorder, body, report, serve_process
+from tests.monitor.helpers import AnswerLate, Recorder, body, report, serve_process
 from tests.support import free_port, wait_until
 from trainvitals.hooks.pack import pack
 from trainvitals.hooks.sender import Sender
@@ -48,33 +48,13 @@ def test_a_retried_body_is_applied_once_and_the_answer_names_the_duplicates():
     assert 'trainvitals_collector_reports_total{outcome="duplicate"} 1.0' in text
 
 
-class _Slow:
-    """ASGI middleware: every ingest answers only after ``delay`` seconds (the work is done)."""
-
-    def __init__(self, app, delay: float) -> None:
-        self.app, self.delay = app, delay
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] != "/v1/reports":
-            return await self.app(scope, receive, send)
-        import asyncio
-
-        held = []
-
-        async def later(message):
-            held.append(message)
-
-        await self.app(scope, receive, later)
-        await asyncio.sleep(self.delay)
-        for m in held:
-            await send(m)
-
-
-def test_a_collector_answering_in_5s_still_receives_every_report_once():
-    """The client's timeout is 5 s: it used to time out for ever, resending growing batches."""
+def test_a_collector_answering_at_the_clients_timeout_still_receives_every_report_once():
+    """A collector that answers only after the client's timeout (5 s by default; 0.5 s
+    here, the answer as late, with the default ratio to the largest timeout): the client
+    used to time out for ever, resending growing batches."""
     app = create_app(Settings(state_path=None))
-    with serve_in_thread(_Slow(app, 5.0), settings=app.state.settings) as url:
-        sender = Sender(HttpSink(url), backoff=(0.05, 0.5))
+    with serve_in_thread(AnswerLate(app, 0.5), settings=app.state.settings) as url:
+        sender = Sender(HttpSink(url, timeout=0.5, max_timeout=12.0), backoff=(0.05, 0.5))
         for step in range(1, 41):
             sender.put(pack(StepContext(step=step, device=torch.device("cpu")), run="slow", rank=0))
             time.sleep(0.05)
