@@ -2,7 +2,7 @@
 a chunked log-prob function, the ``lm_head`` module never called) with
 ``TrainvitalsCallback``, on a tiny Llama built from a config and a word-level tokenizer
 built here (no download), next to an independent record of the true per-token weights.
-Run as a script: ``python _trl_job.py OUT.json model=default|mean-of-means steps=N``.
+Run as a script: ``python _trl_job.py OUT.json models=default,mean-of-means steps=N``.
 
 The truth: TRL's loss is ``-sum_t w_t log p_t`` over the fused output's ``log_probs``;
 a forward hook on the model keeps that tensor and its label mask, and autograd's
@@ -116,5 +116,10 @@ def train(out_dir: str, *, model: str = "default", steps: int = 24, every: int =
 
 
 if __name__ == "__main__":
+    # models=A,B: each trained in turn in this one process (one import of TRL for both),
+    # in a folder of its own; the result is {model: its result}.
     options = job_options(sys.argv[2:])
-    Path(sys.argv[1]).write_text(json.dumps(train(str(Path(sys.argv[1]).parent / "run"), **options)))
+    names = str(options.pop("models")).split(",")
+    parent = Path(sys.argv[1]).resolve().parent
+    results = {m: train(str(parent / f"run-{m}"), model=m, **options) for m in names}
+    Path(sys.argv[1]).write_text(json.dumps(results))

@@ -17,8 +17,13 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow  # a fresh Python importing torch, transformers and TRL
 
 
-def run_job(tmp_path: Path, *options: str) -> dict:
-    return run_script(HERE / "_trl_job.py", tmp_path, *options)
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict[str, dict]:
+    """Both jobs, one after the other in one fresh Python (TRL is imported once): 60
+    optimizer steps each, reported every 4th; model name -> its result."""
+    return run_script(
+        HERE / "_trl_job.py", tmp_path_factory.mktemp("trl"), "models=default,mean-of-means", "steps=60", "every=4"
+    )
 
 
 def check_against_truth(result: dict, every: int) -> list[dict]:
@@ -37,8 +42,8 @@ def check_against_truth(result: dict, every: int) -> list[dict]:
     return reports
 
 
-def test_sft_trainer_default_path_equals_the_truth_and_nothing_fires(tmp_path):
-    result = run_job(tmp_path, "model=default", "steps=60", "every=4")
+def test_sft_trainer_default_path_equals_the_truth_and_nothing_fires(jobs):
+    result = jobs["default"]
     assert result["fused_forwards"] == 240  # every micro-batch went through the fused head
     reports = check_against_truth(result, every=4)
     assert all(t["mass"] == pytest.approx(1.0, rel=1e-5) for t in result["truth"])
@@ -46,8 +51,8 @@ def test_sft_trainer_default_path_equals_the_truth_and_nothing_fires(tmp_path):
     assert not firing(reports) & LOSS_RULES
 
 
-def test_a_model_class_without_loss_kwargs_is_a_mean_of_means_and_fires(tmp_path):
-    result = run_job(tmp_path, "model=mean-of-means", "steps=60", "every=4")
+def test_a_model_class_without_loss_kwargs_is_a_mean_of_means_and_fires(jobs):
+    result = jobs["mean-of-means"]
     reports = check_against_truth(result, every=4)
     assert all(t["mass"] == pytest.approx(1.0, rel=1e-5) for t in result["truth"])
     assert max(t["spread"] for t in result["truth"]) > 4  # 29 label tokens against 5
