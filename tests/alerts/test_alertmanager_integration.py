@@ -117,9 +117,9 @@ def _post(collector, step: int, value: float, run: str, events: list | None = No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ending", ["clears", "run ends"])
-def test_alertmanager_keeps_a_long_incident_firing_and_resolves_it_within_one_interval(tmp_path, ending):
-    run = "llm-long"
+def test_alertmanager_keeps_a_long_incident_firing_and_resolves_it_within_one_interval(tmp_path):
+    # Two runs with the same incident over one span: one clears, the other ends.
+    runs = {"llm-long-clears": "clears", "llm-long-ends": "run ends"}
     with (
         RecordingServer() as receiver,
         running_alertmanager(tmp_path / "am", receiver.url, group_by=("alertname", "run", "modality")) as am,
@@ -128,46 +128,60 @@ def test_alertmanager_keeps_a_long_incident_firing_and_resolves_it_within_one_in
             alerts={"resend_interval": RESEND_S, "ends_at_horizon": HORIZON_S, "tick_interval": 0.25},
         ) as collector,
     ):
-        for step in (0, 10, 20):
-            _post(collector, step, 17.0, run)
-        collector.wait_for("GradientDilution", run)
-        wait_until(lambda: _am_active(am, run), 10, "the alert in Alertmanager")
+        for run in runs:
+            for step in (0, 10, 20):
+                _post(collector, step, 17.0, run)
+            collector.wait_for("GradientDilution", run)
+        for run in runs:
+            wait_until(lambda run=run: _am_active(am, run), 10, f"run {run}'s alert in Alertmanager")
         start = time.monotonic()
         step, polls, last_report = 20, 0, start
         while time.monotonic() - start < SPAN_S:
-            (held,) = _am_active(am, run)  # still active at every poll: never expired in between
-            assert held["labels"]["alertname"] == "GradientDilution"
+            for run in runs:  # still active at every poll: never expired in between
+                (held,) = _am_active(am, run)
+                assert held["labels"]["alertname"] == "GradientDilution"
             polls += 1
-            if time.monotonic() - last_report > 5:  # the job keeps reporting the same incident
+            if time.monotonic() - last_report > 5:  # the jobs keep reporting the same incident
                 step += 10
-                _post(collector, step, 17.0, run)
+                for run in runs:
+                    _post(collector, step, 17.0, run)
                 last_report = time.monotonic()
             time.sleep(0.25)
         assert polls > SPAN_S / 0.5
         sent = collector.app.state.alerts.stats()["alertmanager"]["sent"]
-        assert sent >= SPAN_S / RESEND_S * 0.8  # it was kept alive by re-sends, not by one long endsAt
+        # Kept alive by re-sends, not by one long endsAt.
+        assert sent >= SPAN_S / RESEND_S * 0.8
 
-        if ending == "clears":
-            _post(collector, step + 10, 1.0, run)
-        else:
-            _post(collector, step + 10, 17.0, run, events=[{"kind": "run_end", "labels": {}, "detail": ""}])
-        (ours,) = collector.alerts(run)
-        assert ours["state"] == "resolved"
-        # Resolved in Alertmanager before the next re-send would have been due.
-        wait_until(lambda: not _am_active(am, run), RESEND_S, "the alert resolved in Alertmanager")
+        for run, ending in runs.items():
+            if ending == "clears":
+                _post(collector, step + 10, 1.0, run)
+            else:
+                _post(collector, step + 10, 17.0, run, events=[{"kind": "run_end", "labels": {}, "detail": ""}])
+            (ours,) = collector.alerts(run)
+            assert ours["state"] == "resolved"
+        for run in runs:
+            # Resolved in Alertmanager before the next re-send would have been due.
+            wait_until(lambda run=run: not _am_active(am, run), RESEND_S, f"run {run}'s alert resolved in Alertmanager")
 
         # What the on-call receives through Alertmanager reads as resolved, with the reason.
-        def resolved_notice():
-            return [a for b in receiver.bodies() if b.get("status") == "resolved" for a in b["alerts"]]
+        def resolved_notice(run: str) -> list[dict]:
+            return [
+                a
+                for b in receiver.bodies()
+                if b.get("status") == "resolved"
+                for a in b["alerts"]
+                if a["labels"]["run"] == run
+            ]
 
-        (notice,) = wait_until(resolved_notice, 30, "Alertmanager's resolved notice")
-        summary = notice["annotations"]["summary"]
-        assert summary.startswith(f"Resolved: GradientDilution in run {run} (modality=image)")
-        if ending == "clears":
-            assert "is back to 1 (clears at <= 3)" in summary and "it fired at 17" in summary
-        else:
-            assert f"run {run} ended at step {step + 10}" in summary
-        assert "after firing for" in summary
-        assert notice["generatorURL"] == f"{collector.url}/runs/{run}"
-        page = httpx.get(notice["annotations"]["runbook_url"], timeout=5)
-        assert page.status_code == 200 and "<h2>GradientDilution</h2>" in page.text
+        for run, ending in runs.items():
+            (notice,) = wait_until(lambda run=run: resolved_notice(run), 30, f"run {run}'s resolved notice")
+            summary = notice["annotations"]["summary"]
+            assert summary.startswith(f"Resolved: GradientDilution in run {run} (modality=image)")
+            if ending == "clears":
+                assert "is back to 1 (clears at <= 3)" in summary and "it fired at 17" in summary
+            else:
+                assert f"run {run} ended at step {step + 10}" in summary
+            assert "after firing for" in summary
+            assert notice["generatorURL"] == f"{collector.url}/runs/{run}"
+            page = httpx.get(notice["annotations"]["runbook_url"], timeout=5)
+            assert page.status_code == 200 and "<h2>GradientDilution</h2>" in page.text
