@@ -1,6 +1,6 @@
 """Tiny CPU training jobs for the end-to-end alert tests.
 
-Each job reproduces one incident of INCIDENTS.md (``fixed=False``) or is its
+Each job reproduces one incident of docs/incidents.md (``fixed=False``) or is its
 healthy twin: the same job with the fix (``fixed=True``). Models have a few
 hundred parameters, steps a few hundred label tokens, so a step takes
 milliseconds and a job of 60 steps reporting every step (``every=1``) about a
@@ -299,7 +299,7 @@ class DriftJob(Job):
     the norm weight and the bias have a real gradient and must not be flagged.
 
     Fixes (``fix``, used when ``fixed``): ``"zero-grad"``, a gradient hook that
-    zeros the scalar's gradient (INCIDENTS' fix; ``requires_grad=False`` would break
+    zeros the scalar's gradient (the fix docs/incidents.md gives; ``requires_grad=False`` would break
     DDP); ``"weight-decay"``, weight decay for every parameter.
     """
 
