@@ -16,14 +16,15 @@ from typing import Any
 from trainvitals.wire import Report, ReportBatch
 from trainvitals.wire.errors import ConfigurationError
 
-__all__ = ["ReportFileError", "read_report_file", "read_report_files"]
+__all__ = ["ReportFileError", "first_error", "read_report_file", "read_report_files"]
 
 
 class ReportFileError(ConfigurationError):
     """A report file that cannot be read; the message names the file and the line."""
 
 
-def _first_error(exc: ValueError) -> str:
+def first_error(exc: ValueError) -> str:
+    """A validation error in a line: its first three problems, each with where."""
     errors = getattr(exc, "errors", None)
     if errors is None:
         return str(exc)
@@ -70,7 +71,7 @@ def read_report_file(path: str | Path, decode: Callable[[bytes], list[Any]] | No
                     else:
                         reports = [Report.model_validate(obj)]
                 except ValueError as exc:  # pydantic.ValidationError
-                    raise ReportFileError(f"{path}:{lineno}: not a trainvitals report: {_first_error(exc)}") from None
+                    raise ReportFileError(f"{path}:{lineno}: not a trainvitals report: {first_error(exc)}") from None
                 for report in reports:
                     yield lineno, report
         except UnicodeDecodeError as exc:

@@ -63,6 +63,7 @@ from trainvitals.hooks.attach import build_monitor
 from trainvitals.hooks.config import ATTACH_ENV, default_run_name, env_name
 from trainvitals.hooks.monitor import Monitor, monitor_of
 from trainvitals.hooks.naming import unwrap
+from trainvitals.hooks.summary import visible_logs
 from trainvitals.wire.runs import MAX_RUN
 
 __all__ = ["find_model", "install", "on_step", "watched"]
@@ -168,7 +169,7 @@ def _first_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         watch = _watched.get(optimizer)
         if watch is not None:
             return watch
-        _visible_logs()
+        visible_logs()
         _track_steps()
         params = [p for g in optimizer.param_groups for p in g["params"]]
         ids = frozenset(id(p) for p in params)
@@ -289,17 +290,6 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
         monitor.start_line(),
     )
     return monitor
-
-
-def _visible_logs() -> None:
-    """The job did not configure logging: show trainvitals' own lines (what is watched,
-    live settings applied) on stderr. A job that configures logging gets them its way."""
-    if not logging.getLogger().handlers and not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
 
 
 def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any] | None:

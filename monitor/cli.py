@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from trainvitals.alerts.report_files import first_error
 from trainvitals.monitor.cli_options import bearer_token, token_options
 from trainvitals.monitor.settings import DEFAULT_PORT, Settings, SettingsError
 from trainvitals.wire import Report, ReportBatch, encode_body, encode_report
@@ -190,20 +191,9 @@ def _reports(file: Path) -> Iterator[tuple[int, bytes]]:
                 else:
                     reports = [Report.model_validate(obj)]
             except ValueError as exc:  # pydantic.ValidationError
-                raise click.ClickException(f"{file}:{lineno}: {_first_error(exc)}") from None
+                raise click.ClickException(f"{file}:{lineno}: {first_error(exc)}") from None
             for report in reports:
                 yield lineno, encode_report(report)
-
-
-def _first_error(exc: ValueError) -> str:
-    errors = getattr(exc, "errors", None)
-    if errors is None:
-        return str(exc)
-    errs = errors(include_url=False)
-    parts = [
-        f"{'.'.join(str(p) for p in e['loc']) or 'line'}: {e['msg'].removeprefix('Value error, ')}" for e in errs[:3]
-    ]
-    return "; ".join(parts) + (f"; ... and {len(errs) - 3} more" if len(errs) > 3 else "")
 
 
 def _batches(file: Path, size: int) -> Iterator[tuple[int, int, list[bytes]]]:
