@@ -77,6 +77,7 @@ class StepLifecycle:
         self.ready = False
         mon.step += 1
         reporting = self.reporting
+        mon._live.step_ending()  # before the report: its own answer waits for the next step's end
         with torch.no_grad():
             for s in mon.signals:
                 s.run_guarded("after_step", s.after_step, mon, reporting)

@@ -63,6 +63,7 @@ class LiveSettings:
         """The override in force now (empty: the job's own settings)."""
         self.run = monitor.run
         self._offer: tuple[dict[str, Any], float] | None = None  # (override, monotonic deadline)
+        self._held: tuple[dict[str, Any], float] | None = None  # the offer as the step began its end
         self._warned: set[str] = set()
         self._stash: dict[str, dict[str, Any]] = {}  # state of signals turned off, by name
         self._handles: dict[int, list[Any]] = {}  # hooks of the signals created here
@@ -93,12 +94,21 @@ class LiveSettings:
             self._offer = offer
 
     # -- the training thread -------------------------------------------------------
-    def wanted(self) -> dict[str, Any]:
-        """The override wanted now: the newest answer's, unless its deadline passed."""
-        offer = self._offer
+    def wanted(self, offer: tuple[dict[str, Any], float] | None = None) -> dict[str, Any]:
+        """The override wanted now: the newest answer's (or ``offer``'s), unless its
+        deadline passed."""
+        offer = self._offer if offer is None else offer
         if offer is None or time.monotonic() >= offer[1]:
             return {}
         return offer[0]
+
+    def step_ending(self) -> None:
+        """At the end of an optimizer step, before its report is handed to the sender:
+        hold the newest answer for :meth:`step_end`. An answer to this step's own report
+        that lands while the step is still ending waits for the next step's end, so an
+        answer always applies at the end of the step after the one that carried it,
+        however fast the collector answers."""
+        self._held = self._offer
 
     def step_end(self, monitor: Monitor, reported: bool) -> None:
         """At the end of an optimizer step (after its report): apply what is due."""
@@ -107,9 +117,10 @@ class LiveSettings:
                 if reported:
                     self._apply_carried(monitor)
                 return
-            if self._offer is None and not self.applied:
+            held = self._held
+            if held is None and not self.applied:
                 return  # the common case: nothing was ever asked
-            wanted = self.wanted()
+            wanted = self.wanted(held) if held is not None else {}
             if wanted != self.applied:
                 self.apply(monitor, wanted)
         except Exception as exc:  # noqa: BLE001 - never into the training loop
@@ -184,7 +195,8 @@ class LiveSettings:
             self._probe(monitor)
         self.applied = dict(override)
         if override:
-            left = self._offer[1] - time.monotonic() if self._offer is not None else float("nan")
+            offer = self._held or self._offer
+            left = offer[1] - time.monotonic() if offer is not None else float("nan")
             log.info(
                 "trainvitals: run %r: live settings from the collector from step %d: %s "
                 "(the job's own: %s); back to the job's own in %.0f s",
