@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from tests.support import one_torch_thread as _one_torch_thread
 
@@ -37,10 +38,31 @@ SLOW_MODULES = (
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Several workers share the cores: torch on one thread in each, and in the jobs
+        # they start, so no worker's threads spin waiting on another's.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.nodeid.startswith(SLOW_MODULES):
             item.add_marker(pytest.mark.slow)
+    # Files with slow tests first (each file's own order kept): with -n, the long tests
+    # start first and the short ones fill in around them, so no long test is left
+    # running alone at the end.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker more than the cores. Most of the suite's time is spent
+    waiting on the jobs, collectors and Prometheus it starts, so a core per worker
+    would leave the cores idle; one more keeps them busy without oversubscribing."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores + 1
 
 
 @pytest.fixture(scope="session", autouse=True)
