@@ -94,13 +94,9 @@ class LiveSettings:
             self._offer = offer
 
     # -- the training thread -------------------------------------------------------
-    def wanted(self, offer: tuple[dict[str, Any], float] | None = None) -> dict[str, Any]:
-        """The override wanted now: the newest answer's (or ``offer``'s), unless its
-        deadline passed."""
-        offer = self._offer if offer is None else offer
-        if offer is None or time.monotonic() >= offer[1]:
-            return {}
-        return offer[0]
+    def wanted(self) -> dict[str, Any]:
+        """The override wanted now: the newest answer's, unless its deadline passed."""
+        return _in_force(self._offer)
 
     def step_ending(self) -> None:
         """At the end of an optimizer step, before its report is handed to the sender:
@@ -120,7 +116,7 @@ class LiveSettings:
             held = self._held
             if held is None and not self.applied:
                 return  # the common case: nothing was ever asked
-            wanted = self.wanted(held) if held is not None else {}
+            wanted = _in_force(held)
             if wanted != self.applied:
                 self.apply(monitor, wanted)
         except Exception as exc:  # noqa: BLE001 - never into the training loop
@@ -283,6 +279,13 @@ def _classes_in_order() -> list[type]:
     from trainvitals.hooks.monitor import builtin_signal_classes
 
     return list(builtin_signal_classes().values())
+
+
+def _in_force(offer: tuple[dict[str, Any], float] | None) -> dict[str, Any]:
+    """An offer's override, or none once its deadline has passed."""
+    if offer is None or time.monotonic() >= offer[1]:
+        return {}
+    return offer[0]
 
 
 def encode(version: int, override: Mapping[str, Any]) -> list[float]:
