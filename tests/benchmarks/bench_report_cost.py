@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -178,23 +181,46 @@ def thread_time_profile(batches: list[torch.Tensor], steps: int) -> dict[str, fl
     return {k: v / steps * 1e3 for k, v in spent.items()}
 
 
+NOT_OURS = "model, loss and optimizer (not ours)"
+
+
+def _our_site() -> str:
+    """The innermost frame in the monitor's own code: where an op was called from."""
+    for frame in reversed(traceback.extract_stack()):
+        if f"{os.sep}trainvitals{os.sep}" in frame.filename or f"{os.sep}hooks{os.sep}" in frame.filename:
+            return f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}"
+    return "?"
+
+
 class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
+    """Counts the ops the training thread dispatches, per label. The mode is
+    thread-local in torch, so the sender thread's ops never reach it; the label is
+    set only by the training thread (the sender's wrapped encoder runs on its own
+    thread and must not relabel the step's ops)."""
+
+    def __init__(self, sites: bool) -> None:
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
-        self.where = "model, loss and optimizer (not ours)"
+        self.sites: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.want_sites = sites
+        self.where = NOT_OURS
+        self.thread = threading.get_ident()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.counts[self.where] += 1
+        if self.want_sites and self.where != NOT_OURS:
+            self.sites[(self.where, _our_site(), str(func.overloadpacket.__name__))] += 1
         return func(*args, **(kwargs or {}))
 
 
-def op_counts(batches: list[torch.Tensor]) -> dict[str, int]:
+def op_counts(batches: list[torch.Tensor], sites: bool = False) -> tuple[dict[str, int], _OpCounter]:
     model, opt = _model()
     mon = attach(model, opt, run="report-cost", sink="null", every=1, modalities=("text", "image"))
-    counter = _OpCounter()
+    counter = _OpCounter(sites)
 
     def around(label: str, call: Callable[[], Any]) -> Any:
+        if threading.get_ident() != counter.thread:
+            return call()
         outer, counter.where = counter.where, label
         try:
             return call()
@@ -211,7 +237,7 @@ def op_counts(batches: list[torch.Tensor]) -> dict[str, int]:
     finally:
         undo()
         mon.close()
-    return dict(counter.counts)
+    return dict(counter.counts), counter
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--blocks", type=int, default=10, help="blocks per arm (interleaved)")
     ap.add_argument("--steps", type=int, default=20, help="steps per block")
     ap.add_argument("--profile-steps", type=int, default=100)
+    ap.add_argument("--op-sites", action="store_true", help="also list each part's ops by call site and op name")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -234,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"added per report (median of block differences): {sbs['report_ms']:.2f} ms")
 
     profile = thread_time_profile(batches, args.profile_steps)
-    ops = op_counts(batches)
+    ops, counter = op_counts(batches, sites=args.op_sites)
     print()
     print(f"{'part (thread CPU time per reported step)':<48} {'ms':>7} {'torch ops':>10}")
     main_thread = 0.0
@@ -242,15 +269,20 @@ def main(argv: list[str] | None = None) -> None:
         if "own thread" not in label:
             main_thread += ms
         print(f"{label:<48} {ms:7.3f} {ops.get(label, 0):>10}")
-    ours = sum(n for label, n in ops.items() if label != "model, loss and optimizer (not ours)")
-    for label in sorted(set(ops) - set(profile) - {"model, loss and optimizer (not ours)"}):
+    ours = sum(n for label, n in ops.items() if label != NOT_OURS)
+    for label in sorted(set(ops) - set(profile) - {NOT_OURS}):
         print(f"{label:<48} {'':>7} {ops[label]:>10}")
     print(f"{'training thread, ours in total':<48} {main_thread:7.3f} {ours:>10}")
     loss_labels = [k for k in ops if "LossAccounting" in k or "loss" in k.split(" (")[0] or k == LOSS_HOOKS]
-    loss_labels = [k for k in loss_labels if k != "model, loss and optimizer (not ours)"]
+    loss_labels = [k for k in loss_labels if k != NOT_OURS]
     loss_ms = sum(profile.get(k, 0.0) for k in loss_labels)
     loss_ops = sum(ops[k] for k in loss_labels)
     print(f"{'loss accounting in total (' + ', '.join(sorted(loss_labels)) + ')'}: {loss_ms:.3f} ms, {loss_ops} ops")
+    if args.op_sites:
+        print()
+        print("ops by part, call site and op name (one reported step)")
+        for (label, site, name), n in sorted(counter.sites.items()):
+            print(f"  {label:<44} {site:<52} {name:<24} {n:>4}")
     print(
         f"ratio={sbs['ratio']:.3f} ratio_min={sbs['ratio_min']:.3f} ratio_max={sbs['ratio_max']:.3f} "
         f"report_ms={sbs['report_ms']:.2f} training_thread_ms={main_thread:.2f} torch_ops={ours} "
