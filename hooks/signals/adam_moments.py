@@ -138,6 +138,11 @@ class MomentPlan:
             entry_bins[i].append(len(present) + g)
         self._reduction(entry_bins, sizes, dev)
         self.sources_key: tuple | None = None  # the state tensors the batches' source views are of
+        # The squared norms z when one foreach call gives them all (stacked straight into
+        # float64, no cast op), and the kept output of ``matrix`` with its ratio rows' view.
+        self.z: torch.Tensor | None = None
+        self.sums = torch.empty(4 * self.n_out, dtype=torch.float64, device=dev)
+        self.sums_ratio = self.sums[: self.n_out]
 
     def _reduction(self, entry_bins: list[list[int]], sizes: list[int], dev: torch.device) -> None:
         """What turns the report's norms into the emitted values. The norms, squared, lie
@@ -320,6 +325,7 @@ class AdamMoments:
             self._norm_plan = [(plan_key, NormPlan(moments, dev))]
         moment_plan = self._norm_plan[0][1]
         pieces: list[torch.Tensor] = []
+        norm_lists: list[list[torch.Tensor]] = []
         joined: list[torch.Tensor] = []
         if moment_plan.groups:
             pieces.append(NormPlan.cached(self._norm_plan, plan_key, moments, dev))
@@ -346,17 +352,29 @@ class AdamMoments:
             torch.lt(v, ce, out=below)  # 0/1 as float32
             m.mul_(ge).div_(v.add_(ce))
             # The segments' norms (of 0/1 for the counts) in one foreach call.
-            pieces.append(torch.stack(foreach_norm32(joined + batch.parts)))
+            norm_lists.append(foreach_norm32(joined + batch.parts))
             joined = []
-        z = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch.float64).square()
-        sums = plan.matrix(z)
+        if not pieces and len(norm_lists) == 1:  # one foreach call: stacked into float64 at once
+            norms = norm_lists[0]
+            if plan.z is None or plan.z.numel() != len(norms):
+                plan.z = torch.empty(len(norms), dtype=torch.float64, device=dev)
+            z = torch.stack(norms, out=plan.z).square_()
+        else:
+            pieces += [torch.stack(n) for n in norm_lists]
+            z = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch.float64).square()
+        sums = plan.matrix(z, out=plan.sums)
         labels = plan.labels
         names = ("adam_eps_dominated_ratio", "adam_normalized_update_rms", "adam_exp_avg_norm", "adam_exp_avg_sq_norm")
 
         def finish(t: torch.Tensor, *sampled: torch.Tensor) -> None:
             den = plan.denominator if not sampled else plan.denominator_of(sampled[0])
-            # float32 norms of 0/1: the counts are integers
-            values = (torch.where(plan.ratio_rows, t.round(), t) / den) ** plan.powers
+            # float32 norms of 0/1: the counts are integers (rounded in the kept buffer when
+            # it is what came back: one op, no select)
+            if t is plan.sums:
+                plan.sums_ratio.round_()
+            else:
+                t = torch.where(plan.ratio_rows, t.round(), t)
+            values = (t / den) ** plan.powers
             ctx.emit_block([(name, labels) for name in names], values)
 
         parts: list[tuple[torch.Tensor, ReduceOp]] = [(sums, "sum")]
