@@ -90,6 +90,7 @@ class DriftTracker:
         # with an element is overwritten; one without keeps the identity).
         self._max = torch.full((3, self.n), float("-inf"), device=dev)
         self._min = torch.full((self.n,), float("inf"), device=dev)
+        self.max_rows = self._max.unbind()  # its rows as views, made once
         self._owner3 = self.owner.expand(3, -1)
         self._sign_sums = torch.zeros(self.n, dtype=torch.int32, device=dev)
         # consistency_ratio's denominators for each number of changes in the window, made once
