@@ -90,7 +90,7 @@ class DriftTracker:
         # with an element is overwritten; one without keeps the identity).
         self._max = torch.full((3, self.n), float("-inf"), device=dev)
         self._min = torch.full((self.n,), float("inf"), device=dev)
-        self.max_rows = self._max.unbind()  # its rows as views, made once
+        self._max_rows = self._max.unbind()  # its rows as views, made once
         self._owner3 = self.owner.expand(3, -1)
         self._sign_sums = torch.zeros(self.n, dtype=torch.int32, device=dev)
         # consistency_ratio's denominators for each number of changes in the window, made once
@@ -125,6 +125,13 @@ class DriftTracker:
         self._max.scatter_reduce_(1, self._owner3, rows, "amax", include_self=False)
         self._min.scatter_reduce_(0, self.owner, values, "amin", include_self=False)
         return self._min, self._max
+
+    def max_rows(self, high: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The rows (max, absmax, moved) of ``high``: the kept views when it is this
+        tracker's own maxima (not combined across ranks), else its rows unbound."""
+        if high is self._max:
+            return self._max_rows
+        return (high if high.dim() == 2 else high.view(3, self.n)).unbind()
 
     def drift_bits(
         self, values: torch.Tensor, absmax: torch.Tensor, scale: torch.Tensor, moved: torch.Tensor

@@ -180,10 +180,7 @@ class ParamHealth(Signal):
             pieces: list[torch.Tensor] = []
             if n:
                 pmin, high, scale = rest.pop(0), rest.pop(0), rest.pop(0)
-                if high is drift._max:  # not combined across ranks: the kept views
-                    pmax, absmax, moved = drift.max_rows
-                else:
-                    pmax, absmax, moved = (high if high.dim() == 2 else high.view(3, n)).unbind()
+                pmax, absmax, moved = drift.max_rows(high)
                 # The combined scale is the same on every rank, so every rank keeps the same.
                 bits = drift.drift_bits(values, absmax, scale, moved)
                 # The reference's absmax and the scale judged against: what the collector needs
