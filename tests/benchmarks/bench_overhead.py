@@ -11,6 +11,10 @@ ratios is printed with its min and max.
     python tests/benchmarks/bench_overhead.py --signals params,adam --every 1
     python tests/benchmarks/bench_overhead.py --signals none --track-loss --every 1
     python tests/benchmarks/bench_overhead.py --signals none --zero-code --every 10
+    python tests/benchmarks/bench_overhead.py --device cuda --every 1 --track-loss --observe-logits
+
+On a GPU each block is timed from a synchronized start to a synchronized end, so the
+ratio counts the kernels the hooks add and the launches that hold the host up.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.benchmarks.reference import ACCUM, build, make_batches, train_step
+from tests.benchmarks.reference import ACCUM, build, make_batches, synchronize, train_step
 from trainvitals.hooks import attach
 
 
@@ -50,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for the model and batches on the GPU")
     ap.add_argument("--option", action="append", default=[], help="extra attach option name=value (int/float/str)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -68,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
                 pass
         options[k] = v
 
-    base_model, base_opt = build(0)
-    mon_model, mon_opt = build(0)
+    device = torch.device(args.device)
+    base_model, base_opt = build(0, device)
+    mon_model, mon_opt = build(0, device)
     if args.zero_code:
         options["loss_from_logits"] = True
     mon = attach(
@@ -84,17 +90,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.zero_code:
         # The reference batches carry modality codes [0, 0, 0, 1]; a real job tags each batch.
-        codes = make_batches(1)[0].modality
+        codes = make_batches(1, device=device)[0].modality
         mon_model.register_forward_pre_hook(lambda module, inputs: mon.tag_batch(modality=codes))
-    batches = make_batches(ACCUM * 4, seed=1)
+    batches = make_batches(ACCUM * 4, seed=1, device=device)
 
     def step(i: int, monitored: bool) -> float:
         micro = [batches[(i * ACCUM + k) % len(batches)] for k in range(ACCUM)]
+        synchronize(device)
         t0 = time.perf_counter()
         if monitored:
             train_step(mon_model, mon_opt, micro, mon, track_loss=args.track_loss, observe_logits=args.observe_logits)
         else:
             train_step(base_model, base_opt, micro)
+        synchronize(device)
         return time.perf_counter() - t0
 
     for i in range(args.warmup):
@@ -119,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     mon.close()
     what = (
         f"signals={args.signals} every={args.every}"
+        + (f" on {args.device}" if device.type != "cpu" else "")
         + (" +track_loss(output)" if args.track_loss else "")
         + (" +zero_code" if args.zero_code else "")
         + (" +observe_logits" if args.observe_logits else "")
@@ -133,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"({len(ratios)} interleaved blocks x {args.steps} steps; ratio of block totals)")
     print(
         f"ratio={ratio:.4f} ratio_min={min(ratios):.4f} ratio_max={max(ratios):.4f} "
-        f"unmonitored_ms={statistics.median(base_all) * 1e3:.1f} monitored_ms={statistics.median(mon_all) * 1e3:.1f}"
+        f"unmonitored_ms={statistics.median(base_all) * 1e3:.1f} monitored_ms={statistics.median(mon_all) * 1e3:.1f} "
+        f"device={device.type}"
     )
 
 

@@ -14,6 +14,10 @@ hook, reporting on every step. Three figures:
 
     python tests/benchmarks/bench_report_cost.py
     python tests/benchmarks/bench_report_cost.py --blocks 10 --steps 20 --profile-steps 200
+    python tests/benchmarks/bench_report_cost.py --device cuda   # the same on a GPU
+
+On a GPU the blocks are timed between synchronizations, and the thread CPU time is what
+the training thread spends issuing our kernels (each torch op one launch or less).
 
 Parts 2 and 3 wrap private methods of the monitor (its signals' ``collect``, the pack
 step, the sender's encoder) to attribute time; they measure, they change nothing.
@@ -46,6 +50,12 @@ from trainvitals.hooks import attach
 
 VOCAB, D = 512, 64
 MODALITY = torch.tensor([0] * 6 + [1] * 2)  # 8 samples: 6 text, 2 image
+DEVICE = torch.device("cpu")  # --device
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -58,16 +68,18 @@ def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
         nn.Linear(4 * D, D),
         nn.RMSNorm(D),
         nn.Linear(D, VOCAB),
-    )
+    ).to(DEVICE)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def _stepper(model: nn.Module, opt: torch.optim.Optimizer, mon: Any) -> Callable[[torch.Tensor], None]:
+    modality = MODALITY.to(DEVICE)
+
     def step(ids: torch.Tensor) -> None:
         logits = model(ids)
         per_token = F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten(), reduction="none").view_as(ids)
         if mon is not None:
-            mon.track_loss(per_token, modality=MODALITY, output=logits)
+            mon.track_loss(per_token, modality=modality, output=logits)
         per_token.mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -88,9 +100,11 @@ def side_by_side(batches: list[torch.Tensor], blocks: int, steps: int) -> dict[s
         order = ["base", "mon"] if blk % 2 == 0 else ["mon", "base"]
         took = {}
         for name in order:
+            _sync()
             t0 = time.perf_counter()
             for k in range(steps):
                 arms[name](batches[(blk * steps + k) % len(batches)])
+            _sync()
             took[name] = time.perf_counter() - t0
             totals_ms[name].append(took[name] / steps * 1e3)
         ratios.append(took["mon"] / took["base"])
@@ -246,14 +260,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=20, help="steps per block")
     ap.add_argument("--profile-steps", type=int, default=100)
     ap.add_argument("--op-sites", action="store_true", help="also list each part's ops by call site and op name")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda for the model and batches on the GPU")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, VOCAB, (8, 64), generator=g) for _ in range(8)]
+    batches = [torch.randint(0, VOCAB, (8, 64), generator=g).to(DEVICE) for _ in range(8)]
     params = sum(p.numel() for p in _model()[0].parameters())
 
     sbs = side_by_side(batches, args.blocks, args.steps)
-    print(f"small model, {params:,} parameters, every signal + track_loss(output), report every step, 1 thread")
+    where = "1 thread" if DEVICE.type == "cpu" else f"on {torch.cuda.get_device_name(DEVICE)}"
+    print(f"small model, {params:,} parameters, every signal + track_loss(output), report every step, {where}")
     print(f"{'arm':<12} {'ms/step':>8} {'ratio median':>13} {'min':>7} {'max':>7}")
     print(f"{'unmonitored':<12} {sbs['base_ms']:8.2f} {'1.000':>13}")
     spread = f"{sbs['ratio_min']:7.3f} {sbs['ratio_max']:7.3f}"
@@ -286,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"ratio={sbs['ratio']:.3f} ratio_min={sbs['ratio_min']:.3f} ratio_max={sbs['ratio_max']:.3f} "
         f"report_ms={sbs['report_ms']:.2f} training_thread_ms={main_thread:.2f} torch_ops={ours} "
-        f"unmonitored_ms={sbs['base_ms']:.2f} loss_ms={loss_ms:.3f} loss_ops={loss_ops}"
+        f"unmonitored_ms={sbs['base_ms']:.2f} loss_ms={loss_ms:.3f} loss_ops={loss_ops} device={DEVICE.type}"
     )
 
 

@@ -110,7 +110,9 @@ class LM(nn.Module):
         return self.head(self.norm(self.embed(ids)))
 
 
-def _steps(device: torch.device, every: int, steps: int, spy_factory) -> tuple[Counter, int]:
+def _steps(
+    device: torch.device, every: int, steps: int, spy_factory, record: list | None = None
+) -> tuple[Counter, int]:
     model = LM().to(device)
     teacher = LM().to(device)
     opt = torch.optim.AdamW(
@@ -131,6 +133,13 @@ def _steps(device: torch.device, every: int, steps: int, spy_factory) -> tuple[C
     for k in range(steps):
         reports += mon.reports_at(mon.step + 1)
         _one_step(mon, model, teacher, opt, batches, modality, k)
+        if record is not None:
+            mode = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else 0
+            if mode:  # reading the finished report is the test's, not the step's
+                torch.cuda.set_sync_debug_mode(0)
+            record.append((mon.step, mon.latest(), mon.latest_coverage()))
+            if mode:
+                torch.cuda.set_sync_debug_mode(mode)
     calls = Counter(spy.calls) if spy is not None else Counter()  # before close()'s own report
     mon.close()
     return calls, reports
@@ -179,3 +188,27 @@ def test_the_spy_sees_a_host_read_in_hooks_code(monkeypatch):
     monkeypatch.setattr(OptimizerStats, "collect", collect)
     calls, _ = _steps(torch.device("cpu"), 1, 2, lambda: TransferSpy(monkeypatch))
     assert calls["item"] == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_gpu_reports_the_figures_the_cpu_reports():
+    """The same steps on the GPU, every step a report, under the sync debug mode: every
+    built-in signal is active there, and each report has the CPU's series in the CPU's
+    order with the same values (to float32 rounding: the kernels sum in another order)."""
+    on_cpu: list = []
+    on_gpu: list = []
+    _steps(torch.device("cpu"), 1, 4, lambda: None, on_cpu)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _steps(torch.device("cuda"), 1, 4, lambda: None, on_gpu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [step for step, _, _ in on_gpu] == [step for step, _, _ in on_cpu]
+    for (step, cpu, cpu_cov), (_, gpu, gpu_cov) in zip(on_cpu, on_gpu, strict=True):
+        assert gpu_cov == cpu_cov, (step, gpu_cov)
+        assert [(s["name"], s["labels"]) for s in gpu] == [(s["name"], s["labels"]) for s in cpu], step
+        a = torch.tensor([s["value"] for s in cpu], dtype=torch.float64)
+        b = torch.tensor([s["value"] for s in gpu], dtype=torch.float64)
+        close = torch.isclose(a, b, rtol=1e-3, atol=1e-6, equal_nan=True)
+        off = [(cpu[i]["name"], cpu[i]["labels"], a[i].item(), b[i].item()) for i in (~close).nonzero().flatten()]
+        assert not off, f"step {step}: {len(off)} of {len(cpu)} figures differ on the GPU: {off[:20]}"
