@@ -12,9 +12,11 @@ the GPU under ``torch.cuda.set_sync_debug_mode("error")``.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -113,6 +115,10 @@ class LM(nn.Module):
 def _steps(
     device: torch.device, every: int, steps: int, spy_factory, record: list | None = None
 ) -> tuple[Counter, int]:
+    """Warm-up steps, then ``steps`` measured ones; on a GPU the measured steps run under
+    the sync debug mode (``"error"``: a synchronizing CUDA call raises). Setting the job
+    up (the models and batches moved to the device, ``attach``) and the warm-up, which
+    builds layouts and caches once, are not steps and may wait for the device."""
     model = LM().to(device)
     teacher = LM().to(device)
     opt = torch.optim.AdamW(
@@ -132,17 +138,25 @@ def _steps(
     spy = spy_factory()
     for k in range(steps):
         reports += mon.reports_at(mon.step + 1)
-        _one_step(mon, model, teacher, opt, batches, modality, k)
-        if record is not None:
-            mode = torch.cuda.get_sync_debug_mode() if device.type == "cuda" else 0
-            if mode:  # reading the finished report is the test's, not the step's
-                torch.cuda.set_sync_debug_mode(0)
+        with _sync_debug(device):
+            _one_step(mon, model, teacher, opt, batches, modality, k)
+        if record is not None:  # reading the finished report is the test's, not the step's
             record.append((mon.step, mon.latest(), mon.latest_coverage()))
-            if mode:
-                torch.cuda.set_sync_debug_mode(mode)
     calls = Counter(spy.calls) if spy is not None else Counter()  # before close()'s own report
     mon.close()
     return calls, reports
+
+
+@contextlib.contextmanager
+def _sync_debug(device: torch.device) -> Iterator[None]:
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def _one_step(mon, model, teacher, opt, batches, modality, k) -> None:
@@ -168,11 +182,7 @@ def test_at_most_one_host_transfer_per_report(monkeypatch, every):
     copies = sum(v for k, v in calls.items() if k not in READS and k != "read of a completed copy")
     assert reports >= 2 and copies <= reports, (calls, reports)
     if torch.cuda.is_available():  # the same steps on the GPU: the debug mode raises on a sync
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            _steps(torch.device("cuda"), every, 6, lambda: None)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        _steps(torch.device("cuda"), every, 6, lambda: None)
 
 
 def test_the_spy_sees_a_host_read_in_hooks_code(monkeypatch):
@@ -198,11 +208,7 @@ def test_the_gpu_reports_the_figures_the_cpu_reports():
     on_cpu: list = []
     on_gpu: list = []
     _steps(torch.device("cpu"), 1, 4, lambda: None, on_cpu)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        _steps(torch.device("cuda"), 1, 4, lambda: None, on_gpu)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _steps(torch.device("cuda"), 1, 4, lambda: None, on_gpu)
     assert [step for step, _, _ in on_gpu] == [step for step, _, _ in on_cpu]
     for (step, cpu, cpu_cov), (_, gpu, gpu_cov) in zip(on_cpu, on_gpu, strict=True):
         assert gpu_cov == cpu_cov, (step, gpu_cov)
