@@ -106,7 +106,11 @@ class Monitor:
         # the job are said where the job can see them, even with logging unconfigured.
         visible_logs()
         self._evaluator = evaluator
-        self._headline: tuple[int, dict[str, float]] | None = None
+        # The latest report's step, samples and firing alerts (set by the sender thread);
+        # its headline figures are worked out when a tracker asks (most jobs have none),
+        # and kept with the report they came from.
+        self._headline_of: tuple[int, Any, list[str]] | None = None
+        self._headline: tuple[tuple[int, Any, list[str]], tuple[int, dict[str, float]]] | None = None
         if evaluator is not None and hasattr(sink, "firing"):
             sink.firing = self._firing_names  # a tracker sink shows the alerts firing
         self._sender = Sender(sink, max_queue_bytes=config.queue_bytes, on_report=self._observe_report)
@@ -347,7 +351,17 @@ class Monitor:
         """The latest report's step and headline figures (:mod:`trainvitals.hooks.headline`:
         a handful of series per signal, named as on ``/metrics``, and the alerts the job's
         rules see firing), for the trackers; None before the first report."""
-        return self._headline
+        source = self._headline_of
+        if source is None:
+            return None
+        kept = self._headline
+        if kept is not None and kept[0] is source:
+            return kept[1]
+        from trainvitals.hooks.headline import headline_figures
+
+        figures = (source[0], headline_figures(source[1], source[2]))
+        self._headline = (source, figures)
+        return figures
 
     def _firing_names(self) -> list[str]:
         return [a.alertname for a in self._evaluator.firing()] if self._evaluator is not None else []
@@ -368,9 +382,7 @@ class Monitor:
         # The sender adds its drop counter to every report; a report with nothing else (the
         # run's end sent at close) has no figures and must not replace the last step's.
         if any(s.name != "client_dropped_reports_total" for s in report.samples):
-            from trainvitals.hooks.headline import headline_figures
-
-            self._headline = (report.step, headline_figures(report.samples, self._firing_names()))
+            self._headline_of = (report.step, report.samples, self._firing_names())
 
     def _coverage_entries(
         self, emitted: dict[str, bool], verdicts: dict[str, tuple[str, str]] | None = None
