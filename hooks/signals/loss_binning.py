@@ -23,33 +23,34 @@ UNIFORM_RTOL = 1e-3
 
 
 class SumsLayout:
-    """Offsets into the per-step sums vector. Grouped by who writes them, so each
-    writer adds one contiguous block."""
+    """Offsets into the per-step sums vector. Each writer adds its entries with one
+    op (an ``index_add_`` at targets made once, or an ``add_`` into a block)."""
 
     def __init__(self, modalities: int, objectives: int):
         b = modalities + 1  # the last bin holds codes outside the declared modalities
         self.bins = b
         self.objectives = objectives
-        # written in track_loss (before the backward): per bin, samples with label
-        # tokens, label tokens, the sum of sqrt(label tokens) over samples, the loss over
-        # label tokens, and positions (label or not) carrying the bin's code
+        # per bin, in this order so that the five rows a report totals over bins
+        # (samples, tokens, sqrt tokens, loss, weight) lie end to end: written in
+        # track_loss (before the backward), samples with label tokens, label tokens,
+        # the sum of sqrt(label tokens) over samples, the loss over label tokens; by
+        # the per-token loss hook, the weight; in track_loss again, positions (label
+        # or not) carrying the bin's code
         self.samples = slice(0, b)
         self.tokens = slice(b, 2 * b)
         self.sqrt_tokens = slice(2 * b, 3 * b)
         self.loss = slice(3 * b, 4 * b)
-        self.positions = slice(4 * b, 5 * b)
-        self.mixed = 5 * b
-        self.unknown = 5 * b + 1
-        self.prepared = slice(0, 5 * b + 2)
-        # written by the per-token loss hook: weight per bin and the exponent fit's
-        # count, sum x, sum y, sum xx, sum xy (x = log n_s, y = log w_s), over every
-        # objective; then per objective its weight mass and its micro-batches whose
-        # token weights are not uniform
-        w0 = 5 * b + 2
-        self.weight = slice(w0, w0 + b)
-        self.fit = slice(w0 + b, w0 + b + 5)
-        self.common = slice(w0, w0 + b + 5)
-        o0 = w0 + b + 5
+        self.weight = slice(4 * b, 5 * b)
+        self.positions = slice(5 * b, 6 * b)
+        self.mixed = 6 * b
+        self.unknown = 6 * b + 1
+        # written by the per-token loss hook too: the exponent fit's count, sum x,
+        # sum y, sum xx, sum xy (x = log n_s, y = log w_s), over every objective; then
+        # per objective its weight mass and its micro-batches whose token weights are
+        # not uniform
+        w0 = 6 * b + 2
+        self.fit = slice(w0, w0 + 5)
+        o0 = w0 + 5
         self.mass = slice(o0, o0 + objectives)
         self.nonuniform = slice(o0 + objectives, o0 + 2 * objectives)
         # written by the output hook
@@ -78,6 +79,16 @@ class SumsLayout:
             table = [list(range(row.start, row.start + b)) for row in rows]
             table.append([self.scratch] * (b - 1) + [self.unknown if count_unknown else self.scratch])
             self._tensors[key] = torch.tensor(table).to(device)
+        return self._tensors[key]
+
+    def prepared_targets(self, device: torch.device) -> torch.Tensor:
+        """Where ``bin_batch``'s block goes: per bin its samples, tokens, sqrt tokens,
+        loss and positions, then the mixed and unknown counts."""
+        key = ("prepared", device)
+        if key not in self._tensors:
+            rows = [self.samples, self.tokens, self.sqrt_tokens, self.loss, self.positions]
+            targets = [i for row in rows for i in range(row.start, row.stop)] + [self.mixed, self.unknown]
+            self._tensors[key] = torch.tensor(targets).to(device)
         return self._tensors[key]
 
     def weight_targets(self, slot: int, device: torch.device) -> torch.Tensor:
@@ -209,7 +220,9 @@ def bin_batch(
 
     zeros = torch.zeros(layout.bins, dtype=fdt, device=dev)
     loss_lab = torch.where(lab, loss.reshape(-1).to(fdt), 0.0)
-    sums[layout.prepared].add_(
+    sums.index_add_(
+        0,
+        layout.prepared_targets(dev),
         torch.cat(
             [
                 zeros.index_add(0, s_bin, has.to(fdt)),
@@ -220,7 +233,7 @@ def bin_batch(
                 mixed.to(fdt).reshape(1),
                 unknown.to(fdt).reshape(1),
             ]
-        )
+        ),
     )
     batch = Batch(
         lab=lab,

@@ -3,10 +3,15 @@
 :class:`~trainvitals.hooks.signals.loss_report.LossReport` turns a reported step's
 sums into some thirty figures over modalities and objectives. Made one by one they
 cost a tensor op each (a slice, a division, a comparison: ~120 ops per report);
-instead the report concatenates everything it reads into one pool vector and each
-level of ratios is one gather of numerators, one of denominators and one division.
-A :class:`Plan` holds those index tensors for one report layout (modalities,
-active objectives, scale, declared normalization), built once on the host.
+instead the report concatenates everything it reads into one pool vector, and each
+level of ratios is one gather of numerators, one of denominators and one division,
+split into its figures with one op. A value that is needed as it is passes through
+the division as ``x / 1`` (exact), its negation as ``x / -1`` (exact too): so the
+counts that gate a figure, the counts behind the events and the operands of every
+threshold test come out of the same division, and all the tests are one comparison
+of that block with their bounds. A :class:`Plan` holds those index tensors for one
+report layout (modalities, active objectives, scale, declared normalization), built
+once on the host.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 from trainvitals.hooks.signals.loss_arguments import NORMALIZATIONS
 from trainvitals.hooks.signals.loss_binning import SumsLayout
 
-__all__ = ["MIN_LOG_LENGTH_VAR", "ROWS", "SHARES", "SQRT_TOLERANCE", "Plan"]
+__all__ = ["MIN_LOG_LENGTH_VAR", "ROWS", "SHARES", "SQRT_TOLERANCE", "TESTS_PER_ROW", "Plan"]
 
 MIN_LOG_LENGTH_VAR = 1e-6
 """Below this variance of log(label tokens per sample) there is no slope to fit."""
@@ -28,10 +33,15 @@ SQRT_TOLERANCE = 0.15
 normalization (it is 0 per sample, 1 per token: far from either)."""
 
 ROWS = ("samples", "tokens", "sqrt_tokens", "loss", "weight")
-"""The per-bin rows of the sums whose totals over bins a report divides by."""
+"""The per-bin rows of the sums whose totals over bins a report divides by; the
+layout keeps them end to end, in this order, from the start of the sums."""
 
 SHARES = {0.0: "samples", 0.5: "sqrt_tokens", 1.0: "tokens"}
 """The bin row whose share each normalization's exponent intends."""
+
+TESTS_PER_ROW = 4
+"""Each verdict is the conjunction of this many ``value > bound`` tests (a verdict
+that needs fewer repeats one)."""
 
 
 class Plan:
@@ -39,16 +49,27 @@ class Plan:
     declared normalization): which pool entries each ratio divides. Built once per
     layout on the host; a report then costs a gather pair and one division per level.
 
-    The pool is ``cat([sums, totals of the ROWS over bins, wmax, wmin, consts,
-    products, fit, sqrt(output)])``: ``consts`` is ``[1, 0, scale or 1, declared
+    The pool is ``cat([sums, sqrt(sums), totals of the ROWS over bins, wmax, wmin,
+    consts, products, fit])``: ``consts`` is ``[1, -1, scale or 1, declared
     weights...]``; ``products`` the exponent fit's ``[n sxy, n sxx, sx sy, n n, sx sy,
-    sx sx, n sxy, n n]``, ``fit`` its numerator, denominator, minus numerator and 0. Level 1 (``num1 / den1``) is, in
-    order: the loss; per modality its loss, its sample, token, weight and
-    sqrt-token shares; the exponent, var(log n), n; the scale (scale / 1); per
-    objective its spread, its mass over its declared weight; per modality sqrt of its
-    output sums. Level 2 (``num2 / den2`` over level 1): per modality the dilution
-    and the intended share over the weight share; per objective the mass over the
-    scale; per modality its output gradient norm over the scale."""
+    sx sx, n sxy, n n]``, ``fit`` its numerator, denominator, minus numerator and 0.
+
+    Level 1 (``num1 / den1``) splits with ``sizes`` into parts, each attribute below
+    naming its part's position: counts passed through (the non-finite counter, the
+    mixed and unknown codes, zero-code's two blind counts); the figures (the loss; per
+    modality its loss, sample and token shares; the weight shares; the exponent; the
+    scale; per objective its spread); the presence counts (label tokens, samples: a
+    figure is sent where its count is > 0; a count is never negative), the weight's
+    total per modality (present where nonzero, it may be negative); level 2's
+    numerators and denominators, end to end, so level 2 is one division of two parts
+    (per modality the dilution and the intended share over the weight share; per
+    objective the mass over the scale; per modality the output gradient norm over the
+    scale); last the operands of the tests, compared with ``bounds`` at once, then
+    folded per verdict: ``verdict_sizes`` splits the verdicts into the fit (n >= 2
+    samples and var(log n) > MIN_LOG_LENGTH_VAR), the fit being sqrt-like, no label
+    token, zero-code's gate (nothing blind), per objective its spread (every
+    micro-batch uniform, the smallest weight > 0, the largest finite), per modality
+    its positions without label tokens."""
 
     def __init__(
         self,
@@ -63,14 +84,17 @@ class Plan:
         dtype: torch.dtype,
     ) -> None:
         k = len(slots)
-        at = {name: lay.size + i for i, name in enumerate(ROWS)}
-        wmax0 = lay.size + len(ROWS)
+        b = lay.bins
+        if [getattr(lay, row) for row in ROWS] != [slice(i * b, (i + 1) * b) for i in range(len(ROWS))]:
+            raise ValueError("loss plan: the layout's ROWS must lie end to end from the start of the sums")
+        root0 = lay.size  # sqrt of the sums (the output sums' are read)
+        at = {name: 2 * lay.size + i for i, name in enumerate(ROWS)}
+        wmax0 = 2 * lay.size + len(ROWS)
         wmin0 = wmax0 + lay.objectives
         one = wmin0 + lay.objectives
-        zero, scale_at, weights0 = one + 1, one + 2, one + 3
+        minus_one, scale_at, weights0 = one + 1, one + 2, one + 3
         prod0 = weights0 + k
         fit0 = prod0 + 8
-        out0 = fit0 + 4
         n, sx, sy, sxx, sxy = range(lay.fit.start, lay.fit.stop)
 
         def bins(row: str) -> list[int]:
@@ -83,84 +107,93 @@ class Plan:
         def floats(values: list[Any]) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device)
 
-        share = {row: 1 + (i + 1) * m for i, row in enumerate(("samples", "tokens", "weight", "sqrt_tokens"))}
-        num1 = [at["loss"], *bins("loss")]
-        den1 = [at["tokens"], *bins("tokens")]
-        for row in share:
-            num1 += bins(row)
-            den1 += [at[row]] * m
-        self.exponent = len(num1)
-        # the exponent, minus it, var(log n) = (n sxx - sx sx) / n^2, n
-        num1 += [fit0, fit0 + 2, fit0 + 1, n]
-        den1 += [fit0 + 1, fit0 + 1, prod0 + 3, one]
-        # the fit holds with var(log n) > MIN_LOG_LENGTH_VAR and n >= 2 (counts); sqrt-like
-        # when also 0.5 - SQRT_TOLERANCE < exponent < 0.5 + SQRT_TOLERANCE
-        self.fit_checks = tensor([self.exponent + 2, self.exponent + 3, self.exponent, self.exponent + 1])
-        self.fit_bounds = floats([MIN_LOG_LENGTH_VAR, 1.5, 0.5 - SQRT_TOLERANCE, -0.5 - SQRT_TOLERANCE])
-        self.scale = len(num1)
-        num1.append(at["tokens"] if scale is None else scale_at)
-        den1.append(one)
-        num1 += [wmax0 + s for s in slots]
-        den1 += [wmin0 + s for s in slots]
-        massw = len(num1)
-        num1 += [lay.mass.start + s for s in slots]
-        den1 += list(range(weights0, weights0 + k))
-        sqrt_output = len(num1)
-        num1 += list(range(out0, out0 + m))
-        den1 += [one] * m
+        num1: list[int] = []
+        den1: list[int] = []
+        self.sizes: list[int] = []
 
+        def part(nums: list[int], dens: list[int]) -> int:
+            assert len(nums) == len(dens)
+            num1.extend(nums)
+            den1.extend(dens)
+            self.sizes.append(len(nums))
+            return len(self.sizes) - 1
+
+        def shares(row: str) -> tuple[list[int], list[int]]:
+            return bins(row), [at[row]] * m
+
+        scale_num = at["tokens"] if scale is None else scale_at
+        # counts passed through
+        self.nonfinite = part([lay.nonfinite], [one])
+        self.mixed = part([lay.mixed], [one])
+        self.unknown = part([lay.unknown], [one])
+        self.not_ce = part([lay.not_ce], [one]) if zero_code else -1
+        self.overwritten = part([lay.overwritten], [one]) if zero_code else -1
+        # the figures
+        self.loss = part([at["loss"]], [at["tokens"]])
+        self.rows = part(
+            bins("loss") + shares("samples")[0] + shares("tokens")[0],
+            bins("tokens") + shares("samples")[1] + shares("tokens")[1],
+        )
+        self.share = part(*shares("weight"))
+        self.exponent = part([fit0], [fit0 + 1])
+        self.scale = part([scale_num], [one])
+        self.spread = part([wmax0 + s for s in slots], [wmin0 + s for s in slots])
+        # presence
+        self.present_loss = part([at["tokens"]], [one])
+        self.present_rows = part(bins("tokens") + [at["tokens"]] * (2 * m), [one] * (3 * m))
+        self.present_samples = part(bins("samples"), [one] * m)
+        self.present_mass = part([at["tokens"]] * k, [one] * k)
+        self.weight_total = part([at["weight"]] * m, [one] * m)
+        # level 2's operands
         intended = SHARES[NORMALIZATIONS[declared]] if declared is not None else "sqrt_tokens"
-        num2 = [*range(share["samples"], share["samples"] + m), *range(share[intended], share[intended] + m)]
-        den2 = list(range(share["weight"], share["weight"] + m)) * 2
-        num2 += list(range(massw, massw + k))
-        den2 += [self.scale] * k
-        num2 += list(range(sqrt_output, sqrt_output + m))
-        den2 += [self.scale] * m
+        root_output = [root0 + i for i in bins("output")]  # sqrt of the output sums
+        self.num2 = part(
+            shares("samples")[0] + shares(intended)[0] + [lay.mass.start + s for s in slots] + root_output,
+            shares("samples")[1] + shares(intended)[1] + list(range(weights0, weights0 + k)) + [one] * m,
+        )
+        self.den2 = part(
+            shares("weight")[0] * 2 + [scale_num] * (k + m),
+            shares("weight")[1] * 2 + [one] * (k + m),
+        )
+        self.second_sizes = [m, m, k, m]  # dilution; intended over weight share; mass over scale; output norm
 
-        # presence: both pool entries nonzero. The step's label tokens; per modality its
-        # label tokens, then the step's (the sample and token shares); the weight's
-        # total (grad share); the modality's samples and the weight's total (dilution);
-        # its samples (output norm); per objective the step's label tokens (mass).
-        present = [at["tokens"], *bins("tokens"), *[at["tokens"]] * (2 * m)]
-        present_and = [one] * len(present)
-        present += [at["weight"]] * m
-        present += bins("samples")
-        present_and += [one] * m + [at["weight"]] * m
-        present += bins("samples")
-        present += [at["tokens"]] * k
-        present_and += [one] * (m + k)
+        # the tests: rows of TESTS_PER_ROW (numerator, denominator, bound), value > bound
+        tests: list[list[tuple[int, int, float]]] = []
+        var = (fit0 + 1, prod0 + 3, MIN_LOG_LENGTH_VAR)  # var(log n) = (n sxx - sx sx) / n^2
+        count = (n, one, 1.5)  # n >= 2 samples
+        tests.append([var, count, var, count])
+        tests.append([var, count, (fit0, fit0 + 1, 0.5 - SQRT_TOLERANCE), (fit0 + 2, fit0 + 1, -0.5 - SQRT_TOLERANCE)])
+        tests.append([(at["tokens"], minus_one, -0.5)] * TESTS_PER_ROW)  # no label token: -tokens > -0.5
+        if zero_code:
+            blind = [(lay.not_ce, minus_one, -0.5), (lay.overwritten, minus_one, -0.5)]
+            tests.append(blind * 2)
+        for s in slots:
+            # uniform: -nonuniform > -0.5; 0 < wmin; -inf < wmax < inf (then wmin < inf too)
+            tests.append(
+                [
+                    (lay.nonuniform.start + s, minus_one, -0.5),
+                    (wmin0 + s, one, 0.0),
+                    (wmax0 + s, one, float("-inf")),
+                    (wmax0 + s, minus_one, float("-inf")),
+                ]
+            )
+        for p, t in zip(bins("positions"), bins("tokens"), strict=True):
+            tests.append([(p, one, 0.5), (t, minus_one, -0.5)] * 2)  # positions, no label token
+        assert all(len(row) == TESTS_PER_ROW for row in tests)
+        flat = [test for row in tests for test in row]
+        self.tests = part([t[0] for t in flat], [t[1] for t in flat])
+        self.bounds = floats([t[2] for t in flat])
+        self.verdict_rows = len(tests)
+        self.fit_ok, self.sqrt_ok, self.no_input = 0, 1, 2
+        self.gate = 3 if zero_code else -1
+        self.spread_ok = 4 if zero_code else 3
+        self.flags = self.spread_ok + 1  # per modality, one part each
+        self.flags_at = self.spread_ok + k  # where they start in the verdicts themselves
+        self.verdict_sizes = [1] * self.spread_ok + [k] + [1] * m
 
-        # Each level splits into its figures with one op (``Tensor.split``), not a slice each.
-        # level 1: loss; modality loss, sample and token shares; weight share; sqrt-token
-        # share; exponent; -exponent, var(log n), n; scale; spread; mass; sqrt(output)
-        self.first_sizes = [1, 3 * m, m, m, 1, 3, 1, k, k, m]
-        # presence: loss; the three rows; weight share; dilution; output norm; mass
-        self.presence_sizes = [1, 3 * m, m, m, m, k]
-        # level 2: dilution; intended over weight share; mass over scale; output norm
-        self.second_sizes = [m, m, k, m]
-        assert sum(self.first_sizes) == len(num1) and sum(self.second_sizes) == len(num2)
-        assert sum(self.presence_sizes) == len(present)
-
-        # events: mixed, unknown, (not cross-entropy,) then each modality's positions
-        # times "its label tokens == 0"
-        counts = [lay.mixed, lay.unknown] + ([lay.not_ce] if zero_code else [])
-        self.flags = tensor(counts + bins("positions"))
-        self.flags_if_zero = tensor([zero] * len(counts) + bins("tokens"))
-
-        self.rows = tensor([i for row in ROWS for i in range(getattr(lay, row).start, getattr(lay, row).stop)])
         # products [[n sxy, n sxx, sx sy, n n], [sx sy, sx sx, n sxy, n n]]; their
         # difference [numerator, denominator, -numerator, 0]
         self.fit = tensor([n, sxy, n, sxx, sx, sy, n, n, sx, sy, sx, sx, n, sxy, n, n])
-        self.consts = floats([1.0, 0.0, 1.0 if scale is None else scale, *declared_weights])
+        self.consts = floats([1.0, -1.0, 1.0 if scale is None else scale, *declared_weights])
         self.num1, self.den1 = tensor(num1), tensor(den1)
-        self.num2, self.den2 = tensor(num2), tensor(den2)
-        self.present, self.present_and = tensor(present), tensor(present_and)
-        self.blind = tensor([lay.not_ce, lay.overwritten])
         self.none_k = torch.zeros(k, dtype=torch.bool).to(device)
-        # the spread holds where every micro-batch was uniform (a count: 0), the smallest
-        # weight is in (0, inf) and the largest finite: each within its row's open bounds
-        self.spread_checks = tensor(
-            [lay.nonuniform.start + s for s in slots] + [wmin0 + s for s in slots] + [wmax0 + s for s in slots]
-        )
-        self.spread_low = floats([[-0.5], [0.0], [float("-inf")]])
-        self.spread_high = floats([[0.5], [float("inf")], [float("inf")]])

@@ -94,12 +94,15 @@ from trainvitals.hooks.optimizer_family import FAMILY_VALUE, optimizer_family
 from trainvitals.hooks.signals.base import MonitorView
 from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES
 from trainvitals.hooks.signals.loss_binning import SumsLayout
-from trainvitals.hooks.signals.loss_plan import ROWS, Plan
+from trainvitals.hooks.signals.loss_plan import ROWS, TESTS_PER_ROW, Plan
 from trainvitals.hooks.signals.loss_probe import ModalityProbe
 from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.tensors import float_dtype
 
 __all__ = ["Accumulated", "LossReport"]
+
+ROW_FIGURES = ("modality_loss", "modality_sample_share_ratio", "modality_token_share_ratio")
+"""The per-modality figures that lie end to end in one part of the report's ratios."""
 
 
 @dataclass(frozen=True)
@@ -239,8 +242,8 @@ class LossReport:
         """The step's figures from the sums combined over ranks (see the module docstring).
 
         Every ratio of one kind is one division over index-gathered numerators and
-        denominators (``Plan``), so a report costs a few dozen tensor ops whatever the
-        number of modalities and objectives."""
+        denominators, every threshold test one comparison (``Plan``), so a report costs
+        a few dozen tensor ops whatever the number of modalities and objectives."""
         lay = self._layout
         names = list(monitor.modalities)
         m = len(names)
@@ -266,69 +269,73 @@ class LossReport:
             sums.device,
             sums.dtype,
         )
+        # The pool every ratio reads from: the sums, their square roots, the per-bin
+        # totals, the weight extremes, host-known constants, the exponent fit's products
+        # and its numerator and denominator (``Plan``).
+        # (the sums are a dense 1-D vector: their first rows viewed as [ROWS, bins], no copy)
+        totals = sums.as_strided((len(ROWS), lay.bins), (lay.bins, 1)).sum(1)
+        # [[n sxy, n sxx, sx sy, n n], [sx sy, sx sx, n sxy, n n]]; their difference is the
+        # fit's numerator, denominator, minus numerator (and 0). A difference, not a product
+        # with a sign matrix: a non-finite sy (an infinite weight) must leave the
+        # denominator finite (inf * 0 is NaN), so the exponent reads NaN, not absent.
+        above, below = sums.index_select(0, plan.fit).view(2, 4, 2).prod(2).unbind()
+        pool = torch.cat([sums, sums.sqrt(), totals, wmax, wmin, plan.consts, above, below, above - below])
+        first = (pool.index_select(0, plan.num1) / pool.index_select(0, plan.den1)).split(plan.sizes)
+        verdicts = (first[plan.tests] > plan.bounds).view(plan.verdict_rows, TESTS_PER_ROW).all(1)
+        verdict = verdicts.split(plan.verdict_sizes)
+
         if counting_nonfinite or monitor.world_size > 1:
-            ctx.emit("nonfinite_total", sums[lay.nonfinite : lay.nonfinite + 1], {"what": "loss"})
+            ctx.emit("nonfinite_total", first[plan.nonfinite], {"what": "loss"})
         gate: torch.Tensor | None = None  # zero-code: every figure present only where the weights are sound
         if zero_code:
             # Weights read from a gradient that is not a plain cross-entropy one are wrong:
             # say so (_warn_late's log line, the coverage) and leave the step's figures out.
             ctx.inactive_when(
                 "loss",
-                sums[lay.overwritten],
+                first[plan.overwritten],
                 "logits_overwritten",
                 "the logits were overwritten in place between the forward and the backward (a fused "
                 "cross-entropy reusing their memory); the step's figures are left out",
             )
             ctx.inactive_when(
                 "loss",
-                sums[lay.not_ce],
+                first[plan.not_ce],
                 "not_cross_entropy",
                 "the gradient at the logits is not a plain cross-entropy one (label smoothing, a "
                 "distillation or z-loss term, soft-capping after the head); the step's figures are left out",
             )
-            gate = sums.index_select(0, plan.blind).sum().reshape(1) == 0
+            gate = verdict[plan.gate]
 
         def gated(present: torch.Tensor) -> torch.Tensor:
             return present if gate is None else present * gate
 
         ctx.emit("microbatches", self._indices.get([float(max(calls))], ctx.device, sums.dtype), present=gate)
-
-        # The pool every ratio reads from: the sums, the per-bin totals, the weight
-        # extremes, host-known constants, the exponent fit's products and its
-        # numerator and denominator, sqrt of the output sums (``Plan``).
-        totals = sums.index_select(0, plan.rows).view(len(ROWS), lay.bins).sum(1)
-        # [[n sxy, n sxx, sx sy, n n], [sx sy, sx sx, n sxy, n n]]; their difference is the
-        # fit's numerator, denominator, minus numerator (and 0). A difference, not a product
-        # with a sign matrix: a non-finite sy (an infinite weight) must leave the
-        # denominator finite (inf * 0 is NaN), so the exponent reads NaN, not absent.
-        above, below = sums.index_select(0, plan.fit).view(2, 4, 2).prod(2).unbind()
-        fit = above - below
-        pool = torch.cat([sums, totals, wmax, wmin, plan.consts, above, below, fit, sums[lay.output].sqrt()])
-        first = pool.index_select(0, plan.num1) / pool.index_select(0, plan.den1)
-        raw = pool.index_select(0, plan.present) != 0
-        presence = gated(raw & (pool.index_select(0, plan.present_and) != 0))
-        f_loss, f_rows, f_share, _, f_exponent, _, f_scale, f_spread, _, _ = first.split(plan.first_sizes)
-        p_loss, p_rows, p_share, p_weighted, p_samples, p_mass = presence.split(plan.presence_sizes)
         if acc.fired:
-            ctx.inactive_when("loss", ~raw[:1], "no_input", "no label token in the reported step")
-        ctx.emit("loss", f_loss, present=p_loss)
-        ctx.emit_rows(
-            ("modality_loss", "modality_sample_share_ratio", "modality_token_share_ratio"),
-            f_rows.view(3, m),
-            mod_labels,
-            present=p_rows.view(3, m),
+            ctx.inactive_when("loss", verdict[plan.no_input], "no_input", "no label token in the reported step")
+        ctx.emit("loss", first[plan.loss], present=gated(first[plan.present_loss]))
+        ctx.emit_block(
+            [(name, mod_labels) for name in ROW_FIGURES],
+            first[plan.rows],
+            present=gated(first[plan.present_rows]),
+            gated=range(3 * m),
         )
-        # Mixed and unknown codes, a gradient that is not cross-entropy; then a declared
-        # modality that marks positions only of samples without label tokens (positions
-        # where its label tokens are 0): no sample of it carries loss, so it reads as absent.
-        flags = pool.index_select(0, plan.flags) * (pool.index_select(0, plan.flags_if_zero) == 0)
-        events: list[tuple[str, str, dict[str, str] | None]] = [
+        # Mixed and unknown codes, a gradient that is not cross-entropy (their counts);
+        # then a declared modality that marks positions only of samples without label
+        # tokens (positions where its label tokens are 0): no sample of it carries loss,
+        # so it reads as absent.
+        events: list[tuple[str, str, dict[str, str] | None, torch.Tensor]] = [
             (
                 "loss_sample_mixed_modality",
                 "samples whose label tokens mix modalities (counted under the highest code)",
                 None,
+                first[plan.mixed],
             ),
-            ("loss_unknown_modality_code", "label tokens with a modality code outside attach(modalities=...)", None),
+            (
+                "loss_unknown_modality_code",
+                "label tokens with a modality code outside attach(modalities=...)",
+                None,
+                first[plan.unknown],
+            ),
         ]
         if zero_code:
             events.append(
@@ -337,6 +344,7 @@ class LossReport:
                     "loss_from_logits: a micro-batch's logits gradient is not a plain cross-entropy one; "
                     "this step's loss-accounting figures are left out (docs/integrations.md)",
                     None,
+                    first[plan.not_ce],
                 )
             )
         events.extend(
@@ -345,37 +353,45 @@ class LossReport:
                 f"modality {name!r} marks positions only of samples without label tokens: none of its "
                 "samples carries loss (docs/signals.md, 'Loss accounting')",
                 {"modality": name},
+                verdict[plan.flags + i],
             )
-            for name in names
+            for i, name in enumerate(names)
         )
-        ctx.events_when(events, flags)
+        for kind, detail, labels, flag in events:
+            ctx.event(kind, detail, labels, when=flag)
         self._late.add_positive(
             "loss_modality_without_labels",
             "%d declared modality(ies) mark positions only of samples without label tokens, so they "
             "read as absent from the shares (docs/signals.md, 'Loss accounting')",
-            flags,
-            len(events) - m,
+            verdicts,
+            plan.flags_at,
         )
         if not full:
             return  # no weights arrived on this step: nothing honest to say about them
 
-        second = first.index_select(0, plan.num2) / first.index_select(0, plan.den2)
-        dilution, intended, mass, grad_norm = second.split(plan.second_sizes)
-        # the fit: n >= 2 samples and var(log n) > MIN_LOG_LENGTH_VAR
-        checks = first.index_select(0, plan.fit_checks) > plan.fit_bounds
-        fit_ok = checks[:2].all().reshape(1)
+        dilution, intended, mass, grad_norm = (first[plan.num2] / first[plan.den2]).split(plan.second_sizes)
+        weighted = first[plan.weight_total] != 0  # the weight's total: it may be negative
+        p_weighted = gated(first[plan.present_samples] * weighted)
         if declared is not None:
             excess = intended
         else:
             # undeclared: sqrt when the fitted exponent is 0.5 (a deliberate choice), else per sample
-            excess = torch.where(checks.all(), intended, dilution)
-        ctx.emit("modality_grad_share_ratio", f_share, mod_labels, present=p_share)
+            excess = torch.where(verdict[plan.sqrt_ok], intended, dilution)
+        ctx.emit("modality_grad_share_ratio", first[plan.share], mod_labels, present=gated(weighted))
         ctx.emit("modality_dilution_ratio", dilution, mod_labels, present=p_weighted)
-        ctx.emit("loss_norm_exponent", f_exponent, present=gated(fit_ok))
+        ctx.emit("loss_norm_exponent", first[plan.exponent], present=gated(verdict[plan.fit_ok]))
         ctx.emit("modality_excess_dilution_ratio", excess, mod_labels, present=p_weighted)
         if active:
             self._emit_objectives(
-                ctx, plan, mass, f_spread, p_mass, pool, [(n, calls[k]) for n, k in active], declared, gated
+                ctx,
+                plan,
+                mass,
+                first[plan.spread],
+                gated(first[plan.present_mass]),
+                verdict[plan.spread_ok],
+                [(n, calls[k]) for n, k in active],
+                declared,
+                gated,
             )
         # What a missing division does depends on the optimizer: the rules read it beside the mass.
         if self._family is None:
@@ -386,11 +402,11 @@ class LossReport:
                 "modality_grad_norm",
                 grad_norm,
                 [{"modality": n, "scope": "output"} for n in names],
-                present=p_samples,
+                present=gated(first[plan.present_samples]),
             )
         if gram is not None:
             assert probe is not None
-            probe.emit(ctx, gram, names, f_scale.reshape(()) if scale is None else scale)
+            probe.emit(ctx, gram, names, first[plan.scale].reshape(()) if scale is None else scale)
 
     def _emit_objectives(
         self,
@@ -399,29 +415,26 @@ class LossReport:
         mass: torch.Tensor,
         spread: torch.Tensor,
         present: torch.Tensor,
-        pool: torch.Tensor,
+        uniform: torch.Tensor,
         objectives: list[tuple[str, int]],
         declared: str | None,
         gated: Any,
     ) -> None:
         """Per objective (name, micro-batches): its weight mass relative to its declared
         weight, how that mass scales with the step's micro-batches, and its token-weight
-        spread (I2, I3)."""
-        k = len(objectives)
+        spread (I2, I3); ``uniform``: the spread's verdict per objective."""
         labels = [{"objective": name} for name, _ in objectives]
         dev, dt = mass.device, mass.dtype
         log_n = self._indices.get([math.log(max(c, 2)) for _, c in objectives], dev, dt)
-        several = self._indices.get([float(c >= 2) for _, c in objectives], dev, dt)
+        # present where the mass is > 0, for N >= 2 micro-batches (no mass is > inf)
+        floor = self._indices.get([0.0 if c >= 2 else math.inf for _, c in objectives], dev, dt)
         ctx.emit("loss_weight_mass", mass, labels, present=present)
         # mass = N^k for N micro-batches: k = 1 when their losses were not divided by N,
         # 0 when normalized, -1 when divided twice (a coefficient shifts it by log c / log N).
-        ctx.emit("loss_accumulation_exponent", torch.log(mass) / log_n, labels, present=gated(several * (mass > 0)))
-        if declared == "sample":  # per-sample weighting declared: unequal token weights are the intent
-            spread_ok = plan.none_k
-        else:
-            # every micro-batch's token weights uniform, the smallest weight > 0, the largest finite
-            checks = pool.index_select(0, plan.spread_checks).view(3, k)
-            spread_ok = ((checks > plan.spread_low) & (checks < plan.spread_high)).all(0)
+        ctx.emit("loss_accumulation_exponent", torch.log(mass) / log_n, labels, present=gated(mass > floor))
+        # per-sample weighting declared: unequal token weights are the intent; else every
+        # micro-batch's token weights uniform, the smallest weight > 0, the largest finite
+        spread_ok = plan.none_k if declared == "sample" else uniform
         ctx.emit("token_weight_spread_ratio", spread, labels, present=gated(spread_ok))
 
     def _plan(
