@@ -211,8 +211,8 @@ class LossAccounting(ZeroCodeSeams):
 
         def norms(grad: torch.Tensor) -> None:
             sq = output_sums(layout, b, grad, lead_dims, self._inv_scale(monitor, grad.device, b.fdt))
-            assert step.sums is not None
-            step.sums[layout.output].add_(sq)
+            assert step.output is not None
+            step.output.add_(sq)
 
         return self._hook("the output hook", norms)
 
@@ -282,6 +282,7 @@ class LossAccounting(ZeroCodeSeams):
                 sums=step.sums,
                 wmax=step.wmax,
                 wmin=step.wmin,
+                counter=step.counter,
                 calls=step.calls,
                 weights=step.weights,
                 normalization=step.normalization,

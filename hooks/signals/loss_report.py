@@ -113,6 +113,7 @@ class Accumulated:
     sums: torch.Tensor | None = None  # [layout.size]; None when no hook was placed
     wmax: torch.Tensor | None = None  # [objectives] largest label-token weight
     wmin: torch.Tensor | None = None  # [objectives] smallest label-token weight
+    counter: torch.Tensor | None = None  # sums[layout.nonfinite] as a view made once (0-d)
     calls: list[int] = field(default_factory=lambda: [0] * MAX_OBJECTIVES)  # micro-batches per objective
     weights: dict[int, float] = field(default_factory=dict)  # declared weight per objective slot
     normalization: str | None = None  # declared by a track_loss call of the step
@@ -166,7 +167,8 @@ class LossReport:
             assert acc.wmax is not None and acc.wmin is not None
             sums, wmax, wmin = acc.sums, acc.wmax, acc.wmin  # the finished step's: written in place
         if nonfinite is not None:
-            sums[lay.nonfinite].copy_(nonfinite.reshape(()))
+            counter = acc.counter if acc.counter is not None else sums[lay.nonfinite]
+            counter.copy_(nonfinite if nonfinite.dim() == 0 else nonfinite.reshape(()))
         self._warn_late(monitor, sums, nonfinite is not None, zero_code)
         ctx.combine(
             [(sums, "sum"), (wmax, "max"), (wmin, "min")],

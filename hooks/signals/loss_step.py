@@ -43,9 +43,45 @@ class LossStep:
     sums: torch.Tensor | None = None  # [layout.size], float64 (float32 on mps)
     wmax: torch.Tensor | None = None  # [objectives] largest label-token weight
     wmin: torch.Tensor | None = None  # [objectives] smallest label-token weight
+    output: torch.Tensor | None = None  # sums[layout.output]
+    counter: torch.Tensor | None = None  # sums[layout.nonfinite], 0-d
     probe_grads: torch.Tensor | None = None  # [M, P] per-modality parameter gradients
     layout: str = ""  # zero-code: why the head's output was not read as logits (the last such)
     several: bool = False  # a micro-batch held several samples (Megatron's per-sample intent then fails)
+
+
+class StepBuffers:
+    """The sums and weight extremes of a reported step, in one kept tensor per device
+    with its views made once, reset with one copy. Two, taken in turn: a step waiting
+    for its report (or a step replaced while its hooks may still run) keeps its own
+    while the next step's first micro-batch resets the other one."""
+
+    def __init__(self, layout: SumsLayout) -> None:
+        self.layout = layout
+        self._key: tuple[torch.device, torch.dtype] | None = None
+        self._template: torch.Tensor | None = None
+        self._pair: list[tuple[torch.Tensor, ...]] = []
+        self._turn = 0
+
+    def take(self, step: LossStep, device: torch.device) -> None:
+        """Give ``step`` the next buffer, reset: sums 0, largest weights -inf, smallest inf."""
+        fdt = float_dtype(device)
+        template = self._template
+        if template is None or self._key != (device, fdt):
+            lay = self.layout
+            k = MAX_OBJECTIVES
+            values = [0.0] * lay.size + [float("-inf")] * k + [float("inf")] * k
+            template = self._template = torch.tensor(values, dtype=fdt).to(device)
+            self._pair = []
+            for _ in range(2):
+                whole = torch.empty_like(template)
+                sums = whole[: lay.size]
+                views = (whole, sums, whole[lay.size : lay.size + k], whole[lay.size + k :])
+                self._pair.append((*views, sums[lay.output], sums[lay.nonfinite]))
+            self._key = (device, fdt)
+        self._turn ^= 1
+        whole, step.sums, step.wmax, step.wmin, step.output, step.counter = self._pair[self._turn]
+        whole.copy_(template)
 
 
 class StepBook(Signal):
@@ -62,6 +98,7 @@ class StepBook(Signal):
         self._closed = False
         self._objectives: dict[str, int] = {}  # name -> slot in the per-objective sums
         self._slot_index: dict[tuple[int, torch.device], torch.Tensor] = {}  # [slot] on a device
+        self._buffers: StepBuffers | None = None
 
     def _slot(self, objective: str) -> int:
         slot = self._objectives.get(objective)
@@ -77,10 +114,9 @@ class StepBook(Signal):
     def _ensure_sums(self, step: LossStep, device: torch.device) -> None:
         if step.sums is None:
             assert self._layout is not None
-            fdt = float_dtype(device)
-            step.sums = torch.zeros(self._layout.size, dtype=fdt, device=device)
-            step.wmax = torch.full((MAX_OBJECTIVES,), float("-inf"), dtype=fdt, device=device)
-            step.wmin = torch.full((MAX_OBJECTIVES,), float("inf"), dtype=fdt, device=device)
+            if self._buffers is None or self._buffers.layout is not self._layout:
+                self._buffers = StepBuffers(self._layout)
+            self._buffers.take(step, device)
 
     def _add_weights(
         self, step: LossStep, slot: int, values: torch.Tensor, wmax: torch.Tensor, wmin: torch.Tensor

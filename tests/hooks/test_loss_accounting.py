@@ -493,3 +493,25 @@ def test_a_tracked_loss_that_gets_no_gradient_is_logged(caplog):
     assert mon.value("loss_weight_mass", objective="main") is None
     assert mon.value("modality_sample_share_ratio", modality="text") == 0.5
     mon.close()
+
+
+# -- kept buffers ----------------------------------------------------------------
+def test_step_buffers_alternate_so_a_step_awaiting_its_report_keeps_its_sums():
+    from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES
+    from trainvitals.hooks.signals.loss_binning import SumsLayout
+    from trainvitals.hooks.signals.loss_step import LossStep, StepBuffers
+
+    layout = SumsLayout(len(MODALITIES), MAX_OBJECTIVES)
+    buffers = StepBuffers(layout)
+    first, second, third = (LossStep(token=(i, None), reporting=True, probe=False) for i in range(3))
+    buffers.take(first, torch.device("cpu"))
+    first.sums.add_(1.0)
+    first.wmax.fill_(2.0)
+    buffers.take(second, torch.device("cpu"))  # the next step starts while the first awaits its report
+    assert bool(first.sums.eq(1.0).all()) and bool(first.wmax.eq(2.0).all())
+    assert bool(second.sums.eq(0.0).all())
+    assert bool(second.wmax.eq(-math.inf).all()) and bool(second.wmin.eq(math.inf).all())
+    assert first.output.data_ptr() == first.sums[layout.output].data_ptr()
+    assert first.counter.data_ptr() == first.sums[layout.nonfinite].data_ptr()
+    buffers.take(third, torch.device("cpu"))  # two steps on: the first's buffer, reset
+    assert third.sums.data_ptr() == first.sums.data_ptr() and bool(third.sums.eq(0.0).all())
