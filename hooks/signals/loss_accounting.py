@@ -188,7 +188,7 @@ class LossAccounting(ZeroCodeSeams):
 
         def weights(grad: torch.Tensor) -> None:
             step.fired += 1
-            w = grad.detach().reshape(-1).to(b.fdt)
+            w = (grad.detach() if grad.requires_grad else grad).to(b.fdt)
             inv = self._inv_scale(monitor, grad.device, b.fdt)
             if inv is not None:
                 w = w * inv
@@ -280,8 +280,7 @@ class LossAccounting(ZeroCodeSeams):
             if step is None
             else Accumulated(
                 sums=step.sums,
-                wmax=step.wmax,
-                wmin=step.wmin,
+                extremes=step.extremes,
                 counter=step.counter,
                 calls=step.calls,
                 weights=step.weights,

@@ -46,18 +46,16 @@ class SumsLayout:
         self.unknown = 6 * b + 1
         # written by the per-token loss hook too: the exponent fit's count, sum x,
         # sum y, sum xx, sum xy (x = log n_s, y = log w_s), over every objective; then
-        # per objective its weight mass and its micro-batches whose token weights are
-        # not uniform
+        # per objective its weight mass
         w0 = 6 * b + 2
         self.fit = slice(w0, w0 + 5)
         o0 = w0 + 5
         self.mass = slice(o0, o0 + objectives)
-        self.nonuniform = slice(o0 + objectives, o0 + 2 * objectives)
         # written by the output hook
-        self.output = slice(o0 + 2 * objectives, o0 + 2 * objectives + b)
+        self.output = slice(o0 + objectives, o0 + objectives + b)
         # zero-code accounting: micro-batches whose logits gradient is not a plain
         # cross-entropy one (their weights cannot be read from it)
-        self.not_ce = o0 + 2 * objectives + b
+        self.not_ce = o0 + objectives + b
         # zero-code accounting: micro-batches whose logits were overwritten in place
         # before the backward (Megatron's fused cross-entropy on float32 logits)
         self.overwritten = self.not_ce + 1
@@ -65,6 +63,13 @@ class SumsLayout:
         # absorbs what the per-row binning adds outside the layout (never read)
         self.scratch = self.nonfinite + 1
         self.size = self.scratch + 1
+        # beside the sums, combined across ranks by their maximum: per objective its
+        # largest label-token weight, minus its smallest, and whether a micro-batch's
+        # token weights were not uniform
+        self.wmax = slice(0, objectives)
+        self.negmin = slice(objectives, 2 * objectives)
+        self.nonuniform = slice(2 * objectives, 3 * objectives)
+        self.extremes = 3 * objectives
         self._tensors: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def bin_targets(self, device: torch.device, count_unknown: bool) -> torch.Tensor:
@@ -92,13 +97,50 @@ class SumsLayout:
         return self._tensors[key]
 
     def weight_targets(self, slot: int, device: torch.device) -> torch.Tensor:
-        """Where ``weight_sums``' block, mass and non-uniform flag of objective ``slot`` go."""
+        """Where ``weight_sums``' weight per bin (and scratch), fit and mass of objective ``slot`` go."""
         key = ("weights", slot, device)
         if key not in self._tensors:
             weight = list(range(self.weight.start, self.weight.stop))
             fit = list(range(self.fit.start, self.fit.stop))
-            targets = [*weight, self.scratch, *fit, self.mass.start + slot, self.nonuniform.start + slot]
+            self._tensors[key] = torch.tensor([*weight, self.scratch, *fit, self.mass.start + slot]).to(device)
+        return self._tensors[key]
+
+    def extreme_targets(self, slot: int, device: torch.device) -> torch.Tensor:
+        """Where ``weight_sums``' extremes of objective ``slot`` go in the extremes vector."""
+        key = ("extremes", slot, device)
+        if key not in self._tensors:
+            targets = [self.wmax.start + slot, self.negmin.start + slot, self.nonuniform.start + slot]
             self._tensors[key] = torch.tensor(targets).to(device)
+        return self._tensors[key]
+
+    def fit_rows(self, log_n: torch.Tensor) -> torch.Tensor:
+        """``[5, S]``: per sample ``[1, x, 1, x * x, x]`` (x = log n_s), what the exponent
+        fit's five sums (n, sx, sy, sxx, sxy) multiply by ``[1, 1, y, 1, y]`` (y = log w_s)."""
+        one = self.constant_rows(log_n.shape[0], 1.0, log_n.dtype, log_n.device)
+        return torch.stack([one, log_n, one, log_n * log_n, log_n])
+
+    def constant_fit_rows(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``fit_rows`` of ``rows`` samples of ``cols`` label tokens each (made once per shape)."""
+        key = ("fit rows", rows, cols, dtype, device)
+        if key not in self._tensors:
+            n = torch.full((rows,), float(max(cols, 1)), dtype=dtype, device=device)
+            self._tensors[key] = self.fit_rows(torch.log(n))
+        return self._tensors[key]
+
+    def with_log_weight(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[5, 1]`` true on the fit's rows that take y, and the signs ``[1, -1, 1]`` of
+        the extremes (the smallest weight travels negated: one maximum combines all)."""
+        key = ("log weight", dtype, device)
+        if key not in self._tensors:
+            self._tensors[key] = torch.tensor([[False], [False], [True], [False], [True]]).to(device)
+            self._tensors[("signs", dtype, device)] = torch.tensor([1.0, -1.0, 1.0], dtype=dtype).to(device)
+        return self._tensors[key], self._tensors[("signs", dtype, device)]
+
+    def label_signs(self, dims: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``[2, 1, ...]`` (``dims`` ones) holding 1 and -1: weights and their negation at once."""
+        key = ("label signs", dims, dtype, device)
+        if key not in self._tensors:
+            self._tensors[key] = torch.tensor([1.0, -1.0], dtype=dtype).reshape(2, *[1] * dims).to(device)
         return self._tensors[key]
 
     def constant_rows(self, rows: int, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -136,13 +178,13 @@ class Batch:
     per-sample sum is a row sum, the per-bin sums one ``index_add_``), or
     numbered per token (``sid``)."""
 
-    lab: torch.Tensor | None  # [N] bool: label tokens (None: every token, rows as samples only)
+    lab: torch.Tensor | None  # [N] bool: label tokens ([R, C] rows as samples; None: every token, rows only)
     sid: torch.Tensor | None  # [N] sample id per token (None: rows as samples)
     n_samples: int
     has: torch.Tensor  # [S] bool: the sample has label tokens
     s_bin: torch.Tensor  # [S] modality bin per sample
     tok_bin: torch.Tensor | None  # [N] modality bin per token (its sample's); None: rows as samples
-    log_n: torch.Tensor  # [S] log of label tokens per sample
+    fit_rows: torch.Tensor  # [5, S] SumsLayout.fit_rows of log(label tokens per sample)
     fdt: torch.dtype
     probe_masks: torch.Tensor | None = None  # [M, N] label tokens per modality (probe steps)
     rows_as_samples: bool = False  # binned by bin_rows (each row one sample, one code)
@@ -242,7 +284,7 @@ def bin_batch(
         has=has,
         s_bin=s_bin,
         tok_bin=tok_bin,
-        log_n=torch.log(n_s.clamp_min(1.0)),
+        fit_rows=layout.fit_rows(torch.log(n_s.clamp_min(1.0))),
         fdt=fdt,
         shape=(rows, cols),
     )
@@ -291,13 +333,17 @@ def _bin_rows(
     has = n_s > 0
     s_bin = binned.masked_fill(~has, m)
     batch = Batch(
-        lab=None if label is None else label.reshape(-1),
+        lab=label,
         sid=None,
         n_samples=rows,
         has=has,
         s_bin=s_bin,
         tok_bin=None,
-        log_n=torch.log(n_s.clamp_min(1.0)),
+        fit_rows=(
+            layout.constant_fit_rows(rows, cols, fdt, dev)
+            if label is None
+            else layout.fit_rows(torch.log(n_s.clamp_min(1.0)))
+        ),
         fdt=fdt,
         rows_as_samples=True,
         shape=(rows, cols),
@@ -312,58 +358,64 @@ def _bin_rows(
 
 def weight_sums(
     layout: SumsLayout, b: Batch, w: torch.Tensor, rtol: float = UNIFORM_RTOL
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the token weights ``w`` [N] (``dL/dl``, unscaled) of one micro-batch of one
-    objective: ``[bins + 7]`` to add at ``layout.weight_targets(slot)`` (the weight per
-    bin and the exponent fit's sufficient statistics, its weight mass, whether its
-    token weights are non-uniform beyond ``rtol``: weights read from a bfloat16
-    gradient need more than float rounding), then its largest and smallest
-    label-token weight (``[1]`` each)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the token weights ``w`` (``dL/dl``, unscaled; [N], or [R, C] rows as
+    samples) of one micro-batch of one objective: ``[bins + 7]`` to add at
+    ``layout.weight_targets(slot)`` (the weight per bin, the exponent fit's sufficient
+    statistics, its weight mass), then ``[3]`` to combine by maximum at
+    ``layout.extreme_targets(slot)``: its largest label-token weight, minus its
+    smallest, and whether its token weights are non-uniform beyond ``rtol`` (weights
+    read from a bfloat16 gradient need more than float rounding). The flag is read only
+    where every micro-batch's weights are positive and finite (else the step's extremes
+    leave the spread out): there, non-uniform is ``largest > smallest * (1 + rtol)``."""
     fdt, dev = b.fdt, w.device
     zero = layout.constant(0.0, fdt, dev)
     lab = b.lab
+    with_y, signs = layout.with_log_weight(fdt, dev)
     if b.sid is None:  # rows as samples
-        w = w.reshape(b.shape)
-        if lab is not None:
-            w = torch.where(lab.view(b.shape), w, zero)
-        w_s = w.sum(1)
+        if tuple(w.shape) != b.shape:
+            w = w.reshape(b.shape)
+        w_s = (w if lab is None else torch.where(lab, w, zero)).sum(1)
     else:
         assert lab is not None
-        w = torch.where(lab, w, zero)
-        w_s = torch.zeros(b.n_samples, dtype=fdt, device=dev).index_add_(0, b.sid, w)
-    # Exponent fit: sufficient statistics over samples with positive weight (a sample
-    # without label tokens has w_s = 0 on the rows path: its weights are masked out).
-    ok = (w_s > 0) if b.sid is None else b.has & (w_s > 0)
-    x = torch.where(ok, b.log_n, zero)
-    y = torch.where(ok, w_s.log(), zero)  # log of w_s <= 0 is never taken
-    # Token-weight uniformity within the micro-batch, and its extremes (I3).
+        if w.dim() != 1:
+            w = w.reshape(-1)
+        w_s = torch.index_add(layout.constant_rows(b.n_samples, 0.0, fdt, dev), 0, b.sid, torch.where(lab, w, zero))
+    # Token-weight extremes and uniformity within the micro-batch (I3).
     if lab is None:
         wmin, wmax = torch.aminmax(w)
-        wmax, wmin = wmax.reshape(1), wmin.reshape(1)
+        extremes = torch.stack([wmax, wmin, wmax > wmin * (1 + rtol)]) * signs
     else:
-        lab = lab.view(w.shape)
-        wmax = torch.where(lab, w, layout.constant(float("-inf"), fdt, dev)).amax().reshape(1)
-        wmin = torch.where(lab, w, layout.constant(float("inf"), fdt, dev)).amin().reshape(1)
-    nonuniform = (wmin.abs() < float("inf")) & ((wmin <= 0) | (wmax > wmin * (1 + rtol)))
-    # [bins + 1]: the extra column goes to scratch. Added by bin, never a one-hot
+        # the largest weight and the largest negated one, over label tokens, at once
+        dims = tuple(range(1, w.dim() + 1))
+        both = torch.where(lab, w * layout.label_signs(w.dim(), fdt, dev), layout.constant(float("-inf"), fdt, dev))
+        wmax, negmin = both.amax(dims).unbind()
+        extremes = torch.stack([wmax, negmin, wmax > negmin * -(1 + rtol)])  # -smallest * -c: smallest * c, exactly
+    # Exponent fit: sufficient statistics over samples with positive weight (a sample
+    # without label tokens has w_s = 0 on the rows path: its weights are masked out):
+    # per sample [1, x, 1, x * x, x] * [1, 1, y, 1, y] where w_s > 0, else 0.
+    ok = (w_s > 0) if b.sid is None else b.has & (w_s > 0)
+    y = torch.where(with_y, w_s.log(), layout.constant(1.0, fdt, dev))  # log of w_s <= 0 is never kept
+    fit = torch.where(ok, b.fit_rows * y, zero).sum(1)
+    # [bins + 1]: the extra entry goes to scratch. Added by bin, never a one-hot
     # product: a non-finite weight stays in its own bin (inf * 0 would be NaN in all).
-    per_bin = torch.zeros(layout.bins + 1, dtype=fdt, device=dev).index_add_(0, b.s_bin, w_s)
-    mass = (w_s.sum() if b.rows_as_samples else per_bin.sum()).reshape(1)
-    fit = torch.stack([ok.to(fdt), x, y, x * x, x * y]).sum(1)
-    return torch.cat([per_bin, fit, mass, nonuniform.to(fdt)]), wmax, wmin
+    per_bin = torch.index_add(layout.constant_rows(layout.bins + 1, 0.0, fdt, dev), 0, b.s_bin, w_s)
+    mass = (w_s if b.rows_as_samples else per_bin).sum(0, keepdim=True)
+    return torch.cat([per_bin, fit, mass]), extremes
 
 
 def output_sums(
     layout: SumsLayout, b: Batch, grad: torch.Tensor, lead_dims: int, inv_scale: torch.Tensor | None
 ) -> torch.Tensor:
     """Squared per-token norms of the output gradient, summed per modality bin."""
-    g = grad.detach()
+    g = grad.detach() if grad.requires_grad else grad
     dims = tuple(range(lead_dims, g.dim()))
     # One fused reduction over the feature dims: no [B, T, V] temporary.
     sq = (torch.linalg.vector_norm(g, dim=dims, dtype=torch.float32) if dims else g.float().abs()).to(b.fdt).square()
     if inv_scale is not None:
         sq = sq * (inv_scale * inv_scale)
+    zeros = layout.constant_rows(layout.bins, 0.0, b.fdt, sq.device)
     if b.tok_bin is None:  # rows as samples: per row, then per bin
-        per_row = sq.reshape(b.shape).sum(1)
-        return torch.zeros(layout.bins, dtype=b.fdt, device=sq.device).index_add_(0, b.s_bin, per_row)
-    return torch.zeros(layout.bins, dtype=b.fdt, device=sq.device).index_add_(0, b.tok_bin, sq.reshape(-1))
+        per_row = (sq if tuple(sq.shape) == b.shape else sq.reshape(b.shape)).sum(1)
+        return torch.index_add(zeros, 0, b.s_bin, per_row)
+    return torch.index_add(zeros, 0, b.tok_bin, sq.reshape(-1))

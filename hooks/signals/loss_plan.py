@@ -49,25 +49,26 @@ class Plan:
     declared normalization): which pool entries each ratio divides. Built once per
     layout on the host; a report then costs a gather pair and one division per level.
 
-    The pool is ``cat([sums, sqrt(sums), totals of the ROWS over bins, wmax, wmin,
-    consts, products, fit])``: ``consts`` is ``[1, -1, scale or 1, declared
-    weights...]``; ``products`` the exponent fit's ``[n sxy, n sxx, sx sy, n n, sx sy,
-    sx sx, n sxy, n n]``, ``fit`` its numerator, denominator, minus numerator and 0.
+    The pool is ``cat([sums, sqrt(sums), totals of the ROWS over bins, extremes
+    (``SumsLayout.extremes``: wmax, -wmin, non-uniform), consts, products, fit])``:
+    ``consts`` is ``[1, -1, scale or 1, declared weights...]``; ``products`` the
+    exponent fit's ``[n sxy, n sxx, sx sy, n n, sx sy, sx sx, n sxy, n n]``, ``fit``
+    its numerator, denominator, minus numerator and 0.
 
     Level 1 (``num1 / den1``) splits with ``sizes`` into parts, each attribute below
     naming its part's position: counts passed through (the non-finite counter, the
     mixed and unknown codes, zero-code's two blind counts); the figures (the loss; per
     modality its loss, sample and token shares; the weight shares; the exponent; the
-    scale; per objective its spread); the presence counts (label tokens, samples: a
-    figure is sent where its count is > 0; a count is never negative), the weight's
-    total per modality (present where nonzero, it may be negative); level 2's
-    numerators and denominators, end to end, so level 2 is one division of two parts
-    (per modality the dilution and the intended share over the weight share; per
-    objective the mass over the scale; per modality the output gradient norm over the
-    scale); last the operands of the tests, compared with ``bounds`` at once, then
-    folded per verdict: ``verdict_sizes`` splits the verdicts into the fit (n >= 2
-    samples and var(log n) > MIN_LOG_LENGTH_VAR), the fit being sqrt-like, no label
-    token, zero-code's gate (nothing blind), per objective its spread (every
+    scale); the presence counts (label tokens, samples: a figure is sent where its
+    count is > 0; a count is never negative), the weight's total per modality (present
+    where nonzero, it may be negative); level 2's numerators and denominators, end to
+    end, so level 2 is one division of two parts (per modality the dilution and the
+    intended share over the weight share; per objective the mass over the scale; per
+    modality the output gradient norm over the scale; per objective its spread, as
+    ``(wmax / -wmin) / -1``); last the operands of the tests, compared with ``bounds``
+    at once, then folded per verdict: ``verdict_sizes`` splits the verdicts into the
+    fit (n >= 2 samples and var(log n) > MIN_LOG_LENGTH_VAR), the fit being sqrt-like,
+    no label token, zero-code's gate (nothing blind), per objective its spread (every
     micro-batch uniform, the smallest weight > 0, the largest finite), per modality
     its positions without label tokens."""
 
@@ -89,9 +90,9 @@ class Plan:
             raise ValueError("loss plan: the layout's ROWS must lie end to end from the start of the sums")
         root0 = lay.size  # sqrt of the sums (the output sums' are read)
         at = {name: 2 * lay.size + i for i, name in enumerate(ROWS)}
-        wmax0 = 2 * lay.size + len(ROWS)
-        wmin0 = wmax0 + lay.objectives
-        one = wmin0 + lay.objectives
+        ext0 = 2 * lay.size + len(ROWS)
+        wmax0, negmin0, nonuniform0 = (ext0 + r.start for r in (lay.wmax, lay.negmin, lay.nonuniform))
+        one = ext0 + lay.extremes
         minus_one, scale_at, weights0 = one + 1, one + 2, one + 3
         prod0 = weights0 + k
         fit0 = prod0 + 8
@@ -137,7 +138,6 @@ class Plan:
         self.share = part(*shares("weight"))
         self.exponent = part([fit0], [fit0 + 1])
         self.scale = part([scale_num], [one])
-        self.spread = part([wmax0 + s for s in slots], [wmin0 + s for s in slots])
         # presence
         self.present_loss = part([at["tokens"]], [one])
         self.present_rows = part(bins("tokens") + [at["tokens"]] * (2 * m), [one] * (3 * m))
@@ -148,14 +148,23 @@ class Plan:
         intended = SHARES[NORMALIZATIONS[declared]] if declared is not None else "sqrt_tokens"
         root_output = [root0 + i for i in bins("output")]  # sqrt of the output sums
         self.num2 = part(
-            shares("samples")[0] + shares(intended)[0] + [lay.mass.start + s for s in slots] + root_output,
-            shares("samples")[1] + shares(intended)[1] + list(range(weights0, weights0 + k)) + [one] * m,
+            shares("samples")[0]
+            + shares(intended)[0]
+            + [lay.mass.start + s for s in slots]
+            + root_output
+            + [wmax0 + s for s in slots],
+            shares("samples")[1]
+            + shares(intended)[1]
+            + list(range(weights0, weights0 + k))
+            + [one] * m
+            + [negmin0 + s for s in slots],
         )
         self.den2 = part(
-            shares("weight")[0] * 2 + [scale_num] * (k + m),
-            shares("weight")[1] * 2 + [one] * (k + m),
+            shares("weight")[0] * 2 + [scale_num] * (k + m) + [minus_one] * k,
+            shares("weight")[1] * 2 + [one] * (k + m + k),
         )
-        self.second_sizes = [m, m, k, m]  # dilution; intended over weight share; mass over scale; output norm
+        # dilution; intended over weight share; mass over scale; output norm; spread
+        self.second_sizes = [m, m, k, m, k]
 
         # the tests: rows of TESTS_PER_ROW (numerator, denominator, bound), value > bound
         tests: list[list[tuple[int, int, float]]] = []
@@ -168,11 +177,11 @@ class Plan:
             blind = [(lay.not_ce, minus_one, -0.5), (lay.overwritten, minus_one, -0.5)]
             tests.append(blind * 2)
         for s in slots:
-            # uniform: -nonuniform > -0.5; 0 < wmin; -inf < wmax < inf (then wmin < inf too)
+            # uniform: -nonuniform > -0.5; 0 < wmin (-wmin / -1); -inf < wmax < inf (then wmin < inf too)
             tests.append(
                 [
-                    (lay.nonuniform.start + s, minus_one, -0.5),
-                    (wmin0 + s, one, 0.0),
+                    (nonuniform0 + s, minus_one, -0.5),
+                    (negmin0 + s, minus_one, 0.0),
                     (wmax0 + s, one, float("-inf")),
                     (wmax0 + s, minus_one, float("-inf")),
                 ]

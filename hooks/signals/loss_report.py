@@ -111,8 +111,7 @@ class Accumulated:
     any (a rank that tracked nothing still joins the cross-rank sum)."""
 
     sums: torch.Tensor | None = None  # [layout.size]; None when no hook was placed
-    wmax: torch.Tensor | None = None  # [objectives] largest label-token weight
-    wmin: torch.Tensor | None = None  # [objectives] smallest label-token weight
+    extremes: torch.Tensor | None = None  # [layout.extremes]: per objective wmax, -wmin, non-uniform
     counter: torch.Tensor | None = None  # sums[layout.nonfinite] as a view made once (0-d)
     calls: list[int] = field(default_factory=lambda: [0] * MAX_OBJECTIVES)  # micro-batches per objective
     weights: dict[int, float] = field(default_factory=dict)  # declared weight per objective slot
@@ -161,18 +160,17 @@ class LossReport:
             dev = ctx.device
             fdt = float_dtype(dev)
             sums = torch.zeros(lay.size, dtype=fdt, device=dev)
-            wmax = torch.full((MAX_OBJECTIVES,), float("-inf"), dtype=fdt, device=dev)
-            wmin = torch.full((MAX_OBJECTIVES,), float("inf"), dtype=fdt, device=dev)
+            extremes = torch.full((lay.extremes,), float("-inf"), dtype=fdt, device=dev)
         else:
-            assert acc.wmax is not None and acc.wmin is not None
-            sums, wmax, wmin = acc.sums, acc.wmax, acc.wmin  # the finished step's: written in place
+            assert acc.extremes is not None
+            sums, extremes = acc.sums, acc.extremes  # the finished step's: written in place
         if nonfinite is not None:
             counter = acc.counter if acc.counter is not None else sums[lay.nonfinite]
             counter.copy_(nonfinite if nonfinite.dim() == 0 else nonfinite.reshape(()))
         self._warn_late(monitor, sums, nonfinite is not None, zero_code)
         ctx.combine(
-            [(sums, "sum"), (wmax, "max"), (wmin, "min")],
-            lambda s, mx, mn: self._emit(monitor, ctx, s, mx, mn, acc, nonfinite is not None, zero_code, probe, gram),
+            [(sums, "sum"), (extremes, "max")],
+            lambda s, ext: self._emit(monitor, ctx, s, ext, acc, nonfinite is not None, zero_code, probe, gram),
             across_ranks=True,
         )
 
@@ -233,8 +231,7 @@ class LossReport:
         monitor: MonitorView,
         ctx: StepContext,
         sums: torch.Tensor,
-        wmax: torch.Tensor,
-        wmin: torch.Tensor,
+        extremes: torch.Tensor,
         acc: Accumulated,
         counting_nonfinite: bool,
         zero_code: bool,
@@ -281,7 +278,7 @@ class LossReport:
         # with a sign matrix: a non-finite sy (an infinite weight) must leave the
         # denominator finite (inf * 0 is NaN), so the exponent reads NaN, not absent.
         above, below = sums.index_select(0, plan.fit).view(2, 4, 2).prod(2).unbind()
-        pool = torch.cat([sums, sums.sqrt(), totals, wmax, wmin, plan.consts, above, below, above - below])
+        pool = torch.cat([sums, sums.sqrt(), totals, extremes, plan.consts, above, below, above - below])
         first = (pool.index_select(0, plan.num1) / pool.index_select(0, plan.den1)).split(plan.sizes)
         verdicts = (first[plan.tests] > plan.bounds).view(plan.verdict_rows, TESTS_PER_ROW).all(1)
         verdict = verdicts.split(plan.verdict_sizes)
@@ -371,7 +368,8 @@ class LossReport:
         if not full:
             return  # no weights arrived on this step: nothing honest to say about them
 
-        dilution, intended, mass, grad_norm = (first[plan.num2] / first[plan.den2]).split(plan.second_sizes)
+        second = (first[plan.num2] / first[plan.den2]).split(plan.second_sizes)
+        dilution, intended, mass, grad_norm, spread = second
         weighted = first[plan.weight_total] != 0  # the weight's total: it may be negative
         p_weighted = gated(first[plan.present_samples] * weighted)
         if declared is not None:
@@ -388,7 +386,7 @@ class LossReport:
                 ctx,
                 plan,
                 mass,
-                first[plan.spread],
+                spread,
                 gated(first[plan.present_mass]),
                 verdict[plan.spread_ok],
                 [(n, calls[k]) for n, k in active],

@@ -41,8 +41,7 @@ class LossStep:
     fired: int = 0
     outputs: int = 0
     sums: torch.Tensor | None = None  # [layout.size], float64 (float32 on mps)
-    wmax: torch.Tensor | None = None  # [objectives] largest label-token weight
-    wmin: torch.Tensor | None = None  # [objectives] smallest label-token weight
+    extremes: torch.Tensor | None = None  # [layout.extremes]: per objective wmax, -wmin, non-uniform
     output: torch.Tensor | None = None  # sums[layout.output]
     counter: torch.Tensor | None = None  # sums[layout.nonfinite], 0-d
     probe_grads: torch.Tensor | None = None  # [M, P] per-modality parameter gradients
@@ -51,8 +50,8 @@ class LossStep:
 
 
 class StepBuffers:
-    """The sums and weight extremes of a reported step, in one kept tensor per device
-    with its views made once, reset with one copy. Two, taken in turn: a step waiting
+    """The sums and weight extremes (``SumsLayout.extremes``) of a reported step, in one
+    kept tensor per device with its views made once, reset with one copy. Two, taken in turn: a step waiting
     for its report (or a step replaced while its hooks may still run) keeps its own
     while the next step's first micro-batch resets the other one."""
 
@@ -64,23 +63,21 @@ class StepBuffers:
         self._turn = 0
 
     def take(self, step: LossStep, device: torch.device) -> None:
-        """Give ``step`` the next buffer, reset: sums 0, largest weights -inf, smallest inf."""
+        """Give ``step`` the next buffer, reset: sums 0, extremes -inf (none seen)."""
         fdt = float_dtype(device)
         template = self._template
         if template is None or self._key != (device, fdt):
             lay = self.layout
-            k = MAX_OBJECTIVES
-            values = [0.0] * lay.size + [float("-inf")] * k + [float("inf")] * k
+            values = [0.0] * lay.size + [float("-inf")] * lay.extremes
             template = self._template = torch.tensor(values, dtype=fdt).to(device)
             self._pair = []
             for _ in range(2):
                 whole = torch.empty_like(template)
                 sums = whole[: lay.size]
-                views = (whole, sums, whole[lay.size : lay.size + k], whole[lay.size + k :])
-                self._pair.append((*views, sums[lay.output], sums[lay.nonfinite]))
+                self._pair.append((whole, sums, whole[lay.size :], sums[lay.output], sums[lay.nonfinite]))
             self._key = (device, fdt)
         self._turn ^= 1
-        whole, step.sums, step.wmax, step.wmin, step.output, step.counter = self._pair[self._turn]
+        whole, step.sums, step.extremes, step.output, step.counter = self._pair[self._turn]
         whole.copy_(template)
 
 
@@ -97,7 +94,6 @@ class StepBook(Signal):
         self._probe: ModalityProbe | None = None
         self._closed = False
         self._objectives: dict[str, int] = {}  # name -> slot in the per-objective sums
-        self._slot_index: dict[tuple[int, torch.device], torch.Tensor] = {}  # [slot] on a device
         self._buffers: StepBuffers | None = None
 
     def _slot(self, objective: str) -> int:
@@ -118,24 +114,13 @@ class StepBook(Signal):
                 self._buffers = StepBuffers(self._layout)
             self._buffers.take(step, device)
 
-    def _add_weights(
-        self, step: LossStep, slot: int, values: torch.Tensor, wmax: torch.Tensor, wmin: torch.Tensor
-    ) -> None:
+    def _add_weights(self, step: LossStep, slot: int, values: torch.Tensor, extremes: torch.Tensor) -> None:
         """Add ``weight_sums``' values of objective ``slot`` into the step's sums, and
-        its extremes into the objective's largest and smallest weight."""
+        its extremes into the objective's (each by its maximum)."""
         layout = self._layout
-        assert layout is not None and step.sums is not None
-        assert step.wmax is not None and step.wmin is not None
+        assert layout is not None and step.sums is not None and step.extremes is not None
         step.sums.index_add_(0, layout.weight_targets(slot, step.sums.device), values)
-        at = self._slots(slot, step.sums.device)
-        step.wmax.scatter_reduce_(0, at, wmax, "amax")
-        step.wmin.scatter_reduce_(0, at, wmin, "amin")
-
-    def _slots(self, slot: int, device: torch.device) -> torch.Tensor:
-        key = (slot, device)
-        if key not in self._slot_index:
-            self._slot_index[key] = torch.tensor([slot]).to(device)
-        return self._slot_index[key]
+        step.extremes.scatter_reduce_(0, layout.extreme_targets(slot, step.sums.device), extremes, "amax")
 
     def _current(self, monitor: MonitorView) -> LossStep:
         # The scaler replaces its per-optimizer state in update(): a new object with

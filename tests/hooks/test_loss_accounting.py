@@ -506,11 +506,10 @@ def test_step_buffers_alternate_so_a_step_awaiting_its_report_keeps_its_sums():
     first, second, third = (LossStep(token=(i, None), reporting=True, probe=False) for i in range(3))
     buffers.take(first, torch.device("cpu"))
     first.sums.add_(1.0)
-    first.wmax.fill_(2.0)
+    first.extremes.fill_(2.0)
     buffers.take(second, torch.device("cpu"))  # the next step starts while the first awaits its report
-    assert bool(first.sums.eq(1.0).all()) and bool(first.wmax.eq(2.0).all())
-    assert bool(second.sums.eq(0.0).all())
-    assert bool(second.wmax.eq(-math.inf).all()) and bool(second.wmin.eq(math.inf).all())
+    assert bool(first.sums.eq(1.0).all()) and bool(first.extremes.eq(2.0).all())
+    assert bool(second.sums.eq(0.0).all()) and bool(second.extremes.eq(-math.inf).all())
     assert first.output.data_ptr() == first.sums[layout.output].data_ptr()
     assert first.counter.data_ptr() == first.sums[layout.nonfinite].data_ptr()
     buffers.take(third, torch.device("cpu"))  # two steps on: the first's buffer, reset
