@@ -136,7 +136,7 @@ class LossAccounting(ZeroCodeSeams):
             self.bind(monitor)
         if self._closed or self.broken:
             return
-        with self.guard("track_loss"):
+        with self.guard("track_loss"), torch.no_grad():  # statistics only: no detach per tensor
             self._track(monitor, per_token, rows, cols, codes, mask, segments, output, slot, weight, normalization)
 
     def _track(
@@ -163,7 +163,7 @@ class LossAccounting(ZeroCodeSeams):
             step.normalization = normalization
         if per_token.numel() == 0:
             return
-        loss = per_token.detach().reshape(rows, cols)
+        loss = per_token if tuple(per_token.shape) == (rows, cols) else per_token.reshape(rows, cols)
         label = None if mask is None else mask.detach().reshape(rows, cols).to(loss.device)
         self._count_nonfinite(loss, label)
         if not step.reporting:

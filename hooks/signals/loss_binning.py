@@ -152,6 +152,13 @@ class SumsLayout:
             self._tensors[key] = torch.full((rows,), value, dtype=dtype, device=device)
         return self._tensors[key]
 
+    def constant_sqrt_rows(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``[rows]`` of sqrt(cols), computed on the device like a per-call sqrt (made once per shape)."""
+        key = ("sqrt rows", rows, cols, dtype, device)
+        if key not in self._tensors:
+            self._tensors[key] = self.constant_rows(rows, float(cols), dtype, device).sqrt()
+        return self._tensors[key]
+
     def constant(self, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 0-d tensor holding ``value`` (``where`` with a Python number makes one per call)."""
         key = ("constant", value, dtype, device)
@@ -306,19 +313,23 @@ def _bin_rows(
 ) -> Batch:
     """``bin_batch`` when every row is one sample with one code: per-row sums, then
     every per-bin sum at once, ``features [6, R]`` added into the sums with one
-    ``index_add_`` at targets gathered by the rows' bins (``SumsLayout.bin_targets``:
-    the sixth feature, the tokens again, is the unknown count). A row without
-    label tokens adds 0 to every feature but its positions, so it is binned by its
-    code here (its positions count there) and moved to the overflow bin only for the
-    hooks (``s_bin``)."""
+    accumulating ``index_put_`` at targets gathered by the rows' bins
+    (``SumsLayout.bin_targets``: the sixth feature, the tokens again, is the unknown
+    count). A row without label tokens adds 0 to every feature but its positions, so it
+    is binned by its code here (its positions count there) and moved to the overflow
+    bin only for the hooks (``s_bin``). Without a mask every row has ``cols`` label
+    tokens: those features are constants made once per shape."""
     m = layout.bins - 1
     rows, cols = loss.shape
     dev, fdt = loss.device, sums.dtype
+    positions = layout.constant_rows(rows, float(cols), fdt, dev)
     if label is None:
-        n_s = torch.full((rows,), float(cols), dtype=fdt, device=dev)
+        n_s = positions
+        one, root = layout.constant_rows(rows, 1.0, fdt, dev), layout.constant_sqrt_rows(rows, cols, fdt, dev)
         loss_s = loss.sum(1, dtype=fdt)
     else:
         n_s = label.sum(1, dtype=fdt)
+        one, root = n_s.clamp(max=1.0), n_s.sqrt()
         loss_s = torch.where(label, loss, layout.constant(0.0, loss.dtype, dev)).sum(1, dtype=fdt)
     if isinstance(codes, int):
         binned = torch.full((rows,), codes if 0 <= codes < m else m, dtype=torch.long, device=dev)
@@ -326,12 +337,14 @@ def _bin_rows(
         binned = codes.long().clamp(-1, m).remainder_(m + 1)  # outside 0..m-1: the overflow bin m
     # Each row's features added at its bin's entries: no one-hot product, so a
     # non-finite loss in one row cannot turn another bin's sums into NaN (inf * 0).
-    positions = layout.constant_rows(rows, float(cols), fdt, dev)
-    features = torch.stack([n_s.clamp(max=1.0), n_s, n_s.sqrt(), loss_s, positions, n_s])
+    features = torch.stack([one, n_s, root, loss_s, positions, n_s])
     targets = layout.bin_targets(dev, count_unknown).index_select(1, binned)  # [6, R]
-    sums.index_add_(0, targets.view(-1), features.view(-1))
-    has = n_s > 0
-    s_bin = binned.masked_fill(~has, m)
+    sums.index_put_((targets,), features, accumulate=True)
+    if label is None:  # every row has label tokens
+        has, s_bin = layout.constant_rows(rows, True, torch.bool, dev), binned
+    else:
+        has = n_s > 0
+        s_bin = torch.where(has, binned, layout.constant(m, torch.long, dev))
     batch = Batch(
         lab=label,
         sid=None,
