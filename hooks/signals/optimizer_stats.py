@@ -217,39 +217,33 @@ class OptimizerStats(Signal):
                 series.append(("group_" + name, group_labels))
 
         def finish(sq: torch.Tensor, *rest: torch.Tensor) -> None:
-            values = [matrix.ratios(sq)]
-            k = values[0].numel()
+            # Each piece is its own emit, in the order of the report: the pack's one
+            # concatenation joins them (no cat here, no expand of the presence flag).
+            ctx.emit_block(series, matrix.ratios(sq))
             nonfinite = self._nonfinite
             assert nonfinite is not None  # set by collect above; nothing sets it back to None
             if applied_bad is not None:
                 nonfinite = nonfinite + applied_bad
-            emitted = list(series)
-            gated: list[int] = []
-            present = None
             if rest:  # the per-step squared norms since the previous report, combined across shards
                 norms = rest[0].sqrt()
                 if norms.numel() == 1:  # one step since the report before (every=1): its norm is max and mean
                     finite = norms.lt(float("inf"))  # False for inf and NaN (one op, unlike isfinite)
-                    values += [norms, norms, norms]  # a non-finite step's max and mean are gated out
+                    last = top = mean = norms  # a non-finite step's max and mean are gated out
                     nonfinite = nonfinite + finite.logical_not()
-                    present = finite.expand(2)
+                    present = finite
                 else:
                     # non-finite steps as -1 (a finite norm is >= 0): left out of the max and the mean
                     marked = torch.nan_to_num(norms, nan=-1.0, posinf=-1.0)
                     count = marked.ge(0).sum(0, keepdim=True)
-                    values += [
-                        norms[-1:],
-                        marked.amax(0, keepdim=True),
-                        marked.clamp_min(0).sum(0, keepdim=True) / count,
-                    ]
+                    last, top = norms[-1:], marked.amax(0, keepdim=True)
+                    mean = marked.clamp_min(0).sum(0, keepdim=True) / count
                     nonfinite = nonfinite + (norms.numel() - count)
-                    present = count.expand(2)
-                emitted += [("grad_norm", [{}]), ("grad_norm_max", [{}]), ("grad_norm_mean", [{}])]
-                gated = [k + 1, k + 2]
+                    present = count
+                ctx.emit("grad_norm", last)
+                ctx.emit("grad_norm_max", top, present=present)
+                ctx.emit("grad_norm_mean", mean, present=present)
             self._nonfinite = nonfinite
-            values.append(nonfinite)
-            emitted.append(("nonfinite_total", [{"what": "grad"}]))
-            ctx.emit_block(emitted, torch.cat(values), present=present, gated=gated)
+            ctx.emit("nonfinite_total", nonfinite, {"what": "grad"})
 
         parts_to_combine: list[tuple[torch.Tensor, ReduceOp]] = [(squares, "sum")]
         if history is not None:
