@@ -84,6 +84,7 @@ class DriftTracker:
         self._down = torch.empty(self.prev.numel(), dtype=torch.int8, device=dev)
         self._zero = torch.zeros((), device=dev)  # for torch.where without a scalar tensor per call
         self._nan = torch.full((), float("nan"), device=dev)
+        self._one = torch.ones((), device=dev)
         self.changes = 0
         self._slots = list(self.ring.unbind(0))  # the ring's rows as views, made once
         # Per-parameter reductions written in place (include_self=False: every parameter
@@ -144,7 +145,7 @@ class DriftTracker:
         if self._settled is None and self._candidate is not None and self._all_set.get() == [True]:
             self._settled = self._candidate
         if self._settled is not None:
-            return torch.log2(1 + moved / self._settled)
+            return torch.addcdiv(self._one, moved, self._settled).log2_()  # 1 + moved / scale in one op
         had = scale > 0  # a reference with a range; else it takes the values now (0 while all zeros)
         self.scale = torch.where(had, scale, absmax)
         has = self.scale > 0
@@ -159,7 +160,7 @@ class DriftTracker:
         self._candidate = self.judged.clamp_min(1e-38)
         self._all_set.start(has.all())
         # 0 where the reference is taken now (no displacement yet) or is still all zeros
-        return torch.where(had, torch.log2(1 + moved / self._candidate), self._zero)
+        return torch.where(had, torch.addcdiv(self._one, moved, self._candidate).log2_(), self._zero)
 
     def save_references(self) -> None:
         """Write the (possibly updated) references back to the per-parameter table."""

@@ -175,35 +175,32 @@ class ParamHealth(Signal):
         wd = self._weight_decay(monitor, drift) if n else None
 
         def finish(*combined: torch.Tensor) -> None:
+            # Each piece is its own emit, in the order of the report: the pack's one
+            # concatenation joins them (no cat here).
             rest = list(combined)
-            series: list[tuple[str, list[dict[str, str]]]] = []
-            pieces: list[torch.Tensor] = []
             if n:
                 pmin, high, scale = rest.pop(0), rest.pop(0), rest.pop(0)
                 pmax, absmax, moved = drift.max_rows(high)
+                labels = drift.labels
+                ctx.emit("param_min", pmin, labels)
+                ctx.emit("param_max", pmax, labels)
+                ctx.emit("param_absmax", absmax, labels)
                 # The combined scale is the same on every rank, so every rank keeps the same.
-                bits = drift.drift_bits(values, absmax, scale, moved)
+                ctx.emit("param_drift_log2", drift.drift_bits(values, absmax, scale, moved), labels)
                 # The reference's absmax and the scale judged against: what the collector needs
                 # to judge a run resumed without the monitor's state over its whole life.
-                pieces += [pmin, pmax, absmax, bits, drift.scale, drift.judged]
-                names = ["param_min", "param_max", "param_absmax", "param_drift_log2"]
-                names += ["param_drift_reference_absmax", "param_drift_scale"]
+                ctx.emit("param_drift_reference_absmax", drift.scale, labels)
+                ctx.emit("param_drift_scale", drift.judged, labels)
                 if consistency:
                     sign_sums, sampled = rest.pop(0), rest.pop(0)
-                    pieces.append(drift.consistency_ratio(sign_sums, sampled))
-                    names.append("param_drift_consistency_ratio")
+                    ctx.emit("param_drift_consistency_ratio", drift.consistency_ratio(sign_sums, sampled), labels)
                 assert wd is not None  # computed above whenever n
-                pieces.append(wd)
-                names.append("param_weight_decay")
-                series += [(name, drift.labels) for name in names]
+                ctx.emit("param_weight_decay", wd, labels)
             if grads:
                 norms = rest.pop(0)
                 rms = (norms.sqrt() if sharded else norms) / root_numel
                 median = torch.median(rms).clamp_min(_TINY)
-                pieces.append(rms[grad_pos] / median)
-                series.append(("param_grad_relative_rms", grad_labels))
-            if pieces:
-                ctx.emit_block(series, torch.cat(pieces))
+                ctx.emit("param_grad_relative_rms", rms[grad_pos] / median, grad_labels)
 
         ctx.combine(parts, finish, across_ranks=monitor.sharded)
 
