@@ -76,23 +76,47 @@ class DriftTracker:
         self.scale = torch.stack([r.scale for r in chosen]) if chosen else torch.zeros(0, device=dev)
         self.judged = self.scale  # the scale drift is judged against; set by drift_bits
         self.window = monitor.config.drift_window
-        self.prev = self.consistency.take_from(self.values(dev)).clone()
-        self.ring = torch.zeros(self.window, self.prev.numel(), dtype=torch.int8, device=dev)
-        self.sums = torch.zeros(self.prev.numel(), dtype=torch.int32, device=dev)
+        prev = self.consistency.take_from(self.values(dev)).clone()
+        # The sampled previous values and their negations (0 - x) as rows [2, S]: one
+        # comparison with this report's pair gives both "went up" and "went down".
+        self.prev2 = torch.stack([prev, 0 - prev])
+        self.ring = torch.zeros(self.window, prev.numel(), dtype=torch.int8, device=dev)
+        self.sums = torch.zeros(prev.numel(), dtype=torch.int32, device=dev)
         # Comparison results written as int8 in place (no conversion op per report).
-        self._up = torch.empty(self.prev.numel(), dtype=torch.int8, device=dev)
-        self._down = torch.empty(self.prev.numel(), dtype=torch.int8, device=dev)
+        self._updown = torch.empty(2, prev.numel(), dtype=torch.int8, device=dev)
+        self._up, self._down = self._updown.unbind()
         self._zero = torch.zeros((), device=dev)  # for torch.where without a scalar tensor per call
         self._nan = torch.full((), float("nan"), device=dev)
         self._one = torch.ones((), device=dev)
         self.changes = 0
         self._slots = list(self.ring.unbind(0))  # the ring's rows as views, made once
+        # Each report writes rows [x, 0 - x, |x|, |x - ref|] of the elements x into one of
+        # two kept buffers, the other than the previous report's (whose pair rows are the
+        # previous values of the change signs), and reduces them with one scatter. The
+        # views every report reads are made once.
+        total = self.owner.numel()
+        self._rows = [torch.empty(4, total, device=dev) for _ in range(2)]
+        self._values = [r[0] for r in self._rows]
+        self._negated = [r[1:] for r in self._rows]  # written by one subtraction from _base
+        self._absolute = [r[2:] for r in self._rows]
+        self._base = torch.zeros(3, total, device=dev)  # [0, 0, ref]: minus x gives rows 1-3
+        self._base_ref_row = self._base[2]
+        self._base_ref: torch.Tensor | None = None  # the ref_values copied into _base
+        self._parity: int | None = None  # the buffer prev2 lies in (None: its own tensor)
+        self._current = 0  # the buffer of this report
+        if self.consistency.dense:
+            self._pairs = [r[:2] for r in self._rows]
+            self._pair_parts: list[list[torch.Tensor]] = []
+        else:
+            self._pairs = [torch.empty(2, prev.numel(), device=dev) for _ in range(2)]
+            self._pair_parts = [self._sampled_columns(r[:2]) for r in self._rows]
         # Per-parameter reductions written in place (include_self=False: every parameter
-        # with an element is overwritten; one without keeps the identity).
-        self._max = torch.full((3, self.n), float("-inf"), device=dev)
+        # with an element is overwritten; one without keeps the identity). Row 1, the
+        # maximum of 0 - x, comes with the one scatter and is not read.
+        self._max = torch.full((4, self.n), float("-inf"), device=dev)
         self._min = torch.full((self.n,), float("inf"), device=dev)
-        self._max_rows = self._max.unbind()  # its rows as views, made once
-        self._owner3 = self.owner.expand(3, -1)
+        self._max_rows = self._read_rows(self._max)  # its rows as views, made once
+        self._owner4 = self.owner.expand(4, -1)
         self._sign_sums = torch.zeros(self.n, dtype=torch.int32, device=dev)
         # consistency_ratio's denominators for each number of changes in the window, made once
         counts = self.sampled.clamp_min(1)
@@ -107,6 +131,19 @@ class DriftTracker:
         self._settled: torch.Tensor | None = None  # the judged scale, clamped, once known fixed
         self._candidate: torch.Tensor | None = None  # the one the pending flag is about
 
+    @property
+    def prev(self) -> torch.Tensor:
+        """The sampled values at the previous report (a view: written in place on load)."""
+        return self.prev2[0]
+
+    def _sampled_columns(self, pair: torch.Tensor) -> list[torch.Tensor]:
+        """Views of the consistency sample's columns of ``pair`` [2, N], per parameter."""
+        parts, start = [], 0
+        for n, s in zip(self.consistency.counts, self.consistency.strides, strict=True):
+            parts.append(pair[:, start : start + n : s])
+            start += n
+        return parts
+
     def values(self, dev: torch.device) -> torch.Tensor:
         """The local elements of the 1D parameters, end to end, as float32."""
         if not self.one_d:
@@ -114,25 +151,45 @@ class DriftTracker:
         out = torch.cat([flat(local(s.param)).to(dev, torch.float32, non_blocking=True) for s in self.one_d])
         return out.detach() if out.requires_grad else out  # one detach, only outside no_grad
 
+    def take(self, dev: torch.device) -> torch.Tensor:
+        """This report's elements, as :meth:`values`, written into a kept buffer that
+        stays as it is until the report after the next one."""
+        self._current = 1 if self._parity == 0 else 0
+        out = self._values[self._current]
+        with torch.no_grad():  # out= takes no tensor that needs a gradient
+            torch.cat([flat(local(s.param)).to(dev, torch.float32, non_blocking=True) for s in self.one_d], out=out)
+        return out
+
     def displacement(self, values: torch.Tensor) -> torch.Tensor:
         """Per parameter, the largest |x - ref| over its local elements."""
         return group_amax((values - self.ref_values).abs(), self.owner, self.n)
 
     def extremes(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per parameter, over its local elements: the minimum ``[n]``, and ``[3, n]``
-        rows of the maximum, the largest ``|x|`` and the largest ``|x - ref|`` (one
-        reduction for the three). The buffers are reused: read them in this report."""
-        rows = torch.stack([values, values.abs(), (values - self.ref_values).abs()])
-        self._max.scatter_reduce_(1, self._owner3, rows, "amax", include_self=False)
+        """Per parameter, over its local elements (``values``: what :meth:`take` gave):
+        the minimum ``[n]``, and ``[4, n]`` rows of the maximum, the maximum of -x (not
+        read), the largest ``|x|`` and the largest ``|x - ref|`` (one reduction for all).
+        The buffers are reused: read them in this report."""
+        if self._base_ref is not self.ref_values:  # a new reference (rare after the first reports)
+            self._base_ref_row.copy_(self.ref_values)
+            self._base_ref = self.ref_values
+        k = self._current
+        torch.sub(self._base, values, out=self._negated[k])  # 0 - x, 0 - x, ref - x
+        self._absolute[k].abs_()
+        self._max.scatter_reduce_(1, self._owner4, self._rows[k], "amax", include_self=False)
         self._min.scatter_reduce_(0, self.owner, values, "amin", include_self=False)
         return self._min, self._max
+
+    @staticmethod
+    def _read_rows(high: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        top, _, absmax, moved = high.unbind()
+        return top, absmax, moved
 
     def max_rows(self, high: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The rows (max, absmax, moved) of ``high``: the kept views when it is this
         tracker's own maxima (not combined across ranks), else its rows unbound."""
         if high is self._max:
             return self._max_rows
-        return (high if high.dim() == 2 else high.view(3, self.n)).unbind()
+        return self._read_rows(high if high.dim() == 2 else high.view(4, self.n))
 
     def drift_bits(
         self, values: torch.Tensor, absmax: torch.Tensor, scale: torch.Tensor, moved: torch.Tensor
@@ -169,17 +226,28 @@ class DriftTracker:
         ):
             self.refs[id(s.param)] = Reference(ref_values, scale)
 
-    def record_change(self, now: torch.Tensor) -> None:
+    def pair(self) -> torch.Tensor:
+        """This report's sampled values and their negations [2, S] (after :meth:`extremes`)."""
+        k = self._current
+        if self._pair_parts:
+            torch.cat(self._pair_parts[k], dim=1, out=self._pairs[k])
+        return self._pairs[k]
+
+    def restart(self, now2: torch.Tensor) -> None:
+        """Take :meth:`pair` as the previous values without recording a change."""
+        self.prev2, self._parity = now2, self._current
+
+    def record_change(self, now2: torch.Tensor) -> None:
         """Push sign(now - prev) of the sampled elements into the ring (NaN: no change).
-        ``now`` becomes the previous values: the caller writes it no more."""
-        up = torch.gt(now, self.prev, out=self._up)
-        down = torch.lt(now, self.prev, out=self._down)
+        ``now2`` (:meth:`pair`) becomes the previous values: the caller writes it no more."""
+        # [now > prev, -now > -prev]: up and down in one comparison (False for NaN)
+        torch.gt(now2, self.prev2, out=self._updown)
         slot = self._slots[self.changes % self.window]
         self.sums.sub_(slot)  # the oldest sign leaves the window,
-        torch.sub(up, down, out=slot)  # the new one takes its place in the ring
+        torch.sub(self._up, self._down, out=slot)  # the new one takes its place in the ring
         self.sums.add_(slot)
         self.changes += 1
-        self.prev = now
+        self.restart(now2)
 
     def mean_abs_sign(self) -> torch.Tensor:
         """Per sampled element, |mean sign| over the changes in the window."""
@@ -230,7 +298,9 @@ class DriftTracker:
                 ref = Reference(entry["ref"].to(dev, torch.float32), entry["scale"].to(dev, torch.float32))
                 self.refs[id(s.param)] = ref
                 if same_window and entry["ring"].shape == (self.window, size):
-                    self.prev[start : start + size] = entry["prev"].to(dev)
+                    saved_prev = entry["prev"].to(dev, torch.float32)
+                    self.prev2[0, start : start + size] = saved_prev
+                    self.prev2[1, start : start + size] = 0 - saved_prev
                     self.ring[:, start : start + size] = entry["ring"].to(dev)
                 restored.append(s.name)
             start += size

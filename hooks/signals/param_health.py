@@ -151,14 +151,14 @@ class ParamHealth(Signal):
         if not n:
             ctx.inactive_when("params", None, "no_parameters", "the optimizer holds no 1D parameter to watch")
         if n:
-            values = drift.values(dev)
+            values = drift.take(dev)
             low, high = drift.extremes(values)
             parts += [(low, "min"), (high, "max"), (drift.scale, "max")]
-            now = drift.consistency.take_from(values)
+            now = drift.pair()
             if not self._fresh:
                 drift.record_change(now)
             else:
-                drift.prev.copy_(now)
+                drift.restart(now)
             if drift.changes:
                 consistency = True
                 parts += [(drift.abs_sign_sums(), "sum"), (drift.sampled, "sum")]
