@@ -62,7 +62,8 @@ class _Batch:
         self.m: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.below: torch.Tensor | None = None
-        self.ce: torch.Tensor | None = None  # each element's c and g (AdamMoments.collect)
+        self.ceg: torch.Tensor | None = None  # each element's c and g [2, size] (AdamMoments.collect)
+        self.ce: torch.Tensor | None = None  # and its rows
         self.ge: torch.Tensor | None = None
         self.dst: list[torch.Tensor] = []
         self.src: list[torch.Tensor] = []  # the moments' views copied into dst (AdamMoments._sources)
@@ -105,11 +106,11 @@ class MomentPlan:
         self.m_buf = torch.empty(width, dtype=torch.float32, device=dev)
         self.v_buf = torch.empty(width, dtype=torch.float32, device=dev)
         self.below_buf = torch.empty(width, dtype=torch.float32, device=dev)
-        self.ce_buf = torch.empty(width, dtype=torch.float32, device=dev)
-        self.ge_buf = torch.empty(width, dtype=torch.float32, device=dev)
-        # Per entry c and g (see AdamMoments.collect), written in place: no cast op per report.
-        self.c = torch.empty(len(entries), dtype=torch.float32, device=dev)
-        self.g = torch.empty(len(entries), dtype=torch.float32, device=dev)
+        self.ceg_buf = torch.empty(2 * width, dtype=torch.float32, device=dev)
+        # Per entry c and g [2, E] (see AdamMoments.collect), written in place: no cast op
+        # per report; gathered for every element of a batch by one index_select.
+        self.cg = torch.empty(2, len(entries), dtype=torch.float32, device=dev)
+        self.c, self.g = self.cg.unbind()
         # Both bias corrections [2, E] (float64, the betas' dtype), written in place, and their rows.
         self.bc = torch.empty(2, len(entries), dtype=torch.float64, device=dev)
         self.bc1, self.bc2 = self.bc.unbind()
@@ -216,7 +217,8 @@ class MomentPlan:
             return
         batch.m, batch.v = self.m_buf[: batch.size], self.v_buf[: batch.size]
         batch.below = self.below_buf[: batch.size]
-        batch.ce, batch.ge = self.ce_buf[: batch.size], self.ge_buf[: batch.size]
+        batch.ceg = self.ceg_buf[: 2 * batch.size].view(2, batch.size)
+        batch.ce, batch.ge = batch.ceg.unbind()
         ms, vs = batch.m.split(batch.lengths), batch.v.split(batch.lengths)
         batch.parts = [*ms, *batch.below.split(batch.lengths)]
         batch.dst = []
@@ -342,12 +344,11 @@ class AdamMoments:
         self._sources(plan, ms, vs)
         for batch in plan.batches:
             plan.views(batch)
-            m, v, below, ce, ge = batch.m, batch.v, batch.below, batch.ce, batch.ge
-            assert m is not None and v is not None and below is not None and ce is not None and ge is not None
+            m, v, below, ceg, ce, ge = batch.m, batch.v, batch.below, batch.ceg, batch.ce, batch.ge
+            assert m is not None and v is not None and below is not None
+            assert ceg is not None and ce is not None and ge is not None
             torch._foreach_copy_(batch.dst, batch.src)  # every segment of the batch in one call
-            # each element's c and g (two 1-D gathers: one along dim 1 of [2, E] is slower per element)
-            torch.index_select(plan.c, 0, batch.index, out=ce)
-            torch.index_select(plan.g, 0, batch.index, out=ge)
+            torch.index_select(plan.cg, 1, batch.index, out=ceg)  # each element's c and g
             v.sqrt_()
             torch.lt(v, ce, out=below)  # 0/1 as float32
             m.mul_(ge).div_(v.add_(ce))
