@@ -69,6 +69,11 @@ class BackwardGradNorms:
         self._backwards = 0  # backward passes seen in the current step
         self._expected = 1  # ... in the previous step: the one that completes the gradient
         self._since: list[torch.Tensor] = []  # the squared norms of the steps since the last take()
+        # A kept vector of one report interval's squared norms, step k of the interval
+        # written into element k (its 0-d views): a full interval is taken without a
+        # stack. The vector goes out at the report and is written again from the next step.
+        self._buf: torch.Tensor | None = None
+        self._slots: list[torch.Tensor] = []
 
     @property
     def available(self) -> bool:
@@ -136,7 +141,19 @@ class BackwardGradNorms:
             if scale is not None:
                 norms = norms / scale
             self._per_param = (params, norms)
-            self._current = torch.dot(norms, norms)
+            self._current = self._squared(norms, max(1, monitor.config.every))
+
+    def _squared(self, norms: torch.Tensor, size: int) -> torch.Tensor:
+        """The squared norm of ``norms``, in this step's element of the kept vector when
+        it has one (no step since the last take holds that element)."""
+        k = len(self._since)
+        if k >= size or norms.requires_grad:
+            return torch.dot(norms, norms)
+        buf = self._buf
+        if buf is None or buf.numel() != size or buf.dtype != norms.dtype or buf.device != norms.device:
+            buf = self._buf = torch.empty(size, dtype=norms.dtype, device=norms.device)
+            self._slots = list(buf.unbind())
+        return torch.dot(norms, norms, out=self._slots[k])
 
     def fresh(self) -> tuple[list[torch.Tensor], torch.Tensor] | None:
         """This step's per-parameter gradient norms (unscaled, before clipping), once the
@@ -181,6 +198,9 @@ class BackwardGradNorms:
         """The squared norms of the steps since the previous take (oldest first), or None."""
         if not self._since:
             return None
+        if len(self._since) == len(self._slots) and all(t is s for t, s in zip(self._since, self._slots, strict=True)):
+            self._since = []
+            return self._buf  # every step of the interval in its element: no stack
         first = self._since[0].device
         if all(t.device == first for t in self._since):
             values = torch.stack(self._since)
