@@ -164,43 +164,28 @@ class NormPlan:
         return out
 
 
-DENSE_SUM_LIMIT = 1 << 20
-"""Largest 0/1 matrix (rows x columns) :class:`SparseSum` keeps dense (8 MiB in float64)."""
-
-
 class SparseSum:
-    """``out[r] = sum of x[c]`` over given (r, c) pairs: a fixed 0/1 matrix times a
-    vector. One ``mv`` with the dense matrix while it is small (one op); past
-    :data:`DENSE_SUM_LIMIT` entries (thousands of tensors into hundreds of bins) a
-    gather and an ``index_add_`` (three ops, memory linear in the pairs)."""
+    """``out[r] = sum of x[c]`` over given (r, c) pairs: one gather of the pairs'
+    columns and one ``index_add`` into their rows (two ops, memory linear in the pairs).
+    A non-finite entry reaches only the rows it is summed into: a 0/1 matrix product
+    (one op) would multiply every entry by every row's 0 or 1, and 0 x inf is NaN, so
+    one infinite gradient would turn every group's figures into NaN."""
 
     def __init__(
         self, rows: int, cols: int, pairs: Sequence[tuple[int, int]], device: torch.device, dtype: torch.dtype
     ) -> None:
         self.rows = rows
-        self.dense: torch.Tensor | None = None
-        if rows * cols <= DENSE_SUM_LIMIT:
-            m = torch.zeros(rows, cols, dtype=dtype)
-            for r, c in pairs:
-                m[r, c] = 1.0
-            self.dense = m.to(device)
-        else:
-            self.dst = torch.tensor([r for r, _ in pairs], dtype=torch.long).to(device)
-            self.src = torch.tensor([c for _, c in pairs], dtype=torch.long).to(device)
+        self.dst = torch.tensor([r for r, _ in pairs], dtype=torch.long).to(device)
+        self.src = torch.tensor([c for _, c in pairs], dtype=torch.long).to(device)
+        self.zeros = torch.zeros(rows, dtype=dtype).to(device)  # the base without a bias, never written
 
     def __call__(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The sums (plus ``bias``, a tensor of ``rows`` elements, when given), written
         into ``out`` when given (a kept buffer whose views need no op per call)."""
-        if self.dense is not None:
-            if bias is None:
-                return torch.mv(self.dense, x, out=out) if out is not None else torch.mv(self.dense, x)
-            return torch.addmv(bias, self.dense, x, out=out) if out is not None else torch.addmv(bias, self.dense, x)
+        base = self.zeros if bias is None else bias
+        taken = x.index_select(0, self.src)
         if out is None:
-            out = bias.clone() if bias is not None else torch.zeros(self.rows, dtype=x.dtype, device=x.device)
-        elif bias is not None:
-            out.copy_(bias)
-        else:
-            out.zero_()
-        return out.index_add_(0, self.dst, x.index_select(0, self.src))
+            return torch.index_add(base, 0, self.dst, taken)
+        return torch.index_add(base, 0, self.dst, taken, out=out)

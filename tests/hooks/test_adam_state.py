@@ -5,6 +5,7 @@ plain, foreach and fused kernels, amsgrad and AdamW; optimizer state resets."""
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -33,19 +34,8 @@ def assert_matches(samples: list[dict], ref: dict[str, dict[str, float]]) -> Non
             assert got[label] == pytest.approx(want, rel=2e-5, abs=1e-9), (metric, label)
 
 
-@pytest.fixture(params=["dense", "indexed"])
-def sums(request, monkeypatch):
-    """Both ways the figures are binned: a dense 0/1 matrix, and the gather and
-    index_add of models with thousands of tensors."""
-    if request.param == "indexed":
-        from trainvitals.hooks import tensors
-
-        monkeypatch.setattr(tensors, "DENSE_SUM_LIMIT", 0)
-    return request.param
-
-
 @pytest.mark.parametrize("opt_name", ADAM_VARIANTS)
-def test_statistics_match_the_elementwise_reference(opt_name, sums):
+def test_statistics_match_the_elementwise_reference(opt_name):
     model, opt, mon = monitored(opt_name)
     scale = LARGE_EPS_LOSS_SCALE if "large-eps" in opt_name else 1.0
     for step in range(5):
@@ -270,3 +260,35 @@ def test_complex_parameters_count_as_real_pairs():
         float(torch.view_as_real(model.b.detach()).abs().max())
     )
     mon.close()
+
+
+def test_a_non_finite_moment_stays_in_its_own_group_and_parameter():
+    """An infinite gradient in one group's weight makes that group's moments (and its
+    parameter's series) non-finite, never the other group's: the figures are summed per
+    group without multiplying any entry by another group's 0."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = torch.optim.AdamW(
+        [{"params": model[0].parameters(), "name": "a"}, {"params": model[1].parameters(), "name": "b"}], lr=1e-2
+    )
+    mon = attach(model, opt, run="inf-moment", sink="null", every=1, rules="off")
+    for step in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        if step == 2:
+            model[1].weight.grad[0, 0] = float("inf")
+        opt.step()
+        opt.zero_grad()
+    samples = [s for s in mon.latest() if s["name"].startswith("adam_exp_avg")]
+    mon.close()
+    assert samples
+
+    def side(labels: dict) -> str | None:
+        if "group" in labels:
+            return labels["group"]
+        return {"0": "a", "1": "b"}.get(labels.get("param", "").split(".")[0])
+
+    healthy = [s for s in samples if side(s["labels"]) == "a"]
+    hit = [s for s in samples if s["labels"] == {"group": "b"} and s["name"] == "adam_exp_avg_norm"]
+    assert healthy and hit
+    assert all(math.isfinite(s["value"]) for s in healthy), healthy
+    assert not any(math.isfinite(s["value"]) for s in hit), hit

@@ -61,13 +61,8 @@ def test_attach_rejects_wrong_arguments_at_once(kwargs, error, match):
 
 
 # -- reference statistics --------------------------------------------------------
-@pytest.mark.parametrize("sums", ["dense", "indexed"])
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw", "adam-2groups"])
-def test_norms_and_update_ratio_match_plain_torch(opt_name, sums, monkeypatch):
-    if sums == "indexed":  # the gather and index_add of models with thousands of tensors
-        from trainvitals.hooks import tensors
-
-        monkeypatch.setattr(tensors, "DENSE_SUM_LIMIT", 0)
+def test_norms_and_update_ratio_match_plain_torch(opt_name):
     model = tiny()
     params = list(model.parameters())
     if opt_name == "sgd":

@@ -64,9 +64,8 @@ def test_cached_plan_rebuilds_when_the_shapes_change():
     torch.testing.assert_close(got, _reference(changed), rtol=2e-6, atol=0.0, equal_nan=True)
 
 
-def test_sparse_sum_is_the_same_dense_and_indexed(monkeypatch):
-    """SparseSum against a plain loop, with the dense matrix and with the gather path
-    that models with thousands of tensors take."""
+def test_sparse_sum_against_a_plain_loop():
+    """SparseSum against a plain loop, with and without a bias, into a kept buffer too."""
     from trainvitals.hooks import tensors
 
     g = torch.Generator().manual_seed(0)
@@ -76,11 +75,22 @@ def test_sparse_sum_is_the_same_dense_and_indexed(monkeypatch):
     want = bias.clone()
     for r, c in pairs:
         want[r] += x[c]
-    dense = tensors.SparseSum(7, 40, pairs, torch.device("cpu"), torch.float64)
-    assert dense.dense is not None
-    monkeypatch.setattr(tensors, "DENSE_SUM_LIMIT", 0)
-    indexed = tensors.SparseSum(7, 40, pairs, torch.device("cpu"), torch.float64)
-    assert indexed.dense is None
-    for s in (dense, indexed):
-        assert torch.allclose(s(x, bias), want, rtol=1e-12)
-        assert torch.allclose(s(x), want - bias, rtol=1e-12)
+    s = tensors.SparseSum(7, 40, pairs, torch.device("cpu"), torch.float64)
+    assert torch.allclose(s(x, bias), want, rtol=1e-12)
+    assert torch.allclose(s(x), want - bias, rtol=1e-12)
+    kept = torch.empty(7, dtype=torch.float64)
+    assert s(x, bias, out=kept) is kept and torch.allclose(kept, want, rtol=1e-12)
+    assert torch.equal(s.zeros, torch.zeros(7, dtype=torch.float64))  # the base is never written
+
+
+def test_sparse_sum_keeps_a_non_finite_entry_in_its_own_rows():
+    """An infinite or NaN entry makes only the rows it is summed into non-finite (a 0/1
+    matrix product would make every row NaN: 0 x inf)."""
+    from trainvitals.hooks import tensors
+
+    pairs = [(0, 0), (0, 1), (1, 2), (1, 3), (2, 0), (2, 1), (2, 2), (2, 3)]  # two groups and the whole
+    s = tensors.SparseSum(3, 4, pairs, torch.device("cpu"), torch.float32)
+    got = s(torch.tensor([1.0, 2.0, float("inf"), 4.0]))
+    assert got.tolist() == [3.0, float("inf"), float("inf")]
+    got = s(torch.tensor([float("nan"), 2.0, 3.0, 4.0]))
+    assert got[1].item() == 7.0 and got[0].isnan() and got[2].isnan()
