@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import trainvitals.hooks.distributed as distributed
 import trainvitals.hooks.pack as pack_module
 from trainvitals.hooks import attach
+from trainvitals.hooks.lifecycle import StepLifecycle
 
 VOCAB, D = 512, 64
 MODALITY = torch.tensor([0] * 6 + [1] * 2)  # 8 samples: 6 text, 2 image
@@ -130,6 +131,26 @@ def _wrap(obj: Any, name: str, around: Callable[[str, Callable[[], Any]], Any], 
 
 
 LOSS_HOOKS = "loss hooks in the backward (per micro-batch)"
+STEP_HOOKS = "step hooks, outside the parts"
+
+
+def _attach_instrumented(model: nn.Module, opt: torch.optim.Optimizer, around: Any) -> Any:
+    """``attach`` with the optimizer-step hooks wrapped (they are registered as bound
+    methods at attach, so the class is patched for the call and restored at once): what
+    they do outside the labelled parts is ours too."""
+    originals = {name: getattr(StepLifecycle, name) for name in ("before_step", "after_step")}
+    for name, fn in originals.items():
+
+        def wrapped(self: Any, *a: Any, _fn: Any = fn, **k: Any) -> Any:
+            return around(STEP_HOOKS, lambda: _fn(self, *a, **k))
+
+        setattr(StepLifecycle, name, wrapped)
+    try:
+        mon = attach(model, opt, run="report-cost", sink="null", every=1, modalities=("text", "image"))
+    finally:
+        for name, fn in originals.items():
+            setattr(StepLifecycle, name, fn)
+    return mon
 
 
 def _instrument(mon: Any, around: Callable[[str, Callable[[], Any]], Any]) -> Callable[[], None]:
@@ -162,21 +183,28 @@ def _instrument(mon: Any, around: Callable[[str, Callable[[], Any]], Any]) -> Ca
 
 
 def thread_time_profile(batches: list[torch.Tensor], steps: int) -> dict[str, float]:
-    model, opt = _model()
-    mon = attach(model, opt, run="report-cost", sink="null", every=1, modalities=("text", "image"))
+    """Thread CPU time per label, exclusive: a part's time inside another part is the
+    inner part's alone, so the labels add up to all of our time on each thread."""
     spent: collections.Counter[str] = collections.Counter()
-    inside: set[str] = set()
+    frames = threading.local()  # per thread: [label, time spent in nested parts]
 
     def around(label: str, call: Callable[[], Any]) -> Any:
-        if label in inside:  # nested under the same label: counted once
+        stack = frames.__dict__.setdefault("stack", [])
+        if any(frame[0] == label for frame in stack):  # nested under the same label: counted once
             return call()
-        inside.add(label)
+        stack.append([label, 0.0])
         t0 = time.thread_time()
         try:
             return call()
         finally:
-            spent[label] += time.thread_time() - t0
-            inside.discard(label)
+            elapsed = time.thread_time() - t0
+            _, nested = stack.pop()
+            spent[label] += elapsed - nested
+            if stack:
+                stack[-1][1] += elapsed
+
+    model, opt = _model()
+    mon = _attach_instrumented(model, opt, around)
 
     step = _stepper(model, opt, mon)
     for i in range(3):  # the loss signal starts at the first track_loss: instrument it too
@@ -229,7 +257,6 @@ class _OpCounter(TorchDispatchMode):
 
 def op_counts(batches: list[torch.Tensor], sites: bool = False) -> tuple[dict[str, int], _OpCounter]:
     model, opt = _model()
-    mon = attach(model, opt, run="report-cost", sink="null", every=1, modalities=("text", "image"))
     counter = _OpCounter(sites)
 
     def around(label: str, call: Callable[[], Any]) -> Any:
@@ -241,6 +268,7 @@ def op_counts(batches: list[torch.Tensor], sites: bool = False) -> tuple[dict[st
         finally:
             counter.where = outer
 
+    mon = _attach_instrumented(model, opt, around)
     step = _stepper(model, opt, mon)
     for i in range(3):
         step(batches[i % len(batches)])
