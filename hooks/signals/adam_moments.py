@@ -142,6 +142,7 @@ class MomentPlan:
         # The squared norms z when one foreach call gives them all (stacked straight into
         # float64, no cast op), and the kept output of ``matrix`` with its ratio rows' view.
         self.z: torch.Tensor | None = None
+        self.z_items: list[torch.Tensor] = []  # its elements' views, on a CPU
         self.sums = torch.empty(4 * self.n_out, dtype=torch.float64, device=dev)
         self.sums_ratio = self.sums[: self.n_out]
 
@@ -253,6 +254,9 @@ class AdamMoments:
         self._series: tuple[dict[int, tuple[int, bool]], list[dict[str, str]]] = ({}, [])
         self._indices = IndexCache()
         self._hp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (cached [3, E], betas, eps)
+        # The last state walk and what was read from it (its moment tensors, the plan's key).
+        self._walk_seen: StateWalk | None = None
+        self._walk_lists: tuple[Any, ...] = ()
 
     def _series_map(self, monitor: MonitorView, key: tuple) -> tuple[dict[int, tuple[int, bool]], list[dict[str, str]]]:
         if key != self._series_key:
@@ -294,9 +298,22 @@ class AdamMoments:
     def collect(self, monitor: MonitorView, ctx: StepContext, key: tuple, walk: StateWalk, now: torch.Tensor) -> None:
         dev = monitor.device
         entries = walk.entries
-        series_of, series_labels = self._series_map(monitor, key)
-        plan_key = (key, tuple(id(e.param) for e in entries), monitor.config.update_sample)
+        sharded = monitor.sharded
+        if walk is self._walk_seen and not sharded:  # the same walk: the same tensors
+            ms, vs, raw, moments, plan_key = self._walk_lists
+        else:
+            plan_key = (key, tuple(id(e.param) for e in entries), monitor.config.update_sample)
+            ms = [e.state["exp_avg"] for e in entries]
+            vs = [e.v for e in entries]
+            raw = vs if all(e.v is e.state["exp_avg_sq"] for e in entries) else [e.state["exp_avg_sq"] for e in entries]
+            if sharded:
+                ms, vs, raw = [local(t) for t in ms], [local(t) for t in vs], [local(t) for t in raw]
+            moments = [real(t) for t in ms] + [real(t) for t in raw]
+            self._walk_seen, self._walk_lists = walk, (ms, vs, raw, moments, plan_key)
+        if plan_key[2] != monitor.config.update_sample:
+            plan_key = (key, plan_key[1], monitor.config.update_sample)
         if plan_key != self._plan_key:
+            series_of, series_labels = self._series_map(monitor, key)
             self._plan_key = plan_key
             self._plan = MomentPlan(monitor, entries, series_of, series_labels)
             self._norm_plan = [None]
@@ -314,13 +331,6 @@ class AdamMoments:
         torch.sub(plan.one, plan.bc, out=plan.bc).clamp_min_(_TINY)
         bc1, bc2 = plan.bc1, plan.bc2
 
-        sharded = monitor.sharded
-        ms = [e.state["exp_avg"] for e in entries]
-        vs = [e.v for e in entries]
-        raw = vs if all(e.v is e.state["exp_avg_sq"] for e in entries) else [e.state["exp_avg_sq"] for e in entries]
-        if sharded:
-            ms, vs, raw = [local(t) for t in ms], [local(t) for t in vs], [local(t) for t in raw]
-        moments = [real(t) for t in ms] + [real(t) for t in raw]
         # Small tensors of one shape normed together (NormPlan) when the model has them;
         # else the exact norms join the first batch's foreach call.
         if self._norm_plan[0] is None:
@@ -359,7 +369,13 @@ class AdamMoments:
             norms = norm_lists[0]
             if plan.z is None or plan.z.numel() != len(norms):
                 plan.z = torch.empty(len(norms), dtype=torch.float64, device=dev)
-            z = torch.stack(norms, out=plan.z).square_()
+                plan.z_items = list(plan.z.unbind()) if dev.type == "cpu" else []
+            if plan.z_items:
+                # On a CPU a stack into float64 casts element by element (4x the copy)
+                torch._foreach_copy_(plan.z_items, norms)
+                z = plan.z.square_()
+            else:
+                z = torch.stack(norms, out=plan.z).square_()
         else:
             pieces += [torch.stack(n) for n in norm_lists]
             z = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch.float64).square()
@@ -397,4 +413,5 @@ class AdamMoments:
 
     def close(self) -> None:
         self._plan = None
+        self._walk_seen, self._walk_lists = None, ()
         self._norm_plan = [None]

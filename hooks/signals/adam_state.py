@@ -25,10 +25,19 @@ class AdamState(Signal):
         self._anchors: Anchors = {}
         self._resets: ResetDetector | None = None
         self._moments = AdamMoments()
+        self._last: StateWalk | None = None
+        self._last_key: tuple | None = None
 
-    def _walk(self, monitor: MonitorView) -> StateWalk:
+    def _walk(self, monitor: MonitorView, key: tuple | None = None) -> StateWalk:
+        """The state walk; the previous one again when, by identities, a new walk
+        would see the same (the usual report: a walk is a Python loop over every
+        parameter's state)."""
+        last = self._last
+        if last is not None and key is not None and key == self._last_key and last.unchanged(monitor):
+            return last
         walk = StateWalk(monitor, self._anchors)
         self._anchors = walk.anchors
+        self._last, self._last_key = walk, key
         return walk
 
     def bind(self, monitor: MonitorView) -> list[Removable]:
@@ -39,7 +48,7 @@ class AdamState(Signal):
 
     def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
         key = groups_key(monitor)
-        walk = self._walk(monitor)
+        walk = self._walk(monitor, key)
         now = stack_steps(walk.steps, monitor.device) if walk.steps else None
         assert self._resets is not None
         self._resets.observe(monitor, ctx, walk, now)
@@ -67,4 +76,5 @@ class AdamState(Signal):
     def close(self) -> None:
         self._moments.close()
         self._anchors.clear()
+        self._last = None
         self._resets = None

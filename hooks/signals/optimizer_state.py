@@ -68,12 +68,19 @@ class StateWalk:
         self.entries: list[AdamEntry] = []  # Adam-family parameters
         self.entry_steps: list[int] = []  # their positions in ``steps``
         self.anchors: Anchors = {}
+        # What the walk's outcome depends on, to see at the next report by identities
+        # alone that a new walk would find the same (see ``unchanged``); None when a
+        # step count is a plain number (a new tensor at every walk) or a look found a
+        # change (vanished or recreated states are reported once, by a full walk).
+        self.flags = group_flags(monitor)
+        checks: list[tuple[Any, ...]] | None = []
         state = monitor.optimizer.state
         for gi, (label, group) in enumerate(monitor.groups()):
-            adam = is_adam_group(group)
-            amsgrad = adam and bool(group.get("amsgrad", False))
+            adam, amsgrad = self.flags[gi]
             for i, p in enumerate(group["params"]):
                 st = state.get(p)  # .get: optimizer.state is a defaultdict
+                if checks is not None:
+                    checks.append(_check(p, st))
                 old = previous.get(id(p))
                 if old is not None and old[0]() is not p:
                     old = None  # the id now belongs to another parameter
@@ -94,6 +101,48 @@ class StateWalk:
                 self.ids.append(id(p))
                 self.steps.append(step)
                 self.recreated.append(old is not None and not same)
+                if step is not st.get("step"):
+                    checks = None
+        if self.vanished or any(self.recreated):
+            checks = None
+        self.checks = checks
+
+    def unchanged(self, monitor: MonitorView) -> bool:
+        """True when a new walk would see what this one saw: the same groups and
+        flags, and per parameter the same state dict holding the same step and
+        moment tensors (``groups_key`` is compared by the caller)."""
+        checks = self.checks
+        if checks is None or group_flags(monitor) != self.flags:
+            return False
+        state = monitor.optimizer.state
+        for p, st, n, a, m, v, vmax in checks:
+            if state.get(p) is not st:
+                return False
+            if st is not None and (
+                len(st) != n
+                or anchor(st) is not a
+                or st.get("exp_avg") is not m
+                or st.get("exp_avg_sq") is not v
+                or st.get("max_exp_avg_sq") is not vmax
+            ):
+                return False
+        return True
+
+
+def group_flags(monitor: MonitorView) -> tuple[tuple[bool, bool], ...]:
+    """(Adam-family, amsgrad) of each param group."""
+    flags = []
+    for g in monitor.optimizer.param_groups:
+        adam = is_adam_group(g)
+        flags.append((adam, adam and bool(g.get("amsgrad", False))))
+    return tuple(flags)
+
+
+def _check(p: torch.Tensor, st: dict[str, Any] | None) -> tuple[Any, ...]:
+    """What one parameter's state is made of, compared by identity in ``unchanged``."""
+    if st is None:
+        return (p, None, 0, None, None, None, None)
+    return (p, st, len(st), anchor(st), st.get("exp_avg"), st.get("exp_avg_sq"), st.get("max_exp_avg_sq"))
 
 
 def stack_steps(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
