@@ -110,11 +110,21 @@ class MomentPlan:
         # Per entry c and g [2, E] (see AdamMoments.collect), written in place: no cast op
         # per report; gathered for every element of a batch by one index_select.
         self.cg = torch.empty(2, len(entries), dtype=torch.float32, device=dev)
-        self.c, self.g = self.cg.unbind()
-        # Both bias corrections [2, E] (float64, the betas' dtype), written in place, and their rows.
+        # Both bias corrections [2, E] (float64, the betas' dtype), written in place.
         self.bc = torch.empty(2, len(entries), dtype=torch.float64, device=dev)
-        self.bc1, self.bc2 = self.bc.unbind()
         self.one = torch.ones((), dtype=torch.float64, device=dev)
+        # [eps; 1 / bc1; sqrt(bc2)] [3, E]: the last two rows by one pow of bc (``exponents``),
+        # then c and g are its first two rows times its last (AdamMoments.collect).
+        self.factors = torch.empty(3, len(entries), dtype=torch.float64, device=dev)
+        self.eps_of: torch.Tensor | None = None  # the eps the first row holds
+        # Its views, made once (a view is an op at every report otherwise).
+        self.eps_row, self.powered, self.head, self.root = (
+            self.factors[0],
+            self.factors[1:],
+            self.factors[:2],
+            self.factors[2],
+        )
+        self.exponents = torch.tensor([[-1.0], [0.5]], dtype=torch.float64).to(dev)
         self.n_series = len(series_labels)
         self.n_groups = len(group_slot)
         present = sorted(set(series_bins))
@@ -329,7 +339,6 @@ class AdamMoments:
         # [2, E]: both bias corrections at once, in float64 (the betas' dtype)
         torch.pow(betas, steps, out=plan.bc)
         torch.sub(plan.one, plan.bc, out=plan.bc).clamp_min_(_TINY)
-        bc1, bc2 = plan.bc1, plan.bc2
 
         # Small tensors of one shape normed together (NormPlan) when the model has them;
         # else the exact norms join the first batch's foreach call.
@@ -348,9 +357,11 @@ class AdamMoments:
         #   sqrt(v_hat) < eps  <=>  sqrt(v) < c
         #   m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) + c) * g
         # (computed in float64, rounded once into the float32 buffers)
-        root = bc2.sqrt()
-        torch.mul(eps, root, out=plan.c)
-        torch.div(root, bc1, out=plan.g)
+        if plan.eps_of is not eps:  # a new table when the hyperparameters change
+            plan.eps_row.copy_(eps)
+            plan.eps_of = eps
+        torch.pow(plan.bc, plan.exponents, out=plan.powered)
+        torch.mul(plan.head, plan.root, out=plan.cg)
         self._sources(plan, ms, vs)
         for batch in plan.batches:
             plan.views(batch)
