@@ -139,6 +139,10 @@ class OptimizerStats(Signal):
         self._before: _Layout | None = None  # the layout whose before buffer holds this step's sample
         self._nonfinite: torch.Tensor | None = None  # [1]
         self._history = BackwardGradNorms(self)
+        self._grad_groups_key: tuple | None = None
+        self._grad_groups_of: tuple[int, ...] = ()
+        self._series_key: tuple | None = None
+        self._series_of: list[tuple[str, list[Labels]]] = []
 
     def bind(self, monitor: MonitorView) -> list[Removable]:
         self._history.bind(monitor)
@@ -159,6 +163,29 @@ class OptimizerStats(Signal):
             self._key, self._layout = key, _Layout(monitor, params, group_of)
         return self._layout
 
+    def _grad_groups(self, layout: _Layout, params: list[torch.Tensor]) -> tuple[int, ...]:
+        """Each gradient's group, kept per layout and list of parameters (by identity)."""
+        key = (layout, tuple(map(id, params)))
+        if key != self._grad_groups_key:
+            self._grad_groups_key = key
+            self._grad_groups_of = tuple(layout.group_by_id.get(id(p), 0) for p in params)
+        return self._grad_groups_of
+
+    def _series(self, monitor: MonitorView, grad: bool, whole_grad: bool, upd: bool) -> list[tuple[str, list[Labels]]]:
+        """The emitted series and labels, kept while the group labels and flags stay."""
+        labels = tuple(str(g.get("name", i)) for i, g in enumerate(monitor.optimizer.param_groups))
+        key = (labels, grad, whole_grad, upd)
+        if key != self._series_key:
+            group_labels: list[Labels] = [{"group": label} for label in labels]
+            series: list[tuple[str, list[Labels]]] = []
+            for name, present in (("grad_norm", grad), ("param_norm", True), ("update_ratio", upd)):
+                if present:
+                    if name != "grad_norm" or whole_grad:
+                        series.append((name, [{}]))
+                    series.append(("group_" + name, group_labels))
+            self._series_key, self._series_of = key, series
+        return self._series_of
+
     def measured_grad_norms(self) -> GradNorms | None:
         fresh = self._history.fresh()  # taken at the end of the backward: no second pass
         return GradNorms(*fresh, "backward") if fresh is not None else None
@@ -172,8 +199,6 @@ class OptimizerStats(Signal):
     def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
         dev = monitor.device
         layout = self._current(monitor)
-        groups = monitor.groups()
-        group_labels = [{"group": label} for label, _ in groups]
         if self._nonfinite is None:
             self._nonfinite = torch.zeros(1, device=dev)
         self._nonfinite = self._nonfinite.to(dev)
@@ -207,14 +232,9 @@ class OptimizerStats(Signal):
         squares = torch.cat(pieces).square()
         grad_groups = None
         if step_norms is not None:
-            grad_groups = tuple(layout.group_by_id.get(id(p), 0) for p in step_norms.params)
+            grad_groups = self._grad_groups(layout, step_norms.params)
         matrix = layout.matrix(grad_groups, history is None, upd, dev)
-        series: list[tuple[str, list[Labels]]] = []
-        for name, present in (("grad_norm", step_norms is not None), ("param_norm", True), ("update_ratio", upd)):
-            if present:
-                if name != "grad_norm" or history is None:
-                    series.append((name, [{}]))
-                series.append(("group_" + name, group_labels))
+        series = self._series(monitor, step_norms is not None, history is None, upd)
 
         def finish(sq: torch.Tensor, *rest: torch.Tensor) -> None:
             # Each piece is its own emit, in the order of the report: the pack's one
