@@ -136,8 +136,17 @@ class LossAccounting(ZeroCodeSeams):
             self.bind(monitor)
         if self._closed or self.broken:
             return
-        with self.guard("track_loss"), torch.no_grad():  # statistics only: no detach per tensor
+        # Statistics only: no autograd (no detach per tensor). The grad mode is set
+        # directly and failures caught here, not with two context managers: this runs
+        # once per micro-batch and their Python is a good part of its cost.
+        grad_was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
             self._track(monitor, per_token, rows, cols, codes, mask, segments, output, slot, weight, normalization)
+        except Exception as exc:  # noqa: BLE001 - never into the training loop
+            self.turn_off("track_loss", exc)
+        finally:
+            torch._C._set_grad_enabled(grad_was)
 
     def _track(
         self,
@@ -165,13 +174,14 @@ class LossAccounting(ZeroCodeSeams):
             return
         loss = per_token if tuple(per_token.shape) == (rows, cols) else per_token.reshape(rows, cols)
         label = None if mask is None else mask.detach().reshape(rows, cols).to(loss.device)
-        self._count_nonfinite(loss, label)
         if not step.reporting:
+            self._count_nonfinite(loss, label)
             return
         self._ensure_sums(step, loss.device)
         assert self._layout is not None and step.sums is not None
         seg = None if segments is None else segments.detach().reshape(rows, cols).to(loss.device)
         batch = bin_batch(self._layout, step.sums, loss, label, seg, codes, probe=step.probe)
+        self._count_nonfinite(loss, label, batch.row_loss)
         per_token.register_hook(self._weight_hook(monitor, step, batch, per_token, slot))
         if output is not None:
             step.outputs += 1

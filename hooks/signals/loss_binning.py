@@ -22,6 +22,18 @@ UNIFORM_RTOL = 1e-3
 (per-token normalized): float rounding of 1/n stays far below it."""
 
 
+@dataclass(frozen=True)
+class RowConstants:
+    """Per micro-batch shape, the tensors binning rows reuses (never written)."""
+
+    positions: torch.Tensor  # [R] cols: positions per row (label tokens without a mask)
+    one: torch.Tensor  # [R] 1.0
+    root: torch.Tensor  # [R] sqrt(cols)
+    has: torch.Tensor  # [R] True
+    fit_rows: torch.Tensor  # [5, R] SumsLayout.fit_rows of log(cols)
+    targets: torch.Tensor  # [6, bins] SumsLayout.bin_targets
+
+
 class SumsLayout:
     """Offsets into the per-step sums vector. Each writer adds its entries with one
     op (an ``index_add_`` at targets made once, or an ``add_`` into a block)."""
@@ -71,6 +83,7 @@ class SumsLayout:
         self.nonuniform = slice(2 * objectives, 3 * objectives)
         self.extremes = 3 * objectives
         self._tensors: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._row_constants: dict[tuple[Any, ...], RowConstants] = {}
 
     def bin_targets(self, device: torch.device, count_unknown: bool) -> torch.Tensor:
         """``[6, bins]`` where a row of bin ``b`` adds each of its six features (samples,
@@ -159,6 +172,27 @@ class SumsLayout:
             self._tensors[key] = self.constant_rows(rows, float(cols), dtype, device).sqrt()
         return self._tensors[key]
 
+    def row_constants(
+        self, rows: int, cols: int, dtype: torch.dtype, device: torch.device, count_unknown: bool
+    ) -> RowConstants:
+        """What ``bin_batch`` reuses for micro-batches of ``rows`` x ``cols`` without a
+        mask, looked up once per call instead of piece by piece."""
+        key = (rows, cols, dtype, device, count_unknown)
+        found = self._row_constants.get(key)
+        if found is None:
+            if len(self._row_constants) > 64:  # micro-batch shapes changed many times: start over
+                self._row_constants.clear()
+            found = RowConstants(
+                positions=self.constant_rows(rows, float(cols), dtype, device),
+                one=self.constant_rows(rows, 1.0, dtype, device),
+                root=self.constant_sqrt_rows(rows, cols, dtype, device),
+                has=self.constant_rows(rows, True, torch.bool, device),
+                fit_rows=self.constant_fit_rows(rows, cols, dtype, device),
+                targets=self.bin_targets(device, count_unknown),
+            )
+            self._row_constants[key] = found
+        return found
+
     def constant(self, value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 0-d tensor holding ``value`` (``where`` with a Python number makes one per call)."""
         key = ("constant", value, dtype, device)
@@ -196,6 +230,7 @@ class Batch:
     probe_masks: torch.Tensor | None = None  # [M, N] label tokens per modality (probe steps)
     rows_as_samples: bool = False  # binned by bin_rows (each row one sample, one code)
     shape: tuple[int, int] = (0, 0)  # [rows, cols] of the micro-batch
+    row_loss: torch.Tensor | None = None  # [R] each row's loss over its label tokens (rows as samples)
 
 
 def bin_batch(
@@ -322,10 +357,9 @@ def _bin_rows(
     m = layout.bins - 1
     rows, cols = loss.shape
     dev, fdt = loss.device, sums.dtype
-    positions = layout.constant_rows(rows, float(cols), fdt, dev)
+    c = layout.row_constants(rows, cols, fdt, dev, count_unknown)
     if label is None:
-        n_s = positions
-        one, root = layout.constant_rows(rows, 1.0, fdt, dev), layout.constant_sqrt_rows(rows, cols, fdt, dev)
+        n_s, one, root = c.positions, c.one, c.root
         loss_s = loss.sum(1, dtype=fdt)
     else:
         n_s = label.sum(1, dtype=fdt)
@@ -337,14 +371,14 @@ def _bin_rows(
         binned = codes.long().clamp(-1, m).remainder_(m + 1)  # outside 0..m-1: the overflow bin m
     # Each row's features added at its bin's entries: no one-hot product, so a
     # non-finite loss in one row cannot turn another bin's sums into NaN (inf * 0).
-    features = torch.stack([one, n_s, root, loss_s, positions, n_s])
-    targets = layout.bin_targets(dev, count_unknown).index_select(1, binned)  # [6, R]
-    sums.index_put_((targets,), features, accumulate=True)
+    features = torch.stack([one, n_s, root, loss_s, c.positions, n_s])
+    sums.index_put_((c.targets.index_select(1, binned),), features, accumulate=True)  # targets [6, R]
     if label is None:  # every row has label tokens
-        has, s_bin = layout.constant_rows(rows, True, torch.bool, dev), binned
+        has, s_bin, fit_rows = c.has, binned, c.fit_rows
     else:
         has = n_s > 0
         s_bin = torch.where(has, binned, layout.constant(m, torch.long, dev))
+        fit_rows = layout.fit_rows(torch.log(n_s.clamp_min(1.0)))
     batch = Batch(
         lab=label,
         sid=None,
@@ -352,14 +386,11 @@ def _bin_rows(
         has=has,
         s_bin=s_bin,
         tok_bin=None,
-        fit_rows=(
-            layout.constant_fit_rows(rows, cols, fdt, dev)
-            if label is None
-            else layout.fit_rows(torch.log(n_s.clamp_min(1.0)))
-        ),
+        fit_rows=fit_rows,
         fdt=fdt,
         rows_as_samples=True,
         shape=(rows, cols),
+        row_loss=loss_s,
     )
     if probe:
         lab = label.reshape(-1) if label is not None else torch.ones(rows * cols, dtype=torch.bool, device=dev)

@@ -133,21 +133,32 @@ class StepBook(Signal):
             step = self._step = LossStep(token=token, reporting=reporting, probe=probe)
         return step
 
-    def _count_nonfinite(self, loss: torch.Tensor, label: torch.Tensor | None) -> None:
+    def _count_nonfinite(
+        self, loss: torch.Tensor, label: torch.Tensor | None, rows: torch.Tensor | None = None
+    ) -> None:
         """Count the micro-batch if a label token's loss is not finite: ``loss * 0`` is
         NaN exactly there and 0 elsewhere, so its sum is nonzero exactly then (a sum of
-        zeros cannot overflow; four ops instead of isfinite's six)."""
+        zeros cannot overflow; four ops instead of isfinite's six). ``rows``: the rows'
+        sums of the label tokens' losses in a wider float than the loss (binning made
+        them): finite values that narrow cannot overflow it, so a row sum is not finite
+        exactly when one of its label losses is not, and one dot with zeros (NaN exactly
+        then) takes the place of the product and the sum."""
         layout = self._layout
         assert layout is not None
+        counter = self._nonfinite
+        if counter is None:
+            counter = self._nonfinite = torch.zeros((), dtype=torch.float32, device=loss.device)
+        elif counter.device != loss.device:  # restored from a checkpoint on the CPU
+            counter = self._nonfinite = counter.to(loss.device)
+        if rows is not None and rows.dtype.itemsize > loss.dtype.itemsize:
+            zeros = layout.constant_rows(rows.shape[0], 0.0, rows.dtype, rows.device)
+            counter += torch.dot(rows, zeros) != layout.constant(0.0, rows.dtype, rows.device)
+            return
         zero = layout.constant(0.0, loss.dtype, loss.device)  # a kept 0-d tensor: no scalar wrapped per call
         probe = loss * zero
         if label is not None:
             probe = torch.where(label, probe, zero)
-        if self._nonfinite is None:
-            self._nonfinite = torch.zeros((), dtype=torch.float32, device=loss.device)
-        elif self._nonfinite.device != loss.device:  # restored from a checkpoint on the CPU
-            self._nonfinite = self._nonfinite.to(loss.device)
-        self._nonfinite += probe.sum() != zero
+        counter += probe.sum() != zero
 
     @staticmethod
     def _inv_scale(monitor: MonitorView, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
