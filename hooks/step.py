@@ -161,11 +161,15 @@ class StepContext:
         if labels:
             self.emits.append(_Emit(names[0], values, labels, present, names, list(gated)))
 
-    def reduce(self, tensor: torch.Tensor, op: ReduceOp, then: Callable[[torch.Tensor], None]) -> None:
+    def reduce(
+        self, tensor: torch.Tensor, op: ReduceOp, then: Callable[[torch.Tensor], None], *, as_is: bool = False
+    ) -> None:
         """Combine ``tensor`` across data-parallel ranks with ``op``, then call ``then``
-        with the combined tensor (at once when there is one rank). All partials of a
-        report travel in one packed collective."""
-        self.reduces.append(_Reduce(_flat(tensor).float(), op, then))
+        with the combined tensor, float32 (at once when there is one rank). All partials
+        of a report travel in one packed collective. With ``as_is``, a single rank's
+        ``then`` gets ``tensor`` itself, flattened, in its own dtype (no copy: the
+        caller must not write it before ``then`` has run)."""
+        self.reduces.append(_Reduce(_flat(tensor) if as_is else _flat(tensor).float(), op, then))
 
     def event(
         self, kind: str, detail: str = "", labels: Labels | None = None, *, when: torch.Tensor | None = None
@@ -206,11 +210,16 @@ class StepContext:
             self.events.append(_Event(kind, detail, labels or {}, flag))
 
     def combine(
-        self, parts: Sequence[tuple[torch.Tensor, ReduceOp]], then: Callable[..., None], *, across_ranks: bool
+        self,
+        parts: Sequence[tuple[torch.Tensor, ReduceOp]],
+        then: Callable[..., None],
+        *,
+        across_ranks: bool,
+        as_is: bool = False,
     ) -> None:
         """Call ``then(*combined)`` once with every part combined across data-parallel
         ranks by its op; with ``across_ranks=False`` (nothing sharded) at once, with the
-        parts as they are."""
+        parts as they are. ``as_is``: see :meth:`reduce`."""
         if not across_ranks:
             then(*(t for t, _ in parts))
             return
@@ -222,4 +231,4 @@ class StepContext:
                 then(*out)
 
         for i, (t, op) in enumerate(parts):
-            self.reduce(t, op, functools.partial(store, i))
+            self.reduce(t, op, functools.partial(store, i), as_is=as_is)

@@ -292,6 +292,7 @@ class LossAccounting(ZeroCodeSeams):
                 sums=step.sums,
                 extremes=step.extremes,
                 counter=step.counter,
+                rows=step.rows,
                 calls=step.calls,
                 weights=step.weights,
                 normalization=step.normalization,

@@ -83,6 +83,7 @@ class Plan:
         zero_code: bool,
         device: torch.device,
         dtype: torch.dtype,
+        sums_dtype: torch.dtype,
     ) -> None:
         k = len(slots)
         b = lay.bins
@@ -129,6 +130,10 @@ class Plan:
         self.unknown = part([lay.unknown], [one])
         self.not_ce = part([lay.not_ce], [one]) if zero_code else -1
         self.overwritten = part([lay.overwritten], [one]) if zero_code else -1
+        # the log-once warnings' counts, in LossReport._late_warnings' order
+        blind_counts = [lay.not_ce, lay.overwritten] if zero_code else []
+        warned = [lay.mixed, lay.unknown, *blind_counts, lay.nonfinite]
+        self.warn_counts = part(warned, [one] * len(warned))
         # the figures
         self.loss = part([at["loss"]], [at["tokens"]])
         self.rows = part(
@@ -206,3 +211,16 @@ class Plan:
         self.consts = floats([1.0, -1.0, 1.0 if scale is None else scale, *declared_weights])
         self.num1, self.den1 = tensor(num1), tensor(den1)
         self.none_k = torch.zeros(k, dtype=torch.bool).to(device)
+        # Kept buffers the report writes with out= (their views made once, here): the
+        # fit's gathered pairs and their products, the tests' outcomes. Only the report
+        # reads them, at once (the pool's cat and the verdicts' all() copy them out).
+        self.fit_in = torch.empty(16, dtype=sums_dtype, device=device)
+        self.fit_pairs = self.fit_in.view(2, 4, 2)
+        self.fit_out = torch.empty(2, 4, dtype=sums_dtype, device=device)
+        self.above, self.below = self.fit_out.unbind()
+        self.tested = torch.empty(len(flat), dtype=torch.bool, device=device)
+        # The pool, in the figures' dtype (``dtype``): the sums (``sums_dtype``, wider on
+        # one rank) are rounded to it by the cat that fills it, as the cross-rank
+        # combine rounds them. Read only by the report's two gathers.
+        self.pool = torch.empty(fit0 + 4, dtype=dtype, device=device)
+        self.tested_rows = self.tested.view(self.verdict_rows, TESTS_PER_ROW)

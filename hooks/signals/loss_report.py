@@ -94,7 +94,7 @@ from trainvitals.hooks.optimizer_family import FAMILY_VALUE, optimizer_family
 from trainvitals.hooks.signals.base import MonitorView
 from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES
 from trainvitals.hooks.signals.loss_binning import SumsLayout
-from trainvitals.hooks.signals.loss_plan import ROWS, TESTS_PER_ROW, Plan
+from trainvitals.hooks.signals.loss_plan import ROWS, Plan
 from trainvitals.hooks.signals.loss_probe import ModalityProbe
 from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.tensors import float_dtype
@@ -113,6 +113,7 @@ class Accumulated:
     sums: torch.Tensor | None = None  # [layout.size]; None when no hook was placed
     extremes: torch.Tensor | None = None  # [layout.extremes]: per objective wmax, -wmin, non-uniform
     counter: torch.Tensor | None = None  # sums[layout.nonfinite] as a view made once (0-d)
+    rows: torch.Tensor | None = None  # sums' ROWS as [len(ROWS), bins], a view made once
     calls: list[int] = field(default_factory=lambda: [0] * MAX_OBJECTIVES)  # micro-batches per objective
     weights: dict[int, float] = field(default_factory=dict)  # declared weight per objective slot
     normalization: str | None = None  # declared by a track_loss call of the step
@@ -167,16 +168,23 @@ class LossReport:
         if nonfinite is not None:
             counter = acc.counter if acc.counter is not None else sums[lay.nonfinite]
             counter.copy_(nonfinite if nonfinite.dim() == 0 else nonfinite.reshape(()))
-        self._warn_late(monitor, sums, nonfinite is not None, zero_code)
+        if distributed:  # this rank's counts; on one rank the emission's division passes them through
+            warnings = self._late_warnings(monitor, nonfinite is not None, zero_code)
+            index = self._indices.get([w[2] for w in warnings], sums.device)
+            self._late.add_many([(k, msg) for k, msg, _ in warnings], sums.index_select(0, index))
+        # On one rank the emission reads the step's own sums, in their own dtype (no copy):
+        # nothing writes them before the next step's first micro-batch.
         ctx.combine(
             [(sums, "sum"), (extremes, "max")],
             lambda s, ext: self._emit(monitor, ctx, s, ext, acc, nonfinite is not None, zero_code, probe, gram),
             across_ranks=True,
+            as_is=True,
         )
 
-    def _warn_late(self, monitor: MonitorView, sums: torch.Tensor, nonfinite: bool, zero_code: bool) -> None:
+    def _late_warnings(self, monitor: MonitorView, nonfinite: bool, zero_code: bool) -> list[tuple[str, str, int]]:
         """The log-once warnings about this rank's values (read a step later, no host
-        sync), their counts taken from ``sums`` with one gather."""
+        sync): key, message and where its count lies in the sums, in the order of
+        ``Plan.warn_counts``."""
         lay = self._layout
         warnings = [
             (
@@ -223,8 +231,7 @@ class LossReport:
                     lay.nonfinite,
                 )
             )
-        index = self._indices.get([w[2] for w in warnings], sums.device)
-        self._late.add_many([(k, msg) for k, msg, _ in warnings], sums.index_select(0, index))
+        return warnings
 
     def _emit(
         self,
@@ -266,21 +273,29 @@ class LossReport:
             declared,
             zero_code,
             sums.device,
+            torch.float32,  # the figures' dtype, on one rank as on several (their sums come float32)
             sums.dtype,
         )
         # The pool every ratio reads from: the sums, their square roots, the per-bin
         # totals, the weight extremes, host-known constants, the exponent fit's products
         # and its numerator and denominator (``Plan``).
         # (the sums are a dense 1-D vector: their first rows viewed as [ROWS, bins], no copy)
-        totals = sums.as_strided((len(ROWS), lay.bins), (lay.bins, 1)).sum(1)
+        rows = acc.rows if sums is acc.sums and acc.rows is not None else None
+        totals = (rows if rows is not None else sums.as_strided((len(ROWS), lay.bins), (lay.bins, 1))).sum(1)
         # [[n sxy, n sxx, sx sy, n n], [sx sy, sx sx, n sxy, n n]]; their difference is the
         # fit's numerator, denominator, minus numerator (and 0). A difference, not a product
         # with a sign matrix: a non-finite sy (an infinite weight) must leave the
         # denominator finite (inf * 0 is NaN), so the exponent reads NaN, not absent.
-        above, below = sums.index_select(0, plan.fit).view(2, 4, 2).prod(2).unbind()
-        pool = torch.cat([sums, sums.sqrt(), totals, extremes, plan.consts, above, below, above - below])
+        torch.index_select(sums, 0, plan.fit, out=plan.fit_in)
+        torch.prod(plan.fit_pairs, 2, out=plan.fit_out)  # written in kept buffers with their views made once
+        above, below = plan.above, plan.below
+        pool = torch.cat([sums, sums.sqrt(), totals, extremes, plan.consts, above, below, above - below], out=plan.pool)
         first = (pool.index_select(0, plan.num1) / pool.index_select(0, plan.den1)).split(plan.sizes)
-        verdicts = (first[plan.tests] > plan.bounds).view(plan.verdict_rows, TESTS_PER_ROW).all(1)
+        if monitor.world_size == 1:  # the warnings' counts (on several ranks, report took this rank's)
+            warnings = self._late_warnings(monitor, True, zero_code)  # the counter is 0 when not counting
+            self._late.add_many([(k, msg) for k, msg, _ in warnings], first[plan.warn_counts])
+        torch.gt(first[plan.tests], plan.bounds, out=plan.tested)
+        verdicts = plan.tested_rows.all(1)
         verdict = verdicts.split(plan.verdict_sizes)
 
         if counting_nonfinite or monitor.world_size > 1:
@@ -447,8 +462,9 @@ class LossReport:
         zero_code: bool,
         device: torch.device,
         dtype: torch.dtype,
+        sums_dtype: torch.dtype,
     ) -> Plan:
-        key = (m, slots, declared_weights, scale, declared, zero_code, device, dtype)
+        key = (m, slots, declared_weights, scale, declared, zero_code, device, dtype, sums_dtype)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 16:

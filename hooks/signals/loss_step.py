@@ -21,10 +21,14 @@ from trainvitals.hooks.late_warnings import LateWarnings
 from trainvitals.hooks.signals.base import MonitorView, Signal
 from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES
 from trainvitals.hooks.signals.loss_binning import SumsLayout
+from trainvitals.hooks.signals.loss_plan import ROWS
 from trainvitals.hooks.signals.loss_probe import ModalityProbe
 from trainvitals.hooks.tensors import float_dtype
 
 __all__ = ["LossStep", "StepBook"]
+
+ROWS_TOTALLED = len(ROWS)
+"""The per-bin rows at the start of the sums that a report totals over bins."""
 
 
 @dataclass
@@ -44,6 +48,7 @@ class LossStep:
     extremes: torch.Tensor | None = None  # [layout.extremes]: per objective wmax, -wmin, non-uniform
     output: torch.Tensor | None = None  # sums[layout.output]
     counter: torch.Tensor | None = None  # sums[layout.nonfinite], 0-d
+    rows: torch.Tensor | None = None  # the sums' first per-bin rows, [ROWS_TOTALLED, bins] (a view)
     probe_grads: torch.Tensor | None = None  # [M, P] per-modality parameter gradients
     layout: str = ""  # zero-code: why the head's output was not read as logits (the last such)
     several: bool = False  # a micro-batch held several samples (Megatron's per-sample intent then fails)
@@ -74,10 +79,11 @@ class StepBuffers:
             for _ in range(2):
                 whole = torch.empty_like(template)
                 sums = whole[: lay.size]
-                self._pair.append((whole, sums, whole[lay.size :], sums[lay.output], sums[lay.nonfinite]))
+                rows = sums[: ROWS_TOTALLED * lay.bins].view(ROWS_TOTALLED, lay.bins)
+                self._pair.append((whole, sums, whole[lay.size :], sums[lay.output], sums[lay.nonfinite], rows))
             self._key = (device, fdt)
         self._turn ^= 1
-        whole, step.sums, step.extremes, step.output, step.counter = self._pair[self._turn]
+        whole, step.sums, step.extremes, step.output, step.counter, step.rows = self._pair[self._turn]
         whole.copy_(template)
 
 
