@@ -140,13 +140,13 @@ class LossAccounting(ZeroCodeSeams):
         # directly and failures caught here, not with two context managers: this runs
         # once per micro-batch and their Python is a good part of its cost.
         grad_was = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
         try:
+            torch.set_grad_enabled(False)  # called as a function: sets the mode now
             self._track(monitor, per_token, rows, cols, codes, mask, segments, output, slot, weight, normalization)
         except Exception as exc:  # noqa: BLE001 - never into the training loop
             self.turn_off("track_loss", exc)
         finally:
-            torch._C._set_grad_enabled(grad_was)
+            torch.set_grad_enabled(grad_was)
 
     def _track(
         self,
