@@ -303,8 +303,21 @@ def knot_logs(sums: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
     with each position's top-1 besides it (``[n]``, ``saturation_stats``' last column;
     1 each at every knot). Nats, at least ``ln(1.2e-38)`` (float32's smallest normal: below it, or when
     everything outside the top-1 underflowed, the position counts as saturated there)."""
-    outside = sums[list(_KNOT_ORDER)].t() + ties.unsqueeze(1)
+    outside = sums.index_select(0, _knot_order(sums.device)).t() + ties.unsqueeze(1)
     return outside.clamp_(min=_TINY).log_()
+
+
+_KNOT_INDEX: dict[torch.device, torch.Tensor] = {}
+
+
+def _knot_order(device: torch.device) -> torch.Tensor:
+    """``_KNOT_ORDER`` as an index on ``device``, made once per device: indexing a GPU
+    tensor with a Python list copies the list to the device on every call, and that copy
+    waits for the device."""
+    index = _KNOT_INDEX.get(device)
+    if index is None:
+        index = _KNOT_INDEX[device] = torch.tensor(_KNOT_ORDER, dtype=torch.long).to(device)
+    return index
 
 
 class TemperatureGrid:

@@ -118,7 +118,8 @@ def _steps(
     """Warm-up steps, then ``steps`` measured ones; on a GPU the measured steps run under
     the sync debug mode (``"error"``: a synchronizing CUDA call raises). Setting the job
     up (the models and batches moved to the device, ``attach``) and the warm-up, which
-    builds layouts and caches once, are not steps and may wait for the device."""
+    builds layouts and caches and uploads the signals' constants once (it takes the first
+    report), are not steps and may wait for the device."""
     model = LM().to(device)
     teacher = LM().to(device)
     opt = torch.optim.AdamW(
@@ -132,7 +133,7 @@ def _steps(
     batches = [torch.randint(0, 64, (4, 12), generator=gen).to(device) for _ in range(4)]
     modality = torch.tensor([0, 0, 0, 1], device=device)
     mon = attach(model, opt, run="sync", sink="null", every=every, modalities=("text", "image"), probe_every=2)
-    for k in range(2):  # warm-up: layouts and caches are built once, off the measured steps
+    for k in range(max(2, every)):  # warm-up, up to the first report: built once, off the measured steps
         _one_step(mon, model, teacher, opt, batches, modality, k)
     reports = 0
     spy = spy_factory()
@@ -182,7 +183,11 @@ def test_at_most_one_host_transfer_per_report(monkeypatch, every):
     copies = sum(v for k, v in calls.items() if k not in READS and k != "read of a completed copy")
     assert reports >= 2 and copies <= reports, (calls, reports)
     if torch.cuda.is_available():  # the same steps on the GPU: the debug mode raises on a sync
-        _steps(torch.device("cuda"), every, 6, lambda: None)
+        on_gpu: list = []
+        _steps(torch.device("cuda"), every, 6, lambda: None, on_gpu)
+        # A signal that synced would have been turned off, not raised: its coverage says so.
+        off = [e for _, _, coverage in on_gpu for e in coverage if not e["active"]]
+        assert not off, off
 
 
 def test_the_spy_sees_a_host_read_in_hooks_code(monkeypatch):
