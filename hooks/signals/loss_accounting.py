@@ -198,10 +198,10 @@ class LossAccounting(ZeroCodeSeams):
 
         def weights(grad: torch.Tensor) -> None:
             step.fired += 1
-            w = (grad.detach() if grad.requires_grad else grad).to(b.fdt)
+            w = grad.detach() if grad.requires_grad else grad  # weight_sums widens what it sums
             inv = self._inv_scale(monitor, grad.device, b.fdt)
             if inv is not None:
-                w = w * inv
+                w = w.to(b.fdt) * inv
             self._add_weights(step, slot, *weight_sums(layout, b, w))
             source = per_token_ref()
             if step.probe and self._probe is not None and source is not None and b.probe_masks is not None:
@@ -220,9 +220,8 @@ class LossAccounting(ZeroCodeSeams):
         assert layout is not None
 
         def norms(grad: torch.Tensor) -> None:
-            sq = output_sums(layout, b, grad, lead_dims, self._inv_scale(monitor, grad.device, b.fdt))
             assert step.output is not None
-            step.output.add_(sq)
+            output_sums(step.output, b, grad, lead_dims, self._inv_scale(monitor, grad.device, b.fdt))
 
         return self._hook("the output hook", norms)
 

@@ -416,19 +416,22 @@ def weight_sums(
     zero = layout.constant(0.0, fdt, dev)
     lab = b.lab
     with_y, signs = layout.with_log_weight(fdt, dev)
-    if b.sid is None:  # rows as samples
+    if b.sid is None:  # rows as samples: the row sums widen as they add (no widened copy of w)
         if tuple(w.shape) != b.shape:
             w = w.reshape(b.shape)
-        w_s = (w if lab is None else torch.where(lab, w, zero)).sum(1)
+        w_s = (w if lab is None else torch.where(lab, w, layout.constant(0.0, w.dtype, dev))).sum(1, dtype=fdt)
     else:
         assert lab is not None
         if w.dim() != 1:
             w = w.reshape(-1)
+        w = w.to(fdt)
         w_s = torch.index_add(layout.constant_rows(b.n_samples, 0.0, fdt, dev), 0, b.sid, torch.where(lab, w, zero))
     # Token-weight extremes and uniformity within the micro-batch (I3).
     if lab is None:
+        # w's own extremes are exact in the wider float; the product with 1 + rtol, a
+        # 0-d tensor of it, is taken there too (a Python number would keep w's float)
         wmin, wmax = torch.aminmax(w)
-        extremes = torch.stack([wmax, wmin, wmax > wmin * (1 + rtol)]) * signs
+        extremes = torch.stack([wmax, wmin, wmax > wmin * layout.constant(1 + rtol, fdt, dev)]) * signs
     else:
         # the largest weight and the largest negated one, over label tokens, at once
         dims = tuple(range(1, w.dim() + 1))
@@ -449,17 +452,18 @@ def weight_sums(
 
 
 def output_sums(
-    layout: SumsLayout, b: Batch, grad: torch.Tensor, lead_dims: int, inv_scale: torch.Tensor | None
+    into: torch.Tensor, b: Batch, grad: torch.Tensor, lead_dims: int, inv_scale: torch.Tensor | None
 ) -> torch.Tensor:
-    """Squared per-token norms of the output gradient, summed per modality bin."""
+    """Squared per-token norms of the output gradient, summed per modality bin and
+    added into ``into`` ([bins], the step's output sums) in place, by bin: a
+    non-finite norm stays in its own bin."""
     g = grad.detach() if grad.requires_grad else grad
     dims = tuple(range(lead_dims, g.dim()))
     # One fused reduction over the feature dims: no [B, T, V] temporary.
     sq = (torch.linalg.vector_norm(g, dim=dims, dtype=torch.float32) if dims else g.float().abs()).to(b.fdt).square()
     if inv_scale is not None:
         sq = sq * (inv_scale * inv_scale)
-    zeros = layout.constant_rows(layout.bins, 0.0, b.fdt, sq.device)
     if b.tok_bin is None:  # rows as samples: per row, then per bin
         per_row = (sq if tuple(sq.shape) == b.shape else sq.reshape(b.shape)).sum(1)
-        return torch.index_add(zeros, 0, b.s_bin, per_row)
-    return torch.index_add(zeros, 0, b.tok_bin, sq.reshape(-1))
+        return into.index_add_(0, b.s_bin, per_row)
+    return into.index_add_(0, b.tok_bin, sq.reshape(-1))

@@ -362,7 +362,7 @@ class ZeroCodeSeams(StepBook):
             self._add_weights(step, slot, *weight_sums(layout, batch, w, uniform_tolerance(grad.dtype, UNIFORM_RTOL)))
             if m:
                 step.outputs += 1
-                step.sums[layout.output].add_(output_sums(layout, batch, g, 1, inv))
+                output_sums(step.sums[layout.output], batch, g, 1, inv)
 
         return self._hook("the logits hook", weights)
 
@@ -382,7 +382,7 @@ class ZeroCodeSeams(StepBook):
         step.sums[layout.not_ce].add_((residual > l1.sum() * residual_tolerance(g.dtype)).to(fdt))
         if seam.batch is not None and layout.bins > 1:
             step.outputs += 1
-            step.sums[layout.output].add_(output_sums(layout, seam.batch, g, 1, seam.inv))
+            output_sums(step.sums[layout.output], seam.batch, g, 1, seam.inv)
 
 
 def _fused_output(output: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
