@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.signals.base import MonitorView, Removable
-from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES, check_declarations, check_track_loss
+from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES, TrackChecks
 from trainvitals.hooks.signals.loss_binning import Batch, SumsLayout, bin_batch, output_sums, weight_sums
 from trainvitals.hooks.signals.loss_probe import ModalityProbe
 from trainvitals.hooks.signals.loss_report import Accumulated, LossReport
@@ -73,6 +73,7 @@ class LossAccounting(ZeroCodeSeams):
         super().__init__()
         self._report: LossReport | None = None  # set in bind, with the layout
         self._unfed = 0  # consecutive report steps whose logits got no gradient (zero-code)
+        self._checks = TrackChecks()  # track_loss's argument checks, kept per argument layout
 
     # -- lifecycle -------------------------------------------------------------
     def bind(self, monitor: MonitorView) -> list[Removable]:
@@ -129,8 +130,9 @@ class LossAccounting(ZeroCodeSeams):
                 "it already accounts every token from the logits' gradient, so track_loss "
                 "would count them twice. Use one or the other"
             )
-        rows, cols, codes = check_track_loss(monitor.modalities, per_token, modality, mask, segments, output)
-        check_declarations(objective, weight, normalization)
+        checks = self._checks
+        rows, cols, codes = checks(monitor.modalities, per_token, modality, mask, segments, output)
+        checks.declarations(objective, weight, normalization)
         slot = self._slot(objective)
         if self._layout is None:  # created outside Monitor._signal: bind ourselves
             self.bind(monitor)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_OBJECTIVES", "NORMALIZATIONS", "check_declarations", "check_track_loss"]
+__all__ = ["MAX_OBJECTIVES", "NORMALIZATIONS", "TrackChecks", "check_declarations", "check_track_loss"]
 
 NORMALIZATIONS = {"token": 1.0, "sqrt": 0.5, "sample": 0.0}
 """Declared loss normalizations and the exponent beta of ``w_sample ~ n_tokens^beta`` each gives."""
@@ -111,6 +111,78 @@ def check_track_loss(
                 f"per_token's shape {shape} (e.g. logits [B, T, V])"
             )
     return rows, cols, _modality_codes(modalities, modality, per_token, rows, cols)
+
+
+class TrackChecks:
+    """``check_track_loss`` and ``check_declarations`` remembered per argument layout:
+    a training loop passes tensors of the same shapes, dtypes and devices call after
+    call, so their checks (Python, per micro-batch) run once per layout. What a tensor's
+    metadata does not fix is checked every call (``requires_grad``); arguments that are
+    not tensors, names or numbers always take the full checks."""
+
+    def __init__(self) -> None:
+        self._layouts: dict[tuple[Any, ...], tuple[int, int, bool, Any]] = {}
+        self._declared: set[str] = set()
+
+    def __call__(
+        self, modalities: tuple[str, ...], per_token: Any, modality: Any, mask: Any, segments: Any, output: Any
+    ) -> tuple[int, int, Any]:
+        key = _layout_key(modalities, per_token, modality, mask, segments, output)
+        if key is None:
+            return check_track_loss(modalities, per_token, modality, mask, segments, output)
+        found = self._layouts.get(key)
+        if found is not None and per_token.requires_grad and (output is None or output.requires_grad):
+            rows, cols, as_is, code = found
+            if as_is:
+                return rows, cols, modality
+            if code is not None:
+                return rows, cols, code
+            return rows, cols, _modality_codes(modalities, modality, per_token, rows, cols)
+        rows, cols, codes = check_track_loss(modalities, per_token, modality, mask, segments, output)
+        if len(self._layouts) >= 64:  # shapes changed many times: start over
+            self._layouts.clear()
+        # kept: whether the codes are the argument itself (a number, or a tensor of codes
+        # already on per_token's device), and a name's code (its key holds the name)
+        self._layouts[key] = (rows, cols, codes is modality, codes if type(codes) is int else None)
+        return rows, cols, codes
+
+    def declarations(self, objective: Any, weight: Any, normalization: Any) -> None:
+        """``check_declarations``, once per objective name while nothing else is declared."""
+        if weight is None and normalization is None and type(objective) is str and objective in self._declared:
+            return
+        check_declarations(objective, weight, normalization)
+        if weight is None and normalization is None and len(self._declared) < 64:
+            self._declared.add(objective)
+
+
+def _layout_key(
+    modalities: tuple[str, ...], per_token: Any, modality: Any, mask: Any, segments: Any, output: Any
+) -> tuple[Any, ...] | None:
+    """What ``check_track_loss``'s verdict depends on, or None where it is not kept."""
+    if type(per_token) is not torch.Tensor:
+        return None
+    key: list[Any] = [modalities, per_token.shape, per_token.dtype, per_token.device]
+    for t in (mask, segments):
+        if t is None:
+            key.append(None)
+        elif type(t) is torch.Tensor:
+            key.append((t.shape, t.dtype))
+        else:
+            return None
+    if output is None:
+        key.append(None)
+    elif type(output) is torch.Tensor:
+        key.append(output.shape)
+    else:
+        return None
+    kind = type(modality)
+    if kind is torch.Tensor:
+        key.append((modality.shape, modality.dtype, modality.device))
+    elif kind is str or kind is int:
+        key.append((kind, modality))
+    else:
+        return None
+    return tuple(key)
 
 
 def _modality_codes(modalities: tuple[str, ...], modality: Any, per_token: torch.Tensor, rows: int, cols: int) -> Any:
