@@ -134,6 +134,7 @@ class LossReport:
         self._indices = IndexCache()
         self._family: torch.Tensor | None = None  # optimizer_scale_invariant, made once
         self._plans: dict[tuple[Any, ...], Plan] = {}  # per report layout
+        self._warnings: dict[tuple[Any, ...], tuple[tuple[tuple[str, str], ...], list[int]]] = {}
 
     def report(
         self,
@@ -169,9 +170,8 @@ class LossReport:
             counter = acc.counter if acc.counter is not None else sums[lay.nonfinite]
             counter.copy_(nonfinite if nonfinite.dim() == 0 else nonfinite.reshape(()))
         if distributed:  # this rank's counts; on one rank the emission's division passes them through
-            warnings = self._late_warnings(monitor, nonfinite is not None, zero_code)
-            index = self._indices.get([w[2] for w in warnings], sums.device)
-            self._late.add_many([(k, msg) for k, msg, _ in warnings], sums.index_select(0, index))
+            pairs, at = self._late_warnings(monitor, nonfinite is not None, zero_code)
+            self._late.add_many(pairs, sums.index_select(0, self._indices.get(at, sums.device)))
         # On one rank the emission reads the step's own sums, in their own dtype (no copy):
         # nothing writes them before the next step's first micro-batch.
         ctx.combine(
@@ -181,10 +181,22 @@ class LossReport:
             as_is=True,
         )
 
-    def _late_warnings(self, monitor: MonitorView, nonfinite: bool, zero_code: bool) -> list[tuple[str, str, int]]:
+    def _late_warnings(
+        self, monitor: MonitorView, nonfinite: bool, zero_code: bool
+    ) -> tuple[tuple[tuple[str, str], ...], list[int]]:
         """The log-once warnings about this rank's values (read a step later, no host
-        sync): key, message and where its count lies in the sums, in the order of
-        ``Plan.warn_counts``."""
+        sync): (key, message) pairs and where each count lies in the sums, in the order
+        of ``Plan.warn_counts``; made once per set of modalities and flags."""
+        key = (tuple(monitor.modalities), nonfinite, zero_code)
+        found = self._warnings.get(key)
+        if found is None:
+            if len(self._warnings) >= 16:
+                self._warnings.clear()
+            warnings = self._warning_list(monitor, nonfinite, zero_code)
+            found = self._warnings[key] = (tuple((k, msg) for k, msg, _ in warnings), [at for _, _, at in warnings])
+        return found
+
+    def _warning_list(self, monitor: MonitorView, nonfinite: bool, zero_code: bool) -> list[tuple[str, str, int]]:
         lay = self._layout
         warnings = [
             (
@@ -292,8 +304,8 @@ class LossReport:
         pool = torch.cat([sums, sums.sqrt(), totals, extremes, plan.consts, above, below, above - below], out=plan.pool)
         first = (pool.index_select(0, plan.num1) / pool.index_select(0, plan.den1)).split(plan.sizes)
         if monitor.world_size == 1:  # the warnings' counts (on several ranks, report took this rank's)
-            warnings = self._late_warnings(monitor, True, zero_code)  # the counter is 0 when not counting
-            self._late.add_many([(k, msg) for k, msg, _ in warnings], first[plan.warn_counts])
+            pairs, _ = self._late_warnings(monitor, True, zero_code)  # the counter is 0 when not counting
+            self._late.add_many(pairs, first[plan.warn_counts])
         torch.gt(first[plan.tests], plan.bounds, out=plan.tested)
         verdicts = plan.tested_rows.all(1)
         verdict = verdicts.split(plan.verdict_sizes)
