@@ -121,6 +121,25 @@ class Accumulated:
     output: bool = False  # an output (or logits) gradient was summed
 
 
+class _ModalityLabels:
+    """The labels and event texts of a report's per-modality figures, made once per
+    modality names (never written: the report's samples and events refer to them)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.modality: list[dict[str, str]] = [{"modality": n} for n in names]
+        self.rows = [(name, self.modality) for name in ROW_FIGURES]
+        self.output = [{"modality": n, "scope": "output"} for n in names]
+        self.unlabelled = [
+            (
+                "modality_without_label_tokens",
+                f"modality {name!r} marks positions only of samples without label tokens: none of its "
+                "samples carries loss (docs/signals.md, 'Loss accounting')",
+                {"modality": name},
+            )
+            for name in names
+        ]
+
+
 class LossReport:
     """Emits a reported step's loss-accounting figures; see the module docstring.
 
@@ -134,6 +153,7 @@ class LossReport:
         self._indices = IndexCache()
         self._family: torch.Tensor | None = None  # optimizer_scale_invariant, made once
         self._plans: dict[tuple[Any, ...], Plan] = {}  # per report layout
+        self._modality_labels: dict[tuple[str, ...], _ModalityLabels] = {}  # per modality names
         self._warnings: dict[tuple[Any, ...], tuple[tuple[tuple[str, str], ...], list[int]]] = {}
 
     def report(
@@ -265,7 +285,8 @@ class LossReport:
         lay = self._layout
         names = list(monitor.modalities)
         m = len(names)
-        mod_labels = [{"modality": n} for n in names]
+        labels = self._labels(names)
+        mod_labels = labels.modality
         config = monitor.config
         calls = acc.calls
         full = acc.fired or monitor.world_size > 1  # weights arrived: the figures about them
@@ -340,7 +361,7 @@ class LossReport:
             ctx.inactive_when("loss", verdict[plan.no_input], "no_input", "no label token in the reported step")
         ctx.emit("loss", first[plan.loss], present=gated(first[plan.present_loss]))
         ctx.emit_block(
-            [(name, mod_labels) for name in ROW_FIGURES],
+            labels.rows,
             first[plan.rows],
             present=gated(first[plan.present_rows]),
             gated=range(3 * m),
@@ -374,17 +395,10 @@ class LossReport:
                 )
             )
         events.extend(
-            (
-                "modality_without_label_tokens",
-                f"modality {name!r} marks positions only of samples without label tokens: none of its "
-                "samples carries loss (docs/signals.md, 'Loss accounting')",
-                {"modality": name},
-                verdict[plan.flags + i],
-            )
-            for i, name in enumerate(names)
+            (kind, detail, labs, verdict[plan.flags + i]) for i, (kind, detail, labs) in enumerate(labels.unlabelled)
         )
-        for kind, detail, labels, flag in events:
-            ctx.event(kind, detail, labels, when=flag)
+        for kind, detail, labs, flag in events:
+            ctx.event(kind, detail, labs, when=flag)
         self._late.add_positive(
             "loss_modality_without_labels",
             "%d declared modality(ies) mark positions only of samples without label tokens, so they "
@@ -428,12 +442,21 @@ class LossReport:
             ctx.emit(
                 "modality_grad_norm",
                 grad_norm,
-                [{"modality": n, "scope": "output"} for n in names],
+                labels.output,
                 present=gated(first[plan.present_samples]),
             )
         if gram is not None:
             assert probe is not None
             probe.emit(ctx, gram, names, first[plan.scale].reshape(()) if scale is None else scale)
+
+    def _labels(self, names: list[str]) -> _ModalityLabels:
+        key = tuple(names)
+        found = self._modality_labels.get(key)
+        if found is None:
+            if len(self._modality_labels) >= 16:
+                self._modality_labels.clear()
+            found = self._modality_labels[key] = _ModalityLabels(names)
+        return found
 
     def _emit_objectives(
         self,
