@@ -286,12 +286,17 @@ class Monitor:
             signal.run_guarded("load_state_dict", signal.load_state_dict, saved)
 
     def latest(self) -> list[dict[str, Any]]:
-        """The most recent report's samples: dicts with ``name``, ``labels``, ``value``."""
-        return list(self._latest.materialize()["samples"]) if self._latest else []
+        """The most recent report's samples: dicts with ``name``, ``labels``, ``value``
+        (the caller's own copies: the signals share their label dicts across reports)."""
+        if not self._latest:
+            return []
+        return [{**s, "labels": dict(s["labels"])} for s in self._latest.materialize()["samples"]]
 
     def latest_events(self) -> list[dict[str, Any]]:
-        """The events carried by the most recent report."""
-        return list(self._latest.materialize()["events"]) if self._latest else []
+        """The events carried by the most recent report (the caller's own copies)."""
+        if not self._latest:
+            return []
+        return [{**e, "labels": dict(e["labels"])} for e in self._latest.materialize()["events"]]
 
     def latest_coverage(self) -> list[dict[str, Any]]:
         """The most recent report's coverage: per built-in signal, active or why not."""

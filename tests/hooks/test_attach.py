@@ -258,3 +258,19 @@ def test_a_failing_signal_is_turned_off_not_raised(caplog):
             "reason": "failed",
             "detail": "OptimizerStats failed in collect: RuntimeError: bug in a signal",
         }
+
+
+def test_latest_hands_out_copies_a_caller_may_change():
+    """The signals keep their label dicts across reports: what ``latest()`` returns is
+    the caller's own, and changing it changes no later report."""
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = attach(model, opt, run="copies", sink="null", every=1, rules="off")
+    for seed in range(2):
+        step(model, opt, seed)
+        for s in mon.latest():
+            s["labels"]["scribbled"] = "yes"
+        for e in mon.latest_events():
+            e["labels"]["scribbled"] = "yes"
+    assert all("scribbled" not in s["labels"] for s in mon.latest())
+    mon.close()
