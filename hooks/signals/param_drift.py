@@ -90,33 +90,49 @@ class DriftTracker:
         self._one = torch.ones((), device=dev)
         self.changes = 0
         self._slots = list(self.ring.unbind(0))  # the ring's rows as views, made once
-        # Each report writes rows [x, 0 - x, |x|, |x - ref|] of the elements x into one of
-        # two kept buffers, the other than the previous report's (whose pair rows are the
-        # previous values of the change signs), and reduces them with one scatter. The
-        # views every report reads are made once.
+        # Each report writes rows [x, |x|, |ref - x|, 0 - x] of the elements x into one of
+        # two kept buffers, the other than the previous report's (whose rows x and 0 - x are
+        # the previous values of the change signs), and reduces the first three with one
+        # scatter. The views every report reads are made once.
         total = self.owner.numel()
         self._rows = [torch.empty(4, total, device=dev) for _ in range(2)]
         self._values = [r[0] for r in self._rows]
         self._negated = [r[1:] for r in self._rows]  # written by one subtraction from _base
-        self._absolute = [r[2:] for r in self._rows]
-        self._base = torch.zeros(3, total, device=dev)  # [0, 0, ref]: minus x gives rows 1-3
-        self._base_ref_row = self._base[2]
+        self._absolute = [r[1:3] for r in self._rows]
+        self._reduced = [r[:3] for r in self._rows]
+        self._base = torch.zeros(3, total, device=dev)  # [0, ref, 0]: minus x gives rows 1-3
+        self._base_ref_row = self._base[1]
         self._base_ref: torch.Tensor | None = None  # the ref_values copied into _base
         self._parity: int | None = None  # the buffer prev2 lies in (None: its own tensor)
         self._current = 0  # the buffer of this report
         if self.consistency.dense:
-            self._pairs = [r[:2] for r in self._rows]
+            self._pairs = [r[0::3] for r in self._rows]  # rows x and 0 - x
             self._pair_parts: list[list[torch.Tensor]] = []
         else:
             self._pairs = [torch.empty(2, prev.numel(), device=dev) for _ in range(2)]
-            self._pair_parts = [self._sampled_columns(r[:2]) for r in self._rows]
-        # Per-parameter reductions written in place (include_self=False: every parameter
-        # with an element is overwritten; one without keeps the identity). Row 1, the
-        # maximum of 0 - x, comes with the one scatter and is not read.
-        self._max = torch.full((4, self.n), float("-inf"), device=dev)
-        self._min = torch.full((self.n,), float("inf"), device=dev)
-        self._max_rows = self._read_rows(self._max)  # its rows as views, made once
-        self._owner4 = self.owner.expand(4, -1)
+            self._pair_parts = [self._sampled_columns(r[0::3]) for r in self._rows]
+        # The report's rows, in the order they are emitted, in one kept buffer: min, max,
+        # absmax, drift (first the largest |x - ref|), reference absmax, judged scale,
+        # consistency, weight decay. The per-parameter reductions write into it in place
+        # (include_self=False: every parameter with an element is overwritten; one without
+        # keeps the identity); the rows that change only with the references or the groups
+        # are copied in when they do.
+        self.flat = torch.empty(8 * self.n, device=dev)  # what is emitted: 1-D, no view per report
+        self.out = self.flat.view(8, self.n)
+        self.out[0] = float("inf")
+        self.out[1:4] = float("-inf")
+        self._min = self.out[0]
+        self._max = self.out[1:4]
+        self._max_rows = tuple(self._max.unbind())  # max, absmax, moved: views made once
+        self._scale_row, self._judged_row = self.out[4], self.out[5]
+        self._ratio_row = self.out[6]
+        self.head = self.flat[: 6 * self.n]  # the rows before the consistency ratio
+        self.wd_row = self.out[7]
+        self._rows_of: tuple[torch.Tensor | None, ...] = (None, None, None)  # scale, judged, wd copied in
+        self._owner3 = self.owner.expand(3, -1)
+        # The rows are written over by the report (drift, values combined across ranks):
+        # without an element a parameter's reductions would keep them.
+        self._empty = 0 in self.counts
         self._sign_sums = torch.zeros(self.n, dtype=torch.int32, device=dev)
         # consistency_ratio's denominators for each number of changes in the window, made once
         counts = self.sampled.clamp_min(1)
@@ -166,30 +182,42 @@ class DriftTracker:
 
     def extremes(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per parameter, over its local elements (``values``: what :meth:`take` gave):
-        the minimum ``[n]``, and ``[4, n]`` rows of the maximum, the maximum of -x (not
-        read), the largest ``|x|`` and the largest ``|x - ref|`` (one reduction for all).
-        The buffers are reused: read them in this report."""
+        the minimum ``[n]``, and ``[3, n]`` rows of the maximum, the largest ``|x|`` and
+        the largest ``|x - ref|`` (one reduction for all). Both are rows of :attr:`out`:
+        read them in this report."""
         if self._base_ref is not self.ref_values:  # a new reference (rare after the first reports)
             self._base_ref_row.copy_(self.ref_values)
             self._base_ref = self.ref_values
         k = self._current
-        torch.sub(self._base, values, out=self._negated[k])  # 0 - x, 0 - x, ref - x
+        if self._empty:  # a parameter without local elements (a shard) must read the identities
+            self._min.fill_(float("inf"))
+            self._max.fill_(float("-inf"))
+        torch.sub(self._base, values, out=self._negated[k])  # 0 - x, ref - x, 0 - x
         self._absolute[k].abs_()
-        self._max.scatter_reduce_(1, self._owner4, self._rows[k], "amax", include_self=False)
+        self._max.scatter_reduce_(1, self._owner3, self._reduced[k], "amax", include_self=False)
         self._min.scatter_reduce_(0, self.owner, values, "amin", include_self=False)
         return self._min, self._max
 
-    @staticmethod
-    def _read_rows(high: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        top, _, absmax, moved = high.unbind()
-        return top, absmax, moved
+    def max_rows(self, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The rows (max, absmax, moved) of :attr:`out`, with ``low`` and ``high``
+        (:meth:`extremes` combined across ranks) copied in when they are other tensors."""
+        if low is not self._min:
+            self._min.copy_(low)
+        if high is not self._max:
+            self._max.copy_(high.view(3, self.n))
+        return self._max_rows
 
-    def max_rows(self, high: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The rows (max, absmax, moved) of ``high``: the kept views when it is this
-        tracker's own maxima (not combined across ranks), else its rows unbound."""
-        if high is self._max:
-            return self._max_rows
-        return self._read_rows(high if high.dim() == 2 else high.view(4, self.n))
+    def constant_rows(self, wd: torch.Tensor) -> None:
+        """Copy the reference absmax, the judged scale and the weight decay into
+        :attr:`out` when they are other tensors than the ones copied last."""
+        kept = self._rows_of
+        if kept[0] is not self.scale:
+            self._scale_row.copy_(self.scale)
+        if kept[1] is not self.judged:
+            self._judged_row.copy_(self.judged)
+        if kept[2] is not wd:
+            self.wd_row.copy_(wd)
+        self._rows_of = (self.scale, self.judged, wd)
 
     def drift_bits(
         self, values: torch.Tensor, absmax: torch.Tensor, scale: torch.Tensor, moved: torch.Tensor
@@ -198,11 +226,13 @@ class DriftTracker:
         A parameter still all zeros at its reference takes, at the first report where it
         is not, its values then as its reference (drift 0 there). Once every reference is
         known (a report later, without a sync) to have a range, only the last step is left:
-        nothing else can change (the combined scale is then this scale on every rank)."""
+        nothing else can change (the combined scale is then this scale on every rank).
+        Written into :attr:`out`'s drift row (``moved`` may be that row)."""
+        out = self._max_rows[2]
         if self._settled is None and self._candidate is not None and self._all_set.get() == [True]:
             self._settled = self._candidate
         if self._settled is not None:
-            return torch.addcdiv(self._one, moved, self._settled).log2_()  # 1 + moved / scale in one op
+            return torch.addcdiv(self._one, moved, self._settled, out=out).log2_()  # 1 + moved / scale in one op
         had = scale > 0  # a reference with a range; else it takes the values now (0 while all zeros)
         self.scale = torch.where(had, scale, absmax)
         has = self.scale > 0
@@ -217,7 +247,7 @@ class DriftTracker:
         self._candidate = self.judged.clamp_min(1e-38)
         self._all_set.start(has.all())
         # 0 where the reference is taken now (no displacement yet) or is still all zeros
-        return torch.where(had, torch.addcdiv(self._one, moved, self._candidate).log2_(), self._zero)
+        return torch.where(had, torch.addcdiv(self._one, moved, self._candidate).log2_(), self._zero, out=out)
 
     def save_references(self) -> None:
         """Write the (possibly updated) references back to the per-parameter table."""
@@ -266,7 +296,7 @@ class DriftTracker:
             den = self._denominators[w - 1]
         else:
             den = sampled.clamp_min(1) * w
-        return sign_sums / den
+        return torch.div(sign_sums, den, out=self._ratio_row)
 
     # -- checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
