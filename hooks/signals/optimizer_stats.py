@@ -143,6 +143,7 @@ class OptimizerStats(Signal):
         self._grad_groups_of: tuple[int, ...] = ()
         self._series_key: tuple | None = None
         self._series_of: list[tuple[str, list[Labels]]] = []
+        self._flags: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def bind(self, monitor: MonitorView) -> list[Removable]:
         self._history.bind(monitor)
@@ -152,14 +153,12 @@ class OptimizerStats(Signal):
         self._history.end_step(monitor)
 
     def _current(self, monitor: MonitorView) -> _Layout:
-        params, group_of = [], []
-        for gi, g in enumerate(monitor.optimizer.param_groups):
-            for p in g["params"]:
-                params.append(p)
-                group_of.append(gi)
+        groups = monitor.optimizer.param_groups
+        params = [p for g in groups for p in g["params"]]
         # the storage too: a parameter whose .data was replaced needs views of the new one
         key = (tuple(map(id, params)), tuple(local(p).data_ptr() for p in params), monitor.config.update_sample)
         if key != self._key or self._layout is None:
+            group_of = [gi for gi, g in enumerate(groups) for _ in g["params"]]
             self._key, self._layout = key, _Layout(monitor, params, group_of)
         return self._layout
 
@@ -186,6 +185,14 @@ class OptimizerStats(Signal):
             self._series_key, self._series_of = key, series
         return self._series_of
 
+    def _step_flags(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A kept [1, finite] vector, its finite element as a view, and the [1, -1] row
+        that turns it into 1 - finite (rebuilt on another device)."""
+        if self._flags is None or self._flags[0].device != dev:
+            flags = torch.ones(2, device=dev)
+            self._flags = (flags, flags[1:], torch.tensor([[1.0, -1.0]], device=dev))
+        return self._flags
+
     def measured_grad_norms(self) -> GradNorms | None:
         fresh = self._history.fresh()  # taken at the end of the backward: no second pass
         return GradNorms(*fresh, "backward") if fresh is not None else None
@@ -198,7 +205,9 @@ class OptimizerStats(Signal):
 
     def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
         dev = monitor.device
-        layout = self._current(monitor)
+        # The layout before_step of this report found: only optimizer.step() ran since
+        # (it changes values, not which tensors or their storage), so no second look.
+        layout = self._before if self._before is not None else self._current(monitor)
         if self._nonfinite is None:
             self._nonfinite = torch.zeros(1, device=dev)
         self._nonfinite = self._nonfinite.to(dev)
@@ -247,9 +256,12 @@ class OptimizerStats(Signal):
             if rest:  # the per-step squared norms since the previous report, combined across shards
                 norms = rest[0].sqrt()
                 if norms.numel() == 1:  # one step since the report before (every=1): its norm is max and mean
-                    finite = norms.lt(float("inf"))  # False for inf and NaN (one op, unlike isfinite)
+                    flags, finite, count = self._step_flags(norms.device)
+                    # 1.0 when finite, 0.0 for inf and NaN (one op, unlike isfinite), written
+                    # after a kept 1: one product [1, -1] . [1, finite] counts the step.
+                    torch.lt(norms, float("inf"), out=finite)
                     last = top = mean = norms  # a non-finite step's max and mean are gated out
-                    nonfinite = nonfinite + finite.logical_not()
+                    nonfinite = torch.addmv(nonfinite, count, flags)
                     present = finite
                 else:
                     # non-finite steps as -1 (a finite norm is >= 0): left out of the max and the mean
