@@ -62,9 +62,10 @@ class _Batch:
         self.m: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.below: torch.Tensor | None = None
-        self.ceg: torch.Tensor | None = None  # each element's c and g [2, size] (AdamMoments.collect)
-        self.ce: torch.Tensor | None = None  # and its rows
-        self.ge: torch.Tensor | None = None
+        self.ceg: torch.Tensor | None = None  # each element's c / g, c, 1 / g [3, size] (AdamMoments.collect)
+        self.cq: torch.Tensor | None = None  # and its rows
+        self.ce: torch.Tensor | None = None
+        self.gi: torch.Tensor | None = None
         self.dst: list[torch.Tensor] = []
         self.src: list[torch.Tensor] = []  # the moments' views copied into dst (AdamMoments._sources)
         self.parts: list[torch.Tensor] = []
@@ -106,25 +107,26 @@ class MomentPlan:
         self.m_buf = torch.empty(width, dtype=torch.float32, device=dev)
         self.v_buf = torch.empty(width, dtype=torch.float32, device=dev)
         self.below_buf = torch.empty(width, dtype=torch.float32, device=dev)
-        self.ceg_buf = torch.empty(2 * width, dtype=torch.float32, device=dev)
-        # Per entry c and g [2, E] (see AdamMoments.collect), written in place: no cast op
-        # per report; gathered for every element of a batch by one index_select.
-        self.cg = torch.empty(2, len(entries), dtype=torch.float32, device=dev)
-        # Both bias corrections [2, E] (float64, the betas' dtype), written in place.
-        self.bc = torch.empty(2, len(entries), dtype=torch.float64, device=dev)
+        self.ceg_buf = torch.empty(3 * width, dtype=torch.float32, device=dev)
+        # Per entry c / g, c and 1 / g [3, E] (see AdamMoments.collect), written in place:
+        # no cast op per report; gathered for every element of a batch by one index_select.
+        self.cg = torch.empty(3, len(entries), dtype=torch.float32, device=dev)
+        # The bias corrections [bc1; bc2; bc2] [3, E] (float64, the betas' dtype), in place.
+        self.bc = torch.empty(3, len(entries), dtype=torch.float64, device=dev)
         self.one = torch.ones((), dtype=torch.float64, device=dev)
-        # [eps; 1 / bc1; sqrt(bc2)] [3, E]: the last two rows by one pow of bc (``exponents``),
-        # then c and g are its first two rows times its last (AdamMoments.collect).
-        self.factors = torch.empty(3, len(entries), dtype=torch.float64, device=dev)
-        self.eps_of: torch.Tensor | None = None  # the eps the first row holds
+        # [eps; eps; bc1; sqrt(bc2); 1 / sqrt(bc2)] [5, E]: the last three rows by one pow
+        # of bc (``exponents``), then c / g, c and 1 / g are its first three rows times its
+        # last three (AdamMoments.collect).
+        self.factors = torch.empty(5, len(entries), dtype=torch.float64, device=dev)
+        self.eps_of: torch.Tensor | None = None  # the eps the first rows hold
         # Its views, made once (a view is an op at every report otherwise).
         self.eps_row, self.powered, self.head, self.root = (
-            self.factors[0],
-            self.factors[1:],
             self.factors[:2],
-            self.factors[2],
+            self.factors[2:],
+            self.factors[:3],
+            self.factors[2:],
         )
-        self.exponents = torch.tensor([[-1.0], [0.5]], dtype=torch.float64).to(dev)
+        self.exponents = torch.tensor([[1.0], [0.5], [-0.5]], dtype=torch.float64).to(dev)
         self.n_series = len(series_labels)
         self.n_groups = len(group_slot)
         present = sorted(set(series_bins))
@@ -228,8 +230,8 @@ class MomentPlan:
             return
         batch.m, batch.v = self.m_buf[: batch.size], self.v_buf[: batch.size]
         batch.below = self.below_buf[: batch.size]
-        batch.ceg = self.ceg_buf[: 2 * batch.size].view(2, batch.size)
-        batch.ce, batch.ge = batch.ceg.unbind()
+        batch.ceg = self.ceg_buf[: 3 * batch.size].view(3, batch.size)
+        batch.cq, batch.ce, batch.gi = batch.ceg.unbind()
         ms, vs = batch.m.split(batch.lengths), batch.v.split(batch.lengths)
         batch.parts = [*ms, *batch.below.split(batch.lengths)]
         batch.dst = []
@@ -263,7 +265,7 @@ class AdamMoments:
         self._series_key: tuple | None = None
         self._series: tuple[dict[int, tuple[int, bool]], list[dict[str, str]]] = ({}, [])
         self._indices = IndexCache()
-        self._hp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (cached [3, E], betas, eps)
+        self._hp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (cached, [b1; b2; b2], eps)
         # The last state walk and what was read from it (its moment tensors, the plan's key).
         self._walk_seen: StateWalk | None = None
         self._walk_lists: tuple[Any, ...] = ()
@@ -279,11 +281,11 @@ class AdamMoments:
         return self._series
 
     def _hyperparameters(self, monitor: MonitorView, entries: list[AdamEntry]) -> tuple[torch.Tensor, torch.Tensor]:
-        """float64 ([2, E] beta1 and beta2, [E] eps) of each entry's group."""
+        """float64 ([3, E] beta1, beta2 and beta2 again, [E] eps) of each entry's group."""
         table = self._hyperparameter_table(monitor, entries)
-        if self._hp is None or self._hp[0] is not table:  # the cached table's views are reused
+        if self._hp is None or self._hp[0] is not table:  # kept while the cached table is the same
             hp = table.view(-1, 3).t() if table.dim() == 1 else table
-            self._hp = (table, hp[:2], hp[2])
+            self._hp = (table, hp[[0, 1, 1]], hp[2])
         return self._hp[1], self._hp[2]
 
     def _hyperparameter_table(self, monitor: MonitorView, entries: list[AdamEntry]) -> torch.Tensor:
@@ -336,7 +338,7 @@ class AdamMoments:
         if len(walk.entry_steps) != len(walk.steps):
             steps = now.index_select(0, self._indices.get(walk.entry_steps, dev))
         betas, eps = self._hyperparameters(monitor, entries)
-        # [2, E]: both bias corrections at once, in float64 (the betas' dtype)
+        # [3, E]: both bias corrections at once (bc2 twice, for the rows of c and 1 / g), in float64 (the betas' dtype)
         torch.pow(betas, steps, out=plan.bc)
         torch.sub(plan.one, plan.bc, out=plan.bc).clamp_min_(_TINY)
 
@@ -355,7 +357,8 @@ class AdamMoments:
 
         # Per element only c = eps * sqrt(1 - b2^t) and g = sqrt(1 - b2^t) / (1 - b1^t) are needed:
         #   sqrt(v_hat) < eps  <=>  sqrt(v) < c
-        #   m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) + c) * g
+        #   m_hat / (sqrt(v_hat) + eps) = m / (sqrt(v) + c) * g = m / (sqrt(v) * (1 / g) + c / g)
+        # (the denominator by one addcmul from c / g = eps * bc1 and 1 / g = bc1 / sqrt(bc2))
         # (computed in float64, rounded once into the float32 buffers)
         if plan.eps_of is not eps:  # a new table when the hyperparameters change
             plan.eps_row.copy_(eps)
@@ -365,14 +368,14 @@ class AdamMoments:
         self._sources(plan, ms, vs)
         for batch in plan.batches:
             plan.views(batch)
-            m, v, below, ceg, ce, ge = batch.m, batch.v, batch.below, batch.ceg, batch.ce, batch.ge
-            assert m is not None and v is not None and below is not None
-            assert ceg is not None and ce is not None and ge is not None
+            m, v, below, ceg, cq, ce, gi = batch.m, batch.v, batch.below, batch.ceg, batch.cq, batch.ce, batch.gi
+            assert m is not None and v is not None and below is not None and ceg is not None
+            assert cq is not None and ce is not None and gi is not None
             torch._foreach_copy_(batch.dst, batch.src)  # every segment of the batch in one call
-            torch.index_select(plan.cg, 1, batch.index, out=ceg)  # each element's c and g
+            torch.index_select(plan.cg, 1, batch.index, out=ceg)  # each element's c / g, c, 1 / g
             v.sqrt_()
             torch.lt(v, ce, out=below)  # 0/1 as float32
-            m.mul_(ge).div_(v.add_(ce))
+            m.div_(torch.addcmul(cq, v, gi, out=v))
             # The segments' norms (of 0/1 for the counts) in one foreach call.
             norm_lists.append(foreach_norm32(joined + batch.parts))
             joined = []
