@@ -27,6 +27,7 @@ pass over the moments for the norms and little else.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -150,7 +151,9 @@ class MomentPlan:
         for i, g in zip(group_entries, group_bins, strict=True):
             entry_bins[i].append(len(present) + g)
         self._reduction(entry_bins, sizes, dev)
-        self.sources_key: tuple | None = None  # the state tensors the batches' source views are of
+        # The state tensors the batches' source views are of: (m list, v list, both, all
+        # contiguous, their data_ptrs), as AdamMoments._sources last saw them.
+        self.sources_seen: tuple[list, list, list, bool, list[int]] | None = None
         # The squared norms z when one foreach call gives them all (stacked straight into
         # float64, no cast op), and the kept output of ``matrix`` with its ratio rows' view.
         self.z: torch.Tensor | None = None
@@ -415,15 +418,21 @@ class AdamMoments:
 
     def _sources(self, plan: MomentPlan, ms: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
         """The batches' source views of the moments, made again only when a moment
-        tensor is another one or has other storage (each view is an op per report)."""
-        key = tuple(t.data_ptr() for t in ms) + tuple(t.data_ptr() for t in vs)
-        key += tuple(id(t) for t in ms) + tuple(id(t) for t in vs)
-        if key == plan.sources_key and all(t.is_contiguous() for t in ms + vs):
-            return
+        tensor is another one or has other storage (each view is an op per report).
+        The walk's lists are the same objects while its tensors are: then only the
+        storage is compared."""
+        seen = plan.sources_seen
+        both = seen[2] if seen is not None and seen[0] is ms and seen[1] is vs else ms + vs
+        if seen is not None and seen[3]:  # views of contiguous tensors: kept while the storage is
+            same = both is seen[2] or (len(both) == len(seen[2]) and all(map(operator.is_, both, seen[2])))
+            if same and list(map(torch.Tensor.data_ptr, both)) == seen[4]:
+                plan.sources_seen = (ms, vs, both, True, seen[4])
+                return
+        contiguous = all(t.is_contiguous() for t in both)
+        plan.sources_seen = (ms, vs, both, contiguous, list(map(torch.Tensor.data_ptr, both)))
         for batch in plan.batches:
             batch.src = [plan.source(ms[i], i, a, b) for i, a, b in batch.segments]
             batch.src += [plan.source(vs[i], i, a, b) for i, a, b in batch.segments]
-        plan.sources_key = key
 
     def close(self) -> None:
         self._plan = None
