@@ -82,6 +82,8 @@ class ParamHealth(Signal):
         self._fresh = False  # tracker rebuilt at this report: no change to record yet
         self._indices = IndexCache()
         self._series: tuple[Any, ...] = (None,)
+        self._grad_key: tuple | None = None
+        self._grad_layout: tuple[torch.Tensor, torch.Tensor, list[dict[str, str]]] | None = None
 
     # -- attach ----------------------------------------------------------------
     def bind(self, monitor: MonitorView) -> list[Removable]:
@@ -141,12 +143,19 @@ class ParamHealth(Signal):
         self, monitor: MonitorView, drift: DriftTracker, step_norms: GradNorms
     ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, str]]]:
         """For the step's gradient norms: the root of each one's global element count, and the
-        positions and labels of the series that have a gradient."""
+        positions and labels of the series that have a gradient. Kept while the tracker,
+        the parameters with a gradient and the device stay the same."""
         dev = monitor.device
+        key = (drift, tuple(map(id, step_norms.params)), dev)
+        if key == self._grad_key and self._grad_layout is not None:
+            return self._grad_layout
         # the root of each global element count (DTensor.numel is global): RMS = norm / root
         numel = self._indices.get([math.sqrt(p.numel()) for p in step_norms.params], dev, torch.float32)
         grad_series = [(s.name, j) for s in drift.series if (j := step_norms.position(s.param)) is not None]
-        return numel, self._indices.get([j for _, j in grad_series], dev), [{"param": name} for name, _ in grad_series]
+        labels = [{"param": name} for name, _ in grad_series]
+        self._grad_key = key
+        self._grad_layout = (numel, self._indices.get([j for _, j in grad_series], dev), labels)
+        return self._grad_layout
 
     def _weight_decay(self, monitor: MonitorView, drift: DriftTracker) -> torch.Tensor:
         groups = monitor.optimizer.param_groups
@@ -215,7 +224,7 @@ class ParamHealth(Signal):
                 norms = rest.pop(0)
                 rms = (norms.sqrt() if sharded else norms) / root_numel
                 median = torch.median(rms).clamp_min(_TINY)
-                ctx.emit("param_grad_relative_rms", rms[grad_pos] / median, grad_labels)
+                ctx.emit("param_grad_relative_rms", rms.index_select(0, grad_pos).div_(median), grad_labels)
 
         ctx.combine(parts, finish, across_ranks=monitor.sharded)
 
