@@ -268,6 +268,7 @@ class AdamMoments:
         self._series_key: tuple | None = None
         self._series: tuple[dict[int, tuple[int, bool]], list[dict[str, str]]] = ({}, [])
         self._indices = IndexCache()
+        self._hp_table: tuple[list[AdamEntry], list, torch.device, torch.Tensor] | None = None
         self._hp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (cached, [b1; b2; b2], eps)
         # The last state walk and what was read from it (its moment tensors, the plan's key).
         self._walk_seen: StateWalk | None = None
@@ -307,8 +308,15 @@ class AdamMoments:
                 ],
                 1,
             )
+        # The same entries (the walk's list) and group values: the same table, without the
+        # per-entry list and its lookup.
+        seen = self._hp_table
+        if seen is not None and seen[0] is entries and seen[1] == per_group and seen[2] == dev:
+            return seen[3]
         flat_values = [float(x) for e in entries for x in per_group[e.group]]
-        return self._indices.get(flat_values, dev, torch.float64)
+        table = self._indices.get(flat_values, dev, torch.float64)
+        self._hp_table = (entries, per_group, dev, table)
+        return table
 
     def collect(self, monitor: MonitorView, ctx: StepContext, key: tuple, walk: StateWalk, now: torch.Tensor) -> None:
         dev = monitor.device
@@ -438,3 +446,4 @@ class AdamMoments:
         self._plan = None
         self._walk_seen, self._walk_lists = None, ()
         self._norm_plan = [None]
+        self._hp_table = None
