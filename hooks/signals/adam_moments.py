@@ -443,7 +443,8 @@ class AdamMoments:
             batch.src += [plan.source(vs[i], i, a, b) for i, a, b in batch.segments]
 
     def close(self) -> None:
-        self._plan = None
+        """Let go of the plan and the walk's tensors (the next collect builds them anew)."""
+        self._plan, self._plan_key = None, None
         self._walk_seen, self._walk_lists = None, ()
         self._norm_plan = [None]
         self._hp_table = None

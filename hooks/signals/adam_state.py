@@ -44,7 +44,17 @@ class AdamState(Signal):
         walk = self._walk(monitor)
         steps = stack_steps(walk.steps, monitor.device) if walk.steps else None
         self._resets = ResetDetector(monitor, walk, steps)
-        return []
+        # Not every optimizer-like object has load-state hooks (torch's own do).
+        register = getattr(monitor.optimizer, "register_load_state_dict_pre_hook", None)
+        return [register(self._state_replaced)] if callable(register) else []
+
+    def _state_replaced(self, optimizer: Any, state_dict: Any) -> None:
+        """Before ``optimizer.load_state_dict`` replaces every state tensor: let go of the
+        old ones now. The kept walk and the moments' views would otherwise hold them (a
+        second copy of Adam's memory) until the next report; the reset detector keeps
+        only weak anchors, so it still sees the states recreated."""
+        self._last = self._last_key = None
+        self._moments.close()
 
     def collect(self, monitor: MonitorView, ctx: StepContext) -> None:
         key = groups_key(monitor)

@@ -292,3 +292,37 @@ def test_a_non_finite_moment_stays_in_its_own_group_and_parameter():
     assert healthy and hit
     assert all(math.isfinite(s["value"]) for s in healthy), healthy
     assert not any(math.isfinite(s["value"]) for s in hit), hit
+
+
+def test_load_state_dict_frees_the_old_moments_and_the_next_report_reads_the_new():
+    """``optimizer.load_state_dict`` replaces every state tensor: the monitor must not
+    keep the old moments alive until its next report (a second copy of Adam's memory on
+    a resumed or rolled-back job), and its next report reads the new ones right (a resume
+    with the same step counts is no reset)."""
+    import copy
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = attach(model, opt, run="reload", sink="null", every=5, rules="off")
+
+    def step() -> None:
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(5):  # the report at step 5 walks the state
+        step()
+    old = [weakref.ref(t) for st in opt.state.values() for k, t in st.items() if k.startswith("exp_avg")]
+    assert len(old) == 4
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    gc.collect()
+    assert [r() for r in old] == [None] * 4
+    for _ in range(5):
+        step()
+    samples = mon.latest()
+    mon.close()
+    assert_matches(samples, adam_reference(model, opt))
+    assert [s["value"] for s in samples if s["name"] == "optimizer_state_resets_total"] == [0.0]
