@@ -56,9 +56,6 @@ class LateWarnings:
         # (keys, messages, host values, completion event or None, positive_from)
         self._pending: list[tuple[tuple[str, ...], tuple[str, ...], torch.Tensor, Any, int | None]] = []
         self._done: set[str] = set()
-        # the keys and messages of a warning set passed as a tuple, split once (a report
-        # passes the same set every time)
-        self._split: dict[tuple[tuple[str, str], ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
     def add(self, key: str, message: str, value: torch.Tensor) -> None:
         """Log ``message % count`` once if ``value`` (one element) turns out > 0."""
@@ -72,21 +69,11 @@ class LateWarnings:
         ``values`` must be a tensor the caller no longer writes (it is kept as is
         on a CPU). With ``positive_from`` (one warning), its count is the number of
         ``values[positive_from:]`` that are > 0."""
-        split = self._split.get(warnings) if isinstance(warnings, tuple) else None
-        if split is None:
-            split = (tuple(k for k, _ in warnings), tuple(msg for _, msg in warnings))
-            if isinstance(warnings, tuple):
-                if len(self._split) >= 64:
-                    self._split.clear()
-                self._split[warnings] = split
-        keys, messages = split
-        done = self._done
-        if self._pending:
-            pending = {k for p in self._pending for k in p[0]}
-            if all(k in done or k in pending for k in keys):
-                return
-        elif done and all(k in done for k in keys):
+        pending = {k for p in self._pending for k in p[0]}
+        if all(k in self._done or k in pending for k, _ in warnings):
             return
+        keys = tuple(k for k, _ in warnings)
+        messages = tuple(msg for _, msg in warnings)
         if values.requires_grad:
             values = values.detach()
         if values.device.type == "cpu":
@@ -102,7 +89,7 @@ class LateWarnings:
     def add_positive(self, key: str, message: str, flags: torch.Tensor, start: int = 0) -> None:
         """Log ``message % n`` once, ``n`` the number of ``flags[start:]`` that turn out
         > 0 (counted on the host, once the copy has landed)."""
-        self.add_many(((key, message),), flags, positive_from=start)
+        self.add_many([(key, message)], flags, positive_from=start)
 
     def poll(self, monitor: MonitorView) -> None:
         if not self._pending:

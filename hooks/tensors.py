@@ -171,9 +171,7 @@ class SparseSum:
     (one op) would multiply every entry by every row's 0 or 1, and 0 x inf is NaN, so
     one infinite gradient would turn every group's figures into NaN."""
 
-    def __init__(
-        self, rows: int, cols: int, pairs: Sequence[tuple[int, int]], device: torch.device, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, rows: int, pairs: Sequence[tuple[int, int]], device: torch.device, dtype: torch.dtype) -> None:
         self.rows = rows
         self.dst = torch.tensor([r for r, _ in pairs], dtype=torch.long).to(device)
         self.src = torch.tensor([c for _, c in pairs], dtype=torch.long).to(device)

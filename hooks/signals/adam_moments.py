@@ -170,7 +170,6 @@ class MomentPlan:
         squares]; divided by ``denominator`` (the sampled elements, 1 for the norms), the
         ratio row as it is and the root of the others (``powers``)."""
         n_entries, n_out = len(entry_bins), len(self.labels)
-        length = 2 * n_entries + 2 * sum(len(b.segments) for b in self.batches)
         pairs: list[tuple[int, int]] = []
         for e, bins in enumerate(entry_bins):
             for b in bins:
@@ -187,7 +186,7 @@ class MomentPlan:
             for b in bins:
                 sampled[b] += sizes[e]
         self.n_out = n_out
-        self.matrix = SparseSum(4 * n_out, length, pairs, dev, torch.float64)
+        self.matrix = SparseSum(4 * n_out, pairs, dev, torch.float64)
         self.bin_sampled = sampled.to(dev)  # summed across shards when sharded
         self.denominator = self.denominator_of(self.bin_sampled)
         self.ratio_rows = (torch.arange(4 * n_out) < n_out).to(dev)

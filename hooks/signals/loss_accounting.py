@@ -138,15 +138,26 @@ class LossAccounting(ZeroCodeSeams):
             self.bind(monitor)
         if self._closed or self.broken:
             return
-        # Statistics only: no autograd (no detach per tensor). The grad mode is set
-        # directly and failures caught here, not with two context managers: this runs
-        # once per micro-batch and their Python is a good part of its cost.
+        # Statistics only: no autograd (no detach per tensor). The grad mode is set by a
+        # plain call, not a context manager: this runs once per micro-batch.
         grad_was = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)  # called as a function: sets the mode now
         try:
-            torch.set_grad_enabled(False)  # called as a function: sets the mode now
-            self._track(monitor, per_token, rows, cols, codes, mask, segments, output, slot, weight, normalization)
-        except Exception as exc:  # noqa: BLE001 - never into the training loop
-            self.turn_off("track_loss", exc)
+            self.run_guarded(
+                "track_loss",
+                self._track,
+                monitor,
+                per_token,
+                rows,
+                cols,
+                codes,
+                mask,
+                segments,
+                output,
+                slot,
+                weight,
+                normalization,
+            )
         finally:
             torch.set_grad_enabled(grad_was)
 

@@ -187,9 +187,6 @@ class StepBook(Signal):
         def hook(grad: torch.Tensor) -> None:
             if self._probing or self._closed or self.broken:
                 return
-            try:  # what guard() does, without a context manager's Python per backward
-                fn(grad)
-            except Exception as exc:  # noqa: BLE001 - never into the user's backward
-                self.turn_off(where, exc)
+            self.run_guarded(where, fn, grad)
 
         return hook

@@ -337,7 +337,7 @@ class ZeroCodeSeams(StepBook):
         rows, cols = seam.shape
 
         def weights(grad: torch.Tensor) -> None:
-            assert step.sums is not None
+            assert step.sums is not None and step.output is not None
             fdt = step.sums.dtype
             vocab = grad.shape[-1]
             g = (grad.detach().transpose(0, 1) if seq_first else grad.detach()).reshape(-1, vocab)
@@ -362,7 +362,7 @@ class ZeroCodeSeams(StepBook):
             self._add_weights(step, slot, *weight_sums(layout, batch, w, uniform_tolerance(grad.dtype, UNIFORM_RTOL)))
             if m:
                 step.outputs += 1
-                output_sums(step.sums[layout.output], batch, g, 1, inv)
+                output_sums(step.output, batch, g, 1, inv)
 
         return self._hook("the logits hook", weights)
 
@@ -372,7 +372,7 @@ class ZeroCodeSeams(StepBook):
         ``p_{t,y} = exp(-l_t)``, and zero off the label tokens. Needs no logits values
         (they may have been overwritten in place)."""
         layout = self._layout
-        assert layout is not None and step.sums is not None
+        assert layout is not None and step.sums is not None and step.output is not None
         if seam.weight is None or seam.loss is None:
             return  # the per-token loss got no gradient: nothing was read
         fdt = step.sums.dtype
@@ -382,7 +382,7 @@ class ZeroCodeSeams(StepBook):
         step.sums[layout.not_ce].add_((residual > l1.sum() * residual_tolerance(g.dtype)).to(fdt))
         if seam.batch is not None and layout.bins > 1:
             step.outputs += 1
-            output_sums(step.sums[layout.output], seam.batch, g, 1, seam.inv)
+            output_sums(step.output, seam.batch, g, 1, seam.inv)
 
 
 def _fused_output(output: Any) -> tuple[torch.Tensor, torch.Tensor] | None:

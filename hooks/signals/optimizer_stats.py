@@ -110,8 +110,7 @@ class _Layout:
                     bias[k + r] = 1.0
                 else:
                     pairs += [(k + r, c) for c in den]
-            cols = n_g + n_p + (2 * g if upd else 0)
-            self.matrices[key] = _Matrix(SparseSum(2 * k, cols, pairs, dev, torch.float32), bias.to(dev))
+            self.matrices[key] = _Matrix(SparseSum(2 * k, pairs, dev, torch.float32), bias.to(dev))
         return self.matrices[key]
 
 
@@ -139,8 +138,6 @@ class OptimizerStats(Signal):
         self._before: _Layout | None = None  # the layout whose before buffer holds this step's sample
         self._nonfinite: torch.Tensor | None = None  # [1]
         self._history = BackwardGradNorms(self)
-        self._grad_groups_key: tuple | None = None
-        self._grad_groups_of: tuple[int, ...] = ()
         self._series_key: tuple | None = None
         self._series_of: list[tuple[str, list[Labels]]] = []
         self._flags: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -161,14 +158,6 @@ class OptimizerStats(Signal):
             group_of = [gi for gi, g in enumerate(groups) for _ in g["params"]]
             self._key, self._layout = key, _Layout(monitor, params, group_of)
         return self._layout
-
-    def _grad_groups(self, layout: _Layout, params: list[torch.Tensor]) -> tuple[int, ...]:
-        """Each gradient's group, kept per layout and list of parameters (by identity)."""
-        key = (layout, tuple(map(id, params)))
-        if key != self._grad_groups_key:
-            self._grad_groups_key = key
-            self._grad_groups_of = tuple(layout.group_by_id.get(id(p), 0) for p in params)
-        return self._grad_groups_of
 
     def _series(self, monitor: MonitorView, grad: bool, whole_grad: bool, upd: bool) -> list[tuple[str, list[Labels]]]:
         """The emitted series and labels, kept while the group labels and flags stay."""
@@ -241,7 +230,7 @@ class OptimizerStats(Signal):
         squares = torch.cat(pieces).square()
         grad_groups = None
         if step_norms is not None:
-            grad_groups = self._grad_groups(layout, step_norms.params)
+            grad_groups = tuple(layout.group_by_id.get(id(p), 0) for p in step_norms.params)
         matrix = layout.matrix(grad_groups, history is None, upd, dev)
         series = self._series(monitor, step_norms is not None, history is None, upd)
 

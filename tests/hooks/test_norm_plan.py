@@ -75,7 +75,7 @@ def test_sparse_sum_against_a_plain_loop():
     want = bias.clone()
     for r, c in pairs:
         want[r] += x[c]
-    s = tensors.SparseSum(7, 40, pairs, torch.device("cpu"), torch.float64)
+    s = tensors.SparseSum(7, pairs, torch.device("cpu"), torch.float64)
     assert torch.allclose(s(x, bias), want, rtol=1e-12)
     assert torch.allclose(s(x), want - bias, rtol=1e-12)
     kept = torch.empty(7, dtype=torch.float64)
@@ -89,7 +89,7 @@ def test_sparse_sum_keeps_a_non_finite_entry_in_its_own_rows():
     from trainvitals.hooks import tensors
 
     pairs = [(0, 0), (0, 1), (1, 2), (1, 3), (2, 0), (2, 1), (2, 2), (2, 3)]  # two groups and the whole
-    s = tensors.SparseSum(3, 4, pairs, torch.device("cpu"), torch.float32)
+    s = tensors.SparseSum(3, pairs, torch.device("cpu"), torch.float32)
     got = s(torch.tensor([1.0, 2.0, float("inf"), 4.0]))
     assert got.tolist() == [3.0, float("inf"), float("inf")]
     got = s(torch.tensor([float("nan"), 2.0, 3.0, 4.0]))
