@@ -40,6 +40,10 @@ class PendingReport:
     unless: list[tuple[str, str, str]] = field(default_factory=list)  # (signal, reason, detail), values after flags
     final: frozenset[str] = frozenset()  # signals whose entry the flags do not change
     settle: Any = None  # called once with (coverage as made, coverage after the flags)
+    # (raw start, raw count, finish) per emit whose values the sender thread finishes, in
+    # order; ``raw`` counts the packed values of the emits, which then differ from the layout's
+    finishes: list[tuple[int, int, Any]] = field(default_factory=list)
+    raw: int = 0
     _done: dict[str, Any] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -49,6 +53,8 @@ class PendingReport:
                 if self.ready is not None:
                     self.ready.synchronize()
                 values = self.host.tolist()
+                if self.finishes:
+                    values = self._finished(values)
                 n_flags = len(self.layout) + len(self.flags)
                 tail = values[n_flags + len(self.unless) :]
                 absent = {i for i, p in zip(self.gated, tail, strict=True) if not p > 0}
@@ -83,6 +89,21 @@ class PendingReport:
                         self.settle(self.coverage, coverage)
             return self._done
 
+    def _finished(self, raw: list[float]) -> list[float]:
+        """The packed values with each finished emit's raw values replaced by what its
+        finish makes of them (one value per labels entry; checked)."""
+        out: list[float] = []
+        at = 0
+        for start, count, finish in self.finishes:
+            out.extend(raw[at:start])
+            done = finish(raw[start : start + count])
+            out.extend(done)
+            at = start + count
+        out.extend(raw[at:])
+        if len(out) - (len(raw) - self.raw) != len(self.layout):
+            raise ValueError(f"the finished values are {len(out)} for a layout of {len(self.layout)} and the flags")
+        return out
+
 
 def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
     """Concatenate a context's values into one vector and start its copy to the host."""
@@ -92,8 +113,14 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
     layout: list[tuple[str, dict[str, str]]] = []
     gated: list[int] = []
     presence: list[torch.Tensor] = []
+    finishes: list[tuple[int, int, Any]] = []
+    raw = 0
     for e in ctx.emits:
         parts.append(e.values)
+        count = e.values.numel()
+        if e.host is not None:
+            finishes.append((raw, count, e.host))
+        raw += count
         if e.present is not None:
             start = len(layout)
             gated.extend(range(start, start + len(e.labels)) if e.gated is None else (start + i for i in e.gated))
@@ -141,4 +168,6 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
         coverage=list(ctx.coverage),
         unless=[(u.signal, u.reason, u.detail) for u in unless],
         final=frozenset(ctx.final) | frozenset(ctx.verdicts()),
+        finishes=finishes,
+        raw=raw,
     )

@@ -18,7 +18,7 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from trainvitals.hooks.grad_norms import GradNorms
 
-__all__ = ["Labels", "ReduceOp", "StepContext"]
+__all__ = ["HostFinish", "Labels", "ReduceOp", "StepContext"]
 
 Labels = dict[str, str]
 ReduceOp = Literal["sum", "max", "min"]
@@ -39,14 +39,20 @@ def _one(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(1)
 
 
+HostFinish = Callable[[list[float]], list[float]]
+"""Turns an emit's values, as host floats, into one value per labels entry (see
+:meth:`StepContext.emit_block`)."""
+
+
 @dataclass
 class _Emit:
     name: str
-    values: torch.Tensor  # 1-D, one element per labels entry
+    values: torch.Tensor  # 1-D, one element per labels entry (or what ``host`` takes)
     labels: list[Labels]
     present: torch.Tensor | None = None  # 1-D like values (or like gated): a sample is sent only where > 0
     names: list[str] | None = None  # a block (emit_block): each element's name; else all are ``name``
     gated: list[int] | None = None  # a block: the elements ``present`` is for (None: all of them)
+    host: HostFinish | None = None  # applied on the sender thread to the values as floats
 
 
 @dataclass
@@ -140,26 +146,35 @@ class StepContext:
         *,
         present: torch.Tensor | None = None,
         gated: Sequence[int] = (),
+        host: HostFinish | None = None,
     ) -> None:
         """Report several series from one 1-D tensor: ``series`` lists (wire name, one
         labels dict per element) in the order their values lie end to end in ``values``.
         The same as one :meth:`emit` per series, without a slice per series. With
         ``present`` (one value per position in ``gated``, positions in ``values``), those
-        samples are sent only where it is > 0, decided on the sender thread."""
+        samples are sent only where it is > 0, decided on the sender thread.
+
+        ``host``: the last elementwise steps of a figure (a division by host-known
+        counts, a root, a median of a few numbers) done on the sender thread instead
+        of as tensor ops on the training thread (an op there costs 10-20 us of dispatch
+        on a CPU, a kernel launch on a GPU). ``values`` is then what ``host`` takes: it
+        gets them as Python floats and returns one float per labels entry. It runs on
+        another thread, later: it must read only what it was given and what does not
+        change (host numbers fixed when it was made)."""
         names: list[str] = []
         labels: list[Labels] = []
         for name, labs in series:
             names.extend([name] * len(labs))
             labels.extend(labs)
         values = _flat(values)
-        if values.numel() != len(labels):
+        if host is None and values.numel() != len(labels):
             raise ValueError(f"{names[:1]}: {values.numel()} values for {len(labels)} label sets")
         if present is not None:
             present = _flat(present)
             if present.numel() != len(gated) or any(not 0 <= i < len(labels) for i in gated):
                 raise ValueError(f"emit_block: present has {present.numel()} elements for gated {list(gated)}")
         if labels:
-            self.emits.append(_Emit(names[0], values, labels, present, names, list(gated)))
+            self.emits.append(_Emit(names[0], values, labels, present, names, list(gated), host))
 
     def reduce(
         self, tensor: torch.Tensor, op: ReduceOp, then: Callable[[torch.Tensor], None], *, as_is: bool = False

@@ -174,7 +174,8 @@ class SparseSum:
     def __init__(self, rows: int, pairs: Sequence[tuple[int, int]], device: torch.device, dtype: torch.dtype) -> None:
         self.rows = rows
         self.dst = torch.tensor([r for r, _ in pairs], dtype=torch.long).to(device)
-        self.src = torch.tensor([c for _, c in pairs], dtype=torch.long).to(device)
+        self.columns = [c for _, c in pairs]  # the gathered columns, in order
+        self.src = torch.tensor(self.columns, dtype=torch.long).to(device)
         self.zeros = torch.zeros(rows, dtype=dtype).to(device)  # the base without a bias, never written
 
     def __call__(
@@ -187,3 +188,8 @@ class SparseSum:
         if out is None:
             return torch.index_add(base, 0, self.dst, taken)
         return torch.index_add(base, 0, self.dst, taken, out=out)
+
+    def add_taken(self, taken: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The sums from the pairs' values already gathered (``taken[i]`` is ``x`` at
+        :attr:`columns` ``[i]``), into ``out``: one op."""
+        return torch.index_add(self.zeros, 0, self.dst, taken, out=out)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from trainvitals.hooks.host_finish import AdamFinish
 from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.sampling import BlockSample, owner_index
 from trainvitals.hooks.signals.base import MonitorView
@@ -159,7 +160,6 @@ class MomentPlan:
         self.z: torch.Tensor | None = None
         self.z_items: list[torch.Tensor] = []  # its elements' views, on a CPU
         self.sums = torch.empty(4 * self.n_out, dtype=torch.float64, device=dev)
-        self.sums_ratio = self.sums[: self.n_out]
 
     def _reduction(self, entry_bins: list[list[int]], sizes: list[int], dev: torch.device) -> None:
         """What turns the report's norms into the emitted values. The norms, squared, lie
@@ -181,14 +181,14 @@ class MomentPlan:
                 for b in entry_bins[e]:
                     pairs += [(n_out + b, at + j), (b, at + k + j)]
             at += 2 * k
-        sampled = torch.zeros(n_out, dtype=torch.float64)
+        sampled = [0.0] * n_out
         for e, bins in enumerate(entry_bins):
             for b in bins:
                 sampled[b] += sizes[e]
         self.n_out = n_out
         self.matrix = SparseSum(4 * n_out, pairs, dev, torch.float64)
-        self.bin_sampled = sampled.to(dev)  # summed across shards when sharded
-        self.denominator = self.denominator_of(self.bin_sampled)
+        self.bin_sampled = torch.tensor(sampled, dtype=torch.float64).to(dev)  # summed across shards when sharded
+        self.finish = AdamFinish(sampled)  # in one process: on the sender thread
         self.ratio_rows = (torch.arange(4 * n_out) < n_out).to(dev)
         self.powers = torch.where(self.ratio_rows, 1.0, 0.5).to(torch.float64)  # the ratio as it is, roots else
 
@@ -389,34 +389,38 @@ class AdamMoments:
             # The segments' norms (of 0/1 for the counts) in one foreach call.
             norm_lists.append(foreach_norm32(joined + batch.parts))
             joined = []
-        if not pieces and len(norm_lists) == 1:  # one foreach call: stacked into float64 at once
+        matrix = plan.matrix
+        if not pieces and len(norm_lists) == 1:
+            # One foreach call: its norms stacked into float64 at once, already in the order
+            # the sum gathers them (a norm summed into two bins is stacked twice): no gather.
             norms = norm_lists[0]
-            if plan.z is None or plan.z.numel() != len(norms):
-                plan.z = torch.empty(len(norms), dtype=torch.float64, device=dev)
+            taken = [norms[c] for c in matrix.columns]
+            if plan.z is None or plan.z.numel() != len(taken):
+                plan.z = torch.empty(len(taken), dtype=torch.float64, device=dev)
                 plan.z_items = list(plan.z.unbind()) if dev.type == "cpu" else []
             if plan.z_items:
                 # On a CPU a stack into float64 casts element by element (4x the copy)
-                torch._foreach_copy_(plan.z_items, norms)
+                torch._foreach_copy_(plan.z_items, taken)
                 z = plan.z.square_()
             else:
-                z = torch.stack(norms, out=plan.z).square_()
+                z = torch.stack(taken, out=plan.z).square_()
+            sums = matrix.add_taken(z, out=plan.sums)
         else:
             pieces += [torch.stack(n) for n in norm_lists]
             z = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch.float64).square()
-        sums = plan.matrix(z, out=plan.sums)
+            sums = matrix(z, out=plan.sums)
         labels = plan.labels
         names = ("adam_eps_dominated_ratio", "adam_normalized_update_rms", "adam_exp_avg_norm", "adam_exp_avg_sq_norm")
 
         def finish(t: torch.Tensor, *sampled: torch.Tensor) -> None:
-            den = plan.denominator if not sampled else plan.denominator_of(sampled[0])
-            # float32 norms of 0/1: the counts are integers (rounded in the kept buffer when
-            # it is what came back: one op, no select)
-            if t is plan.sums:
-                plan.sums_ratio.round_()
-            else:
-                t = torch.where(plan.ratio_rows, t.round(), t)
-            values = (t / den) ** plan.powers
-            ctx.emit_block([(name, labels) for name in names], values)
+            series = [(name, labels) for name in names]
+            if not sampled:  # the counts are the plan's: the sender thread divides and takes the roots
+                ctx.emit_block(series, t, host=plan.finish)
+                return
+            # float32 norms of 0/1: the counts are integers
+            t = torch.where(plan.ratio_rows, t.round(), t)
+            values = (t / plan.denominator_of(sampled[0])) ** plan.powers
+            ctx.emit_block(series, values)
 
         parts: list[tuple[torch.Tensor, ReduceOp]] = [(sums, "sum")]
         if sharded:

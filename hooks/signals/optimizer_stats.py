@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.grad_norms import GradNorms
+from trainvitals.hooks.host_finish import RatioRootFinish
 from trainvitals.hooks.sampling import TensorsSample
 from trainvitals.hooks.signals.backward_grad_norm import BackwardGradNorms
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
@@ -114,18 +115,20 @@ class _Layout:
         return self.matrices[key]
 
 
+_ROOT_OF_RATIO = RatioRootFinish()
+
+
 class _Matrix:
     """A layout's :class:`SparseSum` with its bias and kept output: numerators, then denominators."""
 
     def __init__(self, sums: SparseSum, bias: torch.Tensor) -> None:
         self.sums, self.bias = sums, bias
         self.out = torch.empty_like(bias)
-        self.num, self.den = self.out.view(2, -1).unbind()
 
-    def ratios(self, x: torch.Tensor) -> torch.Tensor:
-        """The emitted values: the root of each numerator over its denominator (a new tensor)."""
-        self.sums(x, self.bias, out=self.out)
-        return torch.div(self.num, self.den).sqrt_()
+    def fractions(self, x: torch.Tensor) -> torch.Tensor:
+        """The numerators then the denominators of the emitted values (the kept output,
+        read in this report): :class:`RatioRootFinish` takes the root of each ratio."""
+        return self.sums(x, self.bias, out=self.out)
 
 
 class OptimizerStats(Signal):
@@ -237,7 +240,7 @@ class OptimizerStats(Signal):
         def finish(sq: torch.Tensor, *rest: torch.Tensor) -> None:
             # Each piece is its own emit, in the order of the report: the pack's one
             # concatenation joins them (no cat here, no expand of the presence flag).
-            ctx.emit_block(series, matrix.ratios(sq))
+            ctx.emit_block(series, matrix.fractions(sq), host=_ROOT_OF_RATIO)
             nonfinite = self._nonfinite
             assert nonfinite is not None  # set by collect above; nothing sets it back to None
             if applied_bad is not None:

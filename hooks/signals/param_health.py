@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.grad_norms import GradNorms
+from trainvitals.hooks.host_finish import GradRmsFinish
 from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.signals.base import REBINDING, MonitorView, Removable, Signal
 from trainvitals.hooks.signals.param_drift import DriftTracker, Reference
@@ -83,7 +84,7 @@ class ParamHealth(Signal):
         self._indices = IndexCache()
         self._series: tuple[Any, ...] = (None,)
         self._grad_key: tuple | None = None
-        self._grad_layout: tuple[torch.Tensor, torch.Tensor, list[dict[str, str]]] | None = None
+        self._grad_layout: tuple[list[dict[str, str]], GradRmsFinish] | None = None
 
     # -- attach ----------------------------------------------------------------
     def bind(self, monitor: MonitorView) -> list[Removable]:
@@ -141,20 +142,23 @@ class ParamHealth(Signal):
 
     def _grad_rms_layout(
         self, monitor: MonitorView, drift: DriftTracker, step_norms: GradNorms
-    ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, str]]]:
-        """For the step's gradient norms: the root of each one's global element count, and the
-        positions and labels of the series that have a gradient. Kept while the tracker,
-        the parameters with a gradient and the device stay the same."""
-        dev = monitor.device
-        key = (drift, tuple(map(id, step_norms.params)), dev)
+    ) -> tuple[list[dict[str, str]], GradRmsFinish]:
+        """For the step's gradient norms: the labels of the series that have a gradient,
+        and what makes their relative RMS from the norms (the root of each one's global
+        element count, their positions). Kept while the tracker, the parameters with a
+        gradient and sharding stay the same."""
+        sharded = monitor.sharded
+        key = (drift, tuple(map(id, step_norms.params)), sharded)
         if key == self._grad_key and self._grad_layout is not None:
             return self._grad_layout
         # the root of each global element count (DTensor.numel is global): RMS = norm / root
-        numel = self._indices.get([math.sqrt(p.numel()) for p in step_norms.params], dev, torch.float32)
+        roots = [math.sqrt(p.numel()) for p in step_norms.params]
         grad_series = [(s.name, j) for s in drift.series if (j := step_norms.position(s.param)) is not None]
         labels = [{"param": name} for name, _ in grad_series]
+        # across shards the squared norms were summed: their roots are the norms
+        finish = GradRmsFinish(roots, [j for _, j in grad_series], squared=sharded, floor=_TINY)
         self._grad_key = key
-        self._grad_layout = (numel, self._indices.get([j for _, j in grad_series], dev), labels)
+        self._grad_layout = (labels, finish)
         return self._grad_layout
 
     def _weight_decay(self, monitor: MonitorView, drift: DriftTracker) -> torch.Tensor:
@@ -189,7 +193,7 @@ class ParamHealth(Signal):
         sharded = monitor.sharded
         grads = False
         if step_norms is not None and step_norms.params:
-            root_numel, grad_pos, grad_labels = self._grad_rms_layout(monitor, drift, step_norms)
+            grad_labels, grad_finish = self._grad_rms_layout(monitor, drift, step_norms)
             if grad_labels:
                 grads = True
                 # across shards the squares add up; in one process the norms are what it takes
@@ -221,10 +225,8 @@ class ParamHealth(Signal):
                     ctx.emit_block(series[1], drift.head)
                     ctx.emit(_ROWS[7], drift.wd_row, drift.labels)
             if grads:
-                norms = rest.pop(0)
-                rms = (norms.sqrt() if sharded else norms) / root_numel
-                median = torch.median(rms).clamp_min(_TINY)
-                ctx.emit("param_grad_relative_rms", rms.index_select(0, grad_pos).div_(median), grad_labels)
+                # Each RMS over the median RMS: the sender thread divides (a handful of numbers)
+                ctx.emit_block([("param_grad_relative_rms", grad_labels)], rest.pop(0), host=grad_finish)
 
         ctx.combine(parts, finish, across_ranks=monitor.sharded)
 
