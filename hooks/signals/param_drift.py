@@ -19,7 +19,7 @@ Consistency: per element, the signs of its changes between consecutive reports
 (+1, -1, 0 when unchanged) over the last ``drift_window`` reports; |mean sign| per
 element, averaged over the elements (at most :data:`CONSISTENCY_SAMPLE` per
 parameter, a deterministic strided sample beyond that). Kept as an int8 ring and
-running int32 sums on the device: one subtraction and one add per report.
+running float32 sums (integers, exact) on the device: one subtraction and one add per report.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from trainvitals.hooks.host_finish import div, log2
 from trainvitals.hooks.late_warnings import LateValue
 from trainvitals.hooks.sampling import StridedSample, owner_index
 from trainvitals.hooks.signals.base import MonitorView
@@ -40,6 +41,8 @@ NEIGHBOUR_FLOOR = 1e-2
 reference scale (absmax) of the model's 1D parameters."""
 CONSISTENCY_SAMPLE = 1024
 """Elements per parameter whose change signs are kept."""
+_SCALE_FLOOR = 1e-38
+"""The smallest judged scale a drift is divided by (a parameter that is all zeros)."""
 
 
 @dataclass
@@ -81,7 +84,7 @@ class DriftTracker:
         # comparison with this report's pair gives both "went up" and "went down".
         self.prev2 = torch.stack([prev, 0 - prev])
         self.ring = torch.zeros(self.window, prev.numel(), dtype=torch.int8, device=dev)
-        self.sums = torch.zeros(prev.numel(), dtype=torch.int32, device=dev)
+        self.sums = torch.zeros(prev.numel(), device=dev)  # float32: integers, |x| <= window
         # Comparison results written as int8 in place (no conversion op per report).
         self._updown = torch.empty(2, prev.numel(), dtype=torch.int8, device=dev)
         self._up, self._down = self._updown.unbind()
@@ -133,10 +136,10 @@ class DriftTracker:
         # The rows are written over by the report (drift, values combined across ranks):
         # without an element a parameter's reductions would keep them.
         self._empty = 0 in self.counts
-        self._sign_sums = torch.zeros(self.n, dtype=torch.int32, device=dev)
-        # consistency_ratio's denominators for each number of changes in the window, made once
-        counts = self.sampled.clamp_min(1)
-        self._denominators = [counts * w for w in range(1, self.window + 1)]
+        # |sign sums| as float32: the per-parameter sum reduces them straight into the
+        # ratio row (integers well inside float32's exact range)
+        self._abs_sums = torch.empty(prev.numel(), device=dev)
+        self._sampled_host = [float(max(k, 1)) for k in self.consistency.sizes]
         self._settle()
 
     def _settle(self) -> None:
@@ -223,6 +226,8 @@ class DriftTracker:
         self, values: torch.Tensor, absmax: torch.Tensor, scale: torch.Tensor, moved: torch.Tensor
     ) -> torch.Tensor:
         """``param_drift_log2`` from the combined absmax, reference scale and displacement.
+        Once the scales are settled (below), the row keeps the displacement and
+        :meth:`finish` makes the drift of it on the sender thread.
         A parameter still all zeros at its reference takes, at the first report where it
         is not, its values then as its reference (drift 0 there). Once every reference is
         known (a report later, without a sync) to have a range, only the last step is left:
@@ -231,8 +236,8 @@ class DriftTracker:
         out = self._max_rows[2]
         if self._settled is None and self._candidate is not None and self._all_set.get() == [True]:
             self._settled = self._candidate
-        if self._settled is not None:
-            return torch.addcdiv(self._one, moved, self._settled, out=out).log2_()  # 1 + moved / scale in one op
+        if self._settled is not None:  # the row keeps the displacement: the sender thread finishes it
+            return out
         had = scale > 0  # a reference with a range; else it takes the values now (0 while all zeros)
         self.scale = torch.where(had, scale, absmax)
         has = self.scale > 0
@@ -244,7 +249,7 @@ class DriftTracker:
         known = torch.where(has, self.scale, self._nan)
         floor = torch.nan_to_num(torch.nanmedian(known), nan=0.0) * NEIGHBOUR_FLOOR
         self.judged = torch.maximum(self.scale, floor)
-        self._candidate = self.judged.clamp_min(1e-38)
+        self._candidate = self.judged.clamp_min(_SCALE_FLOOR)
         self._all_set.start(has.all())
         # 0 where the reference is taken now (no displacement yet) or is still all zeros
         return torch.where(had, torch.addcdiv(self._one, moved, self._candidate).log2_(), self._zero, out=out)
@@ -281,22 +286,32 @@ class DriftTracker:
 
     def mean_abs_sign(self) -> torch.Tensor:
         """Per sampled element, |mean sign| over the changes in the window."""
-        return self.sums.abs().to(torch.float32) / min(self.changes, self.window)
+        return self.sums.abs() / min(self.changes, self.window)
 
     def abs_sign_sums(self) -> torch.Tensor:
         """Per parameter, the sum over its sampled elements of |sum of the signs in the
-        window| (an integer; the buffer is reused: read it in this report)."""
-        return self._sign_sums.scatter_reduce_(0, self.sampled_owner, self.sums.abs(), "sum", include_self=False)
+        window| (an integer, as float32), written into :attr:`out`'s ratio row: read it in
+        this report. :meth:`finish` (one process) or :meth:`consistency_ratio` divides it."""
+        torch.abs(self.sums, out=self._abs_sums)
+        if self._empty:  # a parameter without local elements (a shard) sums to 0
+            self._ratio_row.zero_()
+        return self._ratio_row.scatter_reduce_(0, self.sampled_owner, self._abs_sums, "sum", include_self=False)
 
     def consistency_ratio(self, sign_sums: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
         """``param_drift_consistency_ratio`` from :meth:`abs_sign_sums` and the sampled
-        element counts (combined across shards): the mean |mean sign| per element."""
+        element counts, both combined across shards: the mean |mean sign| per element."""
         w = min(self.changes, self.window)
-        if sampled is self.sampled:  # one process: the denominators are the same every report
-            den = self._denominators[w - 1]
-        else:
-            den = sampled.clamp_min(1) * w
-        return torch.div(sign_sums, den, out=self._ratio_row)
+        return torch.div(sign_sums, sampled.clamp_min(1) * w, out=self._ratio_row)
+
+    def finish(self, rows: int, ratio: bool) -> DriftFinish | None:
+        """What the sender thread does to this report's first ``rows`` rows of :attr:`out`:
+        the drift from the displacement once the scales are settled, and (``ratio``) the
+        consistency row's division by the sampled elements; None when neither."""
+        drift = self._settled is not None
+        if not drift and not ratio:
+            return None
+        den = [k * min(self.changes, self.window) for k in self._sampled_host] if ratio else None
+        return DriftFinish(self.n, rows, drift, den)
 
     # -- checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -341,6 +356,31 @@ class DriftTracker:
         self._settle()
         if same_window:
             self.changes = int(state.get("changes", 0))
-            self.sums = self.ring.sum(0, dtype=torch.int32)
+            self.sums = self.ring.sum(0, dtype=torch.float32)
             self._slots = list(self.ring.unbind(0))
         return restored
+
+
+class DriftFinish:
+    """On the sender thread, the rows of :attr:`DriftTracker.out` a report sends: with
+    ``drift``, the drift row becomes ``log2(1 + displacement / judged scale)`` (the judged
+    scale is its own row, floored as the device floored it); with ``ratio_den``, the
+    consistency row's sums are divided by the sampled elements times the window."""
+
+    def __init__(self, n: int, rows: int, drift: bool, ratio_den: list[float] | None) -> None:
+        self.n, self.rows, self.drift, self.ratio_den = n, rows, drift, ratio_den
+
+    def __call__(self, raw: list[float]) -> list[float]:
+        n = self.n
+        if len(raw) != self.rows * n:
+            raise ValueError(f"DriftFinish: {len(raw)} values for {self.rows} rows of {n}")
+        out = list(raw)
+        if self.drift:
+            judged = raw[5 * n : 6 * n]
+            out[3 * n : 4 * n] = [
+                log2(1.0 + div(moved, max(j, _SCALE_FLOOR)))
+                for moved, j in zip(raw[3 * n : 4 * n], judged, strict=True)
+            ]
+        if self.ratio_den is not None:
+            out[6 * n : 7 * n] = [div(v, d) for v, d in zip(raw[6 * n : 7 * n], self.ratio_den, strict=True)]
+        return out

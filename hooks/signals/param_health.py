@@ -219,10 +219,11 @@ class ParamHealth(Signal):
                 drift.constant_rows(wd)
                 if consistency:
                     sign_sums, sampled = rest.pop(0), rest.pop(0)
-                    drift.consistency_ratio(sign_sums, sampled)
-                    ctx.emit_block(series[0], drift.flat)
+                    if sharded:  # the sampled counts combined across shards: divided here
+                        drift.consistency_ratio(sign_sums, sampled)
+                    ctx.emit_block(series[0], drift.flat, host=drift.finish(8, ratio=not sharded))
                 else:
-                    ctx.emit_block(series[1], drift.head)
+                    ctx.emit_block(series[1], drift.head, host=drift.finish(6, ratio=False))
                     ctx.emit(_ROWS[7], drift.wd_row, drift.labels)
             if grads:
                 # Each RMS over the median RMS: the sender thread divides (a handful of numbers)
