@@ -17,7 +17,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["AdamFinish", "GradRmsFinish", "RatioRootFinish", "div", "log2", "lower_median", "sqrt"]
+__all__ = [
+    "AdamFinish",
+    "GradRmsFinish",
+    "LogRatioFinish",
+    "RatioRootFinish",
+    "div",
+    "log",
+    "log2",
+    "lower_median",
+    "sqrt",
+]
 
 
 def div(a: float, b: float) -> float:
@@ -38,6 +48,13 @@ def log2(x: float) -> float:
     """``log2(x)``; -inf at 0, NaN below 0 and for NaN (as the tensor op)."""
     if x > 0.0:
         return math.log2(x)
+    return -math.inf if x == 0.0 else math.nan
+
+
+def log(x: float) -> float:
+    """The natural logarithm; -inf at 0, NaN below 0 and for NaN (as the tensor op)."""
+    if x > 0.0:
+        return math.log(x)
     return -math.inf if x == 0.0 else math.nan
 
 
@@ -95,3 +112,13 @@ class GradRmsFinish:
         median = lower_median(rms)
         median = median if median != median or median > self.floor else self.floor  # clamp_min keeps NaN
         return [div(rms[i], median) for i in self.positions]
+
+
+class LogRatioFinish:
+    """``log(x) / base`` per value, with one base per value."""
+
+    def __init__(self, bases: Sequence[float]) -> None:
+        self.bases = list(bases)
+
+    def __call__(self, raw: list[float]) -> list[float]:
+        return [div(log(x), b) for x, b in zip(raw, self.bases, strict=True)]

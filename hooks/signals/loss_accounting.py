@@ -195,6 +195,7 @@ class LossAccounting(ZeroCodeSeams):
         seg = None if segments is None else segments.detach().reshape(rows, cols).to(loss.device)
         batch = bin_batch(self._layout, step.sums, loss, label, seg, codes, probe=step.probe)
         self._count_nonfinite(loss, label, batch.row_loss)
+        batch.row_loss = None  # it may be a kept buffer's row, written by the next micro-batch
         per_token.register_hook(self._weight_hook(monitor, step, batch, per_token, slot))
         if output is not None:
             step.outputs += 1

@@ -24,7 +24,8 @@ UNIFORM_RTOL = 1e-3
 
 @dataclass(frozen=True)
 class RowConstants:
-    """Per micro-batch shape, the tensors binning rows reuses (never written)."""
+    """Per micro-batch shape, the tensors binning rows reuses (never written, but for
+    ``features``' loss row, written and read within one ``bin_batch`` call)."""
 
     positions: torch.Tensor  # [R] cols: positions per row (label tokens without a mask)
     one: torch.Tensor  # [R] 1.0
@@ -32,6 +33,10 @@ class RowConstants:
     has: torch.Tensor  # [R] True
     fit_rows: torch.Tensor  # [5, R] SumsLayout.fit_rows of log(cols)
     targets: torch.Tensor  # [6, bins] SumsLayout.bin_targets
+    # [6, R] the per-row features without a mask: [1, cols, sqrt(cols), loss, cols, cols],
+    # the loss row (a view, ``loss_row``) written by each call: no stack per micro-batch
+    features: torch.Tensor
+    loss_row: torch.Tensor
 
 
 class SumsLayout:
@@ -182,13 +187,19 @@ class SumsLayout:
         if found is None:
             if len(self._row_constants) > 64:  # micro-batch shapes changed many times: start over
                 self._row_constants.clear()
+            positions = self.constant_rows(rows, float(cols), dtype, device)
+            one = self.constant_rows(rows, 1.0, dtype, device)
+            root = self.constant_sqrt_rows(rows, cols, dtype, device)
+            features = torch.stack([one, positions, root, torch.zeros_like(one), positions, positions])
             found = RowConstants(
-                positions=self.constant_rows(rows, float(cols), dtype, device),
-                one=self.constant_rows(rows, 1.0, dtype, device),
-                root=self.constant_sqrt_rows(rows, cols, dtype, device),
+                positions=positions,
+                one=one,
+                root=root,
                 has=self.constant_rows(rows, True, torch.bool, device),
                 fit_rows=self.constant_fit_rows(rows, cols, dtype, device),
                 targets=self.bin_targets(device, count_unknown),
+                features=features,
+                loss_row=features[3],
             )
             self._row_constants[key] = found
         return found
@@ -230,7 +241,9 @@ class Batch:
     probe_masks: torch.Tensor | None = None  # [M, N] label tokens per modality (probe steps)
     rows_as_samples: bool = False  # binned by bin_rows (each row one sample, one code)
     shape: tuple[int, int] = (0, 0)  # [rows, cols] of the micro-batch
-    row_loss: torch.Tensor | None = None  # [R] each row's loss over its label tokens (rows as samples)
+    # [R] each row's loss over its label tokens (rows as samples); read at once by the
+    # caller: without a mask it is a row of a kept buffer the next micro-batch writes
+    row_loss: torch.Tensor | None = None
 
 
 def bin_batch(
@@ -358,20 +371,21 @@ def _bin_rows(
     rows, cols = loss.shape
     dev, fdt = loss.device, sums.dtype
     c = layout.row_constants(rows, cols, fdt, dev, count_unknown)
-    if label is None:
-        n_s, one, root = c.positions, c.one, c.root
-        loss_s = loss.sum(1, dtype=fdt)
+    if label is None:  # the features are constants but for the row losses, summed into them
+        n_s = c.positions
+        loss_s = torch.sum(loss, 1, dtype=fdt, out=c.loss_row)
+        features = c.features
     else:
         n_s = label.sum(1, dtype=fdt)
         one, root = n_s.clamp(max=1.0), n_s.sqrt()
         loss_s = torch.where(label, loss, layout.constant(0.0, loss.dtype, dev)).sum(1, dtype=fdt)
+        features = torch.stack([one, n_s, root, loss_s, c.positions, n_s])
     if isinstance(codes, int):
         binned = torch.full((rows,), codes if 0 <= codes < m else m, dtype=torch.long, device=dev)
     else:
         binned = codes.long().clamp(-1, m).remainder_(m + 1)  # outside 0..m-1: the overflow bin m
     # Each row's features added at its bin's entries: no one-hot product, so a
     # non-finite loss in one row cannot turn another bin's sums into NaN (inf * 0).
-    features = torch.stack([one, n_s, root, loss_s, c.positions, n_s])
     sums.index_put_((c.targets.index_select(1, binned),), features, accumulate=True)  # targets [6, R]
     if label is None:  # every row has label tokens
         has, s_bin, fit_rows = c.has, binned, c.fit_rows

@@ -88,6 +88,7 @@ from typing import Any
 
 import torch
 
+from trainvitals.hooks.host_finish import LogRatioFinish
 from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.late_warnings import LateWarnings
 from trainvitals.hooks.optimizer_family import FAMILY_VALUE, optimizer_family
@@ -475,13 +476,19 @@ class LossReport:
         spread (I2, I3); ``uniform``: the spread's verdict per objective."""
         labels = [{"objective": name} for name, _ in objectives]
         dev, dt = mass.device, mass.dtype
-        log_n = self._indices.get([math.log(max(c, 2)) for _, c in objectives], dev, dt)
         # present where the mass is > 0, for N >= 2 micro-batches (no mass is > inf)
         floor = self._indices.get([0.0 if c >= 2 else math.inf for _, c in objectives], dev, dt)
         ctx.emit("loss_weight_mass", mass, labels, present=present)
         # mass = N^k for N micro-batches: k = 1 when their losses were not divided by N,
         # 0 when normalized, -1 when divided twice (a coefficient shifts it by log c / log N).
-        ctx.emit("loss_accumulation_exponent", torch.log(mass) / log_n, labels, present=gated(mass > floor))
+        # log(mass) / log(N) on the sender thread: a few numbers
+        ctx.emit_block(
+            [("loss_accumulation_exponent", labels)],
+            mass,
+            present=gated(mass > floor),
+            gated=range(len(labels)),
+            host=LogRatioFinish([math.log(max(c, 2)) for _, c in objectives]),
+        )
         # per-sample weighting declared: unequal token weights are the intent; else every
         # micro-batch's token weights uniform, the smallest weight > 0, the largest finite
         spread_ok = plan.none_k if declared == "sample" else uniform
