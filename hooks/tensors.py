@@ -193,3 +193,57 @@ class SparseSum:
         """The sums from the pairs' values already gathered (``taken[i]`` is ``x`` at
         :attr:`columns` ``[i]``), into ``out``: one op."""
         return torch.index_add(self.zeros, 0, self.dst, taken, out=out)
+
+
+class RepeatedSum:
+    """:class:`SparseSum` for values copied, not gathered: the values ``x`` ([C]) are
+    written ``copies`` times end to end into a kept buffer ([copies * C], by one foreach
+    copy from the pieces they come from), the k-th use of a column reading its k-th copy,
+    so one ``index_add`` of the whole buffer (unused copies into a scratch row) is the sum.
+    A stack, a concatenation and a gather fewer than building ``x`` and gathering it."""
+
+    def __init__(
+        self, rows: int, pairs: Sequence[tuple[int, int]], columns: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        uses = [0] * columns
+        at: list[tuple[int, int]] = []  # (position, row) per pair
+        for r, c in pairs:
+            at.append((uses[c] * columns + c, r))
+            uses[c] += 1
+        self.copies = max(uses, default=1) or 1
+        self.columns = columns
+        dst = [rows] * (self.copies * columns)  # the scratch row, past the sums
+        for position, r in at:
+            dst[position] = r
+        self.dst = torch.tensor(dst, dtype=torch.long).to(device)
+        self.rows = rows
+        self.buffer = torch.empty(self.copies * columns, dtype=dtype, device=device)
+        self._items: dict[tuple[int, ...], list[torch.Tensor]] = {}
+
+    def fill(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Copy ``pieces`` (1-D blocks or 0-d values, ``columns`` elements in all, on the
+        buffer's device) ``copies`` times into the buffer with one op; return it."""
+        widths = tuple(p.numel() if p.dim() else -1 for p in pieces)  # -1: a 0-d value
+        items = self._items.get(widths)
+        if items is None:
+            one: list[tuple[int, int]] = []
+            at = 0
+            for w in widths:
+                one.append((at, w))
+                at += 1 if w < 0 else w
+            if at != self.columns:
+                raise ValueError(f"RepeatedSum: pieces of {at} values for {self.columns} columns")
+            items = []
+            for k in range(self.copies):
+                base = k * self.columns
+                items += [self.buffer[base + a] if w < 0 else self.buffer[base + a : base + a + w] for a, w in one]
+            if len(self._items) >= 8:
+                self._items.clear()
+            self._items[widths] = items
+        torch._foreach_copy_(items, list(pieces) * self.copies)
+        return self.buffer
+
+    def __call__(self, taken: torch.Tensor, base: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The sums of ``taken`` (what :meth:`fill` gave, transformed elementwise) plus
+        ``base`` ([rows + 1], its last element the scratch row), into ``out`` ([rows + 1])."""
+        return torch.index_add(base, 0, self.dst, taken, out=out)

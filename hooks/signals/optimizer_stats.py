@@ -31,7 +31,7 @@ from trainvitals.hooks.sampling import TensorsSample
 from trainvitals.hooks.signals.backward_grad_norm import BackwardGradNorms
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
 from trainvitals.hooks.step import Labels, ReduceOp, StepContext
-from trainvitals.hooks.tensors import NormPlan, SparseSum, flat, foreach_norm32, local
+from trainvitals.hooks.tensors import NormPlan, RepeatedSum, flat, foreach_norm32, local
 
 
 class _Layout:
@@ -104,14 +104,15 @@ class _Layout:
                 family([[base + k] for k in range(g)], [[base + g + k] for k in range(g)])
             k = len(rows)
             pairs: list[tuple[int, int]] = []
-            bias = torch.zeros(2 * k, dtype=torch.float32)
+            bias = torch.zeros(2 * k + 1, dtype=torch.float32)  # and the scratch row
             for r, (num, den) in enumerate(rows):
                 pairs += [(r, c) for c in num]
                 if den is None:
                     bias[k + r] = 1.0
                 else:
                     pairs += [(k + r, c) for c in den]
-            self.matrices[key] = _Matrix(SparseSum(2 * k, pairs, dev, torch.float32), bias.to(dev))
+            columns = n_g + n_p + (2 * g if upd else 0)
+            self.matrices[key] = _Matrix(RepeatedSum(2 * k, pairs, columns, dev, torch.float32), bias.to(dev))
         return self.matrices[key]
 
 
@@ -119,16 +120,23 @@ _ROOT_OF_RATIO = RatioRootFinish()
 
 
 class _Matrix:
-    """A layout's :class:`SparseSum` with its bias and kept output: numerators, then denominators."""
+    """A layout's :class:`RepeatedSum` with its bias and kept output: numerators, then
+    denominators (then the scratch row, not emitted)."""
 
-    def __init__(self, sums: SparseSum, bias: torch.Tensor) -> None:
+    def __init__(self, sums: RepeatedSum, bias: torch.Tensor) -> None:
         self.sums, self.bias = sums, bias
-        self.out = torch.empty_like(bias)
+        self._out = torch.empty_like(bias)
+        self.out = self._out[: sums.rows]  # the view emitted, made once
 
-    def fractions(self, x: torch.Tensor) -> torch.Tensor:
+    def squares(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The pieces' values squared, copied as the sums read them (a kept buffer)."""
+        return self.sums.fill(pieces).square_()
+
+    def fractions(self, squares: torch.Tensor) -> torch.Tensor:
         """The numerators then the denominators of the emitted values (the kept output,
         read in this report): :class:`RatioRootFinish` takes the root of each ratio."""
-        return self.sums(x, self.bias, out=self.out)
+        self.sums(squares, self.bias, out=self._out)
+        return self.out
 
 
 class OptimizerStats(Signal):
@@ -229,12 +237,12 @@ class OptimizerStats(Signal):
         if layout.param_plan is not None:
             pieces.append(layout.param_plan.norms(layout.tensors))
         if norm_inputs:
-            pieces.append(torch.stack(foreach_norm32(norm_inputs)))
-        squares = torch.cat(pieces).square()
+            pieces += foreach_norm32(norm_inputs)  # copied as they are: no stack
         grad_groups = None
         if step_norms is not None:
             grad_groups = tuple(layout.group_by_id.get(id(p), 0) for p in step_norms.params)
         matrix = layout.matrix(grad_groups, history is None, upd, dev)
+        squares = matrix.squares(pieces)
         series = self._series(monitor, step_norms is not None, history is None, upd)
 
         def finish(sq: torch.Tensor, *rest: torch.Tensor) -> None:
