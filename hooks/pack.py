@@ -30,16 +30,18 @@ class PendingReport:
     step: int
     time: float
     rank: int
-    layout: list[tuple[str, dict[str, str]]]
+    # Per emit (name, labels, series, gated, has presence): the layout, made when materialized
+    emits: list[tuple[str, list[dict[str, str]], Any, list[int] | None, bool]]
     flags: list[tuple[str, str, dict[str, str]]]  # deferred events, one value each after the samples
     events: list[dict[str, Any]]
     host: torch.Tensor
     ready: Any = None  # a CUDA event when the copy is asynchronous
-    gated: list[int] = field(default_factory=list)  # layout indices with a presence value, after the flags
     coverage: list[dict[str, Any]] = field(default_factory=list)
     unless: list[tuple[str, str, str]] = field(default_factory=list)  # (signal, reason, detail), values after flags
     final: frozenset[str] = frozenset()  # signals whose entry the flags do not change
     settle: Any = None  # called once with (coverage as made, coverage after the flags)
+    layout: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # per sample, when materialized
+    gated: list[int] = field(default_factory=list)  # layout indices with a presence value, after the flags
     # (raw start, raw count, finish) per emit whose values the sender thread finishes, in
     # order; ``raw`` counts the packed values of the emits, which then differ from the layout's
     finishes: list[tuple[int, int, Any]] = field(default_factory=list)
@@ -53,6 +55,7 @@ class PendingReport:
                 if self.ready is not None:
                     self.ready.synchronize()
                 values = self.host.tolist()
+                self._layout()
                 if self.finishes:
                     values = self._finished(values)
                 n_flags = len(self.layout) + len(self.flags)
@@ -89,6 +92,21 @@ class PendingReport:
                         self.settle(self.coverage, coverage)
             return self._done
 
+    def _layout(self) -> None:
+        """(name, labels) per sample, and the samples with a presence value."""
+        layout: list[tuple[str, dict[str, str]]] = []
+        gated: list[int] = []
+        for name, labels, series, gates, has_presence in self.emits:
+            start = len(layout)
+            if series is None:
+                layout.extend((name, lab) for lab in labels)
+            else:
+                for block_name, labs in series:
+                    layout.extend((block_name, lab) for lab in labs)
+            if has_presence:
+                gated.extend(range(start, len(layout)) if gates is None else (start + i for i in gates))
+        self.layout, self.gated = layout, gated
+
     def _finished(self, raw: list[float]) -> list[float]:
         """The packed values with each finished emit's raw values replaced by what its
         finish makes of them (one value per labels entry; checked)."""
@@ -110,8 +128,7 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
     device = ctx.device
     dtype = torch.float32 if device.type == "mps" else torch.float64
     parts: list[torch.Tensor] = []
-    layout: list[tuple[str, dict[str, str]]] = []
-    gated: list[int] = []
+    emits: list[tuple[str, list[dict[str, str]], Any, list[int] | None, bool]] = []
     presence: list[torch.Tensor] = []
     finishes: list[tuple[int, int, Any]] = []
     raw = 0
@@ -122,13 +139,8 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
             finishes.append((raw, count, e.host))
         raw += count
         if e.present is not None:
-            start = len(layout)
-            gated.extend(range(start, start + len(e.labels)) if e.gated is None else (start + i for i in e.gated))
             presence.append(e.present)
-        if e.names is None:
-            layout.extend((e.name, lab) for lab in e.labels)
-        else:
-            layout.extend(zip(e.names, e.labels, strict=True))
+        emits.append((e.name, e.labels, e.series, e.gated, e.present is not None))
     flags: list[tuple[str, str, dict[str, str]]] = []
     events: list[dict[str, Any]] = []
     for ev in ctx.events:
@@ -159,12 +171,11 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
         ctx.step,
         time.time(),
         rank,
-        layout,
+        emits,
         flags,
         events,
         host,
         ready,
-        gated=gated,
         coverage=list(ctx.coverage),
         unless=[(u.signal, u.reason, u.detail) for u in unless],
         final=frozenset(ctx.final) | frozenset(ctx.verdicts()),

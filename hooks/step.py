@@ -48,11 +48,16 @@ HostFinish = Callable[[list[float]], list[float]]
 class _Emit:
     name: str
     values: torch.Tensor  # 1-D, one element per labels entry (or what ``host`` takes)
-    labels: list[Labels]
+    labels: list[Labels]  # of a block: empty (its series hold them)
     present: torch.Tensor | None = None  # 1-D like values (or like gated): a sample is sent only where > 0
-    names: list[str] | None = None  # a block (emit_block): each element's name; else all are ``name``
+    series: list[tuple[str, Sequence[Labels]]] | None = None  # a block (emit_block): (name, labels) end to end
     gated: list[int] | None = None  # a block: the elements ``present`` is for (None: all of them)
     host: HostFinish | None = None  # applied on the sender thread to the values as floats
+    count: int = 0  # the samples (labels entries) it makes
+
+    def __post_init__(self) -> None:
+        if self.series is None:
+            self.count = len(self.labels)
 
 
 @dataclass
@@ -161,20 +166,18 @@ class StepContext:
         gets them as Python floats and returns one float per labels entry. It runs on
         another thread, later: it must read only what it was given and what does not
         change (host numbers fixed when it was made)."""
-        names: list[str] = []
-        labels: list[Labels] = []
-        for name, labs in series:
-            names.extend([name] * len(labs))
-            labels.extend(labs)
+        # The per-sample layout is made on the sender thread (pack keeps the series).
+        series = list(series)
+        count = sum(len(labs) for _, labs in series)
         values = _flat(values)
-        if host is None and values.numel() != len(labels):
-            raise ValueError(f"{names[:1]}: {values.numel()} values for {len(labels)} label sets")
+        if host is None and values.numel() != count:
+            raise ValueError(f"{series[0][0] if series else ''}: {values.numel()} values for {count} label sets")
         if present is not None:
             present = _flat(present)
-            if present.numel() != len(gated) or any(not 0 <= i < len(labels) for i in gated):
+            if present.numel() != len(gated) or any(not 0 <= i < count for i in gated):
                 raise ValueError(f"emit_block: present has {present.numel()} elements for gated {list(gated)}")
-        if labels:
-            self.emits.append(_Emit(names[0], values, labels, present, names, list(gated), host))
+        if count:
+            self.emits.append(_Emit(series[0][0], values, [], present, series, list(gated), host, count))
 
     def reduce(
         self, tensor: torch.Tensor, op: ReduceOp, then: Callable[[torch.Tensor], None], *, as_is: bool = False
