@@ -34,8 +34,11 @@ class PendingReport:
     emits: list[tuple[str, list[dict[str, str]], Any, list[int] | None, bool]]
     flags: list[tuple[str, str, dict[str, str]]]  # deferred events, one value each after the samples
     events: list[dict[str, Any]]
-    host: torch.Tensor
+    host: torch.Tensor  # the values, float64 (float32 on MPS); the first of ``hosts`` when given
     ready: Any = None  # a CUDA event when the copy is asynchronous
+    # On a CPU, one vector per dtype and (vector, start, count) per packed part, in order
+    hosts: list[torch.Tensor] = field(default_factory=list)
+    order: list[tuple[int, int, int]] = field(default_factory=list)
     coverage: list[dict[str, Any]] = field(default_factory=list)
     unless: list[tuple[str, str, str]] = field(default_factory=list)  # (signal, reason, detail), values after flags
     final: frozenset[str] = frozenset()  # signals whose entry the flags do not change
@@ -54,7 +57,7 @@ class PendingReport:
             if self._done is None:
                 if self.ready is not None:
                     self.ready.synchronize()
-                values = self.host.tolist()
+                values = self._values()
                 self._layout()
                 if self.finishes:
                     values = self._finished(values)
@@ -91,6 +94,16 @@ class PendingReport:
                     if self.settle is not None:
                         self.settle(self.coverage, coverage)
             return self._done
+
+    def _values(self) -> list[float]:
+        """The packed values as floats, in the order they were packed."""
+        if not self.hosts:
+            return self.host.tolist()
+        lists = [h.tolist() if h.is_floating_point() else [float(v) for v in h.tolist()] for h in self.hosts]
+        values: list[float] = []
+        for g, start, count in self.order:
+            values.extend(lists[g][start : start + count])
+        return values
 
     def _layout(self) -> None:
         """(name, labels) per sample, and the samples with a presence value."""
@@ -152,6 +165,12 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
     unless = [u for u in ctx.unless if u.flag is not None]  # the others are in ctx.coverage already
     parts.extend(u.flag for u in unless if u.flag is not None)
     parts.extend(presence)  # after the flags: materialize reads them as the tail
+    common = _report_fields(run, ctx.step, rank, emits, flags, events, ctx, unless, finishes, raw)
+    if device.type == "cpu" and parts and all(p.device.type == "cpu" for p in parts):
+        by_dtype = _by_dtype(parts)
+        if by_dtype is not None:
+            hosts, order = by_dtype
+            return PendingReport(**common, host=hosts[0], hosts=hosts, order=order)
     if not parts:
         flat = torch.zeros(0, dtype=dtype, device=device)
     elif all(p.device == device for p in parts):
@@ -166,19 +185,57 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
         ready.record()
     else:
         host = flat.to("cpu")
-    return PendingReport(
-        run,
-        ctx.step,
-        time.time(),
-        rank,
-        emits,
-        flags,
-        events,
-        host,
-        ready,
-        coverage=list(ctx.coverage),
-        unless=[(u.signal, u.reason, u.detail) for u in unless],
-        final=frozenset(ctx.final) | frozenset(ctx.verdicts()),
-        finishes=finishes,
-        raw=raw,
-    )
+    return PendingReport(**common, host=host, ready=ready)
+
+
+def _report_fields(
+    run: str,
+    step: int,
+    rank: int,
+    emits: list[Any],
+    flags: list[tuple[str, str, dict[str, str]]],
+    events: list[dict[str, Any]],
+    ctx: StepContext,
+    unless: list[Any],
+    finishes: list[tuple[int, int, Any]],
+    raw: int,
+) -> dict[str, Any]:
+    """A :class:`PendingReport`'s fields but for its numbers."""
+    return {
+        "run": run,
+        "step": step,
+        "time": time.time(),
+        "rank": rank,
+        "emits": emits,
+        "flags": flags,
+        "events": events,
+        "coverage": list(ctx.coverage),
+        "unless": [(u.signal, u.reason, u.detail) for u in unless],
+        "final": frozenset(ctx.final) | frozenset(ctx.verdicts()),
+        "finishes": finishes,
+        "raw": raw,
+    }
+
+
+def _by_dtype(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]] | None:
+    """On a CPU, parts of several dtypes concatenated per dtype (a concatenation that
+    converts takes a slow path: 25 us for 40 small parts, against 3 us per dtype), with
+    (group, start, count) per part for the sender thread to put back in order; None when
+    there is one dtype (one concatenation, converted after)."""
+    first = parts[0].dtype
+    if all(p.dtype == first for p in parts):
+        return None
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    sizes: dict[torch.dtype, int] = {}
+    order: list[tuple[int, int, int]] = []
+    index: dict[torch.dtype, int] = {}
+    for p in parts:
+        dt = p.dtype
+        if dt not in groups:
+            index[dt] = len(groups)
+            groups[dt], sizes[dt] = [], 0
+        n = p.numel()
+        order.append((index[dt], sizes[dt], n))
+        groups[dt].append(p)
+        sizes[dt] += n
+    return [torch.cat(g) for g in groups.values()], order

@@ -208,7 +208,9 @@ class Plan:
         # products [[n sxy, n sxx, sx sy, n n], [sx sy, sx sx, n sxy, n n]]; their
         # difference [numerator, denominator, -numerator, 0]
         self.fit = tensor([n, sxy, n, sxx, sx, sy, n, n, sx, sy, sx, sx, n, sxy, n, n])
-        self.consts = floats([1.0, -1.0, 1.0 if scale is None else scale, *declared_weights])
+        # in the sums' dtype, as every other piece of the pool (one cat without conversions)
+        consts = [1.0, -1.0, 1.0 if scale is None else scale, *declared_weights]
+        self.consts = torch.tensor(consts, dtype=sums_dtype).to(device)
         self.num1, self.den1 = tensor(num1), tensor(den1)
         self.none_k = torch.zeros(k, dtype=torch.bool).to(device)
         # Kept buffers the report writes with out= (their views made once, here): the
@@ -220,7 +222,10 @@ class Plan:
         self.above, self.below = self.fit_out.unbind()
         self.tested = torch.empty(len(flat), dtype=torch.bool, device=device)
         # The pool, in the figures' dtype (``dtype``): the sums (``sums_dtype``, wider on
-        # one rank) are rounded to it by the cat that fills it, as the cross-rank
-        # combine rounds them. Read only by the report's two gathers.
+        # one rank) are rounded to it once, as the cross-rank combine rounds them. Read
+        # only by the report's two gathers.
         self.pool = torch.empty(fit0 + 4, dtype=dtype, device=device)
+        # When the sums are wider: the cat fills this one in their dtype (a cat that
+        # converts takes a slow path, 5x on a CPU), then one copy rounds it into the pool.
+        self.pool_wide = None if sums_dtype == dtype else torch.empty(fit0 + 4, dtype=sums_dtype, device=device)
         self.tested_rows = self.tested.view(self.verdict_rows, TESTS_PER_ROW)

@@ -323,7 +323,11 @@ class LossReport:
         torch.index_select(sums, 0, plan.fit, out=plan.fit_in)
         torch.prod(plan.fit_pairs, 2, out=plan.fit_out)  # written in kept buffers with their views made once
         above, below = plan.above, plan.below
-        pool = torch.cat([sums, sums.sqrt(), totals, extremes, plan.consts, above, below, above - below], out=plan.pool)
+        pieces = [sums, sums.sqrt(), totals, extremes, plan.consts, above, below, above - below]
+        if plan.pool_wide is None:
+            pool = torch.cat(pieces, out=plan.pool)
+        else:  # one cat in the sums' dtype, then rounded once into the figures' dtype
+            pool = plan.pool.copy_(torch.cat(pieces, out=plan.pool_wide))
         first = (pool.index_select(0, plan.num1) / pool.index_select(0, plan.den1)).split(plan.sizes)
         if monitor.world_size == 1:  # the warnings' counts (on several ranks, report took this rank's)
             pairs, _ = self._late_warnings(monitor, True, zero_code)  # the counter is 0 when not counting
