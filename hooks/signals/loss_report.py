@@ -328,13 +328,13 @@ class LossReport:
             pool = torch.cat(pieces, out=plan.pool)
         else:  # one cat in the sums' dtype, then rounded once into the figures' dtype
             pool = plan.pool.copy_(torch.cat(pieces, out=plan.pool_wide))
-        first = (pool.index_select(0, plan.num1) / pool.index_select(0, plan.den1)).split(plan.sizes)
+        first = (pool.index_select(0, plan.num1) / pool.index_select(0, plan.den1)).split_with_sizes(plan.sizes)
         if monitor.world_size == 1:  # the warnings' counts (on several ranks, report took this rank's)
             pairs, _ = self._late_warnings(monitor, True, zero_code)  # the counter is 0 when not counting
             self._late.add_many(pairs, first[plan.warn_counts])
         torch.gt(first[plan.tests], plan.bounds, out=plan.tested)
         verdicts = plan.tested_rows.all(1)
-        verdict = verdicts.split(plan.verdict_sizes)
+        verdict = verdicts.split_with_sizes(plan.verdict_sizes)
 
         if counting_nonfinite or monitor.world_size > 1:
             ctx.emit("nonfinite_total", first[plan.nonfinite], {"what": "loss"})
@@ -414,7 +414,7 @@ class LossReport:
         if not full:
             return  # no weights arrived on this step: nothing honest to say about them
 
-        second = (first[plan.num2] / first[plan.den2]).split(plan.second_sizes)
+        second = (first[plan.num2] / first[plan.den2]).split_with_sizes(plan.second_sizes)
         dilution, intended, mass, grad_norm, spread = second
         weighted = first[plan.weight_total] != 0  # the weight's total: it may be negative
         p_weighted = gated(first[plan.present_samples] * weighted)
