@@ -1,5 +1,6 @@
 """The sender thread's finishing arithmetic gives what the tensor ops it replaces give,
-non-finite values included, and a finished emit lands in the report in its place."""
+non-finite values included; a finished emit lands in the report in its place; parts
+packed per dtype come back in the order they were emitted."""
 
 from __future__ import annotations
 
@@ -118,3 +119,32 @@ def test_a_finished_emit_lands_in_its_place_and_a_wrong_count_is_refused():
     bad.emit_block([("root", [{}])], torch.tensor([1.0, 2.0, 3.0]), host=lambda raw: raw)
     with pytest.raises(ValueError, match="finished values"):
         pack(bad, run="r", rank=0).materialize()
+
+
+def test_parts_of_several_dtypes_come_back_in_order_as_floats():
+    """On a CPU the report is concatenated per dtype; the sender thread puts the values
+    back in the order they were emitted, every one a float (the wire takes no bool)."""
+    ctx = StepContext(step=1, device=torch.device("cpu"))
+    ctx.emit("a", torch.tensor([1.5, 2.5], dtype=torch.float64), [{"i": "0"}, {"i": "1"}])
+    ctx.emit("b", torch.tensor(3.25), {}, present=torch.tensor(True))
+    ctx.emit("c", torch.tensor([4], dtype=torch.int64), [{}])
+    ctx.emit_block([("d", [{}]), ("e", [{}])], torch.tensor([5.0, 6.0], dtype=torch.float64))
+    ctx.emit("f", torch.tensor(7.0), {}, present=torch.tensor(False))  # absent
+    ctx.event("flagged", "d", {}, when=torch.tensor(True))
+    ctx.event("quiet", "d", {}, when=torch.tensor(0.0))
+    pending = pack(ctx, run="r", rank=0)
+    assert len(pending.hosts) == 4  # float64, float32, bool, int64: one cat each
+    report = pending.materialize()
+    got = [(s["name"], s["value"]) for s in report["samples"]]
+    assert got == [("a", 1.5), ("a", 2.5), ("b", 3.25), ("c", 4.0), ("d", 5.0), ("e", 6.0)]
+    assert all(type(s["value"]) is float for s in report["samples"])
+    assert [e["kind"] for e in report["events"]] == ["flagged"]
+
+
+def test_one_dtype_is_one_concatenation():
+    ctx = StepContext(step=1, device=torch.device("cpu"))
+    ctx.emit("a", torch.tensor([1.0, 2.0]), [{}, {}])
+    ctx.emit("b", torch.tensor(3.0), {})
+    pending = pack(ctx, run="r", rank=0)
+    assert pending.hosts == [] and pending.host.dtype == torch.float64
+    assert [s["value"] for s in pending.materialize()["samples"]] == [1.0, 2.0, 3.0]
