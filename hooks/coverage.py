@@ -40,7 +40,7 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from trainvitals.wire.coverage import NOT_BLIND, REASONS, SIGNALS
+from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL, NOT_BLIND, REASONS, SIGNALS
 
 __all__ = ["Coverage"]
 
@@ -194,8 +194,6 @@ def _entry(signal: str, active: bool, reason: str | None = None, detail: str = "
 
 
 def _short(text: str) -> str:
-    from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL
-
     text = str(text)
     return text if len(text) <= MAX_COVERAGE_DETAIL else text[: MAX_COVERAGE_DETAIL - 3] + "..."
 

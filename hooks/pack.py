@@ -49,6 +49,9 @@ class PendingReport:
     # order; ``raw`` counts the packed values of the emits, which then differ from the layout's
     finishes: list[tuple[int, int, Any]] = field(default_factory=list)
     raw: int = 0
+    # ((key, message) pairs, value count, positive_from, warn) per StepContext.warn_when,
+    # their values after the presence values
+    warns: list[tuple[tuple[tuple[str, str], ...], int, int | None, Any]] = field(default_factory=list)
     _done: dict[str, Any] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -62,8 +65,11 @@ class PendingReport:
                 if self.finishes:
                     values = self._finished(values)
                 n_flags = len(self.layout) + len(self.flags)
-                tail = values[n_flags + len(self.unless) :]
+                at = n_flags + len(self.unless)
+                tail = values[at : at + len(self.gated)]
                 absent = {i for i, p in zip(self.gated, tail, strict=True) if not p > 0}
+                if self.warns:
+                    self._warn(values[at + len(self.gated) :])
                 samples = [
                     {"name": name, "labels": labels, "value": v}
                     for i, ((name, labels), v) in enumerate(zip(self.layout, values, strict=False))
@@ -94,6 +100,17 @@ class PendingReport:
                     if self.settle is not None:
                         self.settle(self.coverage, coverage)
             return self._done
+
+    def _warn(self, values: list[float]) -> None:
+        """The log-once warnings whose counts turned out > 0 (the last values)."""
+        at = 0
+        for warnings, count, positive_from, warn in self.warns:
+            mine = values[at : at + count]
+            at += count
+            counts = mine if positive_from is None else [sum(1 for v in mine[positive_from:] if v > 0)]
+            for (key, message), n in zip(warnings, counts, strict=True):
+                if n > 0:
+                    warn(key, message, int(n))
 
     def _values(self) -> list[float]:
         """The packed values as floats, in the order they were packed."""
@@ -165,6 +182,7 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
     unless = [u for u in ctx.unless if u.flag is not None]  # the others are in ctx.coverage already
     parts.extend(u.flag for u in unless if u.flag is not None)
     parts.extend(presence)  # after the flags: materialize reads them as the tail
+    parts.extend(w.values for w in ctx.warns)  # and the warnings' counts last
     common = _report_fields(run, ctx.step, rank, emits, flags, events, ctx, unless, finishes, raw)
     if device.type == "cpu" and parts:
         by_dtype = _by_dtype(parts)
@@ -214,6 +232,7 @@ def _report_fields(
         "final": frozenset(ctx.final) | frozenset(ctx.verdicts()),
         "finishes": finishes,
         "raw": raw,
+        "warns": [(w.warnings, w.values.numel(), w.positive_from, w.warn) for w in ctx.warns],
     }
 
 

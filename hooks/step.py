@@ -44,7 +44,7 @@ HostFinish = Callable[[list[float]], list[float]]
 :meth:`StepContext.emit_block`)."""
 
 
-@dataclass
+@dataclass(slots=True)  # made by the dozen per report: cheaper to build and read
 class _Emit:
     name: str
     values: torch.Tensor  # 1-D, one element per labels entry (or what ``host`` takes)
@@ -60,14 +60,22 @@ class _Emit:
             self.count = len(self.labels)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Reduce:
     tensor: torch.Tensor  # 1-D float
     op: ReduceOp
     then: Callable[[torch.Tensor], None]
 
 
-@dataclass
+@dataclass(slots=True)
+class _Warn:
+    warnings: tuple[tuple[str, str], ...]  # (key, message with one %d)
+    values: torch.Tensor  # 1-D: a count per warning, or flags counted from positive_from
+    positive_from: int | None
+    warn: Callable[..., Any]  # warn(key, message, count): the monitor's log-once
+
+
+@dataclass(slots=True)
 class _Event:
     kind: str
     detail: str
@@ -75,7 +83,7 @@ class _Event:
     flag: torch.Tensor | None  # None: always; else emitted when the flag is > 0 on the host
 
 
-@dataclass
+@dataclass(slots=True)
 class _Unless:
     signal: str
     flag: torch.Tensor | None  # 1 element: the entry is inactive when it is > 0 on the host; None: always
@@ -97,6 +105,7 @@ class StepContext:
     final: set[str] = field(default_factory=set)
     """Signals whose entry no verdict of this report changes (failed, declared inactive)."""
     unless: list[_Unless] = field(default_factory=list)
+    warns: list[_Warn] = field(default_factory=list)
     grad_norms: GradNorms | None = None
     """The step's gradient norms (:mod:`trainvitals.hooks.grad_norms`), taken once before
     ``optimizer.step()`` when a running signal uses them; None otherwise."""
@@ -195,6 +204,26 @@ class StepContext:
         """Attach an event to this report; with ``when`` (a 0-d tensor), only if it is > 0,
         decided on the sender thread so the step never waits for the value."""
         self.events.append(_Event(kind, detail, labels or {}, None if when is None else _one(when)))
+
+    def warn_when(
+        self,
+        warnings: Sequence[tuple[str, str]],
+        values: torch.Tensor,
+        warn: Callable[..., Any],
+        *,
+        positive_from: int | None = None,
+    ) -> None:
+        """Log each ``(key, message)`` of ``warnings`` once, as ``warn(key, message,
+        count)``, when its count in ``values`` (1-D, one per warning) is > 0, decided on
+        the sender thread with the report's values (no host sync, no op). With
+        ``positive_from`` (one warning), its count is the number of
+        ``values[positive_from:]`` that are > 0."""
+        values = _flat(values)
+        if positive_from is None and values.numel() != len(warnings):
+            raise ValueError(f"warn_when: {values.numel()} counts for {len(warnings)} warnings")
+        if positive_from is not None and len(warnings) != 1:
+            raise ValueError("warn_when: positive_from counts the flags of one warning")
+        self.warns.append(_Warn(tuple(warnings), values, positive_from, warn))
 
     def emit_rows(
         self,

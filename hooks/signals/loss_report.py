@@ -331,7 +331,7 @@ class LossReport:
         first = (pool.index_select(0, plan.num1) / pool.index_select(0, plan.den1)).split_with_sizes(plan.sizes)
         if monitor.world_size == 1:  # the warnings' counts (on several ranks, report took this rank's)
             pairs, _ = self._late_warnings(monitor, True, zero_code)  # the counter is 0 when not counting
-            self._late.add_many(pairs, first[plan.warn_counts])
+            ctx.warn_when(pairs, first[plan.warn_counts], monitor.warn_once)
         torch.gt(first[plan.tests], plan.bounds, out=plan.tested)
         verdicts = plan.tested_rows.all(1)
         verdict = verdicts.split_with_sizes(plan.verdict_sizes)
@@ -404,12 +404,17 @@ class LossReport:
         )
         for kind, detail, labs, flag in events:
             ctx.event(kind, detail, labs, when=flag)
-        self._late.add_positive(
-            "loss_modality_without_labels",
-            "%d declared modality(ies) mark positions only of samples without label tokens, so they "
-            "read as absent from the shares (docs/signals.md, 'Loss accounting')",
+        ctx.warn_when(
+            [
+                (
+                    "loss_modality_without_labels",
+                    "%d declared modality(ies) mark positions only of samples without label tokens, so they "
+                    "read as absent from the shares (docs/signals.md, 'Loss accounting')",
+                )
+            ],
             verdicts,
-            plan.flags_at,
+            monitor.warn_once,
+            positive_from=plan.flags_at,
         )
         if not full:
             return  # no weights arrived on this step: nothing honest to say about them

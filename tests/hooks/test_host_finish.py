@@ -148,3 +148,24 @@ def test_one_dtype_is_one_concatenation():
     pending = pack(ctx, run="r", rank=0)
     assert pending.hosts == [] and pending.host.dtype == torch.float64
     assert [s["value"] for s in pending.materialize()["samples"]] == [1.0, 2.0, 3.0]
+
+
+def test_warnings_are_said_from_the_reports_values_on_materialize():
+    said: list[tuple[str, str, int]] = []
+
+    def warn(key: str, message: str, count: int) -> None:
+        said.append((key, message % count, count))
+
+    ctx = StepContext(step=1, device=torch.device("cpu"))
+    ctx.emit("a", torch.tensor(1.0), {}, present=torch.tensor(1.0))
+    ctx.warn_when([("mixed", "%d mixed"), ("unknown", "%d unknown")], torch.tensor([2.0, 0.0]), warn)
+    ctx.warn_when([("flags", "%d flagged")], torch.tensor([True, True, False, True]), warn, positive_from=1)
+    pending = pack(ctx, run="r", rank=0)
+    assert said == []  # nothing on the training thread
+    report = pending.materialize()
+    assert [s["value"] for s in report["samples"]] == [1.0]
+    assert said == [("mixed", "2 mixed", 2), ("flags", "2 flagged", 2)]
+    pending.materialize()
+    assert len(said) == 2  # once per report
+    with pytest.raises(ValueError, match="counts for"):
+        ctx.warn_when([("x", "%d")], torch.tensor([1.0, 2.0]), warn)
