@@ -13,6 +13,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -70,11 +71,18 @@ class PendingReport:
                 absent = {i for i, p in zip(self.gated, tail, strict=True) if not p > 0}
                 if self.warns:
                     self._warn(values[at + len(self.gated) :])
-                samples = [
-                    {"name": name, "labels": labels, "value": v}
-                    for i, ((name, labels), v) in enumerate(zip(self.layout, values, strict=False))
-                    if i not in absent
-                ]
+                samples = (
+                    [
+                        {"name": name, "labels": labels, "value": v}
+                        for i, ((name, labels), v) in enumerate(zip(self.layout, values, strict=False))
+                        if i not in absent
+                    ]
+                    if absent
+                    else [
+                        {"name": name, "labels": labels, "value": v}
+                        for (name, labels), v in zip(self.layout, values, strict=False)
+                    ]
+                )
                 events = list(self.events)
                 for (kind, detail, labels), v in zip(self.flags, values[len(self.layout) :], strict=False):
                     if v > 0 and not math.isnan(v):
@@ -126,13 +134,14 @@ class PendingReport:
         """(name, labels) per sample, and the samples with a presence value."""
         layout: list[tuple[str, dict[str, str]]] = []
         gated: list[int] = []
+        extend = layout.extend
         for name, labels, series, gates, has_presence in self.emits:
             start = len(layout)
             if series is None:
-                layout.extend((name, lab) for lab in labels)
+                extend(zip(repeat(name), labels))
             else:
                 for block_name, labs in series:
-                    layout.extend((block_name, lab) for lab in labs)
+                    extend(zip(repeat(block_name), labs))
             if has_presence:
                 gated.extend(range(start, len(layout)) if gates is None else (start + i for i in gates))
         self.layout, self.gated = layout, gated
