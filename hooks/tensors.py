@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -174,8 +175,10 @@ class SparseSum:
     def __init__(self, rows: int, pairs: Sequence[tuple[int, int]], device: torch.device, dtype: torch.dtype) -> None:
         self.rows = rows
         self.dst = torch.tensor([r for r, _ in pairs], dtype=torch.long).to(device)
-        self.columns = [c for _, c in pairs]  # the gathered columns, in order
-        self.src = torch.tensor(self.columns, dtype=torch.long).to(device)
+        columns = [c for _, c in pairs]  # the gathered columns, in order
+        self.src = torch.tensor(columns, dtype=torch.long).to(device)
+        # picks them from a list of values at C speed (``take``); a tuple even for one
+        self._pick = operator.itemgetter(*columns, columns[0]) if columns else None
         self.zeros = torch.zeros(rows, dtype=dtype).to(device)  # the base without a bias, never written
 
     def __call__(
@@ -189,9 +192,14 @@ class SparseSum:
             return torch.index_add(base, 0, self.dst, taken)
         return torch.index_add(base, 0, self.dst, taken, out=out)
 
+    def take(self, values: Sequence[Any]) -> list[Any]:
+        """The pairs' columns picked from ``values`` (one per column, e.g. the 0-d norms
+        of a foreach call), in pair order: what :meth:`add_taken` sums once stacked."""
+        return list(self._pick(values)[:-1]) if self._pick is not None else []
+
     def add_taken(self, taken: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The sums from the pairs' values already gathered (``taken[i]`` is ``x`` at
-        :attr:`columns` ``[i]``), into ``out``: one op."""
+        """The sums from the pairs' values already gathered (``taken`` stacked from
+        :meth:`take`), into ``out``: one op."""
         return torch.index_add(self.zeros, 0, self.dst, taken, out=out)
 
 
@@ -220,27 +228,28 @@ class RepeatedSum:
         self.buffer = torch.empty(self.copies * columns, dtype=dtype, device=device)
         self._items: dict[tuple[int, ...], list[torch.Tensor]] = {}
 
-    def fill(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Copy ``pieces`` (1-D blocks or 0-d values, ``columns`` elements in all, on the
-        buffer's device) ``copies`` times into the buffer with one op; return it."""
-        widths = tuple(p.numel() if p.dim() else -1 for p in pieces)  # -1: a 0-d value
+    def fill(self, blocks: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Copy ``blocks`` (1-D) then ``values`` (0-d, one per column: a foreach call's
+        norms), ``columns`` elements in all, on the buffer's device, ``copies`` times into
+        the buffer with one op; return it. The destinations are made once per block
+        widths and value count (no Python work per value per call)."""
+        widths = (*(b.numel() for b in blocks), len(values))
         items = self._items.get(widths)
         if items is None:
-            one: list[tuple[int, int]] = []
-            at = 0
-            for w in widths:
-                one.append((at, w))
-                at += 1 if w < 0 else w
-            if at != self.columns:
-                raise ValueError(f"RepeatedSum: pieces of {at} values for {self.columns} columns")
+            width = sum(widths)
+            if width != self.columns:
+                raise ValueError(f"RepeatedSum: pieces of {width} values for {self.columns} columns")
             items = []
             for k in range(self.copies):
-                base = k * self.columns
-                items += [self.buffer[base + a] if w < 0 else self.buffer[base + a : base + a + w] for a, w in one]
+                at = k * self.columns
+                for w in widths[:-1]:
+                    items.append(self.buffer[at : at + w])
+                    at += w
+                items += self.buffer[at : at + len(values)].unbind()
             if len(self._items) >= 8:
                 self._items.clear()
             self._items[widths] = items
-        torch._foreach_copy_(items, list(pieces) * self.copies)
+        torch._foreach_copy_(items, [*blocks, *values] * self.copies)
         return self.buffer
 
     def __call__(self, taken: torch.Tensor, base: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -394,7 +394,7 @@ class AdamMoments:
             # One foreach call: its norms stacked into float64 at once, already in the order
             # the sum gathers them (a norm summed into two bins is stacked twice): no gather.
             norms = norm_lists[0]
-            taken = [norms[c] for c in matrix.columns]
+            taken = matrix.take(norms)
             if plan.z is None or plan.z.numel() != len(taken):
                 plan.z = torch.empty(len(taken), dtype=torch.float64, device=dev)
                 plan.z_items = list(plan.z.unbind()) if dev.type == "cpu" else []

@@ -128,9 +128,9 @@ class _Matrix:
         self._out = torch.empty_like(bias)
         self.out = self._out[: sums.rows]  # the view emitted, made once
 
-    def squares(self, pieces: list[torch.Tensor]) -> torch.Tensor:
-        """The pieces' values squared, copied as the sums read them (a kept buffer)."""
-        return self.sums.fill(pieces).square_()
+    def squares(self, blocks: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        """The blocks' and values' squares, copied as the sums read them (a kept buffer)."""
+        return self.sums.fill(blocks, values).square_()
 
     def fractions(self, squares: torch.Tensor) -> torch.Tensor:
         """The numerators then the denominators of the emitted values (the kept output,
@@ -236,13 +236,12 @@ class OptimizerStats(Signal):
         pieces = [step_norms.norms] if step_norms is not None else []
         if layout.param_plan is not None:
             pieces.append(layout.param_plan.norms(layout.tensors))
-        if norm_inputs:
-            pieces += foreach_norm32(norm_inputs)  # copied as they are: no stack
+        norms = foreach_norm32(norm_inputs) if norm_inputs else []  # copied as they are: no stack
         grad_groups = None
         if step_norms is not None:
             grad_groups = tuple(layout.group_by_id.get(id(p), 0) for p in step_norms.params)
         matrix = layout.matrix(grad_groups, history is None, upd, dev)
-        squares = matrix.squares(pieces)
+        squares = matrix.squares(pieces, norms)
         series = self._series(monitor, step_norms is not None, history is None, upd)
 
         def finish(sq: torch.Tensor, *rest: torch.Tensor) -> None:

@@ -140,6 +140,7 @@ class DriftTracker:
         # ratio row (integers well inside float32's exact range)
         self._abs_sums = torch.empty(prev.numel(), device=dev)
         self._sampled_host = [float(max(k, 1)) for k in self.consistency.sizes]
+        self._finishes: dict[tuple[int, bool, int], DriftFinish] = {}  # per rows, drift, changes in the window
         self._settle()
 
     def _settle(self) -> None:
@@ -310,8 +311,12 @@ class DriftTracker:
         drift = self._settled is not None
         if not drift and not ratio:
             return None
-        den = [k * min(self.changes, self.window) for k in self._sampled_host] if ratio else None
-        return DriftFinish(self.n, rows, drift, den)
+        key = (rows, drift, min(self.changes, self.window) if ratio else 0)
+        found = self._finishes.get(key)  # a handful: the window fills in its first reports
+        if found is None:
+            den = [k * key[2] for k in self._sampled_host] if ratio else None
+            found = self._finishes[key] = DriftFinish(self.n, rows, drift, den)
+        return found
 
     # -- checkpoints -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

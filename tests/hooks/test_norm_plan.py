@@ -97,15 +97,16 @@ def test_sparse_sum_keeps_a_non_finite_entry_in_its_own_rows():
 
 
 def test_repeated_sum_equals_sparse_sum_from_blocks_and_values():
-    """RepeatedSum fed the pieces x is made of (a block, 0-d values, an empty block) sums
-    what SparseSum sums from x, bias included, and keeps a non-finite entry in its rows."""
+    """RepeatedSum fed the pieces x is made of (blocks, one of them empty, then 0-d
+    values) sums what SparseSum sums from x, bias included, and keeps a non-finite entry
+    in its rows; SparseSum.take picks a list's values in its pairs' order."""
     from trainvitals.hooks import tensors
 
     cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(1)
     block = torch.randn(5, generator=g)
     values = list(torch.randn(4, generator=g).unbind())
-    pieces = [block, *values[:2], torch.zeros(0), *values[2:]]
+    blocks = [block, torch.zeros(0)]
     x = torch.cat([block, torch.stack(values)])
     pairs = [(r, c) for r in range(6) for c in range(9) if (r + 2 * c) % 3 == 0]  # columns used 1-2 times
     pairs += [(5, 0), (4, 0)]  # and column 0 four times
@@ -114,12 +115,16 @@ def test_repeated_sum_equals_sparse_sum_from_blocks_and_values():
     r = tensors.RepeatedSum(6, pairs, 9, cpu, torch.float32)
     assert r.copies == 4
     out = torch.empty(7)
-    got = r(r.fill(pieces).square_(), bias, out=out)
+    got = r(r.fill(blocks, values).square_(), bias, out=out)
     assert got is out
     torch.testing.assert_close(out[:6], want, rtol=1e-6, atol=0.0)
-    pieces[1] = torch.tensor(float("inf"))  # column 5
-    r(r.fill(pieces).square_(), bias, out=out)
+    values[0] = torch.tensor(float("inf"))  # column 5
+    r(r.fill(blocks, values).square_(), bias, out=out)
     inf_rows = {row for row, c in pairs if c == 5}
     assert {i for i in range(6) if out[i].isinf()} == inf_rows
     with pytest.raises(ValueError, match="columns"):
-        r.fill(pieces[:-1])
+        r.fill(blocks, values[:-1])
+    columns = list(range(9))
+    sparse = tensors.SparseSum(6, pairs, cpu, torch.float32)
+    assert sparse.take(columns) == [c for _, c in pairs]
+    assert tensors.SparseSum(1, [(0, 3)], cpu, torch.float32).take(columns) == [3]
