@@ -106,10 +106,10 @@ class StepLifecycle:
         ctx = StepContext(step=mon.step, device=mon.device, grad_norms=self._grad_norms)
         emitted: dict[str, bool] = {}
         for s in mon.signals:
-            before = len(ctx.emits) + len(ctx.reduces)
+            before = len(ctx.emits) + len(ctx.reduces) + len(ctx.sections)
             s.run_guarded("collect", s.collect, mon, ctx)
             if s.covers is not None:
-                emitted[s.covers] = len(ctx.emits) + len(ctx.reduces) > before
+                emitted[s.covers] = len(ctx.emits) + len(ctx.reduces) + len(ctx.sections) > before
         try:
             ctx.coverage, ctx.final = mon._coverage_entries(emitted, ctx.verdicts())
             mon._last_coverage = ctx.coverage

@@ -46,6 +46,10 @@ class PendingReport:
     settle: Any = None  # called once with (coverage as made, coverage after the flags)
     layout: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # per sample, when materialized
     gated: list[int] = field(default_factory=list)  # layout indices with a presence value, after the flags
+    starts: list[int] = field(default_factory=list)  # per emit, its first sample in the layout; then the end
+    # Per StepContext.on_host: (emit, flagged event, verdict) it goes before, its parts' sizes,
+    # its function; their values are the last ones, after the warnings' counts
+    sections: list[tuple[tuple[int, int, int], list[int], Any]] = field(default_factory=list)
     # (raw start, raw count, finish) per emit whose values the sender thread finishes, in
     # order; ``raw`` counts the packed values of the emits, which then differ from the layout's
     finishes: list[tuple[int, int, Any]] = field(default_factory=list)
@@ -59,38 +63,11 @@ class PendingReport:
     def materialize(self) -> dict[str, Any]:
         with self._lock:
             if self._done is None:
-                if self.ready is not None:
-                    self.ready.synchronize()
-                values = self._values()
-                self._layout()
-                if self.finishes:
-                    values = self._finished(values)
-                n_flags = len(self.layout) + len(self.flags)
-                at = n_flags + len(self.unless)
-                tail = values[at : at + len(self.gated)]
-                absent = {i for i, p in zip(self.gated, tail, strict=True) if not p > 0}
-                if self.warns:
-                    self._warn(values[at + len(self.gated) :])
-                samples = (
-                    [
-                        {"name": name, "labels": labels, "value": v}
-                        for i, ((name, labels), v) in enumerate(zip(self.layout, values, strict=False))
-                        if i not in absent
-                    ]
-                    if absent
-                    else [
-                        {"name": name, "labels": labels, "value": v}
-                        for (name, labels), v in zip(self.layout, values, strict=False)
-                    ]
-                )
-                events = list(self.events)
-                for (kind, detail, labels), v in zip(self.flags, values[len(self.layout) :], strict=False):
-                    if v > 0 and not math.isnan(v):
-                        events.append({"kind": kind, "detail": detail, "labels": labels})
+                samples, events, verdicts = self._pieces()
                 coverage = [dict(e) for e in self.coverage]
                 turned = set(self.final)
-                for (signal, reason, detail), v in zip(self.unless, values[n_flags:], strict=False):
-                    if v > 0 and signal not in turned:
+                for signal, reason, detail in verdicts:
+                    if signal not in turned:
                         turned.add(signal)
                         for e in coverage:
                             if e["signal"] == signal:
@@ -108,6 +85,86 @@ class PendingReport:
                     if self.settle is not None:
                         self.settle(self.coverage, coverage)
             return self._done
+
+    def _pieces(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[tuple[str, str, str]]]:
+        """The report's samples, events and the coverage verdicts that hold, in order;
+        the log-once warnings whose counts are > 0 are said here (a section's when it
+        runs)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        values = self._values()
+        subs: list[tuple[tuple[int, int, int], Any]] = []
+        if self.sections:
+            values, subs = self._run_sections(values)
+        self._layout()
+        if self.finishes:
+            values = self._finished(values)
+        layout = self.layout
+        n_flags = len(layout) + len(self.flags)
+        at = n_flags + len(self.unless)
+        tail = values[at : at + len(self.gated)]
+        absent = {i for i, p in zip(self.gated, tail, strict=True) if not p > 0}
+        if self.warns:
+            self._warn(values[at + len(self.gated) :])
+        flag_values, unless_values = values[len(layout) : n_flags], values[n_flags:at]
+        # Each section's pieces go where it was added: after the samples, flagged events
+        # and verdicts written before it, before those written after it.
+        cuts: list[tuple[int, int, int, Any]] = [(self.starts[e], f, u, sub) for (e, f, u), sub in subs]
+        cuts.append((len(layout), len(self.flags), len(self.unless), None))
+        samples: list[dict[str, Any]] = []
+        events = list(self.events)
+        verdicts: list[tuple[str, str, str]] = []
+        s0 = f0 = u0 = 0
+        for s1, f1, u1, sub in cuts:
+            if absent:
+                samples.extend(
+                    {"name": name, "labels": labels, "value": values[i]}
+                    for i, (name, labels) in enumerate(layout[s0:s1], s0)
+                    if i not in absent
+                )
+            else:
+                samples.extend(
+                    {"name": name, "labels": labels, "value": v}
+                    for (name, labels), v in zip(layout[s0:s1], values[s0:s1], strict=True)
+                )
+            events.extend(
+                {"kind": kind, "detail": detail, "labels": labels}
+                for (kind, detail, labels), v in zip(self.flags[f0:f1], flag_values[f0:f1], strict=True)
+                if v > 0 and not math.isnan(v)
+            )
+            verdicts.extend(u for u, v in zip(self.unless[u0:u1], unless_values[u0:u1], strict=True) if v > 0)
+            if sub is not None:
+                samples.extend(sub[0])
+                events.extend(sub[1])
+                verdicts.extend(sub[2])
+            s0, f0, u0 = s1, f1, u1
+        return samples, events, verdicts
+
+    def _run_sections(self, values: list[float]) -> tuple[list[float], list[tuple[tuple[int, int, int], Any]]]:
+        """Run the sections (:meth:`StepContext.on_host`) on host copies of their parts,
+        each into a context of its own; returns the values without the sections' and
+        each section's place (emit, flagged event, verdict) with its pieces."""
+        cut = len(values) - sum(sum(sizes) for _, sizes, _ in self.sections)
+        if self.hosts:
+            n_parts = sum(len(sizes) for _, sizes, _ in self.sections)
+            host_parts = [self.hosts[g][start : start + count] for g, start, count in self.order[-n_parts:]]
+        else:
+            host_parts, offset = [], cut
+            for _, sizes, _ in self.sections:
+                for size in sizes:
+                    host_parts.append(self.host[offset : offset + size])
+                    offset += size
+        subs: list[tuple[tuple[int, int, int], Any]] = []
+        cpu = torch.device("cpu")
+        i = 0
+        for at, sizes, run in self.sections:
+            sub = StepContext(step=self.step, device=cpu)
+            run(sub, host_parts[i : i + len(sizes)])
+            i += len(sizes)
+            pieces = pack(sub, run=self.run, rank=self.rank)._pieces()
+            always = [(signal, reason, detail) for signal, (reason, detail) in sub.verdicts().items()]
+            subs.append((at, (pieces[0], pieces[1], always + pieces[2])))
+        return values[:cut], subs
 
     def _warn(self, values: list[float]) -> None:
         """The log-once warnings whose counts turned out > 0 (the last values)."""
@@ -134,9 +191,11 @@ class PendingReport:
         """(name, labels) per sample, and the samples with a presence value."""
         layout: list[tuple[str, dict[str, str]]] = []
         gated: list[int] = []
+        starts: list[int] = []
         extend = layout.extend
         for name, labels, series, gates, has_presence in self.emits:
             start = len(layout)
+            starts.append(start)
             if series is None:
                 extend(zip(repeat(name), labels))
             else:
@@ -144,7 +203,8 @@ class PendingReport:
                     extend(zip(repeat(block_name), labs))
             if has_presence:
                 gated.extend(range(start, len(layout)) if gates is None else (start + i for i in gates))
-        self.layout, self.gated = layout, gated
+        starts.append(len(layout))
+        self.layout, self.gated, self.starts = layout, gated, starts
 
     def _finished(self, raw: list[float]) -> list[float]:
         """The packed values with each finished emit's raw values replaced by what its
@@ -191,8 +251,12 @@ def pack(ctx: StepContext, *, run: str, rank: int) -> PendingReport:
     unless = [u for u in ctx.unless if u.flag is not None]  # the others are in ctx.coverage already
     parts.extend(u.flag for u in unless if u.flag is not None)
     parts.extend(presence)  # after the flags: materialize reads them as the tail
-    parts.extend(w.values for w in ctx.warns)  # and the warnings' counts last
+    parts.extend(w.values for w in ctx.warns)  # and the warnings' counts
     common = _report_fields(run, ctx.step, rank, emits, flags, events, ctx, unless, finishes, raw)
+    if ctx.sections:  # the sections' parts last
+        common["sections"] = _sections(ctx)
+        for sec in ctx.sections:
+            parts.extend(sec.parts)
     if device.type == "cpu" and parts:
         by_dtype = _by_dtype(parts)
         if by_dtype is not None:
@@ -243,6 +307,18 @@ def _report_fields(
         "raw": raw,
         "warns": [(w.warnings, w.values.numel(), w.positive_from, w.warn) for w in ctx.warns],
     }
+
+
+def _sections(ctx: StepContext) -> list[tuple[tuple[int, int, int], list[int], Any]]:
+    """Each section's place in the report (its emit index; the flagged events and
+    verdicts before it, which alone are packed), its parts' sizes and its function."""
+    out = []
+    for sec in ctx.sections:
+        emit_at, event_at, unless_at = sec.at
+        flags = sum(1 for ev in ctx.events[:event_at] if ev.flag is not None)
+        verdicts = sum(1 for u in ctx.unless[:unless_at] if u.flag is not None)
+        out.append(((emit_at, flags, verdicts), [p.numel() for p in sec.parts], sec.run))
+    return out
 
 
 def _by_dtype(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]] | None:

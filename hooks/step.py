@@ -18,7 +18,7 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from trainvitals.hooks.grad_norms import GradNorms
 
-__all__ = ["HostFinish", "Labels", "ReduceOp", "StepContext"]
+__all__ = ["HostFinish", "HostSection", "Labels", "ReduceOp", "StepContext"]
 
 Labels = dict[str, str]
 ReduceOp = Literal["sum", "max", "min"]
@@ -58,6 +58,20 @@ class _Emit:
     def __post_init__(self) -> None:
         if self.series is None:
             self.count = len(self.labels)
+
+
+HostSection = Callable[["StepContext", list[torch.Tensor]], None]
+"""Writes into a context of its own, on the sender thread, from host copies of its
+parts (see :meth:`StepContext.on_host`)."""
+
+
+@dataclass(slots=True)
+class _Section:
+    parts: list[torch.Tensor]  # 1-D, copied to the host with the report's values
+    run: HostSection
+    # len(emits), len(events), len(unless) when it was added: where its samples, events
+    # and coverage verdicts go in the report (its warnings are said when it runs)
+    at: tuple[int, int, int]
 
 
 @dataclass(slots=True)
@@ -106,6 +120,7 @@ class StepContext:
     """Signals whose entry no verdict of this report changes (failed, declared inactive)."""
     unless: list[_Unless] = field(default_factory=list)
     warns: list[_Warn] = field(default_factory=list)
+    sections: list[_Section] = field(default_factory=list)
     grad_norms: GradNorms | None = None
     """The step's gradient norms (:mod:`trainvitals.hooks.grad_norms`), taken once before
     ``optimizer.step()`` when a running signal uses them; None otherwise."""
@@ -255,6 +270,22 @@ class StepContext:
         flags = when.detach().view(-1, 1).unbind(0)
         for (kind, detail, labels), flag in zip(events, flags, strict=True):
             self.events.append(_Event(kind, detail, labels or {}, flag))
+
+    def on_host(self, parts: Sequence[torch.Tensor], run: HostSection) -> None:
+        """Call ``run(sub, host_parts)`` on the sender thread, when the report is
+        materialized: ``host_parts`` are CPU copies of ``parts`` (1-D, in the report's
+        host dtype, or their own on a CPU) taken when the report was packed, ``sub`` a
+        :class:`StepContext` on the CPU whose emits, events, verdicts and warnings join
+        this report where ``on_host`` was called (the same order as if they had been
+        written here). The figures worked out from a few host numbers then cost the
+        training thread no op at all (an op is 10-20 us of dispatch on a CPU, a kernel
+        launch on a GPU). ``run`` must read only ``host_parts`` and what does not change
+        after this call: it runs on another thread, a step or more later. A ``run``
+        that raises drops its report (the sender logs it once)."""
+        if not callable(run):
+            raise TypeError(f"on_host: run must be callable, not {type(run).__name__}")
+        flat = [_flat(p) for p in parts]
+        self.sections.append(_Section(flat, run, (len(self.emits), len(self.events), len(self.unless))))
 
     def combine(
         self,

@@ -82,3 +82,15 @@ def one_torch_thread() -> Iterator[None]:
     """torch on one thread for the test (see ``tests.support.one_torch_thread``)."""
     with _one_torch_thread():
         yield
+
+
+@pytest.fixture(params=["on_host", "on_device"])
+def loss_emission(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Loss accounting's figures made both ways on one rank: from the host copy on the
+    sender thread (the default) and as tensor ops on the training thread (the path of
+    several ranks and of the probe's steps). A module takes it with
+    ``pytestmark = pytest.mark.usefixtures("loss_emission")``."""
+    from trainvitals.hooks.signals.loss_report import LossReport
+
+    monkeypatch.setattr(LossReport, "on_host", request.param == "on_host")
+    return str(request.param)

@@ -6,10 +6,12 @@ everything it learns into one sums vector laid out by
 largest and smallest label-token weight. At a report, :class:`LossReport` combines
 them across ranks (sum, max, min: one packed collective with the rest of the
 report) and derives every figure below from them with batched tensor arithmetic;
-the log-once warnings about values (mixed or unknown modality codes, a declared
-modality on no label token, a non-finite loss, a gradient that is not a plain
-cross-entropy one) are registered here too and read a step later, once their host
-copy has landed.
+on one rank that arithmetic runs on the sender thread, on the host copy of the
+sums packed with the report (``StepContext.on_host``), so the training thread pays
+no op for it. The log-once warnings about values (mixed or unknown modality codes,
+a declared modality on no label token, a non-finite loss, a gradient that is not a
+plain cross-entropy one) are said from the report's values on the sender thread
+(across ranks: read a step later, once their host copy has landed).
 
 Definitions (per optimizer step, over all its ``track_loss`` calls and all ranks):
 
@@ -83,6 +85,7 @@ samples has no dilution or loss either).
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,16 +144,40 @@ class _ModalityLabels:
         ]
 
 
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    """What the emission reads of the monitor, taken on the training thread for an
+    emission on the sender thread (a live setting replaces ``config``, never writes it)."""
+
+    modalities: tuple[str, ...]
+    config: Any
+    world_size: int
+    warn_once: Any
+    optimizer: Any
+
+
 class LossReport:
     """Emits a reported step's loss-accounting figures; see the module docstring.
 
     ``objectives`` is capture's name -> slot table, shared (capture adds to it);
-    ``late`` capture's log-once warnings, which capture polls too."""
+    ``late`` capture's log-once warnings, which capture polls too.
+
+    On one rank, without the probe's Gram matrix, the figures are worked out on the
+    sender thread from the host copy of the step's sums and extremes
+    (:meth:`StepContext.on_host`): the training thread pays no op for them. A second
+    instance does that work, with its own plans and caches (never shared across the
+    threads)."""
+
+    on_host = True
+    """Whether a single rank's figures are made on the sender thread (the tests run both ways)."""
 
     def __init__(self, layout: SumsLayout, objectives: dict[str, int], late: LateWarnings) -> None:
         self._layout = layout
         self._objectives = objectives
         self._late = late
+        self._host: LossReport | None = None  # the sender thread's emitter, made at first use
+        self._lock = threading.Lock()  # the host emitter's: one emission at a time
+        self._snapshot: _Snapshot | None = None
         self._indices = IndexCache()
         self._family: torch.Tensor | None = None  # optimizer_scale_invariant, made once
         self._plans: dict[tuple[Any, ...], Plan] = {}  # per report layout
@@ -193,17 +220,78 @@ class LossReport:
         if distributed:  # this rank's counts; on one rank the emission's division passes them through
             pairs, at = self._late_warnings(monitor, nonfinite is not None, zero_code)
             self._late.add_many(pairs, sums.index_select(0, self._indices.get(at, sums.device)))
-        # On one rank the emission reads the step's own sums, in their own dtype (no copy):
-        # nothing writes them before the next step's first micro-batch.
+        counting = nonfinite is not None
+        if not distributed and gram is None and self.on_host:
+            # On one rank the figures are made on the sender thread from the host copy of
+            # the sums and extremes, taken when the report is packed (before the next
+            # step's first micro-batch resets them). What the emission reads of this step
+            # travels with it: copies of the per-step host state, the monitor's settings.
+            host = self._host
+            if host is None:
+                host = self._host = LossReport(self._layout, self._objectives, self._late)
+            view = self._view(monitor)
+            objectives = dict(self._objectives)
+            taken = Accumulated(
+                calls=list(acc.calls),
+                weights=dict(acc.weights),
+                normalization=acc.normalization,
+                fired=acc.fired,
+                output=acc.output,
+            )
+            ctx.on_host(
+                [sums, extremes],
+                lambda sub, parts: host._emit_locked(
+                    view, sub, parts[0], parts[1], taken, counting, zero_code, objectives
+                ),
+            )
+            return
+        # Across ranks (and on the probe's steps, whose Gram matrix is on the device) the
+        # figures are tensor ops here. On one rank the emission reads the step's own sums,
+        # in their own dtype (no copy): nothing writes them before the next step's first
+        # micro-batch.
+        objectives = self._objectives
         ctx.combine(
             [(sums, "sum"), (extremes, "max")],
-            lambda s, ext: self._emit(monitor, ctx, s, ext, acc, nonfinite is not None, zero_code, probe, gram),
+            lambda s, ext: self._emit(monitor, ctx, s, ext, acc, counting, zero_code, probe, gram, objectives),
             across_ranks=True,
             as_is=True,
         )
 
+    def _emit_locked(
+        self,
+        view: _Snapshot,
+        ctx: StepContext,
+        sums: torch.Tensor,
+        extremes: torch.Tensor,
+        acc: Accumulated,
+        counting_nonfinite: bool,
+        zero_code: bool,
+        objectives: dict[str, int],
+    ) -> None:
+        """:meth:`_emit` on the host copy, one report at a time: the sender thread and a
+        caller of ``Monitor.latest()`` may materialize two reports at once, and the
+        plans' kept buffers are written in place."""
+        with self._lock:
+            self._emit(view, ctx, sums, extremes, acc, counting_nonfinite, zero_code, None, None, objectives)
+
+    def _view(self, monitor: MonitorView) -> _Snapshot:
+        """The monitor's settings the emission reads, kept while they are the same."""
+        seen = self._snapshot
+        if (
+            seen is not None
+            and seen.config is monitor.config
+            and seen.modalities is monitor.modalities
+            and seen.world_size == monitor.world_size
+            and seen.optimizer is monitor.optimizer
+        ):
+            return seen
+        self._snapshot = seen = _Snapshot(
+            monitor.modalities, monitor.config, monitor.world_size, monitor.warn_once, monitor.optimizer
+        )
+        return seen
+
     def _late_warnings(
-        self, monitor: MonitorView, nonfinite: bool, zero_code: bool
+        self, monitor: MonitorView | _Snapshot, nonfinite: bool, zero_code: bool
     ) -> tuple[tuple[tuple[str, str], ...], list[int]]:
         """The log-once warnings about this rank's values (read a step later, no host
         sync): (key, message) pairs and where each count lies in the sums, in the order
@@ -217,7 +305,9 @@ class LossReport:
             found = self._warnings[key] = (tuple((k, msg) for k, msg, _ in warnings), [at for _, _, at in warnings])
         return found
 
-    def _warning_list(self, monitor: MonitorView, nonfinite: bool, zero_code: bool) -> list[tuple[str, str, int]]:
+    def _warning_list(
+        self, monitor: MonitorView | _Snapshot, nonfinite: bool, zero_code: bool
+    ) -> list[tuple[str, str, int]]:
         lay = self._layout
         warnings = [
             (
@@ -268,7 +358,7 @@ class LossReport:
 
     def _emit(
         self,
-        monitor: MonitorView,
+        monitor: MonitorView | _Snapshot,
         ctx: StepContext,
         sums: torch.Tensor,
         extremes: torch.Tensor,
@@ -277,6 +367,7 @@ class LossReport:
         zero_code: bool,
         probe: ModalityProbe | None,
         gram: torch.Tensor | None,
+        objectives: dict[str, int],
     ) -> None:
         """The step's figures from the sums combined over ranks (see the module docstring).
 
@@ -291,7 +382,7 @@ class LossReport:
         config = monitor.config
         calls = acc.calls
         full = acc.fired or monitor.world_size > 1  # weights arrived: the figures about them
-        active = [(name, k) for name, k in sorted(self._objectives.items(), key=lambda kv: kv[1]) if calls[k]]
+        active = [(name, k) for name, k in sorted(objectives.items(), key=lambda kv: kv[1]) if calls[k]]
         declared = acc.normalization or config.loss_normalization
         # How the job's loss combines across ranks sets the unit of weight (see module doc).
         scale: float | None  # None: the step's label tokens

@@ -23,7 +23,7 @@ from tests.hooks._loss_models import (
 )
 from trainvitals.hooks import attach
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "loss_emission")  # tests/conftest.py
 
 LOSS_METRICS = (
     "modality_sample_share_ratio",

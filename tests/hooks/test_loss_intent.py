@@ -15,6 +15,8 @@ from torch import nn
 
 from trainvitals.hooks import attach
 
+pytestmark = pytest.mark.usefixtures("loss_emission")  # both emission paths: tests/conftest.py
+
 VOCAB = 16
 
 

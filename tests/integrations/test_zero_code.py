@@ -23,6 +23,8 @@ from tests.support import HostSyncSpy, one_torch_thread, run_ranks
 from trainvitals.hooks import attach
 from trainvitals.hooks.signals.logits_accounting import recover
 
+pytestmark = pytest.mark.usefixtures("loss_emission")  # both emission paths: tests/conftest.py
+
 HERE = Path(__file__).resolve().parent
 
 
