@@ -102,6 +102,7 @@ from trainvitals.hooks.signals.loss_plan import ROWS, Plan
 from trainvitals.hooks.signals.loss_probe import ModalityProbe
 from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.tensors import float_dtype
+from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL
 
 __all__ = ["Accumulated", "LossReport"]
 
@@ -176,6 +177,7 @@ class LossReport:
         self._objectives = objectives
         self._late = late
         self._host: LossReport | None = None  # the sender thread's emitter, made at first use
+        self.failure: BaseException | None = None  # the host emitter's first failure (sender thread)
         self._lock = threading.Lock()  # the host emitter's: one emission at a time
         self._snapshot: _Snapshot | None = None
         self._indices = IndexCache()
@@ -229,6 +231,8 @@ class LossReport:
             host = self._host
             if host is None:
                 host = self._host = LossReport(self._layout, self._objectives, self._late)
+            if host.failure is not None:  # raised here, the signal is turned off as on this thread
+                raise RuntimeError(f"the loss figures failed on the sender thread: {host.failure!r}")
             view = self._view(monitor)
             objectives = dict(self._objectives)
             taken = Accumulated(
@@ -272,7 +276,19 @@ class LossReport:
         caller of ``Monitor.latest()`` may materialize two reports at once, and the
         plans' kept buffers are written in place."""
         with self._lock:
-            self._emit(view, ctx, sums, extremes, acc, counting_nonfinite, zero_code, None, None, objectives)
+            try:
+                self._emit(view, ctx, sums, extremes, acc, counting_nonfinite, zero_code, None, None, objectives)
+            except Exception as exc:  # noqa: BLE001 - the report goes on without the loss figures
+                # What was written is dropped, the report says why; the signal is turned off
+                # on the training thread at its next report (failed, as on that thread).
+                ctx.emits.clear()
+                ctx.events.clear()
+                ctx.unless.clear()
+                ctx.warns.clear()
+                detail = f"the loss figures failed on the sender thread: {type(exc).__name__}: {exc}"
+                ctx.inactive_when("loss", None, "failed", detail[:MAX_COVERAGE_DETAIL])
+                if self.failure is None:
+                    self.failure = exc
 
     def _view(self, monitor: MonitorView) -> _Snapshot:
         """The monitor's settings the emission reads, kept while they are the same."""

@@ -149,3 +149,35 @@ def test_a_section_that_raises_drops_its_report_and_a_bad_section_raises_at_once
     with pytest.raises(TypeError, match="on_host: run must be callable"):
         ctx.on_host([torch.zeros(1)], "not a function")  # type: ignore[arg-type]
     assert len(ctx.sections) == 1
+
+
+def test_a_loss_emission_that_fails_on_the_sender_thread_loses_the_loss_figures_only(tmp_path, monkeypatch, caplog):
+    """The other signals' figures still go out; the report says loss failed, and the
+    signal is turned off at its next report, as a failure on the training thread does."""
+
+    def broken(self, *args, **kwargs):
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(LossReport, "_emit", broken)
+    path = tmp_path / "failing.jsonl"
+    model = TokenModel(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = attach(model, opt, run="failing", sink=f"file:{path}", every=1, modalities=MODALITIES)
+    rows = padded(samples([7, 3, 12], [0, 1, 0]))
+    for _ in range(4):
+        per_token, logits = per_token_loss(model, rows)
+        mon.track_loss(per_token, modality=rows.modality, mask=rows.mask, output=logits)
+        torch.where(rows.mask, per_token, 0.0).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert mon.latest(), "a report without the loss figures still has the others"
+    mon.close()
+    reports = [json.loads(line) for line in path.read_text().splitlines()]
+    loss = [next(c for c in r["coverage"] if c["signal"] == "loss") for r in reports if r.get("coverage")]
+    assert all(not c["active"] and c["reason"] == "failed" for c in loss[:4]), loss
+    assert "ZeroDivisionError: boom" in loss[0]["detail"]
+    assert all(any(s["name"] == "grad_norm" for s in r["samples"]) for r in reports[:4])
+    assert not any(s["name"] == "modality_loss" for r in reports for s in r["samples"])
+    said = [r.getMessage() for r in caplog.records]
+    turned_off = [m for m in said if m.startswith("trainvitals: signal LossAccounting failed")]
+    assert len(turned_off) == 1 and "ZeroDivisionError('boom')" in turned_off[0], said
