@@ -106,8 +106,11 @@ class StepLifecycle:
         ctx = StepContext(step=mon.step, device=mon.device, grad_norms=self._grad_norms)
         emitted: dict[str, bool] = {}
         for s in mon.signals:
-            before = len(ctx.emits) + len(ctx.reduces) + len(ctx.sections)
+            sections = len(ctx.sections)
+            before = len(ctx.emits) + len(ctx.reduces) + sections
             s.run_guarded("collect", s.collect, mon, ctx)
+            for sec in ctx.sections[sections:]:  # a failure on the sender thread is this signal's
+                sec.owner = s
             if s.covers is not None:
                 emitted[s.covers] = len(ctx.emits) + len(ctx.reduces) + len(ctx.sections) > before
         try:

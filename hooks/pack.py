@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.step import StepContext
+from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL
 
 __all__ = ["PendingReport", "pack"]
 
@@ -48,8 +49,9 @@ class PendingReport:
     gated: list[int] = field(default_factory=list)  # layout indices with a presence value, after the flags
     starts: list[int] = field(default_factory=list)  # per emit, its first sample in the layout; then the end
     # Per StepContext.on_host: (emit, flagged event, verdict) it goes before, its parts' sizes,
-    # its function; their values are the last ones, after the warnings' counts
-    sections: list[tuple[tuple[int, int, int], list[int], Any]] = field(default_factory=list)
+    # its function, the signal that added it; their values are the last ones, after the
+    # warnings' counts
+    sections: list[tuple[tuple[int, int, int], list[int], Any, Any]] = field(default_factory=list)
     # (raw start, raw count, finish) per emit whose values the sender thread finishes, in
     # order; ``raw`` counts the packed values of the emits, which then differ from the layout's
     finishes: list[tuple[int, int, Any]] = field(default_factory=list)
@@ -144,24 +146,36 @@ class PendingReport:
         """Run the sections (:meth:`StepContext.on_host`) on host copies of their parts,
         each into a context of its own; returns the values without the sections' and
         each section's place (emit, flagged event, verdict) with its pieces."""
-        cut = len(values) - sum(sum(sizes) for _, sizes, _ in self.sections)
+        cut = len(values) - sum(sum(sizes) for _, sizes, _, _ in self.sections)
         if self.hosts:
-            n_parts = sum(len(sizes) for _, sizes, _ in self.sections)
+            n_parts = sum(len(sizes) for _, sizes, _, _ in self.sections)
             host_parts = [self.hosts[g][start : start + count] for g, start, count in self.order[-n_parts:]]
         else:
             host_parts, offset = [], cut
-            for _, sizes, _ in self.sections:
+            for _, sizes, _, _ in self.sections:
                 for size in sizes:
                     host_parts.append(self.host[offset : offset + size])
                     offset += size
         subs: list[tuple[tuple[int, int, int], Any]] = []
         cpu = torch.device("cpu")
         i = 0
-        for at, sizes, run in self.sections:
+        for at, sizes, run, owner in self.sections:
             sub = StepContext(step=self.step, device=cpu)
-            run(sub, host_parts[i : i + len(sizes)])
+            mine = host_parts[i : i + len(sizes)]
             i += len(sizes)
-            pieces = pack(sub, run=self.run, rank=self.rank)._pieces()
+            try:
+                run(sub, mine)
+                pieces = pack(sub, run=self.run, rank=self.rank)._pieces()
+            except Exception as exc:
+                if owner is None:
+                    raise
+                # Only the section is lost: its signal says so here and is turned off at
+                # its next call on the training thread.
+                owner.fail_later("the sender thread", exc)
+                failed = f"{type(owner).__name__} failed in the sender thread: {type(exc).__name__}: {exc}"
+                verdict = [] if owner.covers is None else [(owner.covers, "failed", failed[:MAX_COVERAGE_DETAIL])]
+                subs.append((at, ([], [], verdict)))
+                continue
             always = [(signal, reason, detail) for signal, (reason, detail) in sub.verdicts().items()]
             subs.append((at, (pieces[0], pieces[1], always + pieces[2])))
         return values[:cut], subs
@@ -309,15 +323,16 @@ def _report_fields(
     }
 
 
-def _sections(ctx: StepContext) -> list[tuple[tuple[int, int, int], list[int], Any]]:
+def _sections(ctx: StepContext) -> list[tuple[tuple[int, int, int], list[int], Any, Any]]:
     """Each section's place in the report (its emit index; the flagged events and
-    verdicts before it, which alone are packed), its parts' sizes and its function."""
+    verdicts before it, which alone are packed), its parts' sizes, its function and the
+    signal that added it."""
     out = []
     for sec in ctx.sections:
         emit_at, event_at, unless_at = sec.at
         flags = sum(1 for ev in ctx.events[:event_at] if ev.flag is not None)
         verdicts = sum(1 for u in ctx.unless[:unless_at] if u.flag is not None)
-        out.append(((emit_at, flags, verdicts), [p.numel() for p in sec.parts], sec.run))
+        out.append(((emit_at, flags, verdicts), [p.numel() for p in sec.parts], sec.run, sec.owner))
     return out
 
 

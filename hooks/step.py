@@ -72,6 +72,7 @@ class _Section:
     # len(emits), len(events), len(unless) when it was added: where its samples, events
     # and coverage verdicts go in the report (its warnings are said when it runs)
     at: tuple[int, int, int]
+    owner: Any = None  # the signal whose collect added it (set by the step lifecycle)
 
 
 @dataclass(slots=True)
@@ -281,7 +282,10 @@ class StepContext:
         training thread no op at all (an op is 10-20 us of dispatch on a CPU, a kernel
         launch on a GPU). ``run`` must read only ``host_parts`` and what does not change
         after this call: it runs on another thread, a step or more later. A ``run``
-        that raises drops its report (the sender logs it once)."""
+        that raises loses only what it wrote: the report says the signal that added it
+        failed, and that signal is turned off at its next call on the training thread
+        (``Signal.fail_later``); one added outside a signal's ``collect`` drops its
+        report instead (the sender logs it once)."""
         if not callable(run):
             raise TypeError(f"on_host: run must be callable, not {type(run).__name__}")
         flat = [_flat(p) for p in parts]

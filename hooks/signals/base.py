@@ -89,6 +89,8 @@ class Signal:
     """Why :meth:`turn_off` turned it off (where, and the error), for the coverage detail."""
     covers: str | None = None
     """The built-in signal name its coverage entry has (:mod:`trainvitals.hooks.coverage`)."""
+    _failed_later: tuple[str, BaseException] | None = None
+    """A failure off the training thread (:meth:`fail_later`), not yet acted on."""
     uses_grad_norms: bool = False
     """True: its ``collect`` reads ``ctx.grad_norms``, the step's gradient norms
     (:mod:`trainvitals.hooks.grad_norms`), which are then taken before the step."""
@@ -151,8 +153,17 @@ class Signal:
         except Exception as exc:  # noqa: BLE001 - never into the training loop
             self.turn_off(where, exc)
 
+    def fail_later(self, where: str, exc: BaseException) -> None:
+        """A failure on another thread (the sender thread, running what the signal handed
+        it with ``ctx.on_host``): the signal is turned off at its next guarded call on the
+        training thread, where :meth:`turn_off`'s reset cannot race the step."""
+        if self._failed_later is None:
+            self._failed_later = (where, exc)
+
     def run_guarded(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` unless the signal is broken; a failure turns it off (returns None)."""
+        if self._failed_later is not None:
+            self.turn_off(*self._failed_later)
         if self.broken:
             return None
         try:

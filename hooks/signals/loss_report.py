@@ -102,7 +102,6 @@ from trainvitals.hooks.signals.loss_plan import ROWS, Plan
 from trainvitals.hooks.signals.loss_probe import ModalityProbe
 from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.tensors import float_dtype
-from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL
 
 __all__ = ["Accumulated", "LossReport"]
 
@@ -177,9 +176,7 @@ class LossReport:
         self._objectives = objectives
         self._late = late
         self._host: LossReport | None = None  # the sender thread's emitter, made at first use
-        self.failure: BaseException | None = None  # the host emitter's first failure (sender thread)
         self._lock = threading.Lock()  # the host emitter's: one emission at a time
-        self._snapshot: _Snapshot | None = None
         self._indices = IndexCache()
         self._family: torch.Tensor | None = None  # optimizer_scale_invariant, made once
         self._plans: dict[tuple[Any, ...], Plan] = {}  # per report layout
@@ -231,9 +228,9 @@ class LossReport:
             host = self._host
             if host is None:
                 host = self._host = LossReport(self._layout, self._objectives, self._late)
-            if host.failure is not None:  # raised here, the signal is turned off as on this thread
-                raise RuntimeError(f"the loss figures failed on the sender thread: {host.failure!r}")
-            view = self._view(monitor)
+            view = _Snapshot(
+                monitor.modalities, monitor.config, monitor.world_size, monitor.warn_once, monitor.optimizer
+            )
             objectives = dict(self._objectives)
             taken = Accumulated(
                 calls=list(acc.calls),
@@ -242,12 +239,14 @@ class LossReport:
                 fired=acc.fired,
                 output=acc.output,
             )
-            ctx.on_host(
-                [sums, extremes],
-                lambda sub, parts: host._emit_locked(
-                    view, sub, parts[0], parts[1], taken, counting, zero_code, objectives
-                ),
-            )
+
+            def run(sub: StepContext, parts: list[torch.Tensor]) -> None:
+                # One emission at a time: the sender thread and a caller of Monitor.latest()
+                # may materialize two reports at once, and the plans' buffers are written in place.
+                with host._lock:
+                    host._emit(view, sub, parts[0], parts[1], taken, counting, zero_code, None, None, objectives)
+
+            ctx.on_host([sums, extremes], run)
             return
         # Across ranks (and on the probe's steps, whose Gram matrix is on the device) the
         # figures are tensor ops here. On one rank the emission reads the step's own sums,
@@ -260,51 +259,6 @@ class LossReport:
             across_ranks=True,
             as_is=True,
         )
-
-    def _emit_locked(
-        self,
-        view: _Snapshot,
-        ctx: StepContext,
-        sums: torch.Tensor,
-        extremes: torch.Tensor,
-        acc: Accumulated,
-        counting_nonfinite: bool,
-        zero_code: bool,
-        objectives: dict[str, int],
-    ) -> None:
-        """:meth:`_emit` on the host copy, one report at a time: the sender thread and a
-        caller of ``Monitor.latest()`` may materialize two reports at once, and the
-        plans' kept buffers are written in place."""
-        with self._lock:
-            try:
-                self._emit(view, ctx, sums, extremes, acc, counting_nonfinite, zero_code, None, None, objectives)
-            except Exception as exc:  # noqa: BLE001 - the report goes on without the loss figures
-                # What was written is dropped, the report says why; the signal is turned off
-                # on the training thread at its next report (failed, as on that thread).
-                ctx.emits.clear()
-                ctx.events.clear()
-                ctx.unless.clear()
-                ctx.warns.clear()
-                detail = f"the loss figures failed on the sender thread: {type(exc).__name__}: {exc}"
-                ctx.inactive_when("loss", None, "failed", detail[:MAX_COVERAGE_DETAIL])
-                if self.failure is None:
-                    self.failure = exc
-
-    def _view(self, monitor: MonitorView) -> _Snapshot:
-        """The monitor's settings the emission reads, kept while they are the same."""
-        seen = self._snapshot
-        if (
-            seen is not None
-            and seen.config is monitor.config
-            and seen.modalities is monitor.modalities
-            and seen.world_size == monitor.world_size
-            and seen.optimizer is monitor.optimizer
-        ):
-            return seen
-        self._snapshot = seen = _Snapshot(
-            monitor.modalities, monitor.config, monitor.world_size, monitor.warn_once, monitor.optimizer
-        )
-        return seen
 
     def _late_warnings(
         self, monitor: MonitorView | _Snapshot, nonfinite: bool, zero_code: bool
