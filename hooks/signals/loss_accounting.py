@@ -48,7 +48,7 @@ import torch
 
 from trainvitals.hooks.signals.base import MonitorView, Removable
 from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES, TrackChecks
-from trainvitals.hooks.signals.loss_binning import Batch, SumsLayout, bin_batch, output_sums, weight_sums
+from trainvitals.hooks.signals.loss_binning import Batch, SumsLayout, bin_batch
 from trainvitals.hooks.signals.loss_probe import ModalityProbe
 from trainvitals.hooks.signals.loss_report import Accumulated, LossReport
 from trainvitals.hooks.signals.loss_step import LossStep
@@ -216,7 +216,7 @@ class LossAccounting(ZeroCodeSeams):
             inv = self._inv_scale(monitor, grad.device, b.fdt)
             if inv is not None:
                 w = w.to(b.fdt) * inv
-            self._add_weights(step, slot, *weight_sums(layout, b, w))
+            self._weights(step, slot, b, w)
             source = per_token_ref()
             if step.probe and self._probe is not None and source is not None and b.probe_masks is not None:
                 self._probing = True
@@ -234,8 +234,7 @@ class LossAccounting(ZeroCodeSeams):
         assert layout is not None
 
         def norms(grad: torch.Tensor) -> None:
-            assert step.output is not None
-            output_sums(step.output, b, grad, lead_dims, self._inv_scale(monitor, grad.device, b.fdt))
+            self._outputs(step, b, grad, lead_dims, self._inv_scale(monitor, grad.device, b.fdt))
 
         return self._hook("the output hook", norms)
 
@@ -311,8 +310,11 @@ class LossAccounting(ZeroCodeSeams):
                 normalization=step.normalization,
                 fired=step.fired > 0,
                 output=step.outputs > 0,
+                later=step.later,
             )
         )
+        if step is not None:
+            step.later = None  # a hook that fires after the report adds its own sums
         report.report(
             monitor, ctx, acc, nonfinite=self._nonfinite, zero_code=self._zero_code, probe=self._probe, gram=gram
         )

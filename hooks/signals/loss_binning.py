@@ -15,7 +15,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["UNIFORM_RTOL", "Batch", "SumsLayout", "bin_batch", "output_sums", "packed_sample_ids", "weight_sums"]
+__all__ = [
+    "UNIFORM_RTOL",
+    "Batch",
+    "SumsLayout",
+    "bin_batch",
+    "output_finish",
+    "output_norms",
+    "output_sums",
+    "packed_sample_ids",
+    "weight_finish",
+    "weight_rows",
+    "weight_sums",
+]
 
 UNIFORM_RTOL = 1e-3
 """Token weights of a micro-batch within this relative spread count as uniform
@@ -32,6 +44,7 @@ class RowConstants:
     root: torch.Tensor  # [R] sqrt(cols)
     has: torch.Tensor  # [R] True
     fit_rows: torch.Tensor  # [5, R] SumsLayout.fit_rows of log(cols)
+    log_n: torch.Tensor  # [R] log(cols): fit_rows' second row, its own tensor
     targets: torch.Tensor  # [6, bins] SumsLayout.bin_targets
     # [6, R] the per-row features without a mask: [1, cols, sqrt(cols), loss, cols, cols],
     # the loss row (a view, ``loss_row``) written by each call: no stack per micro-batch
@@ -137,13 +150,17 @@ class SumsLayout:
         one = self.constant_rows(log_n.shape[0], 1.0, log_n.dtype, log_n.device)
         return torch.stack([one, log_n, one, log_n * log_n, log_n])
 
-    def constant_fit_rows(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``fit_rows`` of ``rows`` samples of ``cols`` label tokens each (made once per shape)."""
+    def constant_fit_rows(
+        self, rows: int, cols: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fit_rows`` of ``rows`` samples of ``cols`` label tokens each, and its log
+        of the label tokens (made once per shape)."""
         key = ("fit rows", rows, cols, dtype, device)
         if key not in self._tensors:
             n = torch.full((rows,), float(max(cols, 1)), dtype=dtype, device=device)
-            self._tensors[key] = self.fit_rows(torch.log(n))
-        return self._tensors[key]
+            log_n = self._tensors[("log n", rows, cols, dtype, device)] = torch.log(n)
+            self._tensors[key] = self.fit_rows(log_n)
+        return self._tensors[key], self._tensors[("log n", rows, cols, dtype, device)]
 
     def with_log_weight(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``[5, 1]`` true on the fit's rows that take y, and the signs ``[1, -1, 1]`` of
@@ -191,12 +208,14 @@ class SumsLayout:
             one = self.constant_rows(rows, 1.0, dtype, device)
             root = self.constant_sqrt_rows(rows, cols, dtype, device)
             features = torch.stack([one, positions, root, torch.zeros_like(one), positions, positions])
+            fit_rows, log_n = self.constant_fit_rows(rows, cols, dtype, device)
             found = RowConstants(
                 positions=positions,
                 one=one,
                 root=root,
                 has=self.constant_rows(rows, True, torch.bool, device),
-                fit_rows=self.constant_fit_rows(rows, cols, dtype, device),
+                fit_rows=fit_rows,
+                log_n=log_n,
                 targets=self.bin_targets(device, count_unknown),
                 features=features,
                 loss_row=features[3],
@@ -237,6 +256,7 @@ class Batch:
     s_bin: torch.Tensor  # [S] modality bin per sample
     tok_bin: torch.Tensor | None  # [N] modality bin per token (its sample's); None: rows as samples
     fit_rows: torch.Tensor  # [5, S] SumsLayout.fit_rows of log(label tokens per sample)
+    log_n: torch.Tensor  # [S] that log (fit_rows' second row, its own tensor: what a deferred sum keeps)
     fdt: torch.dtype
     probe_masks: torch.Tensor | None = None  # [M, N] label tokens per modality (probe steps)
     rows_as_samples: bool = False  # binned by bin_rows (each row one sample, one code)
@@ -332,6 +352,7 @@ def bin_batch(
             ]
         ),
     )
+    log_n = torch.log(n_s.clamp_min(1.0))
     batch = Batch(
         lab=lab,
         sid=sid,
@@ -339,7 +360,8 @@ def bin_batch(
         has=has,
         s_bin=s_bin,
         tok_bin=tok_bin,
-        fit_rows=layout.fit_rows(torch.log(n_s.clamp_min(1.0))),
+        fit_rows=layout.fit_rows(log_n),
+        log_n=log_n,
         fdt=fdt,
         shape=(rows, cols),
     )
@@ -388,11 +410,12 @@ def _bin_rows(
     # non-finite loss in one row cannot turn another bin's sums into NaN (inf * 0).
     sums.index_put_((c.targets.index_select(1, binned),), features, accumulate=True)  # targets [6, R]
     if label is None:  # every row has label tokens
-        has, s_bin, fit_rows = c.has, binned, c.fit_rows
+        has, s_bin, fit_rows, log_n = c.has, binned, c.fit_rows, c.log_n
     else:
         has = n_s > 0
         s_bin = torch.where(has, binned, layout.constant(m, torch.long, dev))
-        fit_rows = layout.fit_rows(torch.log(n_s.clamp_min(1.0)))
+        log_n = torch.log(n_s.clamp_min(1.0))
+        fit_rows = layout.fit_rows(log_n)
     batch = Batch(
         lab=label,
         sid=None,
@@ -401,6 +424,7 @@ def _bin_rows(
         s_bin=s_bin,
         tok_bin=None,
         fit_rows=fit_rows,
+        log_n=log_n,
         fdt=fdt,
         rows_as_samples=True,
         shape=(rows, cols),
@@ -425,11 +449,25 @@ def weight_sums(
     smallest, and whether its token weights are non-uniform beyond ``rtol`` (weights
     read from a bfloat16 gradient need more than float rounding). The flag is read only
     where every micro-batch's weights are positive and finite (else the step's extremes
-    leave the spread out): there, non-uniform is ``largest > smallest * (1 + rtol)``."""
+    leave the spread out): there, non-uniform is ``largest > smallest * (1 + rtol)``.
+
+    In two halves: :func:`weight_rows` reduces over the tokens, :func:`weight_finish`
+    works on its per-sample results (what a step hands to its report,
+    :mod:`~trainvitals.hooks.signals.loss_deferred`)."""
+    w_s, top = weight_rows(layout, b, w)
+    return weight_finish(layout, w_s, top, b.fit_rows, b.s_bin, b.rows_as_samples, rtol)
+
+
+def weight_rows(
+    layout: SumsLayout, b: Batch, w: torch.Tensor, *, per_row: bool = False
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``weight_sums``' reductions over the tokens: the weight per sample ``w_s`` [S]
+    (in ``b.fdt``), and the extremes over label tokens, ``[largest, smallest]`` (two
+    0-d tensors in ``w``'s float) without a mask, ``[[largest, -smallest]]`` with one.
+    ``per_row``: without a mask, the extremes of each row ([R] each, one op and no
+    reshape: what is kept for the report, which takes their extremes)."""
     fdt, dev = b.fdt, w.device
-    zero = layout.constant(0.0, fdt, dev)
     lab = b.lab
-    with_y, signs = layout.with_log_weight(fdt, dev)
     if b.sid is None:  # rows as samples: the row sums widen as they add (no widened copy of w)
         if tuple(w.shape) != b.shape:
             w = w.reshape(b.shape)
@@ -439,29 +477,53 @@ def weight_sums(
         if w.dim() != 1:
             w = w.reshape(-1)
         w = w.to(fdt)
+        zero = layout.constant(0.0, fdt, dev)
         w_s = torch.index_add(layout.constant_rows(b.n_samples, 0.0, fdt, dev), 0, b.sid, torch.where(lab, w, zero))
-    # Token-weight extremes and uniformity within the micro-batch (I3).
     if lab is None:
-        # w's own extremes are exact in the wider float; the product with 1 + rtol, a
-        # 0-d tensor of it, is taken there too (a Python number would keep w's float)
-        wmin, wmax = torch.aminmax(w)
+        # w's own extremes; weight_finish compares them in the wider float
+        wmin, wmax = torch.aminmax(w, dim=1) if per_row else torch.aminmax(w)
+        return w_s, [wmax, wmin]
+    # the largest weight and the largest negated one, over label tokens, at once
+    dims = tuple(range(1, w.dim() + 1))
+    both = torch.where(lab, w * layout.label_signs(w.dim(), fdt, dev), layout.constant(float("-inf"), fdt, dev))
+    return w_s, [both.amax(dims)]
+
+
+def weight_finish(
+    layout: SumsLayout,
+    w_s: torch.Tensor,
+    top: list[torch.Tensor],
+    fit_rows: torch.Tensor,
+    s_bin: torch.Tensor,
+    rows_as_samples: bool,
+    rtol: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight_sums``' two results from :func:`weight_rows`' and the batch's samples:
+    ``fit_rows`` [5, S] (``SumsLayout.fit_rows``) and ``s_bin`` [S]."""
+    fdt, dev = w_s.dtype, w_s.device
+    zero = layout.constant(0.0, fdt, dev)
+    with_y, signs = layout.with_log_weight(fdt, dev)
+    # Token-weight extremes and uniformity within the micro-batch (I3).
+    if len(top) == 2:
+        # the product with 1 + rtol, a 0-d tensor of it, is taken in the wider float
+        # (a Python number would keep w's float)
+        wmax, wmin = top
+        if wmax.dim():  # per row: their extremes are the micro-batch's, exactly
+            wmax, wmin = wmax.max(), wmin.min()
         extremes = torch.stack([wmax, wmin, wmax > wmin * layout.constant(1 + rtol, fdt, dev)]) * signs
     else:
-        # the largest weight and the largest negated one, over label tokens, at once
-        dims = tuple(range(1, w.dim() + 1))
-        both = torch.where(lab, w * layout.label_signs(w.dim(), fdt, dev), layout.constant(float("-inf"), fdt, dev))
-        wmax, negmin = both.amax(dims).unbind()
+        wmax, negmin = top[0].unbind()
         extremes = torch.stack([wmax, negmin, wmax > negmin * -(1 + rtol)])  # -smallest * -c: smallest * c, exactly
-    # Exponent fit: sufficient statistics over samples with positive weight (a sample
-    # without label tokens has w_s = 0 on the rows path: its weights are masked out):
-    # per sample [1, x, 1, x * x, x] * [1, 1, y, 1, y] where w_s > 0, else 0.
-    ok = (w_s > 0) if b.sid is None else b.has & (w_s > 0)
+    # Exponent fit: sufficient statistics over samples with positive weight, per sample
+    # [1, x, 1, x * x, x] * [1, 1, y, 1, y] where w_s > 0, else 0. A sample without
+    # label tokens has w_s = 0 (a sum of masked zeros): its weights are never kept.
+    ok = w_s > 0
     y = torch.where(with_y, w_s.log(), layout.constant(1.0, fdt, dev))  # log of w_s <= 0 is never kept
-    fit = torch.where(ok, b.fit_rows * y, zero).sum(1)
+    fit = torch.where(ok, fit_rows * y, zero).sum(1)
     # [bins + 1]: the extra entry goes to scratch. Added by bin, never a one-hot
     # product: a non-finite weight stays in its own bin (inf * 0 would be NaN in all).
-    per_bin = torch.index_add(layout.constant_rows(layout.bins + 1, 0.0, fdt, dev), 0, b.s_bin, w_s)
-    mass = (w_s if b.rows_as_samples else per_bin).sum(0, keepdim=True)
+    per_bin = torch.index_add(layout.constant_rows(layout.bins + 1, 0.0, fdt, dev), 0, s_bin, w_s)
+    mass = (w_s if rows_as_samples else per_bin).sum(0, keepdim=True)
     return torch.cat([per_bin, fit, mass]), extremes
 
 
@@ -470,14 +532,36 @@ def output_sums(
 ) -> torch.Tensor:
     """Squared per-token norms of the output gradient, summed per modality bin and
     added into ``into`` ([bins], the step's output sums) in place, by bin: a
-    non-finite norm stays in its own bin."""
+    non-finite norm stays in its own bin. In two halves (:func:`output_norms` over
+    the features, :func:`output_finish` per bin), like ``weight_sums``."""
+    norms = output_norms(grad, lead_dims)
+    if b.tok_bin is None:
+        return output_finish(into, norms, b.s_bin, b.shape, inv_scale)
+    return output_finish(into, norms, b.tok_bin, None, inv_scale)
+
+
+def output_norms(grad: torch.Tensor, lead_dims: int) -> torch.Tensor:
+    """The output gradient's norm per token (float32): one fused reduction over the
+    feature dims, no [B, T, V] temporary."""
     g = grad.detach() if grad.requires_grad else grad
     dims = tuple(range(lead_dims, g.dim()))
-    # One fused reduction over the feature dims: no [B, T, V] temporary.
-    sq = (torch.linalg.vector_norm(g, dim=dims, dtype=torch.float32) if dims else g.float().abs()).to(b.fdt).square()
+    return torch.linalg.vector_norm(g, dim=dims, dtype=torch.float32) if dims else g.float().abs()
+
+
+def output_finish(
+    into: torch.Tensor,
+    norms: torch.Tensor,
+    bins: torch.Tensor,
+    rows: tuple[int, int] | None,
+    inv_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """``output_sums`` from :func:`output_norms`' per-token norms: squared (unscaled by
+    ``inv_scale``), summed per row first when ``rows`` (rows as samples; ``bins`` is then
+    per row, else per token), added into ``into`` at ``bins``."""
+    sq = norms.to(into.dtype).square()
     if inv_scale is not None:
         sq = sq * (inv_scale * inv_scale)
-    if b.tok_bin is None:  # rows as samples: per row, then per bin
-        per_row = (sq if tuple(sq.shape) == b.shape else sq.reshape(b.shape)).sum(1)
-        return into.index_add_(0, b.s_bin, per_row)
-    return into.index_add_(0, b.tok_bin, sq.reshape(-1))
+    if rows is not None:  # rows as samples: per row, then per bin
+        per_row = (sq if tuple(sq.shape) == rows else sq.reshape(rows)).sum(1)
+        return into.index_add_(0, bins, per_row)
+    return into.index_add_(0, bins, sq.reshape(-1))

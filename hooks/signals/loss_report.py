@@ -98,6 +98,7 @@ from trainvitals.hooks.optimizer_family import FAMILY_VALUE, optimizer_family
 from trainvitals.hooks.signals.base import MonitorView
 from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES
 from trainvitals.hooks.signals.loss_binning import SumsLayout
+from trainvitals.hooks.signals.loss_deferred import Deferred
 from trainvitals.hooks.signals.loss_plan import ROWS, Plan
 from trainvitals.hooks.signals.loss_probe import ModalityProbe
 from trainvitals.hooks.step import StepContext
@@ -123,6 +124,7 @@ class Accumulated:
     normalization: str | None = None  # declared by a track_loss call of the step
     fired: bool = False  # weights arrived (a per-token loss or logits hook ran)
     output: bool = False  # an output (or logits) gradient was summed
+    later: Deferred | None = None  # micro-batch results the hooks left to the report (loss_deferred)
 
 
 class _ModalityLabels:
@@ -220,14 +222,17 @@ class LossReport:
             pairs, at = self._late_warnings(monitor, nonfinite is not None, zero_code)
             self._late.add_many(pairs, sums.index_select(0, self._indices.get(at, sums.device)))
         counting = nonfinite is not None
+        entries, kept = acc.later.taken() if acc.later is not None else ((), [])
         if not distributed and gram is None and self.on_host:
             # On one rank the figures are made on the sender thread from the host copy of
             # the sums and extremes, taken when the report is packed (before the next
-            # step's first micro-batch resets them). What the emission reads of this step
-            # travels with it: copies of the per-step host state, the monitor's settings.
+            # step's first micro-batch resets them), with the micro-batch results the
+            # hooks left to it. What the emission reads of this step travels with it:
+            # copies of the per-step host state, the monitor's settings.
             host = self._host
             if host is None:
-                host = self._host = LossReport(self._layout, self._objectives, self._late)
+                # its own layout too: the layout's caches are never shared across the threads
+                host = self._host = LossReport(SumsLayout(lay.bins - 1, lay.objectives), self._objectives, self._late)
             view = _Snapshot(
                 monitor.modalities, monitor.config, monitor.world_size, monitor.warn_once, monitor.optimizer
             )
@@ -244,10 +249,14 @@ class LossReport:
                 # One emission at a time: the sender thread and a caller of Monitor.latest()
                 # may materialize two reports at once, and the plans' buffers are written in place.
                 with host._lock:
+                    if entries:
+                        Deferred.apply(host._layout, entries, parts[2:], parts[0], parts[1])
                     host._emit(view, sub, parts[0], parts[1], taken, counting, zero_code, None, None, objectives)
 
-            ctx.on_host([sums, extremes], run)
+            ctx.on_host([sums, extremes, *kept], run)
             return
+        if entries:  # the figures are made here after all (a probe step, a setting changed): add them now
+            Deferred.apply(lay, entries, kept, sums, extremes)
         # Across ranks (and on the probe's steps, whose Gram matrix is on the device) the
         # figures are tensor ops here. On one rank the emission reads the step's own sums,
         # in their own dtype (no copy): nothing writes them before the next step's first

@@ -20,9 +20,19 @@ import torch
 from trainvitals.hooks.late_warnings import LateWarnings
 from trainvitals.hooks.signals.base import MonitorView, Signal
 from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES
-from trainvitals.hooks.signals.loss_binning import SumsLayout
+from trainvitals.hooks.signals.loss_binning import (
+    UNIFORM_RTOL,
+    Batch,
+    SumsLayout,
+    output_finish,
+    output_norms,
+    weight_finish,
+    weight_rows,
+)
+from trainvitals.hooks.signals.loss_deferred import Deferred, add_weights
 from trainvitals.hooks.signals.loss_plan import ROWS
 from trainvitals.hooks.signals.loss_probe import ModalityProbe
+from trainvitals.hooks.signals.loss_report import LossReport
 from trainvitals.hooks.tensors import float_dtype
 
 __all__ = ["LossStep", "StepBook"]
@@ -52,6 +62,9 @@ class LossStep:
     probe_grads: torch.Tensor | None = None  # [M, P] per-modality parameter gradients
     layout: str = ""  # zero-code: why the head's output was not read as logits (the last such)
     several: bool = False  # a micro-batch held several samples (Megatron's per-sample intent then fails)
+    # the micro-batch results its hooks leave to the report (one rank, figures made on
+    # the host, no probe): None when the hooks add their sums themselves
+    later: Deferred | None = None
 
 
 class StepBuffers:
@@ -123,10 +136,35 @@ class StepBook(Signal):
     def _add_weights(self, step: LossStep, slot: int, values: torch.Tensor, extremes: torch.Tensor) -> None:
         """Add ``weight_sums``' values of objective ``slot`` into the step's sums, and
         its extremes into the objective's (each by its maximum)."""
+        assert self._layout is not None and step.sums is not None and step.extremes is not None
+        add_weights(self._layout, step.sums, step.extremes, slot, values, extremes)
+
+    def _weights(self, step: LossStep, slot: int, b: Batch, w: torch.Tensor, rtol: float = UNIFORM_RTOL) -> None:
+        """A hook's token weights ``w`` of objective ``slot``: ``weight_sums`` added into
+        the step's sums, or its reduction over the tokens kept for the report."""
         layout = self._layout
-        assert layout is not None and step.sums is not None and step.extremes is not None
-        step.sums.index_add_(0, layout.weight_targets(slot, step.sums.device), values)
-        step.extremes.scatter_reduce_(0, layout.extreme_targets(slot, step.sums.device), extremes, "amax")
+        assert layout is not None
+        later = step.later
+        if later is not None and later.fits(3 * b.n_samples + 2 * b.shape[0]):
+            w_s, top = weight_rows(layout, b, w, per_row=True)
+            later.weights(slot, w_s, top, b.log_n, b.s_bin, b.rows_as_samples, rtol)
+            return
+        w_s, top = weight_rows(layout, b, w)
+        self._add_weights(step, slot, *weight_finish(layout, w_s, top, b.fit_rows, b.s_bin, b.rows_as_samples, rtol))
+
+    def _outputs(
+        self, step: LossStep, b: Batch, grad: torch.Tensor, lead_dims: int, inv_scale: torch.Tensor | None
+    ) -> None:
+        """``output_sums`` of an output gradient into the step's, or its per-token norms
+        kept for the report (unscaled ones only)."""
+        assert step.output is not None
+        norms = output_norms(grad, lead_dims)
+        bins, rows = (b.s_bin, b.shape) if b.tok_bin is None else (b.tok_bin, None)
+        later = step.later
+        if inv_scale is None and later is not None and later.fits(norms.numel() + bins.numel()):
+            later.outputs(norms, bins, rows)
+            return
+        output_finish(step.output, norms, bins, rows, inv_scale)
 
     def _current(self, monitor: MonitorView) -> LossStep:
         # The scaler replaces its per-optimizer state in update(): a new object with
@@ -137,6 +175,8 @@ class StepBook(Signal):
             reporting = bool(monitor.reporting_next)
             probe = reporting and self._probe is not None and self._probe.due(monitor, monitor.step + 1)
             step = self._step = LossStep(token=token, reporting=reporting, probe=probe)
+            if reporting and not probe and monitor.world_size == 1 and LossReport.on_host:
+                step.later = Deferred()
         return step
 
     def _count_nonfinite(

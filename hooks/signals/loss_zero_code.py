@@ -34,7 +34,7 @@ from trainvitals.hooks.signals.logits_accounting import (
     uniform_tolerance,
 )
 from trainvitals.hooks.signals.loss_arguments import _modality_codes
-from trainvitals.hooks.signals.loss_binning import UNIFORM_RTOL, Batch, bin_batch, output_sums, weight_sums
+from trainvitals.hooks.signals.loss_binning import UNIFORM_RTOL, Batch, bin_batch
 from trainvitals.hooks.signals.loss_modality import input_ids, media_codes, sample_codes
 from trainvitals.hooks.signals.loss_step import LossStep, StepBook
 
@@ -265,7 +265,7 @@ class ZeroCodeSeams(StepBook):
             batch = bin_batch(layout, step.sums, loss, label, seam.seg, seam.codes, probe=False, count_unknown=m > 0)
             inv = self._inv_scale(monitor, grad.device, fdt)
             flat = w.reshape(-1) if inv is None else w.reshape(-1) * inv
-            self._add_weights(step, slot, *weight_sums(layout, batch, flat))
+            self._weights(step, slot, batch, flat)
             seam.weight, seam.loss, seam.batch, seam.inv = w.reshape(-1), loss.reshape(-1), batch, inv
 
         output.register_hook(self._hook("the per-token loss hook", weights))
@@ -313,7 +313,7 @@ class ZeroCodeSeams(StepBook):
             inv = self._inv_scale(monitor, grad.device, fdt)
             if inv is not None:
                 w = w * inv
-            self._add_weights(step, slot, *weight_sums(layout, batch, w))
+            self._weights(step, slot, batch, w)
 
         log_probs.register_hook(self._hook("the fused head's log-prob hook", weights))
 
@@ -359,10 +359,10 @@ class ZeroCodeSeams(StepBook):
             loss, label = rec.loss.view(rows, cols), rec.label.view(rows, cols)
             self._count_nonfinite(loss, label)
             batch = bin_batch(layout, step.sums, loss, label, seam.seg, seam.codes, probe=False, count_unknown=m > 0)
-            self._add_weights(step, slot, *weight_sums(layout, batch, w, uniform_tolerance(grad.dtype, UNIFORM_RTOL)))
+            self._weights(step, slot, batch, w, uniform_tolerance(grad.dtype, UNIFORM_RTOL))
             if m:
                 step.outputs += 1
-                output_sums(step.output, batch, g, 1, inv)
+                self._outputs(step, batch, g, 1, inv)
 
         return self._hook("the logits hook", weights)
 
@@ -382,7 +382,7 @@ class ZeroCodeSeams(StepBook):
         step.sums[layout.not_ce].add_((residual > l1.sum() * residual_tolerance(g.dtype)).to(fdt))
         if seam.batch is not None and layout.bins > 1:
             step.outputs += 1
-            output_sums(step.output, seam.batch, g, 1, seam.inv)
+            self._outputs(step, seam.batch, g, 1, seam.inv)
 
 
 def _fused_output(output: Any) -> tuple[torch.Tensor, torch.Tensor] | None:

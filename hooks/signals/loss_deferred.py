@@ -1,0 +1,109 @@
+"""Loss accounting: the per-micro-batch sums a reported step leaves to its report.
+
+On one rank a reported step's figures are made on the sender thread from the host
+copy of the step's sums (:mod:`~trainvitals.hooks.signals.loss_report`). The tensor
+hooks then need not finish their per-sample sums on the training thread either: a
+hook makes the reduction over its tokens (the pass only it can make, on the
+gradient it is handed) and keeps the small per-sample results here
+(:func:`~trainvitals.hooks.signals.loss_binning.weight_rows`,
+:func:`~trainvitals.hooks.signals.loss_binning.output_norms`); the report hands them
+to the sender thread with the sums, where the same functions finish them and add
+them in the order the hooks ran. The figures are the same: these entries of the sums
+(the weights per bin, the exponent fit, the masses, the output norms) are written by
+the hooks alone, and the extremes combine by their maximum.
+
+A step keeps at most :data:`MAX_ENTRIES` micro-batches and :data:`MAX_NUMEL`
+elements; past either, a hook adds its sums itself, as on several ranks (the order
+of the float additions within the step is then another one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainvitals.hooks.signals.loss_binning import SumsLayout, output_finish, weight_finish
+
+__all__ = ["MAX_ENTRIES", "MAX_NUMEL", "Deferred", "add_weights"]
+
+MAX_ENTRIES = 32
+"""Micro-batch results a step keeps for its report (weights and output norms each count)."""
+MAX_NUMEL = 1 << 18
+"""Elements a step keeps for its report (2 MB of float64): what the report copies."""
+
+
+def add_weights(
+    layout: SumsLayout, sums: torch.Tensor, extremes: torch.Tensor, slot: int, values: torch.Tensor, ext: torch.Tensor
+) -> None:
+    """Add ``weight_sums``' values of objective ``slot`` into ``sums``, and its
+    extremes into the objective's (each by its maximum)."""
+    sums.index_add_(0, layout.weight_targets(slot, sums.device), values)
+    extremes.scatter_reduce_(0, layout.extreme_targets(slot, sums.device), ext, "amax")
+
+
+class Deferred:
+    """A reported step's kept micro-batch results: their tensors in one list, and per
+    micro-batch what finishes them (kind and arguments, where its tensors start, their
+    shapes)."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.entries: list[tuple[tuple[Any, ...], int, list[tuple[int, ...]]]] = []
+        self.numel = 0
+
+    def weights(
+        self,
+        slot: int,
+        w_s: torch.Tensor,
+        top: list[torch.Tensor],
+        log_n: torch.Tensor,
+        s_bin: torch.Tensor,
+        rows_as_samples: bool,
+        rtol: float,
+    ) -> None:
+        """Keep ``weight_rows``' results of a micro-batch of objective ``slot`` with
+        its samples' ``log_n`` and bins."""
+        self._keep(("weights", slot, rows_as_samples, rtol), [w_s, *top, log_n, s_bin])
+
+    def outputs(self, norms: torch.Tensor, bins: torch.Tensor, rows: tuple[int, int] | None) -> None:
+        """Keep ``output_norms``' per-token norms with their bins (per row when ``rows``)."""
+        self._keep(("outputs", rows), [norms, bins])
+
+    def fits(self, numel: int) -> bool:
+        """Whether one more micro-batch result of ``numel`` elements may be kept."""
+        return len(self.entries) < MAX_ENTRIES and self.numel + numel <= MAX_NUMEL
+
+    def _keep(self, head: tuple[Any, ...], tensors: list[torch.Tensor]) -> None:
+        self.entries.append((head, len(self.tensors), [tuple(t.shape) for t in tensors]))
+        self.tensors.extend(tensors)
+        self.numel += sum(t.numel() for t in tensors)
+
+    def taken(self) -> tuple[tuple[tuple[tuple[Any, ...], int, list[tuple[int, ...]]], ...], list[torch.Tensor]]:
+        """What the step kept, as it is now (a hook that fires later adds its sums itself)."""
+        return tuple(self.entries), list(self.tensors)
+
+    @staticmethod
+    def apply(
+        layout: SumsLayout,
+        entries: tuple[tuple[tuple[Any, ...], int, list[tuple[int, ...]]], ...],
+        tensors: list[torch.Tensor],
+        sums: torch.Tensor,
+        extremes: torch.Tensor,
+    ) -> None:
+        """Finish the kept results and add them into ``sums`` and ``extremes``, in
+        order. ``tensors``: the kept ones, or their host copies (flat; the bins in the
+        report's float when it was packed on a GPU)."""
+        for head, start, shapes in entries:
+            parts = [
+                t if tuple(t.shape) == shape else t.reshape(shape)
+                for t, shape in zip(tensors[start : start + len(shapes)], shapes, strict=True)
+            ]
+            bins = parts[-1] if parts[-1].dtype == torch.long else parts[-1].long()
+            if head[0] == "weights":
+                _, slot, rows_as_samples, rtol = head
+                w_s, *top, log_n = parts[:-1]
+                values, ext = weight_finish(layout, w_s, top, layout.fit_rows(log_n), bins, rows_as_samples, rtol)
+                add_weights(layout, sums, extremes, slot, values, ext)
+            else:
+                output_finish(sums[layout.output], parts[0], bins, head[1], None)

@@ -1,0 +1,175 @@
+"""On one rank a reported step's loss hooks keep their per-sample results for the
+report (hooks/signals/loss_deferred.py) instead of adding them into the step's sums:
+the sender thread finishes and adds them. What a step keeps is bounded; past the
+bound, and when the figures end up made on the training thread after all, the sums
+are the same as when every hook adds its own."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.hooks._loss_models import MODALITIES, TokenModel, padded, per_token_loss, samples
+from trainvitals.hooks import attach
+from trainvitals.hooks.signals import loss_deferred
+from trainvitals.hooks.signals.loss_deferred import MAX_ENTRIES, Deferred
+from trainvitals.hooks.signals.loss_report import LossReport
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
+
+def _reports(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text().splitlines():
+        report = json.loads(line)
+        for key in ("time", "sender"):
+            report.pop(key, None)
+        out.append(report)
+    return out
+
+
+def _job(path: Path, micro_batches: int, steps: int = 3, flip_at: int | None = None, monkeypatch=None) -> None:
+    """``micro_batches`` per optimizer step: rows without a mask (every token a label
+    token, rows weighted 1, 3, 2) and padded rows with one (uniform weights),
+    alternately, with the output gradient.
+    ``flip_at``: that step's figures are switched to the training thread after its
+    first backward (the hooks of that step kept their results)."""
+    model = TokenModel(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = attach(model, opt, run="deferred", sink=f"file:{path}", every=1, modalities=MODALITIES)
+    for step in range(steps):
+        for k in range(micro_batches):
+            batch = samples([6, 6, 6] if k % 2 == 0 else [7, 3, 12], [0, 1, k % 2], seed=100 * step + k)
+            rows = padded(batch)
+            per_token, logits = per_token_loss(model, rows)
+            if k % 2 == 0:
+                # rows weighted their own ways, the first the least: the step's only
+                # non-uniform weights, whose largest is never in the first row
+                mon.track_loss(per_token, modality=rows.modality, output=logits)
+                loss = (per_token * torch.tensor([1.0, 3.0, 2.0])[:, None]).sum()
+            else:
+                mon.track_loss(per_token, modality=rows.modality, mask=rows.mask, output=logits)
+                loss = torch.where(rows.mask, per_token, 0.0).sum()
+            (loss / (18 * micro_batches)).backward()
+            if step == flip_at and k == 0:
+                monkeypatch.setattr(LossReport, "on_host", False)
+        opt.step()
+        opt.zero_grad()
+    mon.close()
+
+
+def _loss_samples(report: dict[str, Any]) -> list[tuple[str, str, float]]:
+    return [
+        (s["name"], json.dumps(s["labels"], sort_keys=True), s["value"])
+        for s in report["samples"]
+        if s["name"].startswith(("modality_", "loss_", "output_", "token_"))
+    ]
+
+
+@pytest.fixture
+def applied(monkeypatch) -> list[tuple[int, str]]:
+    """Each ``Deferred.apply`` call: how many results it added, and on which device."""
+    calls: list[tuple[int, str]] = []
+    real = Deferred.apply
+
+    def spy(layout, entries, tensors, sums, extremes):
+        calls.append((len(entries), sums.device.type))
+        real(layout, entries, tensors, sums, extremes)
+
+    monkeypatch.setattr(Deferred, "apply", staticmethod(spy))
+    return calls
+
+
+def test_a_long_accumulation_keeps_what_fits_and_adds_the_rest_itself(tmp_path, monkeypatch, applied):
+    """24 micro-batches, two results each (weights, output norms): the first 32 results
+    go to the report, the rest are added by the hooks. The figures equal those of the
+    same job with every hook adding its own (to float rounding: the additions into a
+    step's sums come in another order)."""
+    micro = 24
+    assert 2 * micro > MAX_ENTRIES
+    sent = {}
+    for on_host in (True, False):
+        monkeypatch.setattr(LossReport, "on_host", on_host)
+        path = tmp_path / f"long-{on_host}.jsonl"
+        _job(path, micro)
+        sent[on_host] = _reports(path)
+    assert applied[:3] == [(MAX_ENTRIES, "cpu")] * 3, applied  # each step: its kept results, on the sender thread
+    host, device = sent[True], sent[False]
+    assert len(host) == len(device) >= 3
+    compared = 0
+    for a, b in zip(host, device, strict=True):
+        la, lb = _loss_samples(a), _loss_samples(b)
+        assert [x[:2] for x in la] == [x[:2] for x in lb]
+        for (name, labels, va), (_, _, vb) in zip(la, lb, strict=True):
+            assert va == pytest.approx(vb, rel=1e-12, abs=1e-15) or (math.isnan(va) and math.isnan(vb)), (
+                name,
+                labels,
+            )
+            compared += 1
+        assert a["events"] == b["events"] and a["coverage"] == b["coverage"]
+    names = {x[0] for r in host for x in _loss_samples(r)}
+    assert {"modality_loss", "loss_weight_mass", "modality_dilution_ratio"} <= names, sorted(names)
+    assert compared > 50
+
+
+def test_kept_results_are_added_on_the_training_thread_when_the_figures_are_made_there(tmp_path, monkeypatch, applied):
+    """A step whose hooks kept their results, whose figures are then made on the
+    training thread (as on a probe step a live setting made due): the kept results are
+    added there, before the figures, and the reports are those of a job whose hooks
+    added their own, byte for byte (these entries of the sums have no other writer)."""
+    monkeypatch.setattr(LossReport, "on_host", True)
+    _job(tmp_path / "flipped.jsonl", 3, steps=3, flip_at=1, monkeypatch=monkeypatch)
+    assert [d for _, d in applied] == ["cpu", "cpu"] and [n for n, _ in applied] == [6, 6], applied
+    monkeypatch.setattr(LossReport, "on_host", False)
+    _job(tmp_path / "device.jsonl", 3, steps=3)
+    flipped, device = _reports(tmp_path / "flipped.jsonl"), _reports(tmp_path / "device.jsonl")
+    assert json.dumps(flipped[1:]) == json.dumps(device[1:])
+    assert _loss_samples(flipped[1]), "the flipped step has its loss figures"
+
+
+def test_the_kept_tensors_are_let_go_once_the_report_is_taken(tmp_path, monkeypatch):
+    """A step's kept results live until its report copies them, not longer."""
+    monkeypatch.setattr(LossReport, "on_host", True)
+    kept: list[weakref.ref] = []
+    real = Deferred._keep
+
+    def spy(self, head, tensors):
+        kept.extend(weakref.ref(t) for t in tensors)
+        real(self, head, tensors)
+
+    monkeypatch.setattr(Deferred, "_keep", spy)
+    model = TokenModel(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = attach(model, opt, run="kept", sink=f"file:{tmp_path / 'kept.jsonl'}", every=1, modalities=MODALITIES)
+    rows = padded(samples([5, 9], [0, 1]))
+    for _ in range(2):
+        per_token, logits = per_token_loss(model, rows)
+        mon.track_loss(per_token, modality=rows.modality, mask=rows.mask, output=logits)
+        torch.where(rows.mask, per_token, 0.0).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert mon.latest()
+    del per_token, logits
+    gc.collect()
+    alive = [tuple(t.shape) for t in (r() for r in kept) if t is not None]
+    assert kept and not alive, alive
+    mon.close()
+
+
+def test_the_bound_on_what_a_step_keeps():
+    d = Deferred()
+    for _ in range(MAX_ENTRIES):
+        assert d.fits(10)
+        d.outputs(torch.zeros(5), torch.zeros(5, dtype=torch.long), None)
+    assert not d.fits(1)
+    d = Deferred()
+    assert d.fits(loss_deferred.MAX_NUMEL) and not d.fits(loss_deferred.MAX_NUMEL + 1)
+    entries, tensors = d.taken()
+    assert entries == () and tensors == []
