@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import trainvitals.hooks.pack as pack_module
 from tests.hooks._loss_models import MODALITIES, TokenModel, padded, per_token_loss, samples
 from trainvitals.hooks import attach
 from trainvitals.hooks.signals import loss_deferred
@@ -173,3 +174,16 @@ def test_the_bound_on_what_a_step_keeps():
     assert d.fits(loss_deferred.MAX_NUMEL) and not d.fits(loss_deferred.MAX_NUMEL + 1)
     entries, tensors = d.taken()
     assert entries == () and tensors == []
+
+
+def test_kept_results_packed_in_one_float_vector_as_on_a_gpu(tmp_path, monkeypatch):
+    """On a GPU the report is one float64 vector (the bins and counts converted); the
+    sender thread reads the kept results back from it. Forced here on the CPU: the
+    reports are those of the per-dtype packing, byte for byte."""
+    monkeypatch.setattr(LossReport, "on_host", True)
+    _job(tmp_path / "per-dtype.jsonl", 4)
+    monkeypatch.setattr(pack_module, "_by_dtype", lambda parts: None)
+    _job(tmp_path / "one-vector.jsonl", 4)
+    per_dtype, one_vector = _reports(tmp_path / "per-dtype.jsonl"), _reports(tmp_path / "one-vector.jsonl")
+    assert len(per_dtype) >= 3 and _loss_samples(per_dtype[1])
+    assert json.dumps(per_dtype) == json.dumps(one_vector)
