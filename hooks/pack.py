@@ -144,14 +144,14 @@ class PendingReport:
 
     def _run_sections(self, values: list[float]) -> tuple[list[float], list[tuple[tuple[int, int, int], Any]]]:
         """Run the sections (:meth:`StepContext.on_host`) on host copies of their parts,
-        each into a context of its own; returns the values without the sections' and
-        each section's place (emit, flagged event, verdict) with its pieces."""
-        cut = len(values) - sum(sum(sizes) for _, sizes, _, _ in self.sections)
+        each into a context of its own; returns the values (``_values``: without the
+        sections') and each section's place (emit, flagged event, verdict) with its
+        pieces."""
         if self.hosts:
             n_parts = sum(len(sizes) for _, sizes, _, _ in self.sections)
             host_parts = [self.hosts[g][start : start + count] for g, start, count in self.order[-n_parts:]]
         else:
-            host_parts, offset = [], cut
+            host_parts, offset = [], self.host.numel() - sum(sum(sizes) for _, sizes, _, _ in self.sections)
             for _, sizes, _, _ in self.sections:
                 for size in sizes:
                     host_parts.append(self.host[offset : offset + size])
@@ -178,7 +178,7 @@ class PendingReport:
                 continue
             always = [(signal, reason, detail) for signal, (reason, detail) in sub.verdicts().items()]
             subs.append((at, (pieces[0], pieces[1], always + pieces[2])))
-        return values[:cut], subs
+        return values, subs
 
     def _warn(self, values: list[float]) -> None:
         """The log-once warnings whose counts turned out > 0 (the last values)."""
@@ -192,12 +192,27 @@ class PendingReport:
                     warn(key, message, int(n))
 
     def _values(self) -> list[float]:
-        """The packed values as floats, in the order they were packed."""
+        """The packed values as floats, in the order they were packed, but for the
+        sections' parts (packed last; their functions read them as tensors, and they
+        may be large)."""
+        sections = self.sections
         if not self.hosts:
-            return self.host.tolist()
-        lists = [h.tolist() if h.is_floating_point() else [float(v) for v in h.tolist()] for h in self.hosts]
+            host = self.host
+            if sections:
+                host = host[: host.numel() - sum(sum(sizes) for _, sizes, _, _ in sections)]
+            return host.tolist()
+        order = self.order
+        if sections:
+            order = order[: len(order) - sum(len(sizes) for _, sizes, _, _ in sections)]
+        ends = [0] * len(self.hosts)  # each dtype's parts lie in packing order: a prefix of it
+        for g, start, count in order:
+            ends[g] = start + count
+        lists = [
+            h[:end].tolist() if h.is_floating_point() else [float(v) for v in h[:end].tolist()]
+            for h, end in zip(self.hosts, ends, strict=True)
+        ]
         values: list[float] = []
-        for g, start, count in self.order:
+        for g, start, count in order:
             values.extend(lists[g][start : start + count])
         return values
 

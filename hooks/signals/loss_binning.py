@@ -158,8 +158,10 @@ class SumsLayout:
         key = ("fit rows", rows, cols, dtype, device)
         if key not in self._tensors:
             n = torch.full((rows,), float(max(cols, 1)), dtype=dtype, device=device)
-            log_n = self._tensors[("log n", rows, cols, dtype, device)] = torch.log(n)
-            self._tensors[key] = self.fit_rows(log_n)
+            log_n = torch.log(n)
+            fit_rows = self._tensors[key] = self.fit_rows(log_n)
+            self._tensors[("log n", rows, cols, dtype, device)] = log_n
+            return fit_rows, log_n
         return self._tensors[key], self._tensors[("log n", rows, cols, dtype, device)]
 
     def with_log_weight(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,8 +257,10 @@ class Batch:
     has: torch.Tensor  # [S] bool: the sample has label tokens
     s_bin: torch.Tensor  # [S] modality bin per sample
     tok_bin: torch.Tensor | None  # [N] modality bin per token (its sample's); None: rows as samples
-    fit_rows: torch.Tensor  # [5, S] SumsLayout.fit_rows of log(label tokens per sample)
-    log_n: torch.Tensor  # [S] that log (fit_rows' second row, its own tensor: what a deferred sum keeps)
+    # [5, S] SumsLayout.fit_rows of log(label tokens per sample); None: made from log_n
+    # when needed (a step that keeps its results for the report never needs it)
+    fit_rows: torch.Tensor | None
+    log_n: torch.Tensor  # [S] that log
     fdt: torch.dtype
     probe_masks: torch.Tensor | None = None  # [M, N] label tokens per modality (probe steps)
     rows_as_samples: bool = False  # binned by bin_rows (each row one sample, one code)
@@ -264,6 +268,12 @@ class Batch:
     # [R] each row's loss over its label tokens (rows as samples); read at once by the
     # caller: without a mask it is a row of a kept buffer the next micro-batch writes
     row_loss: torch.Tensor | None = None
+
+    def fit(self, layout: SumsLayout) -> torch.Tensor:
+        """``fit_rows``, made from ``log_n`` the first time it is asked for."""
+        if self.fit_rows is None:
+            self.fit_rows = layout.fit_rows(self.log_n)
+        return self.fit_rows
 
 
 def bin_batch(
@@ -360,7 +370,7 @@ def bin_batch(
         has=has,
         s_bin=s_bin,
         tok_bin=tok_bin,
-        fit_rows=layout.fit_rows(log_n),
+        fit_rows=None,
         log_n=log_n,
         fdt=fdt,
         shape=(rows, cols),
@@ -415,7 +425,7 @@ def _bin_rows(
         has = n_s > 0
         s_bin = torch.where(has, binned, layout.constant(m, torch.long, dev))
         log_n = torch.log(n_s.clamp_min(1.0))
-        fit_rows = layout.fit_rows(log_n)
+        fit_rows = None
     batch = Batch(
         lab=label,
         sid=None,
@@ -455,7 +465,7 @@ def weight_sums(
     works on its per-sample results (what a step hands to its report,
     :mod:`~trainvitals.hooks.signals.loss_deferred`)."""
     w_s, top = weight_rows(layout, b, w)
-    return weight_finish(layout, w_s, top, b.fit_rows, b.s_bin, b.rows_as_samples, rtol)
+    return weight_finish(layout, w_s, top, b.fit(layout), b.s_bin, b.rows_as_samples, rtol)
 
 
 def weight_rows(

@@ -12,9 +12,12 @@ them in the order the hooks ran. The figures are the same: these entries of the 
 (the weights per bin, the exponent fit, the masses, the output norms) are written by
 the hooks alone, and the extremes combine by their maximum.
 
-A step keeps at most :data:`MAX_ENTRIES` micro-batches and :data:`MAX_NUMEL`
-elements; past either, a hook adds its sums itself, as on several ranks (the order
-of the float additions within the step is then another one).
+A step keeps at most :data:`MAX_ENTRIES` micro-batch results and :data:`MAX_NUMEL`
+elements; at the first result past that, what
+it kept is added into its sums on the training thread and its hooks add their own from
+then on, as on several ranks, so the sums add in the same order either way. On a CPU
+the figures are the same bit for bit; on a GPU the sender thread's CPU sums may differ
+from the device's kernels in the last bits.
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ class Deferred:
     shapes)."""
 
     def __init__(self) -> None:
-        self.tensors: list[torch.Tensor] = []
-        self.entries: list[tuple[tuple[Any, ...], int, list[tuple[int, ...]]]] = []
+        # per micro-batch result: what finishes it, its tensors (one append: the hooks
+        # of a model on several devices may run on several autograd threads)
+        self._kept: list[tuple[tuple[Any, ...], list[torch.Tensor]]] = []
         self.numel = 0
 
     def weights(
@@ -66,22 +70,33 @@ class Deferred:
         its samples' ``log_n`` and bins."""
         self._keep(("weights", slot, rows_as_samples, rtol), [w_s, *top, log_n, s_bin])
 
-    def outputs(self, norms: torch.Tensor, bins: torch.Tensor, rows: tuple[int, int] | None) -> None:
-        """Keep ``output_norms``' per-token norms with their bins (per row when ``rows``)."""
-        self._keep(("outputs", rows), [norms, bins])
+    def outputs(
+        self, norms: torch.Tensor, bins: torch.Tensor, rows: tuple[int, int] | None, inv_scale: torch.Tensor | None
+    ) -> None:
+        """Keep ``output_norms``' per-token norms with their bins (per row when ``rows``)
+        and the ``GradScaler``'s inverse scale read at hook time."""
+        if inv_scale is None:
+            self._keep(("outputs", rows, False), [norms, bins])
+        else:
+            self._keep(("outputs", rows, True), [norms, inv_scale, bins])
 
     def fits(self, numel: int) -> bool:
         """Whether one more micro-batch result of ``numel`` elements may be kept."""
-        return len(self.entries) < MAX_ENTRIES and self.numel + numel <= MAX_NUMEL
+        return len(self._kept) < MAX_ENTRIES and self.numel + numel <= MAX_NUMEL
 
     def _keep(self, head: tuple[Any, ...], tensors: list[torch.Tensor]) -> None:
-        self.entries.append((head, len(self.tensors), [tuple(t.shape) for t in tensors]))
-        self.tensors.extend(tensors)
+        self._kept.append((head, tensors))
         self.numel += sum(t.numel() for t in tensors)
 
     def taken(self) -> tuple[tuple[tuple[tuple[Any, ...], int, list[tuple[int, ...]]], ...], list[torch.Tensor]]:
-        """What the step kept, as it is now (a hook that fires later adds its sums itself)."""
-        return tuple(self.entries), list(self.tensors)
+        """What the step kept, as it is now: per result what finishes it, where its
+        tensors start in the flat list and their shapes; the flat list of tensors."""
+        entries = []
+        tensors: list[torch.Tensor] = []
+        for head, mine in list(self._kept):
+            entries.append((head, len(tensors), [tuple(t.shape) for t in mine]))
+            tensors.extend(mine)
+        return tuple(entries), tensors
 
     @staticmethod
     def apply(
@@ -106,4 +121,5 @@ class Deferred:
                 values, ext = weight_finish(layout, w_s, top, layout.fit_rows(log_n), bins, rows_as_samples, rtol)
                 add_weights(layout, sums, extremes, slot, values, ext)
             else:
-                output_finish(sums[layout.output], parts[0], bins, head[1], None)
+                _, rows, scaled = head
+                output_finish(sums[layout.output], parts[0], bins, rows, parts[1] if scaled else None)

@@ -249,9 +249,11 @@ class LossReport:
                 # One emission at a time: the sender thread and a caller of Monitor.latest()
                 # may materialize two reports at once, and the plans' buffers are written in place.
                 with host._lock:
-                    if entries:
-                        Deferred.apply(host._layout, entries, parts[2:], parts[0], parts[1])
-                    host._emit(view, sub, parts[0], parts[1], taken, counting, zero_code, None, None, objectives)
+                    sums, ext = parts[0], parts[1]
+                    if entries:  # into copies: the report's host values stay as packed (a rerun adds once)
+                        sums, ext = sums.clone(), ext.clone()
+                        Deferred.apply(host._layout, entries, parts[2:], sums, ext)
+                    host._emit(view, sub, sums, ext, taken, counting, zero_code, None, None, objectives)
 
             ctx.on_host([sums, extremes, *kept], run)
             return

@@ -145,26 +145,38 @@ class StepBook(Signal):
         layout = self._layout
         assert layout is not None
         later = step.later
-        if later is not None and later.fits(3 * b.n_samples + 2 * b.shape[0]):
-            w_s, top = weight_rows(layout, b, w, per_row=True)
-            later.weights(slot, w_s, top, b.log_n, b.s_bin, b.rows_as_samples, rtol)
-            return
+        if later is not None:
+            if later.fits(3 * b.n_samples + 2 * b.shape[0]):
+                w_s, top = weight_rows(layout, b, w, per_row=True)
+                later.weights(slot, w_s, top, b.log_n, b.s_bin, b.rows_as_samples, rtol)
+                return
+            self._keep_no_more(step, later)
         w_s, top = weight_rows(layout, b, w)
-        self._add_weights(step, slot, *weight_finish(layout, w_s, top, b.fit_rows, b.s_bin, b.rows_as_samples, rtol))
+        self._add_weights(step, slot, *weight_finish(layout, w_s, top, b.fit(layout), b.s_bin, b.rows_as_samples, rtol))
 
     def _outputs(
         self, step: LossStep, b: Batch, grad: torch.Tensor, lead_dims: int, inv_scale: torch.Tensor | None
     ) -> None:
         """``output_sums`` of an output gradient into the step's, or its per-token norms
-        kept for the report (unscaled ones only)."""
+        kept for the report."""
         assert step.output is not None
         norms = output_norms(grad, lead_dims)
         bins, rows = (b.s_bin, b.shape) if b.tok_bin is None else (b.tok_bin, None)
         later = step.later
-        if inv_scale is None and later is not None and later.fits(norms.numel() + bins.numel()):
-            later.outputs(norms, bins, rows)
-            return
+        if later is not None:
+            if later.fits(norms.numel() + bins.numel() + 1):
+                later.outputs(norms, bins, rows, inv_scale)
+                return
+            self._keep_no_more(step, later)
         output_finish(step.output, norms, bins, rows, inv_scale)
+
+    def _keep_no_more(self, step: LossStep, later: Deferred) -> None:
+        """The step keeps nothing more for its report: what it kept is added into its
+        sums now, before the result that did not fit, so the sums add in the hooks'
+        order whatever the step kept."""
+        assert self._layout is not None and step.sums is not None and step.extremes is not None
+        step.later = None
+        Deferred.apply(self._layout, *later.taken(), step.sums, step.extremes)
 
     def _current(self, monitor: MonitorView) -> LossStep:
         # The scaler replaces its per-optimizer state in update(): a new object with

@@ -181,3 +181,27 @@ def test_a_loss_emission_that_fails_on_the_sender_thread_loses_the_loss_figures_
     said = [r.getMessage() for r in caplog.records]
     turned_off = [m for m in said if m.startswith("trainvitals: signal LossAccounting failed")]
     assert len(turned_off) == 1 and "ZeroDivisionError: boom" in turned_off[0], said
+
+
+@pytest.mark.parametrize("dtypes", ["one", "several"])
+def test_a_sections_parts_are_read_as_tensors_never_as_python_floats(dtypes):
+    """A section's parts may be large (a step's kept micro-batch results): the report's
+    own values are turned into Python floats, the sections' parts never are."""
+    ctx = StepContext(step=2, device=torch.device("cpu"))
+    ctx.emit("own", torch.tensor([1.0, 2.0], dtype=torch.float64), [{"k": "a"}, {"k": "b"}])
+    if dtypes == "several":
+        ctx.emit("count", torch.tensor([3], dtype=torch.int64))
+    big = torch.arange(100_000, dtype=torch.float64)
+    seen = []
+
+    def section(sub: StepContext, parts: list[torch.Tensor]) -> None:
+        seen.append(parts[0].sum().item())
+        sub.emit("from_section", parts[1].float())
+
+    ctx.on_host([big, torch.tensor([7], dtype=torch.int64)], section)
+    pending = pack(ctx, run="r", rank=0)
+    values = pending._values()
+    assert values == ([1.0, 2.0] if dtypes == "one" else [1.0, 2.0, 3.0])
+    report = pending.materialize()
+    assert seen == [big.sum().item()]
+    assert [s["value"] for s in report["samples"]] == [*values, 7.0]
