@@ -13,22 +13,23 @@ them in the order the hooks ran. The figures are the same: these entries of the 
 the hooks alone, and the extremes combine by their maximum.
 
 A step keeps at most :data:`MAX_ENTRIES` micro-batch results and :data:`MAX_NUMEL`
-elements; at the first result past that, what
-it kept is added into its sums on the training thread and its hooks add their own from
-then on, as on several ranks, so the sums add in the same order either way. On a CPU
+elements; at the first result past that, what it kept is added into its sums on the
+training thread and its hooks add their own from then on, as on several ranks, so the
+sums add in the same order either way. On a CPU
 the figures are the same bit for bit; on a GPU the sender thread's CPU sums may differ
 from the device's kernels in the last bits.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 
 from trainvitals.hooks.signals.loss_binning import SumsLayout, output_finish, weight_finish
 
-__all__ = ["MAX_ENTRIES", "MAX_NUMEL", "Deferred", "add_weights"]
+__all__ = ["MAX_ENTRIES", "MAX_NUMEL", "Deferred", "Entries", "add_weights"]
 
 MAX_ENTRIES = 32
 """Micro-batch results a step keeps for its report (weights and output norms each count)."""
@@ -45,16 +46,22 @@ def add_weights(
     extremes.scatter_reduce_(0, layout.extreme_targets(slot, sums.device), ext, "amax")
 
 
+Entries = tuple[tuple[tuple[Any, ...], int, list[tuple[int, ...]]], ...]
+"""Per kept result: what finishes it (kind and arguments), where its tensors start in
+the flat list, their shapes."""
+
+
 class Deferred:
-    """A reported step's kept micro-batch results: their tensors in one list, and per
-    micro-batch what finishes them (kind and arguments, where its tensors start, their
-    shapes)."""
+    """A reported step's kept micro-batch results, open until :meth:`close` hands them
+    over once (to the report, or back to the training thread when the step keeps no
+    more). Keeping and closing take a lock: the hooks of a model on several devices run
+    on several autograd threads, and a result must be added exactly once."""
 
     def __init__(self) -> None:
-        # per micro-batch result: what finishes it, its tensors (one append: the hooks
-        # of a model on several devices may run on several autograd threads)
-        self._kept: list[tuple[tuple[Any, ...], list[torch.Tensor]]] = []
+        self._kept: list[tuple[tuple[Any, ...], list[torch.Tensor]]] = []  # what finishes it, its tensors
         self.numel = 0
+        self._open = True
+        self._lock = threading.Lock()
 
     def weights(
         self,
@@ -65,35 +72,45 @@ class Deferred:
         s_bin: torch.Tensor,
         rows_as_samples: bool,
         rtol: float,
-    ) -> None:
+    ) -> bool:
         """Keep ``weight_rows``' results of a micro-batch of objective ``slot`` with
-        its samples' ``log_n`` and bins."""
-        self._keep(("weights", slot, rows_as_samples, rtol), [w_s, *top, log_n, s_bin])
+        its samples' ``log_n`` and bins; False (nothing kept) when the step keeps no more."""
+        return self._keep(("weights", slot, rows_as_samples, rtol), [w_s, *top, log_n, s_bin])
 
     def outputs(
         self, norms: torch.Tensor, bins: torch.Tensor, rows: tuple[int, int] | None, inv_scale: torch.Tensor | None
-    ) -> None:
+    ) -> bool:
         """Keep ``output_norms``' per-token norms with their bins (per row when ``rows``)
-        and the ``GradScaler``'s inverse scale read at hook time."""
+        and the ``GradScaler``'s inverse scale read at hook time; False as ``weights``."""
         if inv_scale is None:
-            self._keep(("outputs", rows, False), [norms, bins])
-        else:
-            self._keep(("outputs", rows, True), [norms, inv_scale, bins])
+            return self._keep(("outputs", rows, False), [norms, bins])
+        return self._keep(("outputs", rows, True), [norms, inv_scale, bins])
 
     def fits(self, numel: int) -> bool:
-        """Whether one more micro-batch result of ``numel`` elements may be kept."""
-        return len(self._kept) < MAX_ENTRIES and self.numel + numel <= MAX_NUMEL
+        """Whether one more result of ``numel`` elements would be kept now (a hint,
+        before its work: :meth:`weights` and :meth:`outputs` decide)."""
+        return self._open and len(self._kept) < MAX_ENTRIES and self.numel + numel <= MAX_NUMEL
 
-    def _keep(self, head: tuple[Any, ...], tensors: list[torch.Tensor]) -> None:
-        self._kept.append((head, tensors))
-        self.numel += sum(t.numel() for t in tensors)
+    def _keep(self, head: tuple[Any, ...], tensors: list[torch.Tensor]) -> bool:
+        n = sum(t.numel() for t in tensors)
+        with self._lock:
+            if not self._open or len(self._kept) >= MAX_ENTRIES or self.numel + n > MAX_NUMEL:
+                return False
+            self._kept.append((head, tensors))
+            self.numel += n
+            return True
 
-    def taken(self) -> tuple[tuple[tuple[tuple[Any, ...], int, list[tuple[int, ...]]], ...], list[torch.Tensor]]:
-        """What the step kept, as it is now: per result what finishes it, where its
-        tensors start in the flat list and their shapes; the flat list of tensors."""
+    def close(self) -> tuple[Entries, list[torch.Tensor]] | None:
+        """What the step kept, once (None after the first call; nothing is kept after
+        it): the entries for :meth:`apply` and the flat list of tensors."""
+        with self._lock:
+            if not self._open:
+                return None
+            self._open = False
+            kept, self._kept = self._kept, []
         entries = []
         tensors: list[torch.Tensor] = []
-        for head, mine in list(self._kept):
+        for head, mine in kept:
             entries.append((head, len(tensors), [tuple(t.shape) for t in mine]))
             tensors.extend(mine)
         return tuple(entries), tensors
@@ -101,7 +118,7 @@ class Deferred:
     @staticmethod
     def apply(
         layout: SumsLayout,
-        entries: tuple[tuple[tuple[Any, ...], int, list[tuple[int, ...]]], ...],
+        entries: Entries,
         tensors: list[torch.Tensor],
         sums: torch.Tensor,
         extremes: torch.Tensor,

@@ -222,7 +222,9 @@ class LossReport:
             pairs, at = self._late_warnings(monitor, nonfinite is not None, zero_code)
             self._late.add_many(pairs, sums.index_select(0, self._indices.get(at, sums.device)))
         counting = nonfinite is not None
-        entries, kept = acc.later.taken() if acc.later is not None else ((), [])
+        # what the hooks kept, handed over once (a hook that fires later adds its own sums)
+        taken_over = acc.later.close() if acc.later is not None else None
+        entries, kept = taken_over if taken_over is not None else ((), [])
         if not distributed and gram is None and self.on_host:
             # On one rank the figures are made on the sender thread from the host copy of
             # the sums and extremes, taken when the report is packed (before the next

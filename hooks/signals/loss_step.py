@@ -145,13 +145,14 @@ class StepBook(Signal):
         layout = self._layout
         assert layout is not None
         later = step.later
-        if later is not None:
-            if later.fits(3 * b.n_samples + 2 * b.shape[0]):
-                w_s, top = weight_rows(layout, b, w, per_row=True)
-                later.weights(slot, w_s, top, b.log_n, b.s_bin, b.rows_as_samples, rtol)
+        if later is not None and later.fits(3 * b.n_samples + 2 * b.shape[0]):
+            w_s, top = weight_rows(layout, b, w, per_row=True)
+            if later.weights(slot, w_s, top, b.log_n, b.s_bin, b.rows_as_samples, rtol):
                 return
+        else:
+            w_s, top = weight_rows(layout, b, w)
+        if later is not None:  # the step keeps no more (another thread's hook may have filled it)
             self._keep_no_more(step, later)
-        w_s, top = weight_rows(layout, b, w)
         self._add_weights(step, slot, *weight_finish(layout, w_s, top, b.fit(layout), b.s_bin, b.rows_as_samples, rtol))
 
     def _outputs(
@@ -164,8 +165,7 @@ class StepBook(Signal):
         bins, rows = (b.s_bin, b.shape) if b.tok_bin is None else (b.tok_bin, None)
         later = step.later
         if later is not None:
-            if later.fits(norms.numel() + bins.numel() + 1):
-                later.outputs(norms, bins, rows, inv_scale)
+            if later.fits(norms.numel() + bins.numel() + 1) and later.outputs(norms, bins, rows, inv_scale):
                 return
             self._keep_no_more(step, later)
         output_finish(step.output, norms, bins, rows, inv_scale)
@@ -176,7 +176,9 @@ class StepBook(Signal):
         order whatever the step kept."""
         assert self._layout is not None and step.sums is not None and step.extremes is not None
         step.later = None
-        Deferred.apply(self._layout, *later.taken(), step.sums, step.extremes)
+        kept = later.close()  # once: a hook on another thread may get here too
+        if kept is not None:
+            Deferred.apply(self._layout, *kept, step.sums, step.extremes)
 
     def _current(self, monitor: MonitorView) -> LossStep:
         # The scaler replaces its per-optimizer state in update(): a new object with

@@ -11,6 +11,7 @@ import json
 import threading
 import weakref
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,8 +21,10 @@ import trainvitals.hooks.pack as pack_module
 from tests.hooks._loss_models import MODALITIES, TokenModel, padded, per_token_loss, samples
 from trainvitals.hooks import attach
 from trainvitals.hooks.signals import loss_deferred
+from trainvitals.hooks.signals.loss_binning import SumsLayout
 from trainvitals.hooks.signals.loss_deferred import MAX_ENTRIES, Deferred
 from trainvitals.hooks.signals.loss_report import LossReport
+from trainvitals.hooks.signals.loss_step import LossStep, StepBook
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
@@ -172,10 +175,14 @@ def test_the_bound_on_what_a_step_keeps():
         assert d.fits(10)
         d.outputs(torch.zeros(5), torch.zeros(5, dtype=torch.long), None, None)
     assert not d.fits(1)
+    assert not d.outputs(torch.zeros(1), torch.zeros(1, dtype=torch.long), None, None)
     d = Deferred()
     assert d.fits(loss_deferred.MAX_NUMEL) and not d.fits(loss_deferred.MAX_NUMEL + 1)
-    entries, tensors = d.taken()
-    assert entries == () and tensors == []
+    assert d.outputs(torch.zeros(3), torch.zeros(3, dtype=torch.long), (1, 3), None)
+    kept = d.close()
+    assert kept is not None and len(kept[0]) == 1 and len(kept[1]) == 2
+    assert d.close() is None, "handed over once"
+    assert not d.fits(1) and not d.outputs(torch.zeros(1), torch.zeros(1, dtype=torch.long), None, None)
 
 
 def test_kept_results_packed_in_one_float_vector_as_on_a_gpu(tmp_path, monkeypatch):
@@ -189,3 +196,33 @@ def test_kept_results_packed_in_one_float_vector_as_on_a_gpu(tmp_path, monkeypat
     per_dtype, one_vector = _reports(tmp_path / "per-dtype.jsonl"), _reports(tmp_path / "one-vector.jsonl")
     assert len(per_dtype) >= 3 and _loss_samples(per_dtype[1])
     assert json.dumps(per_dtype) == json.dumps(one_vector)
+
+
+def test_hooks_on_two_threads_add_a_full_steps_results_once(monkeypatch):
+    """The hooks of a model on several GPUs run on several autograd threads: two that
+    find the step full at once must add what it kept once, then their own."""
+    book = StepBook()
+    book._layout = SumsLayout(2, 1)
+    step = LossStep(token=(0, None), reporting=True, probe=False)
+    book._ensure_sums(step, torch.device("cpu"))
+    step.later = kept = Deferred()
+    bins = torch.tensor([0, 1, 2])
+    for _ in range(MAX_ENTRIES):
+        assert kept.outputs(torch.ones(3), bins, None, None)
+    batch = SimpleNamespace(s_bin=bins, shape=(3, 1), tok_bin=bins)
+    meet = threading.Barrier(2)
+    fits = Deferred.fits
+
+    def both_look_first(self, numel):
+        answer = fits(self, numel)
+        meet.wait(timeout=10)  # both hooks read step.later before either hands it over
+        return answer
+
+    monkeypatch.setattr(Deferred, "fits", both_look_first)
+    hooks = [threading.Thread(target=book._outputs, args=(step, batch, torch.ones(3), 1, None)) for _ in range(2)]
+    for t in hooks:
+        t.start()
+    for t in hooks:
+        t.join(timeout=10)
+    assert step.later is None
+    assert step.output.tolist() == [float(MAX_ENTRIES + 2)] * 3
