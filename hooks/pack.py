@@ -94,10 +94,8 @@ class PendingReport:
         runs)."""
         if self.ready is not None:
             self.ready.synchronize()
-        values = self._values()
-        subs: list[tuple[tuple[int, int, int], Any]] = []
-        if self.sections:
-            values, subs = self._run_sections(values)
+        values, section_parts = self._values()
+        subs = self._run_sections(section_parts) if self.sections else []
         self._layout()
         if self.finishes:
             values = self._finished(values)
@@ -142,20 +140,10 @@ class PendingReport:
             s0, f0, u0 = s1, f1, u1
         return samples, events, verdicts
 
-    def _run_sections(self, values: list[float]) -> tuple[list[float], list[tuple[tuple[int, int, int], Any]]]:
-        """Run the sections (:meth:`StepContext.on_host`) on host copies of their parts,
-        each into a context of its own; returns the values (``_values``: without the
-        sections') and each section's place (emit, flagged event, verdict) with its
-        pieces."""
-        if self.hosts:
-            n_parts = sum(len(sizes) for _, sizes, _, _ in self.sections)
-            host_parts = [self.hosts[g][start : start + count] for g, start, count in self.order[-n_parts:]]
-        else:
-            host_parts, offset = [], self.host.numel() - sum(sum(sizes) for _, sizes, _, _ in self.sections)
-            for _, sizes, _, _ in self.sections:
-                for size in sizes:
-                    host_parts.append(self.host[offset : offset + size])
-                    offset += size
+    def _run_sections(self, host_parts: list[torch.Tensor]) -> list[tuple[tuple[int, int, int], Any]]:
+        """Run the sections (:meth:`StepContext.on_host`) on the host copies of their
+        parts, each into a context of its own; returns each section's place (emit,
+        flagged event, verdict) with its pieces."""
         subs: list[tuple[tuple[int, int, int], Any]] = []
         cpu = torch.device("cpu")
         i = 0
@@ -178,7 +166,7 @@ class PendingReport:
                 continue
             always = [(signal, reason, detail) for signal, (reason, detail) in sub.verdicts().items()]
             subs.append((at, (pieces[0], pieces[1], always + pieces[2])))
-        return values, subs
+        return subs
 
     def _warn(self, values: list[float]) -> None:
         """The log-once warnings whose counts turned out > 0 (the last values)."""
@@ -191,30 +179,30 @@ class PendingReport:
                 if n > 0:
                     warn(key, message, int(n))
 
-    def _values(self) -> list[float]:
-        """The packed values as floats, in the order they were packed, but for the
-        sections' parts (packed last; their functions read them as tensors, and they
-        may be large)."""
-        sections = self.sections
+    def _values(self) -> tuple[list[float], list[torch.Tensor]]:
+        """The packed values as floats, in the order they were packed, and apart the
+        sections' parts as host tensors (packed last; their functions read them as
+        tensors, and they may be large: never turned into floats)."""
+        sizes = [size for _, mine, _, _ in self.sections for size in mine]
         if not self.hosts:
             host = self.host
-            if sections:
-                host = host[: host.numel() - sum(sum(sizes) for _, sizes, _, _ in sections)]
-            return host.tolist()
-        order = self.order
-        if sections:
-            order = order[: len(order) - sum(len(sizes) for _, sizes, _, _ in sections)]
+            if not sizes:
+                return host.tolist(), []
+            cut = host.numel() - sum(sizes)
+            return host[:cut].tolist(), list(host[cut:].split(sizes))
+        own = self.order[: len(self.order) - len(sizes)]
+        parts = [self.hosts[g][start : start + count] for g, start, count in self.order[len(own) :]]
         ends = [0] * len(self.hosts)  # each dtype's parts lie in packing order: a prefix of it
-        for g, start, count in order:
+        for g, start, count in own:
             ends[g] = start + count
         lists = [
             h[:end].tolist() if h.is_floating_point() else [float(v) for v in h[:end].tolist()]
             for h, end in zip(self.hosts, ends, strict=True)
         ]
         values: list[float] = []
-        for g, start, count in order:
+        for g, start, count in own:
             values.extend(lists[g][start : start + count])
-        return values
+        return values, parts
 
     def _layout(self) -> None:
         """(name, labels) per sample, and the samples with a presence value."""

@@ -212,7 +212,7 @@ class LossAccounting(ZeroCodeSeams):
 
         def weights(grad: torch.Tensor) -> None:
             step.fired += 1
-            w = grad.detach() if grad.requires_grad else grad  # weight_sums widens what it sums
+            w = grad.detach() if grad.requires_grad else grad  # weight_rows widens what it sums
             inv = self._inv_scale(monitor, grad.device, b.fdt)
             if inv is not None:
                 w = w.to(b.fdt) * inv
@@ -313,8 +313,6 @@ class LossAccounting(ZeroCodeSeams):
                 later=step.later,
             )
         )
-        if step is not None:
-            step.later = None  # a hook that fires after the report adds its own sums
         report.report(
             monitor, ctx, acc, nonfinite=self._nonfinite, zero_code=self._zero_code, probe=self._probe, gram=gram
         )

@@ -2,8 +2,9 @@
 
 Pure tensor functions and one layout; no monitor, no state, no host sync. The
 signal (:mod:`~trainvitals.hooks.signals.loss_accounting`) calls :func:`bin_batch`
-in ``track_loss`` (before the backward) and :func:`weight_sums` /
-:func:`output_sums` from its tensor hooks (during the backward). Everything a step
+in ``track_loss`` (before the backward) and :func:`weight_rows` /
+:func:`output_norms` from its tensor hooks (during the backward), then
+:func:`weight_finish` / :func:`output_finish` on what they return. Everything a step
 gathers lands in one float vector laid out by :class:`SumsLayout`, so the step
 costs one cross-rank sum and rides in the report's single host copy.
 """
@@ -22,11 +23,9 @@ __all__ = [
     "bin_batch",
     "output_finish",
     "output_norms",
-    "output_sums",
     "packed_sample_ids",
     "weight_finish",
     "weight_rows",
-    "weight_sums",
 ]
 
 UNIFORM_RTOL = 1e-3
@@ -128,7 +127,7 @@ class SumsLayout:
         return self._tensors[key]
 
     def weight_targets(self, slot: int, device: torch.device) -> torch.Tensor:
-        """Where ``weight_sums``' weight per bin (and scratch), fit and mass of objective ``slot`` go."""
+        """Where ``weight_finish``'s weight per bin (and scratch), fit and mass of objective ``slot`` go."""
         key = ("weights", slot, device)
         if key not in self._tensors:
             weight = list(range(self.weight.start, self.weight.stop))
@@ -137,7 +136,7 @@ class SumsLayout:
         return self._tensors[key]
 
     def extreme_targets(self, slot: int, device: torch.device) -> torch.Tensor:
-        """Where ``weight_sums``' extremes of objective ``slot`` go in the extremes vector."""
+        """Where ``weight_finish``'s extremes of objective ``slot`` go in the extremes vector."""
         key = ("extremes", slot, device)
         if key not in self._tensors:
             targets = [self.wmax.start + slot, self.negmin.start + slot, self.nonuniform.start + slot]
@@ -448,34 +447,18 @@ def _bin_rows(
     return batch
 
 
-def weight_sums(
-    layout: SumsLayout, b: Batch, w: torch.Tensor, rtol: float = UNIFORM_RTOL
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """From the token weights ``w`` (``dL/dl``, unscaled; [N], or [R, C] rows as
-    samples) of one micro-batch of one objective: ``[bins + 7]`` to add at
-    ``layout.weight_targets(slot)`` (the weight per bin, the exponent fit's sufficient
-    statistics, its weight mass), then ``[3]`` to combine by maximum at
-    ``layout.extreme_targets(slot)``: its largest label-token weight, minus its
-    smallest, and whether its token weights are non-uniform beyond ``rtol`` (weights
-    read from a bfloat16 gradient need more than float rounding). The flag is read only
-    where every micro-batch's weights are positive and finite (else the step's extremes
-    leave the spread out): there, non-uniform is ``largest > smallest * (1 + rtol)``.
-
-    In two halves: :func:`weight_rows` reduces over the tokens, :func:`weight_finish`
-    works on its per-sample results (what a step hands to its report,
-    :mod:`~trainvitals.hooks.signals.loss_deferred`)."""
-    w_s, top = weight_rows(layout, b, w)
-    return weight_finish(layout, w_s, top, b.fit(layout), b.s_bin, b.rows_as_samples, rtol)
-
-
 def weight_rows(
     layout: SumsLayout, b: Batch, w: torch.Tensor, *, per_row: bool = False
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``weight_sums``' reductions over the tokens: the weight per sample ``w_s`` [S]
-    (in ``b.fdt``), and the extremes over label tokens, ``[largest, smallest]`` (two
-    0-d tensors in ``w``'s float) without a mask, ``[[largest, -smallest]]`` with one.
-    ``per_row``: without a mask, the extremes of each row ([R] each, one op and no
-    reshape: what is kept for the report, which takes their extremes)."""
+    """The token weights ``w`` (``dL/dl``, unscaled; [N], or [R, C] rows as samples)
+    of one micro-batch of one objective, reduced over its tokens: the weight per sample
+    ``w_s`` [S] (in ``b.fdt``), and the extremes over label tokens, ``[largest,
+    smallest]`` (two 0-d tensors in ``w``'s float) without a mask, ``[[largest,
+    -smallest]]`` with one. ``per_row``: without a mask, the extremes of each row ([R]
+    each, one op and no reshape: what is kept for the report, which takes their
+    extremes). :func:`weight_finish` makes the sums from them, on the training thread
+    or, for a step that keeps its results (:mod:`~trainvitals.hooks.signals.loss_deferred`),
+    on the sender thread."""
     fdt, dev = b.fdt, w.device
     lab = b.lab
     if b.sid is None:  # rows as samples: the row sums widen as they add (no widened copy of w)
@@ -508,8 +491,15 @@ def weight_finish(
     rows_as_samples: bool,
     rtol: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight_sums``' two results from :func:`weight_rows`' and the batch's samples:
-    ``fit_rows`` [5, S] (``SumsLayout.fit_rows``) and ``s_bin`` [S]."""
+    """From :func:`weight_rows`' results and the batch's samples (``fit_rows`` [5, S],
+    ``SumsLayout.fit_rows``; ``s_bin`` [S]): ``[bins + 7]`` to add at
+    ``layout.weight_targets(slot)`` (the weight per bin, the exponent fit's sufficient
+    statistics, the weight mass), then ``[3]`` to combine by maximum at
+    ``layout.extreme_targets(slot)``: the largest label-token weight, minus the
+    smallest, and whether the token weights are non-uniform beyond ``rtol`` (weights
+    read from a bfloat16 gradient need more than float rounding). The flag is read only
+    where every micro-batch's weights are positive and finite (else the step's extremes
+    leave the spread out): there, non-uniform is ``largest > smallest * (1 + rtol)``."""
     fdt, dev = w_s.dtype, w_s.device
     zero = layout.constant(0.0, fdt, dev)
     with_y, signs = layout.with_log_weight(fdt, dev)
@@ -537,22 +527,10 @@ def weight_finish(
     return torch.cat([per_bin, fit, mass]), extremes
 
 
-def output_sums(
-    into: torch.Tensor, b: Batch, grad: torch.Tensor, lead_dims: int, inv_scale: torch.Tensor | None
-) -> torch.Tensor:
-    """Squared per-token norms of the output gradient, summed per modality bin and
-    added into ``into`` ([bins], the step's output sums) in place, by bin: a
-    non-finite norm stays in its own bin. In two halves (:func:`output_norms` over
-    the features, :func:`output_finish` per bin), like ``weight_sums``."""
-    norms = output_norms(grad, lead_dims)
-    if b.tok_bin is None:
-        return output_finish(into, norms, b.s_bin, b.shape, inv_scale)
-    return output_finish(into, norms, b.tok_bin, None, inv_scale)
-
-
 def output_norms(grad: torch.Tensor, lead_dims: int) -> torch.Tensor:
     """The output gradient's norm per token (float32): one fused reduction over the
-    feature dims, no [B, T, V] temporary."""
+    feature dims, no [B, T, V] temporary; :func:`output_finish` squares them and adds
+    them per modality bin."""
     g = grad.detach() if grad.requires_grad else grad
     dims = tuple(range(lead_dims, g.dim()))
     return torch.linalg.vector_norm(g, dim=dims, dtype=torch.float32) if dims else g.float().abs()
@@ -565,9 +543,10 @@ def output_finish(
     rows: tuple[int, int] | None,
     inv_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``output_sums`` from :func:`output_norms`' per-token norms: squared (unscaled by
-    ``inv_scale``), summed per row first when ``rows`` (rows as samples; ``bins`` is then
-    per row, else per token), added into ``into`` at ``bins``."""
+    """:func:`output_norms`' per-token norms squared (unscaled by ``inv_scale``), summed
+    per row first when ``rows`` (rows as samples; ``bins`` is then per row, else per
+    token), added into ``into`` ([bins], the step's output sums) in place at ``bins``:
+    a non-finite norm stays in its own bin."""
     sq = norms.to(into.dtype).square()
     if inv_scale is not None:
         sq = sq * (inv_scale * inv_scale)

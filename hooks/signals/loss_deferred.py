@@ -15,9 +15,9 @@ the hooks alone, and the extremes combine by their maximum.
 A step keeps at most :data:`MAX_ENTRIES` micro-batch results and :data:`MAX_NUMEL`
 elements; at the first result past that, what it kept is added into its sums on the
 training thread and its hooks add their own from then on, as on several ranks, so the
-sums add in the same order either way. On a CPU
-the figures are the same bit for bit; on a GPU the sender thread's CPU sums may differ
-from the device's kernels in the last bits.
+sums add in the same order either way. On a CPU the figures are the same bit for bit;
+on a GPU the sender thread's CPU sums may differ from the device's kernels in the last
+bits.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ MAX_NUMEL = 1 << 18
 def add_weights(
     layout: SumsLayout, sums: torch.Tensor, extremes: torch.Tensor, slot: int, values: torch.Tensor, ext: torch.Tensor
 ) -> None:
-    """Add ``weight_sums``' values of objective ``slot`` into ``sums``, and its
+    """Add ``weight_finish``'s values of objective ``slot`` into ``sums``, and its
     extremes into the objective's (each by its maximum)."""
     sums.index_add_(0, layout.weight_targets(slot, sums.device), values)
     extremes.scatter_reduce_(0, layout.extreme_targets(slot, sums.device), ext, "amax")

@@ -134,14 +134,14 @@ class StepBook(Signal):
             self._buffers.take(step, device)
 
     def _add_weights(self, step: LossStep, slot: int, values: torch.Tensor, extremes: torch.Tensor) -> None:
-        """Add ``weight_sums``' values of objective ``slot`` into the step's sums, and
+        """Add ``weight_finish``'s values of objective ``slot`` into the step's sums, and
         its extremes into the objective's (each by its maximum)."""
         assert self._layout is not None and step.sums is not None and step.extremes is not None
         add_weights(self._layout, step.sums, step.extremes, slot, values, extremes)
 
     def _weights(self, step: LossStep, slot: int, b: Batch, w: torch.Tensor, rtol: float = UNIFORM_RTOL) -> None:
-        """A hook's token weights ``w`` of objective ``slot``: ``weight_sums`` added into
-        the step's sums, or its reduction over the tokens kept for the report."""
+        """A hook's token weights ``w`` of objective ``slot``: their sums added into the
+        step's, or their reduction over the tokens kept for the report."""
         layout = self._layout
         assert layout is not None
         later = step.later
@@ -158,14 +158,14 @@ class StepBook(Signal):
     def _outputs(
         self, step: LossStep, b: Batch, grad: torch.Tensor, lead_dims: int, inv_scale: torch.Tensor | None
     ) -> None:
-        """``output_sums`` of an output gradient into the step's, or its per-token norms
-        kept for the report."""
+        """An output gradient's squared norms added per bin into the step's sums, or its
+        per-token norms kept for the report."""
         assert step.output is not None
         norms = output_norms(grad, lead_dims)
         bins, rows = (b.s_bin, b.shape) if b.tok_bin is None else (b.tok_bin, None)
         later = step.later
         if later is not None:
-            if later.fits(norms.numel() + bins.numel() + 1) and later.outputs(norms, bins, rows, inv_scale):
+            if later.outputs(norms, bins, rows, inv_scale):
                 return
             self._keep_no_more(step, later)
         output_finish(step.output, norms, bins, rows, inv_scale)

@@ -111,6 +111,18 @@ def per_token_loss(model: nn.Module, rows: Rows) -> tuple[torch.Tensor, torch.Te
     return per_token.view_as(rows.labels), logits
 
 
+def masked_steps(mon, model: nn.Module, opt: torch.optim.Optimizer, rows: Rows, steps: int) -> None:
+    """``steps`` optimizer steps on ``rows``' summed label-token losses, each micro-batch
+    tracked with its output gradient; each report must materialize (``mon.latest()``)."""
+    for _ in range(steps):
+        per_token, logits = per_token_loss(model, rows)
+        mon.track_loss(per_token, modality=rows.modality, mask=rows.mask, output=logits)
+        torch.where(rows.mask, per_token, 0.0).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert mon.latest(), "every report materializes"
+
+
 def reduce_loss(
     per_token: torch.Tensor, rows: Rows, scheme: str, total_tokens: float | None = None, n_samples: int | None = None
 ) -> torch.Tensor:

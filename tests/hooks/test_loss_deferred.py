@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import trainvitals.hooks.pack as pack_module
-from tests.hooks._loss_models import MODALITIES, TokenModel, padded, per_token_loss, samples
+from tests.hooks._loss_models import MODALITIES, TokenModel, masked_steps, padded, per_token_loss, samples
 from trainvitals.hooks import attach
 from trainvitals.hooks.signals import loss_deferred
 from trainvitals.hooks.signals.loss_binning import SumsLayout
@@ -148,21 +148,13 @@ def test_the_kept_tensors_are_let_go_once_the_report_is_taken(tmp_path, monkeypa
 
     def spy(self, head, tensors):
         kept.extend(weakref.ref(t) for t in tensors)
-        real(self, head, tensors)
+        return real(self, head, tensors)
 
     monkeypatch.setattr(Deferred, "_keep", spy)
     model = TokenModel(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mon = attach(model, opt, run="kept", sink=f"file:{tmp_path / 'kept.jsonl'}", every=1, modalities=MODALITIES)
-    rows = padded(samples([5, 9], [0, 1]))
-    for _ in range(2):
-        per_token, logits = per_token_loss(model, rows)
-        mon.track_loss(per_token, modality=rows.modality, mask=rows.mask, output=logits)
-        torch.where(rows.mask, per_token, 0.0).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        assert mon.latest()
-    del per_token, logits
+    masked_steps(mon, model, opt, padded(samples([5, 9], [0, 1])), 2)
     gc.collect()
     alive = [tuple(t.shape) for t in (r() for r in kept) if t is not None]
     assert kept and not alive, alive
