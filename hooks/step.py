@@ -281,7 +281,9 @@ class StepContext:
         written here). The figures worked out from a few host numbers then cost the
         training thread no op at all (an op is 10-20 us of dispatch on a CPU, a kernel
         launch on a GPU). ``run`` must read only ``host_parts`` and what does not change
-        after this call: it runs on another thread, a step or more later. A ``run``
+        after this call: it runs on another thread, a step or more later. It must not
+        write into ``host_parts`` (views of the report's host copy; a report whose
+        materializing failed after its sections is materialized again from it). A ``run``
         that raises loses only what it wrote: the report says the signal that added it
         failed, and that signal is turned off at its next call on the training thread
         (``Signal.fail_later``); one added outside a signal's ``collect`` drops its
