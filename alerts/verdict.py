@@ -35,7 +35,7 @@ from trainvitals.alerts.state import Alert, AlertState, Transition
 from trainvitals.wire import METRICS, RUN_END_EVENT, Report
 from trainvitals.wire.coverage import NOT_BLIND, REASONS, SIGNALS
 
-__all__ = ["Incident", "RunVerdict", "VerdictBuilder", "action_for"]
+__all__ = ["Incident", "RunVerdict", "VerdictBuilder", "action_for", "runbook_fix"]
 
 SEVERITY_ORDER = {"page": 0, "warning": 1, "info": 2}
 _name = attrgetter("name")
@@ -63,6 +63,11 @@ def _runbook_fixes() -> dict[str, str]:
         sentence = re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", para, maxsplit=1)[0]
         out[name.strip()] = sentence
     return out
+
+
+def runbook_fix(alert: str) -> str | None:
+    """The first sentence of ``alert``'s runbook **Fix.** paragraph, if it has one."""
+    return _runbook_fixes().get(alert)
 
 
 def action_for(rule: Rule) -> str:

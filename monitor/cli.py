@@ -216,6 +216,7 @@ def _batches(file: Path, size: int) -> Iterator[tuple[int, int, list[bytes]]]:
 
 def _add_subcommands() -> None:
     from trainvitals.alerts.cli import rules
+    from trainvitals.audit.cli import audit
     from trainvitals.demo import demo
     from trainvitals.monitor.cli_check import check, report
     from trainvitals.monitor.cli_run import configure, run
@@ -226,6 +227,7 @@ def _add_subcommands() -> None:
     main.add_command(configure)
     main.add_command(check)
     main.add_command(report)
+    main.add_command(audit)
 
 
 _add_subcommands()

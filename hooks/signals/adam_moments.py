@@ -27,6 +27,7 @@ pass over the moments for the norms and little else.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -48,6 +49,20 @@ from trainvitals.hooks.tensors import NormPlan, SparseSum, flat, foreach_norm32,
 BATCH = 1 << 18
 """Sampled elements per batch: bounds the temporaries to a few MB."""
 _TINY = 1e-30
+
+
+def bias_factors(beta1: float, beta2: float, eps: float, step: float) -> tuple[float, float]:
+    """``(c, g)`` of one parameter at its step count t (host numbers; the report does the
+    same on the device in :meth:`AdamMoments.collect`): ``c = eps * sqrt(1 - b2**t)`` and
+    ``g = sqrt(1 - b2**t) / (1 - b1**t)``, so that element by element
+
+        sqrt(v_hat) < eps                   <=>  sqrt(v) < c
+        m_hat / (sqrt(v_hat) + eps)          =   m / (sqrt(v) + c) * g
+
+    (the bias corrections floored at 1e-30, as there)."""
+    bc1 = max(1.0 - beta1**step, _TINY)
+    bc2 = max(1.0 - beta2**step, _TINY)
+    return eps * math.sqrt(bc2), math.sqrt(bc2) / bc1
 
 
 class _Batch:

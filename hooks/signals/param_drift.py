@@ -24,6 +24,8 @@ running float32 sums (integers, exact) on the device: one subtraction and one ad
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +45,31 @@ CONSISTENCY_SAMPLE = 1024
 """Elements per parameter whose change signs are kept."""
 _SCALE_FLOOR = 1e-38
 """The smallest judged scale a drift is divided by (a parameter that is all zeros)."""
+
+
+def judged_scales(scales: Sequence[float]) -> list[float]:
+    """The scale each drift is judged against, from the references' absmax (host
+    numbers; the device does the same in :meth:`DriftTracker.drift_bits`): its own, or
+    :data:`NEIGHBOUR_FLOOR` times the median (torch.nanmedian: the lower middle value)
+    of the scales that are not 0, when that is larger."""
+    known = sorted(s for s in scales if s > 0)
+    floor = known[(len(known) - 1) // 2] * NEIGHBOUR_FLOOR if known else 0.0
+    return [max(s, floor) for s in scales]
+
+
+def drift_log2(moved: float, judged: float) -> float:
+    """``param_drift_log2`` of a largest displacement ``moved`` = max |x - ref| against
+    the judged scale: ``log2(1 + moved / judged)``, the scale floored at 1e-38."""
+    return log2(1.0 + div(moved, max(judged, _SCALE_FLOOR)))
+
+
+def sign_consistency(signs: torch.Tensor) -> float:
+    """``param_drift_consistency_ratio`` from the change signs ``[changes, elements]``
+    (+1, -1, 0): per element |mean sign| over the changes, averaged over the elements;
+    NaN without a change or an element."""
+    if signs.shape[0] == 0 or signs.shape[1] == 0:
+        return math.nan
+    return float(signs.to(torch.float64).mean(0).abs().mean())
 
 
 @dataclass
@@ -382,10 +409,7 @@ class DriftFinish:
         out = list(raw)
         if self.drift:
             judged = raw[5 * n : 6 * n]
-            out[3 * n : 4 * n] = [
-                log2(1.0 + div(moved, max(j, _SCALE_FLOOR)))
-                for moved, j in zip(raw[3 * n : 4 * n], judged, strict=True)
-            ]
+            out[3 * n : 4 * n] = [drift_log2(moved, j) for moved, j in zip(raw[3 * n : 4 * n], judged, strict=True)]
         if self.ratio_den is not None:
             out[6 * n : 7 * n] = [div(v, d) for v, d in zip(raw[6 * n : 7 * n], self.ratio_den, strict=True)]
         return out

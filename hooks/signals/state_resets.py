@@ -29,6 +29,28 @@ from trainvitals.hooks.signals.param_series import groups_key
 from trainvitals.hooks.step import StepContext
 
 
+def reset_between(before: float | None, after: float | None, elapsed: int | None) -> str | None:
+    """What one parameter's step count says between two looks at the optimizer state
+    (host numbers: the offline audit's form of the conditions above), or None:
+
+    - ``after`` None (no state now, one before): the state vanished;
+    - ``after < before``: the step count went back;
+    - ``after <= elapsed`` (the optimizer steps between the looks, when known) while
+      ``after < before + elapsed``: it restarted since the first look (cleared, then
+      refilled by the steps since).
+
+    ``before`` None: the parameter had no state at the first look (new, not reset)."""
+    if before is None:
+        return None
+    if after is None:
+        return "its optimizer state vanished"
+    if after < before:
+        return f"its step count went back ({before:g} -> {after:g})"
+    if elapsed is not None and before > 0 and after <= elapsed and after < before + elapsed:
+        return f"its step count restarted ({before:g} -> {after:g} over {elapsed} steps)"
+    return None
+
+
 class ResetDetector:
     """Compares each walk with the previous one; emits the counter and events."""
 
