@@ -28,12 +28,14 @@ LR = 0.1
 
 
 class Readout(nn.Module):
-    def __init__(self) -> None:
+    """``scale_shape``: the output scale's shape (``(1,)`` where FSDP2 needs a dimension)."""
+
+    def __init__(self, scale_shape: tuple[int, ...] = ()) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.lin1 = nn.Linear(8, 16)
         self.lin2 = nn.Linear(16, 4)
-        self.out_scale = nn.Parameter(torch.tensor(1.0))
+        self.out_scale = nn.Parameter(torch.ones(scale_shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin2(torch.tanh(self.lin1(x))) * self.out_scale
@@ -53,23 +55,32 @@ class Saved:
     optimizers: list[dict] = field(default_factory=list)
 
 
-def train(variant: str) -> Saved:
+def scale_gradient(model: nn.Module, variant: str, noise: torch.Generator) -> None:
+    """After the backward: the bug's tiny biased gradient on the scale, or the fix's zero
+    (in place: the same on a sharded FSDP2 gradient, whose hooks would not see it)."""
+    g = model.out_scale.grad
+    assert g is not None
+    n = torch.randn((), generator=noise) * 2e-9 - 8e-9
+    if variant == "bug":
+        g.mul_(1e-9).add_(n)
+    else:
+        g.zero_()
+
+
+def train(variant: str, scale_shape: tuple[int, ...] = ()) -> Saved:
     """``bug`` (I4 with an optimizer rebuild) or ``healthy``."""
-    model = Readout()
+    model = Readout(scale_shape)
 
     def make() -> torch.optim.Optimizer:
         return torch.optim.Adam(model.parameters(), lr=LR, eps=1e-8)
 
     opt = make()
     noise = torch.Generator().manual_seed(7)
-    if variant == "bug":
-        model.out_scale.register_hook(lambda g: g * 1e-9 + (torch.randn((), generator=noise) * 2e-9 - 8e-9))
-    else:
-        model.out_scale.register_hook(torch.zeros_like)
     saved = Saved()
     for i in range(1, CHECKPOINTS[-1] + 1):
         x, y = batch(i)
         (model(x) - y).square().mean().backward()
+        scale_gradient(model, variant, noise)
         opt.step()
         opt.zero_grad()
         if variant == "bug" and i == REBUILD_AT:

@@ -155,7 +155,7 @@ def test_reference_checkpoint_and_init(runs, tmp_path: Path):
     # One checkpoint: the known initial values; a norm scale by its name, biases withheld.
     model = {"norm.weight": torch.full((4,), 3.0), "norm.bias": torch.zeros(4), "lin.weight": torch.ones(4, 4)}
     torch.save(model, tmp_path / "one.pt")
-    status, data, _ = audit(str(tmp_path / "one.pt"))
+    _status, data, _ = audit(str(tmp_path / "one.pt"))
     assert data["reference"]["kind"] == "init"
     assert data["one_d"]["norm.weight"]["walk"] == [pytest.approx(math.log2(1 + 2.0 / 1.0))]
     assert "a bias starts at 0" in data["one_d"]["norm.bias"]["withheld"]
@@ -174,7 +174,7 @@ def test_quantization_range_against_hand_computed_truth(tmp_path: Path):
     save_file(tensors, str(tmp_path / "q.safetensors"))
     torch.save(tensors, tmp_path / "q.pt")
     for f in ("q.safetensors", "q.pt"):
-        status, data, _ = audit(str(tmp_path / f))
+        _status, data, _ = audit(str(tmp_path / f))
         q = {e["tensor"]: e for e in data["quantization"]}
         assert [e["tensor"] for e in data["quantization"]] == ["spiky", "rows", "flat"]  # worst first
         rms = math.sqrt((n - 1 + 300.0**2) / n)
