@@ -179,13 +179,13 @@ def test_quantization_range_against_hand_computed_truth(tmp_path: Path):
         assert [e["tensor"] for e in data["quantization"]] == ["spiky", "rows", "flat"]  # worst first
         rms = math.sqrt((n - 1 + 300.0**2) / n)
         bits = math.log2(300.0 / rms)
-        assert q["spiky"]["range_bits"] == pytest.approx(bits, rel=1e-9)
-        assert q["spiky"]["int8_bulk_bits"] == pytest.approx(INT8_BITS - bits, rel=1e-9)
-        assert q["spiky"]["e4m3_headroom_bits"] == pytest.approx(math.log2(448 * 64) - bits, rel=1e-9)
+        assert q["spiky"]["range_bits"] == pytest.approx(bits, rel=1e-6)  # float32 norms per chunk
+        assert q["spiky"]["int8_bulk_bits"] == pytest.approx(INT8_BITS - bits, rel=1e-6)
+        assert q["spiky"]["e4m3_headroom_bits"] == pytest.approx(math.log2(448 * 64) - bits, rel=1e-6)
         assert E4M3_BITS == pytest.approx(math.log2(448 / 2**-6))
         r64 = rows.double()
         assert q["rows"]["range_bits"] == pytest.approx(
-            math.log2(float(r64.abs().max()) / math.sqrt(float(r64.square().mean()))), rel=1e-9
+            math.log2(float(r64.abs().max()) / math.sqrt(float(r64.square().mean()))), rel=1e-6
         )
         assert q["flat"]["range_bits"] == 0.0
         (finding,) = by_alert(data)["QuantizationRange"]
