@@ -95,7 +95,7 @@ def write_safetensors(path: Path, matrices: int) -> int:
     with path.open("wb") as fh:
         fh.write(struct.pack("<Q", len(blob)))
         fh.write(blob)
-        for name, shape in entries:
+        for _, shape in entries:
             t = torch.randn(shape, generator=g) if len(shape) > 1 else 1.0 + 0.01 * torch.randn(shape, generator=g)
             fh.write(t.numpy().tobytes())
     return path.stat().st_size
