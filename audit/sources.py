@@ -19,10 +19,14 @@ order-preserving assignment whose shapes match, else none, with the reason).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import math
+import mmap
 import pickle
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -56,6 +60,10 @@ class TensorRef:
     """The whole tensor, on the CPU."""
     chunked: Callable[[], Iterator[torch.Tensor]] | None = None
     """Flat pieces of at most about :data:`CHUNK` elements (None: the whole tensor, flattened)."""
+    mapped: bool = False
+    """A view of a file ``torch.load(mmap=True)`` mapped: each piece's pages are handed
+    back (:func:`_release`) once the reader has moved on, so the resident set holds one
+    piece of the file at a time, not all of it."""
 
     @property
     def numel(self) -> int:
@@ -71,11 +79,37 @@ class TensorRef:
             return
         flat = self.read().reshape(-1)
         for a in range(0, flat.numel(), CHUNK):
-            yield flat[a : a + CHUNK]
+            piece = flat[a : a + CHUNK]
+            yield piece
+            if self.mapped:
+                _release(piece)
 
 
-def _held(t: torch.Tensor) -> TensorRef:
-    return TensorRef(tuple(t.shape), t.dtype, lambda: t)
+def _held(t: torch.Tensor, mapped: bool = False) -> TensorRef:
+    return TensorRef(tuple(t.shape), t.dtype, lambda: t, mapped=mapped and t.is_contiguous())
+
+
+_MADV_DONTNEED = 4
+
+
+@functools.lru_cache(maxsize=1)
+def _madvise() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.madvise
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return fn
+
+
+def _release(piece: torch.Tensor) -> None:
+    """Drop a read piece of a file mapping from this process's pages (``MADV_DONTNEED``:
+    the file is unchanged and a later read maps it again from the page cache). Only for
+    the read-only private mapping ``torch.load(mmap=True)`` makes; on Linux only."""
+    if not sys.platform.startswith("linux") or piece.numel() == 0:
+        return
+    start = piece.data_ptr()
+    first = start - start % mmap.PAGESIZE
+    end = start + piece.numel() * piece.element_size()
+    _madvise()(first, end - first, _MADV_DONTNEED)
 
 
 @dataclass
@@ -237,11 +271,18 @@ def _meta_step(meta: dict[str, str] | None) -> tuple[int | None, str]:
 
 
 # -- torch.save and Lightning ----------------------------------------------------------
+_MAPPED = "__trainvitals_mapped__"
+"""Set in a loaded dict whose tensors are views of the mapped file."""
+
+
 def _torch_load(path: Path) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            if isinstance(obj, dict):
+                obj[_MAPPED] = True
+            return obj
         except pickle.UnpicklingError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(
@@ -274,6 +315,7 @@ def _from_saved_object(path: Path, obj: Any) -> Checkpoint:
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: holds a {type(obj).__name__}, not a dict of state dicts or tensors")
     note = obj.pop("__trainvitals_note__", None)
+    mapped = bool(obj.pop(_MAPPED, False))
     notes = [note] if isinstance(note, str) else []
     lightning = "optimizer_states" in obj or "pytorch-lightning_version" in obj
     model_sd: Any
@@ -303,14 +345,14 @@ def _from_saved_object(path: Path, obj: Any) -> Checkpoint:
                 "expected 'model', 'state_dict' or 'model_state_dict' and 'optimizer', "
                 "'optimizer_state_dict' or Lightning's 'optimizer_states', or a bare state dict"
             )
-    model = {k: _held(v) for k, v in (model_sd or {}).items() if isinstance(v, torch.Tensor)}
+    model = {k: _held(v, mapped) for k, v in (model_sd or {}).items() if isinstance(v, torch.Tensor)}
     step, source = None, ""
     for k in _STEP_KEYS:
         v = obj.get(k)
         if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1):
             step, source = int(float(v)), f"its {k!r} entry"
             break
-    optimizer = _torch_optimizer(path, opt_sd) if opt_sd is not None else None
+    optimizer = _torch_optimizer(path, opt_sd, mapped) if opt_sd is not None else None
     return Checkpoint(path, fmt, step, source, model, optimizer, notes)
 
 
@@ -322,7 +364,9 @@ def _number(v: Any) -> float | None:
     return None
 
 
-def _torch_optimizer(path: Path, sd: Any) -> OptimizerState:
+def _torch_optimizer(path: Path, sd: Any, mapped: bool = False) -> OptimizerState:
+    if isinstance(sd, dict):
+        mapped = bool(sd.pop(_MAPPED, mapped))
     if not _is_optimizer_dict(sd):
         raise CheckpointError(f"{path}: the optimizer entry is not an optimizer state dict ('state', 'param_groups')")
     groups = []
@@ -334,7 +378,7 @@ def _torch_optimizer(path: Path, sd: Any) -> OptimizerState:
     states = {}
     for key, st in sd["state"].items():
         k = str(key)
-        tensors = {n: _held(t) for n, t in st.items() if n in MOMENTS and isinstance(t, torch.Tensor)}
+        tensors = {n: _held(t, mapped) for n, t in st.items() if n in MOMENTS and isinstance(t, torch.Tensor)}
         states[k] = ParamState(k, group_of.get(k, -1), _number(st.get("step")), tensors)
     return OptimizerState(groups, states)
 
@@ -373,23 +417,37 @@ def _open_safetensors(files: list[Path]) -> tuple[dict[str, TensorRef], dict[str
             dtype = _ST_DTYPES.get(sl.get_dtype())
             if dtype is None:
                 continue
-            model[name] = _safetensors_ref(handle, name, sl, shape, dtype)
+            model[name] = _safetensors_ref(f, name, shape, dtype)
     return model, meta
 
 
-def _safetensors_ref(handle: Any, name: str, sl: Any, shape: tuple[int, ...], dtype: torch.dtype) -> TensorRef:
-    return TensorRef(shape, dtype, lambda: handle.get_tensor(name), lambda: _row_chunks(sl, shape, handle, name))
+def _safetensors_ref(path: Path, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorRef:
+    def read() -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt", device="cpu") as h:
+            return h.get_tensor(name)
+
+    return TensorRef(shape, dtype, read, lambda: _row_chunks(path, name, shape, read))
 
 
-def _row_chunks(sl: Any, shape: tuple[int, ...], handle: Any, name: str) -> Iterator[torch.Tensor]:
-    """A safetensors tensor in slices of whole rows (at least one row per piece)."""
+def _row_chunks(
+    path: Path, name: str, shape: tuple[int, ...], read: Callable[[], torch.Tensor]
+) -> Iterator[torch.Tensor]:
+    """A safetensors tensor in slices of whole rows (at least one row per piece), each
+    read through a handle of its own: closing it unmaps the file, so the resident set
+    holds one piece, not the file."""
+    from safetensors import safe_open
+
     if len(shape) == 0 or math.prod(shape) <= CHUNK:
-        yield handle.get_tensor(name).reshape(-1)
+        yield read().reshape(-1)
         return
     row = math.prod(shape[1:]) or 1
     rows = max(1, CHUNK // row)
     for a in range(0, shape[0], rows):
-        yield sl[a : a + rows].reshape(-1)
+        with safe_open(str(path), framework="pt", device="cpu") as h:
+            piece = h.get_slice(name)[a : a + rows].reshape(-1)
+        yield piece
 
 
 # -- Hugging Face Trainer folder -------------------------------------------------------

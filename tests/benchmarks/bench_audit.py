@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import re
+import signal
 import statistics
 import struct
 import subprocess
@@ -156,6 +157,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the temporary files are deleted on kill too
     figures = {}
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="bench-audit-") as tmp:
         folder = Path(tmp)
