@@ -125,12 +125,23 @@ def audit(
     if as_json:
         out = result.as_dict()
         out["order"] = order
-        click.echo(json.dumps(out, indent=2, allow_nan=False))
+        click.echo(json.dumps(_finite(out), indent=2, allow_nan=False))
     else:
         click.echo(text(result, order, show_all))
     worst = result.worst
     failing = fail_on != "never" and worst is not None and SEVERITY_ORDER[worst] <= SEVERITY_ORDER[fail_on]
     sys.exit(EXIT_PAGE if failing else 0)
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every NaN or infinity as None (JSON has neither)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _fmt(v: float | None, unit: str = "") -> str:

@@ -206,7 +206,14 @@ def discover(paths: list[Path]) -> list[Path]:
     for p in paths:
         if not p.exists():
             raise CheckpointError(f"{p}: no such file or folder")
-        if p.is_file() or _is_dcp(p) or _is_hf(p):
+        if p.is_file() or _is_dcp(p):
+            out.append(p)
+            continue
+        subs = [c for c in sorted(p.iterdir(), key=_natural) if c.is_dir() and (_is_dcp(c) or _is_hf(c))]
+        if subs:  # a run's folder (the Trainer's output_dir keeps its final model beside them)
+            out.extend(subs)
+            continue
+        if _is_hf(p):
             out.append(p)
             continue
         found = [

@@ -86,7 +86,9 @@ def test_hugging_face_trainer_checkpoints(tmp_path: Path):
         warnings.simplefilter("ignore")
         trainer = Trainer(model=model, args=args, train_dataset=rows)
         trainer.train()
+        trainer.save_model()  # the final model beside the checkpoints, in output_dir
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-6"]
+    assert (tmp_path / "model.safetensors").is_file()
     status, data = audit(str(tmp_path))
     assert [c["step"] for c in data["checkpoints"]] == [3, 6]
     assert [c["format"] for c in data["checkpoints"]] == ["hf-trainer", "hf-trainer"]
