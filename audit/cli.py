@@ -104,8 +104,11 @@ def audit(
         raise _UsageError(str(exc)) from None
     from trainvitals.audit.analysis import Reference
 
+    same = [lk.index for lk in looks if ref_ck is not None and Path(lk.path).resolve() == ref_ck.path.resolve()]
     if ref_look is not None:
-        ref = Reference("checkpoint", f"the reference {ref_look.label}", dict(ref_look.one_d))
+        ref = Reference(
+            "checkpoint", f"the reference {ref_look.label}", dict(ref_look.one_d), look=same[0] if same else None
+        )
     elif reference == "init" or len(looks) == 1:
         ref = init_reference(looks)
     else:
@@ -179,7 +182,7 @@ def text(result: Any, order: str, show_all: bool = False) -> str:
             rows.append((f.severity, f.alert, f.subject or "-", _fmt(f.value, f.unit), f.where, f.action))
         lines += _table(rows)
         lines.append("")
-        lines += [f"- {f.alert} {f.subject or ''}: {f.summary}".replace("  ", " ") for f in result.findings]
+        lines += [f"- {f.alert}{' ' + f.subject if f.subject else ''}: {f.summary}" for f in result.findings]
     else:
         lines.append("no finding")
     if result.one_d:

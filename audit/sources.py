@@ -60,6 +60,9 @@ class TensorRef:
     """The whole tensor, on the CPU."""
     chunked: Callable[[], Iterator[torch.Tensor]] | None = None
     """Flat pieces of at most about :data:`CHUNK` elements (None: the whole tensor, flattened)."""
+    ident: int | None = None
+    """For a tensor already in memory (a view of a mapped file): where its storage starts,
+    so that tied weights (one tensor under two names) are seen as one."""
     mapped: bool = False
     """A view of a file ``torch.load(mmap=True)`` mapped: each piece's pages are handed
     back (:func:`_release`) once the reader has moved on, so the resident set holds one
@@ -86,7 +89,13 @@ class TensorRef:
 
 
 def _held(t: torch.Tensor, mapped: bool = False) -> TensorRef:
-    return TensorRef(tuple(t.shape), t.dtype, lambda: t, mapped=mapped and t.is_contiguous())
+    return TensorRef(
+        tuple(t.shape),
+        t.dtype,
+        lambda: t,
+        ident=t.data_ptr() if t.numel() else None,
+        mapped=mapped and t.is_contiguous(),
+    )
 
 
 _MADV_DONTNEED = 4
@@ -674,9 +683,17 @@ def align(
         opt.naming = "not matched to names: the checkpoint has no model tensors"
         return
     # The model's parameters in their order (buffers and integer tensors left out).
-    cands = order or [
-        (n, t.shape) for n, t in model.items() if t.dtype.is_floating_point and n.rsplit(".", 1)[-1] not in _BUFFERS
-    ]
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    cands = list(order or [])
+    if order is None:
+        for n, t in model.items():
+            if not t.dtype.is_floating_point or n.rsplit(".", 1)[-1] in _BUFFERS:
+                continue
+            if t.ident is not None:  # a tied weight's second name: the optimizer holds it once
+                if (t.ident, t.shape) in seen:
+                    continue
+                seen.add((t.ident, t.shape))
+            cands.append((n, t.shape))
     if not ordered and order is None:
         if _by_unique_shapes(cands, opt):
             opt.naming = "matched to the model's tensors by shape (each shape held by one parameter)"

@@ -289,3 +289,26 @@ def test_the_audit_page_in_chromium(runs, tmp_path: Path):
     assert requests == [out.as_uri()] and console == []
     assert ["ParamDrift", "page", "param=out_scale"] in facts["incidents"]
     assert {"drift", "adam_eps"} <= set(facts["plots"])
+
+
+def test_tied_weights_and_two_groups_are_named(tmp_path: Path):
+    """A head tied to the embedding is one parameter under two names in the state dict;
+    the optimizer holds it once, in the decay group, with the norm in the other."""
+    torch.manual_seed(0)
+    emb, norm, head = torch.nn.Embedding(10, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.Sequential(emb, norm, head)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
+        ]
+    )
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 1}, tmp_path / "tied.pt")
+    _, data, _ = audit(str(tmp_path / "tied.pt"))
+    assert list(model.state_dict()) == ["0.weight", "1.weight", "1.bias", "2.weight"]
+    assert data["checkpoints"][0]["optimizer_names"] == "matched to the model's tensors by order and shape"
+    (wd,) = by_alert(data)["WeightDecayCoverage"]
+    assert wd["detail"]["no_weight_decay"] == ["1.bias", "1.weight"]
