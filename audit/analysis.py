@@ -289,9 +289,25 @@ def _rules() -> dict[str, Any]:
     return {r.alert: r for r in resolve_rules("default")}
 
 
+AUDIT_FIXES = {
+    "WeightDecayCoverage": "Give the drifted ones explicit weight decay in their own param group, or register a "
+    "gradient hook that zeros their gradient.",
+    "NonFiniteTensor": "Resume from the last checkpoint the audit finds clean, with a lower learning rate or "
+    "gradient clipping.",
+    "QuantizationRange": "Quantize that tensor per channel or per block instead of per tensor, or keep it in "
+    "higher precision; if a drifted 1D parameter caused it, fix the drift first.",
+}
+"""What to do about the findings that have no live alert (and so no runbook section):
+their sections in docs/audit.md say more."""
+
+
 def _action(alert: str) -> tuple[str, str]:
+    """The first sentence of the alert's runbook fix and the runbook's anchor; for the
+    audit's own findings, :data:`AUDIT_FIXES` and their section in docs/audit.md."""
     from trainvitals.alerts.verdict import runbook_fix
 
+    if alert in AUDIT_FIXES:
+        return AUDIT_FIXES[alert], f"docs/audit.md#{alert.lower()}"
     return runbook_fix(alert) or f"see the runbook of {alert}", f"RUNBOOKS.md#{alert.lower()}"
 
 
