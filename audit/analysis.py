@@ -105,6 +105,8 @@ class Look:
     weight_decay: dict[str, float] = field(default_factory=dict)
     """Per named parameter: its group's weight decay."""
     hyper: dict[str, dict[str, Any]] = field(default_factory=dict)
+    groups: list[tuple[str, ...]] = field(default_factory=list)
+    """Each param group's parameters (names, or the optimizer's keys when unnamed)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -235,6 +237,7 @@ def look(
     if opt is None or one_d_only:
         return lk
     lk.naming = opt.naming
+    lk.groups = [tuple(opt.name(p) for p in g.params) for g in opt.groups]
     for g in opt.groups:
         for p in g.params:
             if p in opt.names:
@@ -562,7 +565,15 @@ def judge(looks: list[Look], reference: Reference) -> Audit:
             why = reset_between(fa.step, None if fb is None else fb.step, elapsed) if fa.step is not None else None
             if why:
                 reasons[name] = why
-        if reasons:
+        regrouped = ""
+        if a_look.groups != b_look.groups:  # the live detector's first reason, between checkpoints
+            before = {p for g in a_look.groups for p in g}
+            after = {p for g in b_look.groups for p in g}
+            regrouped = (
+                f"param groups changed ({len(a_look.groups)} -> {len(b_look.groups)} groups, "
+                f"{len(after - before)} parameters added, {len(before - after)} removed); "
+            )
+        if reasons or regrouped:
             shown = sorted(reasons)[:3]
             more = f" and {len(reasons) - 3} more" if len(reasons) > 3 else ""
             findings.append(
@@ -574,11 +585,13 @@ def judge(looks: list[Look], reference: Reference) -> Audit:
                     "parameters",
                     f"between {a_look.label} and {b_look.label}",
                     f"optimizer state reset between checkpoints {a_look.index + 1} and {b_look.index + 1}: "
-                    f"{len(reasons)} parameter(s): " + "; ".join(f"{n}: {reasons[n]}" for n in shown) + more,
+                    + regrouped
+                    + f"{len(reasons)} parameter(s) reset"
+                    + (": " + "; ".join(f"{n}: {reasons[n]}" for n in shown) + more if reasons else ""),
                     action,
                     runbook,
                     None,
-                    {"between": [a_look.index + 1, b_look.index + 1], "params": reasons},
+                    {"between": [a_look.index + 1, b_look.index + 1], "params": reasons, "groups": regrouped or None},
                 )
             )
     for lk in with_opt:

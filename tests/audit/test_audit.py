@@ -312,3 +312,31 @@ def test_tied_weights_and_two_groups_are_named(tmp_path: Path):
     assert data["checkpoints"][0]["optimizer_names"] == "matched to the model's tensors by order and shape"
     (wd,) = by_alert(data)["WeightDecayCoverage"]
     assert wd["detail"]["no_weight_decay"] == ["1.bias", "1.weight"]
+
+
+def test_a_stage_that_adds_parameters_is_a_regrouping_not_a_walk_back(tmp_path: Path):
+    """Stage 2 adds a parameter group (a new head): the groups changed between the
+    checkpoints; the old parameters' step counts go on, the new one's start later."""
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(body.parameters(), lr=1e-2)
+    paths = []
+    for step in range(1, 9):
+        if step == 5:
+            opt.add_param_group({"params": list(head.parameters())})
+        out = head(body(torch.randn(3, 4))) if step >= 5 else body(torch.randn(3, 4))
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step in (4, 8):
+            model = {**{f"body.{k}": v for k, v in body.state_dict().items()}}
+            model.update({f"head.{k}": v for k, v in head.state_dict().items()})
+            paths.append(tmp_path / f"ckpt-{step}.pt")
+            torch.save({"model": model, "optimizer": opt.state_dict(), "step": step}, paths[-1])
+    _, data, _ = audit(*map(str, paths))
+    resets = by_alert(data)["OptimizerStateReset"]
+    between = next(f for f in resets if f["detail"].get("between") == [1, 2])
+    assert between["detail"]["groups"].startswith("param groups changed (1 -> 2 groups, 2 parameters added, 0 removed)")
+    assert between["detail"]["params"] == {}  # body's step counts went 4 -> 8: no reset
+    spread = next(f for f in resets if f["where"].startswith("ckpt-8.pt"))
+    assert spread["detail"]["step_counts"] == {"8": 2, "4": 2}
