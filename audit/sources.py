@@ -171,6 +171,8 @@ class Checkpoint:
     model: dict[str, TensorRef]
     optimizer: OptimizerState | None
     notes: list[str] = field(default_factory=list)
+    ordered: bool = True
+    """The model's tensors are in definition order (not so in safetensors: sorted keys)."""
     order: list[tuple[str, tuple[int, ...]]] | None = None
     """The model's parameters (name, shape) in definition order, where the file's own
     order is not that (safetensors sorts its keys): from the model's config, when known."""
@@ -272,7 +274,7 @@ def _finish(ck: Checkpoint) -> Checkpoint:
         if step is not None:
             ck.step, ck.step_from = step, "the file name"
     if ck.optimizer is not None:
-        align(ck.model, ck.optimizer, ck.order, ordered=ck.order is not None or ck.format != "hf-trainer")
+        align(ck.model, ck.optimizer, ck.order, ordered=ck.ordered)
     return ck
 
 
@@ -499,8 +501,10 @@ def _open_hf(d: Path) -> Checkpoint:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             notes.append(f"trainer_state.json has no global_step ({exc})")
     ck = Checkpoint(d, "hf-trainer", step, source, model, optimizer, notes)
-    if optimizer is not None and model_file is not None and model_file.name.startswith("model.safetensors"):
-        ck.order = _config_order(d, notes)
+    if model_file is not None and model_file.name.startswith("model.safetensors"):
+        ck.ordered = False
+        if optimizer is not None:
+            ck.order = _config_order(d, notes)
     return _finish(ck)
 
 

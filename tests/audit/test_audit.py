@@ -247,6 +247,11 @@ def test_unnamed_optimizer_parameters_are_said_not_guessed(tmp_path: Path):
     _, data, _ = audit(str(d))
     assert data["checkpoints"][0]["optimizer_names"].startswith("not matched to names")
     assert all(f["subject"] is None or not f["subject"].startswith("optimizer param") for f in data["findings"])
+    # pytorch_model.bin keeps the definition order: named by order and shape.
+    (d / "model.safetensors").unlink()
+    torch.save(model.state_dict(), d / "pytorch_model.bin")
+    _, data, _ = audit(str(d))
+    assert data["checkpoints"][0]["optimizer_names"] == "matched to the model's tensors by order and shape"
 
 
 def test_reset_between_truth():
