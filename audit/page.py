@@ -6,6 +6,7 @@ with the default rules' thresholds drawn."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,9 +31,22 @@ def _step(lk: Any) -> int:
     return lk.step if lk.step is not None else lk.index + 1
 
 
-def render_audit(result: Audit, run: str = "audit") -> str:
+def render_audit(result: Audit, run: str | None = None) -> str:
+    """The page; ``run``: the section's name (default: ``audit of`` the checkpoints' folder)."""
+    run = run or f"audit of {Path(result.looks[0].path).parent.name or result.looks[0].path}"
     looks = result.looks
-    verdict = RunVerdict(run, reports=len(looks), first_step=_step(looks[0]), last_step=_step(looks[-1]))
+    # Each checkpoint is one of the page's "reports"; what was read is the page's "watched".
+    verdict = RunVerdict(run, reports=len(looks), first_step=_step(looks[0]), last_step=_step(looks[-1]), ended=True)
+    with_opt = sum(1 for lk in looks if lk.has_optimizer)
+    verdict.signals = {
+        "params": {"active": len(looks), "reports": len(looks), "reason": None, "detail": None},
+        "adam": {
+            "active": with_opt,
+            "reports": len(looks),
+            "reason": None if with_opt else "no_optimizer_state",
+            "detail": None if with_opt else "no optimizer state in the checkpoints",
+        },
+    }
     for f in result.findings:
         verdict.incidents.append(
             Incident(
