@@ -567,9 +567,24 @@ def _open_dcp(d: Path) -> Checkpoint:
     except Exception as exc:  # noqa: BLE001 - any failure to read the metadata is an unreadable checkpoint
         raise CheckpointError(f"{d}: torch.distributed.checkpoint cannot read its .metadata: {exc}") from None
 
+    def pieces(key: str, m: Any) -> Iterator[torch.Tensor]:
+        """The tensor as its ranks stored it, one stored chunk at a time (in the order of
+        their offsets), each in flat pieces: memory for one stored chunk, not the tensor."""
+        if len(m.chunks) <= 1 or len(m.size) <= 1:
+            yield from _held(load({key: torch.empty(tuple(m.size), dtype=m.properties.dtype)})[key]).chunks()
+            return
+        for chunk in sorted(m.chunks, key=lambda c: tuple(c.offsets)):
+            got: list[torch.Tensor] = []
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.load({}, storage_reader=Reader(str(d)), planner=_ChunkPlanner(key, chunk, m, got), no_dist=True)
+            yield from _held(got[0]).chunks()
+
     def ref(key: str, m: Any) -> TensorRef:
         shape, dtype = tuple(m.size), m.properties.dtype
-        return TensorRef(shape, dtype, lambda: load({key: torch.empty(shape, dtype=dtype)})[key])
+        return TensorRef(
+            shape, dtype, lambda: load({key: torch.empty(shape, dtype=dtype)})[key], lambda: pieces(key, m)
+        )
 
     tensors = {k: m for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
     others = [k for k in md.state_dict_metadata if k not in tensors]
@@ -650,6 +665,59 @@ def _open_dcp(d: Path) -> Checkpoint:
         if s2 is not None:
             ck.step, ck.step_from = s2, "the folder name"
     return ck
+
+
+def _chunk_planner_base() -> type:
+    """torch.distributed.checkpoint's planner class, imported only when the module is (some
+    builds of torch have no torch.distributed)."""
+    from torch.distributed.checkpoint.planner import LoadPlanner
+
+    return LoadPlanner
+
+
+class _ChunkPlanner(_chunk_planner_base()):  # type: ignore[misc]
+    """A load plan of one stored chunk of one tensor (torch.distributed.checkpoint's
+    ``LoadPlanner`` interface): it is read into a tensor of its own size, handed to
+    ``got``, and nothing else is read."""
+
+    def __init__(self, key: str, chunk: Any, meta: Any, got: list[torch.Tensor]) -> None:
+        self.key, self.chunk, self.meta, self.got = key, chunk, meta, got
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        pass
+
+    def create_local_plan(self) -> Any:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+        offsets = torch.Size(self.chunk.offsets)
+        zeros = torch.Size([0] * len(offsets))
+        item = ReadItem(
+            type=LoadItemType.TENSOR,
+            dest_index=MetadataIndex(self.key, offsets),
+            dest_offsets=zeros,
+            storage_index=MetadataIndex(self.key, offsets),
+            storage_offsets=zeros,
+            lengths=torch.Size(self.chunk.sizes),
+        )
+        return LoadPlan([item])
+
+    def create_global_plan(self, global_plan: Any) -> Any:
+        return global_plan
+
+    def finish_plan(self, central_plan: Any) -> Any:
+        return central_plan
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        pass
+
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        t = torch.empty(tuple(self.chunk.sizes), dtype=self.meta.properties.dtype)
+        self.got.append(t)
+        return t
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        pass
 
 
 # -- naming the optimizer's parameters -------------------------------------------------

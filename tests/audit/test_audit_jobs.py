@@ -50,6 +50,13 @@ def test_fsdp2_distributed_checkpoints_give_the_one_process_findings(tmp_path: P
     assert _key(data) == _key(expected)
     for name in ("out_scale", "lin1.bias", "lin2.bias"):
         assert data["one_d"][name]["walk"] == pytest.approx(_i4.drift_truth(saved, name), rel=1e-5, abs=1e-6)
+    # The matrices are read shard by shard (one stored chunk per rank): the same figures.
+    for q, e in zip(data["quantization"], expected["quantization"], strict=True):
+        assert q["tensor"] == e["tensor"]
+        assert q["absmax"] == pytest.approx(e["absmax"], rel=1e-5) and q["rms"] == pytest.approx(e["rms"], rel=1e-5)
+    w = saved.models[-1]["lin1.weight"].double()
+    lin1 = next(q for q in data["quantization"] if q["tensor"] == "lin1.weight")
+    assert lin1["rms"] == pytest.approx(float(w.square().mean().sqrt()), rel=1e-5)
     if variant == "bug":
         assert status == 1
         reset = next(f for f in data["findings"] if f["alert"] == "OptimizerStateReset")
