@@ -65,11 +65,6 @@ def _runbook_fixes() -> dict[str, str]:
     return out
 
 
-def runbook_fix(alert: str) -> str | None:
-    """The first sentence of ``alert``'s runbook **Fix.** paragraph, if it has one."""
-    return _runbook_fixes().get(alert)
-
-
 def action_for(rule: Rule) -> str:
     """One line of what to do about ``rule``: its runbook's fix, else its description."""
     fix = _runbook_fixes().get(rule.alert)
@@ -352,3 +347,8 @@ def _summary_at(alert: Alert, value: float) -> str:
         return replace(alert, value=value, fired_value=value, state=AlertState.FIRING).summary
     except Exception:  # noqa: BLE001 - a template that cannot render keeps the last text
         return alert.summary
+
+
+def runbook_fix(alert: str) -> str | None:
+    """The first sentence of ``alert``'s runbook **Fix.** paragraph, if it has one."""
+    return _runbook_fixes().get(alert)
