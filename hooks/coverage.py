@@ -54,6 +54,10 @@ _HOW_TO_ASK = {
 }
 
 
+_FIRST_CALL = {"loss": "track_loss()", "softmax": "observe_logits()"}
+"""Signals a job's own call starts: at attach they are not requested *yet*."""
+
+
 class Coverage:
     """Per built-in signal: declared states, and the tally of what the reports said."""
 
@@ -182,6 +186,10 @@ class Coverage:
         if moot:
             parts.append("does not apply: " + "; ".join(moot))
         skipped = [e["signal"] for e in off if e["reason"] == "not_requested"]
+        later = [f"{s} (from the first {_FIRST_CALL[s]} call)" for s in skipped if s in _FIRST_CALL]
+        if later:
+            parts.append("not requested yet: " + ", ".join(later))
+        skipped = [s for s in skipped if s not in _FIRST_CALL]
         if skipped:
             parts.append("not requested: " + ", ".join(skipped))
         return "; ".join(parts)
