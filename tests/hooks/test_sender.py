@@ -122,12 +122,13 @@ def test_training_survives_a_dead_collector(caplog, capsys):
     out = capsys.readouterr()
     assert "Traceback" not in out.err + out.out
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    # Once when the collector is found unreachable, once at close: how many reports
-    # were not delivered, and where they were going.
-    assert len(warnings) == 2 and "unreachable" in warnings[0]
+    # Once when the collector is found unreachable; at close, where the reports it never
+    # took are kept, and how many were not delivered and where they were going.
+    assert len(warnings) == 3 and "unreachable" in warnings[0]
+    assert "never took are in trainvitals-down.jsonl" in warnings[1], warnings[1]
     url = mon._sender.sink.url
-    assert f"{mon.dropped_reports} not delivered" in warnings[1] and url in warnings[1], warnings[1]
-    assert "unreachable" in warnings[1]
+    assert f"{mon.dropped_reports} not delivered" in warnings[2] and url in warnings[2], warnings[2]
+    assert "unreachable" in warnings[2]
     assert all(r.exc_info is None for r in caplog.records)
 
 

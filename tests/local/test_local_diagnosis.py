@@ -79,6 +79,7 @@ def test_a_job_without_collector_logs_the_firing_step_and_a_verdict_at_close(
     lines = verdict.splitlines()
     assert lines[0] == (
         "trainvitals verdict for run i1: 1 incident(s), 1 of severity page in 31 reports (steps 1-30); "
+        "checked: optimizer, params, adam, loss; not checked: probe (not requested), softmax (not requested); "
         "reports in trainvitals-i1.jsonl"
     )
     assert lines[1].startswith(
@@ -165,8 +166,8 @@ def test_check_exit_codes(recorded: dict[str, Path], tmp_path: Path):
     code, out = _check(str(recorded["healthy"]))
     assert (code, out.strip()) == (
         0,
-        "healthy: no incident in 31 reports (steps 1-30); checked: optimizer, params, adam, loss; "
-        "not checked: probe (not requested), softmax (not requested)",
+        "healthy: no incident in 31 reports (steps 1-30); checked: optimizer, params, adam, loss, softmax; "
+        "not checked: probe (not requested)",
     )
     bad = tmp_path / "bad.jsonl"
     lines = recorded["healthy"].read_text().splitlines()

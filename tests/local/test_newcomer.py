@@ -267,7 +267,7 @@ def test_check_keeps_runs_of_one_name_from_two_files_apart_and_says_so(tmp_path:
     assert "run 'same' is in 2 files" in result.stderr
     runs = json.loads(result.stdout)["runs"]
     assert [(r["run"], r["file"], len(r["incidents"])) for r in runs] == [("same", str(bad), 1), ("same", str(good), 0)]
-    code, out = _check(str(bad), str(good))
+    _, out = _check(str(bad), str(good))
     assert f"same [{bad}]" in out and f"same [{good}]: no incident" in out
 
 
@@ -300,7 +300,7 @@ def test_an_unreachable_collector_leaves_the_reports_in_the_local_file_and_rules
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     url = f"http://127.0.0.1:{_closed_port()}"
     with caplog.at_level(logging.INFO, logger="trainvitals"):
-        with attach(model, opt, run="down", collector=url, every=1, flush_timeout=0.5) as mon:
+        with attach(model, opt, run="down", collector=url, every=1, flush_timeout=0.5):
             for _ in range(25):
                 for _micro in range(4):
                     ids = torch.randint(0, 64, (4, 6))
