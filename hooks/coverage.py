@@ -186,12 +186,12 @@ class Coverage:
         if moot:
             parts.append("does not apply: " + "; ".join(moot))
         skipped = [e["signal"] for e in off if e["reason"] == "not_requested"]
-        later = [f"{s} (from the first {_FIRST_CALL[s]} call)" for s in skipped if s in _FIRST_CALL]
-        if later:
-            parts.append("not requested yet: " + ", ".join(later))
-        skipped = [s for s in skipped if s not in _FIRST_CALL]
-        if skipped:
-            parts.append("not requested: " + ", ".join(skipped))
+        first_call = [f"{name} (from the first {_FIRST_CALL[name]} call)" for name in skipped if name in _FIRST_CALL]
+        if first_call:
+            parts.append("not requested yet: " + ", ".join(first_call))
+        unasked = [name for name in skipped if name not in _FIRST_CALL]
+        if unasked:
+            parts.append("not requested: " + ", ".join(unasked))
         return "; ".join(parts)
 
 

@@ -202,8 +202,9 @@ def check(
     """
     files = _report_files(args)
     if files is not None:
-        given = click.get_current_context().get_parameter_source
-        if steps is not None or run_name is not None or settings or given("every").name != "DEFAULT":
+        every_source = click.get_current_context().get_parameter_source("every")
+        every_given = every_source is not None and every_source is not click.core.ParameterSource.DEFAULT
+        if steps is not None or run_name is not None or settings or every_given:
             raise _UsageError("--steps, --every, --run and --set are for the pre-flight check (check -- COMMAND ...)")
         verdicts, notes = _judge(files, rules)
         if not verdicts:
