@@ -45,7 +45,7 @@ class LivePages:
         self._rules = rules
         self._lock = threading.Lock()
         self.builder = VerdictBuilder(rules, engine=None if alerts is None else alerts.engine)
-        self.history = RunHistory()
+        self.history = RunHistory(rules=self.builder.rules)
 
     def observe_batch(self, batch: Any, now: float | None = None) -> None:
         now = time.time() if now is None else now
