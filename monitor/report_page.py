@@ -72,9 +72,10 @@ class Panel:
 PANELS: tuple[Panel, ...] = (
     Panel(
         "dilution",
-        "Modality dilution (sample share / gradient share) and its excess over the intended normalization",
-        ("modality_excess_dilution_ratio", "modality_dilution_ratio"),
+        "Modality dilution in excess of the intended normalization (the share it intends / the share it gets)",
+        ("modality_excess_dilution_ratio",),
     ),
+    Panel("dilution_ratio", "Modality dilution (sample share / gradient share)", ("modality_dilution_ratio",)),
     Panel(
         "grad_share",
         "Per-modality share of samples and of gradient weight",

@@ -4,7 +4,7 @@
 const COLORS=["#1f77b4","#d62728","#2ca02c","#9467bd","#ff7f0e","#17becf","#8c564b","#e377c2","#7f7f7f","#bcbd22"];
 function esc(s){return String(s).replace(/[&<>"']/g,c=>({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;","'":"&#39;"}[c]));}
 function fmt(v){if(v===null||v===undefined)return "--";const a=Math.abs(v);return (a!==0&&(a<1e-3||a>=1e5))?v.toExponential(3):(+v.toPrecision(4)).toString();}
-// The rules' constant thresholds as horizontal lines: dashed (red: page, amber: warning)
+// The rules' constant thresholds as horizontal lines: dashed (red: page, amber: warning, blue: info)
 // where an alert fires, dotted green where it clears, dotted grey for an "and" condition.
 // Their labels, one per value, are elements over the plot (class th-label), laid out so
 // that none overlaps another: each sits just above its line unless a neighbour is there,
