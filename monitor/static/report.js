@@ -12,10 +12,13 @@ function fmt(v){if(v===null||v===undefined)return "--";const a=Math.abs(v);retur
 // plot's height are listed under the plot instead. A threshold that is a ratio to the
 // series' own median is a series of its own (see "series" below), never a constant line.
 const SEV_COLOR={page:"#c62828",critical:"#c62828",error:"#c62828",warning:"#d08700"};
+const SEV_RANK={critical:4,page:3,error:3,warning:2,ticket:1,info:0};
+// Most severe first: a label takes the style of its most severe line, drawn last (on top).
+function bySeverity(ths){return ths.slice().sort((a,b)=>(SEV_RANK[b.severity]??0)-(SEV_RANK[a.severity]??0));}
 function lineStyle(t,clear){return clear?["#2e7d32",[2,3]]:(t.condition?["#999",[2,4]]:[SEV_COLOR[t.severity]||"#3d6fb6",[8,4]]);}
 function thresholdLabels(p){const byValue=new Map();
  const add=(v,text,style)=>{const k=String(v);if(!byValue.has(k))byValue.set(k,{value:v,texts:[],style:style});const e=byValue.get(k);if(!e.texts.includes(text))e.texts.push(text);};
- for(const t of p.thresholds){const on=p.multi_metric?" "+t.metric:"";const only=t.only?` (${t.only} only)`:"";
+ for(const t of bySeverity(p.thresholds)){const on=p.multi_metric?" "+t.metric:"";const only=t.only?` (${t.only} only)`:"";
   add(t.value,(t.condition?"and: ":"")+t.alert+on+" "+t.kind+" "+fmt(t.value)+only,lineStyle(t,false));
   if(t.clear!==null&&t.clear!==undefined)add(t.clear,t.alert+on+" clears at "+fmt(t.clear)+only,lineStyle(t,true));}
  return [...byValue.values()];}
@@ -23,7 +26,7 @@ function thresholdPlugin(p,fig){const labels=thresholdLabels(p);let box=null,lis
  return {hooks:{init:[u=>{box=document.createElement("div");box.className="th-labels";u.over.appendChild(box);
    list=document.createElement("div");list.className="th-list";fig.appendChild(list);}],
   draw:[u=>{const ctx=u.ctx,d=devicePixelRatio;ctx.save();ctx.lineWidth=1.5*d;
-   for(const t of p.thresholds){for(const clear of [false,true]){const v=clear?t.clear:t.value;if(v===null||v===undefined)continue;
+   for(const t of bySeverity(p.thresholds).reverse()){for(const clear of [false,true]){const v=clear?t.clear:t.value;if(v===null||v===undefined)continue;
     const y=u.valToPos(v,"y",true);if(!isFinite(y))continue;const [color,dash]=lineStyle(t,clear);
     ctx.strokeStyle=color;ctx.setLineDash(dash.map(x=>x*d));ctx.beginPath();ctx.moveTo(u.bbox.left,y);ctx.lineTo(u.bbox.left+u.bbox.width,y);ctx.stroke();}}
    ctx.restore();layout(u,box,list,labels);}]}};}
