@@ -8,8 +8,8 @@ function fmt(v){if(v===null||v===undefined)return "--";const a=Math.abs(v);retur
 // where an alert fires, dotted green where it clears, dotted grey for an "and" condition.
 // Their labels, one per value, are elements over the plot (class th-label), laid out so
 // that none overlaps another: each sits just above its line unless a neighbour is there,
-// then it is pushed the least distance that clears it; labels that cannot all fit in the
-// plot's height are listed under the plot instead. A threshold that is a ratio to the
+// then it is pushed down (up, at the plot's bottom) just far enough to clear it; labels
+// that cannot all fit in the plot's height are listed under the plot instead. A threshold that is a ratio to the
 // series' own median is a series of its own (see "series" below), never a constant line.
 const SEV_COLOR={page:"#c62828",critical:"#c62828",error:"#c62828",warning:"#d08700"};
 const SEV_RANK={critical:4,page:3,error:3,warning:2,ticket:1,info:0};
@@ -34,13 +34,13 @@ function labelEl(e){const el=document.createElement("div");el.className="th-labe
 function layout(u,box,list,labels){box.textContent="";list.textContent="";if(!labels.length)return;
  const H=u.over.clientHeight,W=u.over.clientWidth,gap=1;
  const items=labels.map(e=>{const el=labelEl(e);el.style.maxWidth=Math.max(40,W-8)+"px";box.appendChild(el);
-  return {el:el,h:el.offsetHeight,line:u.valToPos(e.value,"y")};}).filter(i=>isFinite(i.line));
+  return {el:el,h:el.offsetHeight,line:u.valToPos(e.value,"y")};}).filter(i=>isFinite(i.line)||(i.el.remove(),false));
  items.sort((a,b)=>a.line-b.line);
  // Each label's bottom just above its line; then top to bottom, push down what overlaps the one above.
  let prev=-Infinity;for(const i of items){i.y=Math.max(i.line-i.h-1,prev+gap,0);prev=i.y+i.h;}
  // What ran past the bottom goes back up, bottom to top.
  let next=H;for(let k=items.length-1;k>=0;k--){const i=items[k];i.y=Math.min(i.y,next-gap-i.h);next=i.y;}
- if(items.length&&items[0].y<0){box.textContent="";for(const e of labels)list.appendChild(labelEl(e));list.dataset.reason="the labels do not fit beside their lines";return;}
+ if(items.length&&items[0].y<0){box.textContent="";for(const e of labels)list.appendChild(labelEl(e));return;}
  for(const i of items){i.el.style.top=i.y+"px";}}
 function timeline(v){const incs=v.incidents;if(!incs.length)return "";const lo=v.first_step??0,hi=Math.max(v.last_step??1,lo+1);
  let h='<div class="timeline" data-role="timeline">';for(const i of incs){const l=100*(i.first_step-lo)/(hi-lo),w=Math.max(0.5,100*(i.last_step-i.first_step)/(hi-lo));
