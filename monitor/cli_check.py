@@ -323,7 +323,7 @@ def report(files: tuple[Path, ...], output: Path, rules: tuple[str, ...], title:
     from trainvitals.monitor.report_page import RunHistory, render_page
 
     builder = _builder(rules)
-    history = RunHistory()
+    history = RunHistory(rules=builder.rules)
     try:
         for r in read_report_files(files, decode_line):
             builder.observe(r)
