@@ -16,12 +16,12 @@ import pytest
 
 from tests.http_recorder import RecordingServer
 from tests.reports import make_body, make_report, make_sample, wire_report
-from tests.support import ALERTMANAGER, running_alertmanager, running_collector, wait_until
+from tests.support import needs_tools, running_alertmanager, running_collector, wait_until
 from trainvitals.alerts.service import AlertService
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(ALERTMANAGER is None, reason="prometheus-alertmanager not installed"),
+    needs_tools("prometheus-alertmanager"),
 ]
 
 

@@ -50,10 +50,10 @@ from tests.e2e._jobs import (
 from tests.http_recorder import RecordingServer
 from tests.reports import make_body, make_report
 from tests.support import (
-    ALERTMANAGER,
     Collector,
     metric_series,
     metric_value,
+    needs_tools,
     running_alertmanager,
     running_collector,
     wait_until,
@@ -309,7 +309,7 @@ def _webhook_alerts(receiver: RecordingServer, alertname: str, status: str) -> l
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(ALERTMANAGER is None, reason="prometheus-alertmanager not installed")
+@needs_tools("prometheus-alertmanager")
 def test_alertmanager_delivers_the_collectors_alert_and_its_resolution(tmp_path):
     run = "mm-pt1"
     with (

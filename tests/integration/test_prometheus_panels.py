@@ -26,11 +26,11 @@ from tests.integration._stack import (
     running_prometheus,
     substitute,
 )
-from tests.support import one_torch_thread, running_collector, wait_until
+from tests.support import needs_tools, one_torch_thread, running_collector, wait_until
 from trainvitals.hooks import Monitor
 from trainvitals.wire import METRICS, PREFIX
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, needs_tools("prometheus")]
 
 RUN = "it-every-signal"
 OPTIONAL_LABELS = {"signal_active": {"reason"}}

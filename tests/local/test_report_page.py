@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tests.browser import browser, needs_chromium
+from tests.browser import browser
 from tests.e2e._jobs import DilutionJob
 from tests.local._recorded import record
-from tests.support import running_collector, wait_until
+from tests.support import needs_tools, running_collector, wait_until
 from trainvitals.alerts.verdict import VerdictBuilder
 from trainvitals.monitor.cli import main
 from trainvitals.monitor.report_page import MAX_BUCKETS, RunHistory, render_page
@@ -91,7 +91,7 @@ def test_history_keeps_an_envelope_of_bounded_size():
     assert series.steps[0] == 1.0 and list(series.steps) == sorted(series.steps)
 
 
-@needs_chromium
+@needs_tools("chromium")
 def test_the_report_file_in_chromium(files: dict[str, Path], tmp_path: Path):
     out = _report(files, tmp_path / "report.html", "i1", "healthy")
     with browser() as b:
@@ -115,7 +115,7 @@ def test_the_report_file_in_chromium(files: dict[str, Path], tmp_path: Path):
     assert shot.stat().st_size > 20_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@needs_chromium
+@needs_tools("chromium")
 def test_the_request_check_catches_a_page_that_fetches(files: dict[str, Path], tmp_path: Path):
     """The control: the same page without its policy and with one outside image is caught."""
     page = _report(files, tmp_path / "r.html", "i1").read_text()
@@ -127,7 +127,7 @@ def test_the_request_check_catches_a_page_that_fetches(files: dict[str, Path], t
         assert "http://198.51.100.7/pixel.png" in b.requests
 
 
-@needs_chromium
+@needs_tools("chromium")
 def test_the_collectors_live_pages_in_chromium(tmp_path: Path):
     job = DilutionJob()
     with running_collector(read_token=READ) as c:
