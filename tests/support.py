@@ -89,8 +89,11 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "", interval: float = 0.02) -> Any:
-    """Poll until ``predicate()`` is truthy and return it; fail after ``timeout`` s."""
+def wait_until(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "", interval: float = 0.02) -> Any:
+    """Poll until ``predicate()`` is truthy and return it; fail after ``timeout`` s. The
+    timeout bounds a failure, it is not an expectation: a passing test returns as soon as
+    the event happens, so give it room for a loaded machine (several workers and other
+    work on two cores), never a tight margin."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -225,7 +228,7 @@ class Collector:
     def firing(self, run: str | None = None) -> list[dict[str, Any]]:
         return [a for a in self.alerts(run) if a["state"] == "firing"]
 
-    def wait_for(self, alertname: str, run: str, state: str = "firing", timeout: float = 15.0) -> dict[str, Any]:
+    def wait_for(self, alertname: str, run: str, state: str = "firing", timeout: float = 60.0) -> dict[str, Any]:
         """The alert ``alertname`` of ``run`` once it is in ``state`` (bounded poll)."""
 
         def found() -> dict[str, Any] | None:
