@@ -134,7 +134,7 @@ def running_process(
     log: Path,
     ready_url: str,
     what: str,
-    timeout: float = 30,
+    timeout: float = 60,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
 ) -> Iterator[subprocess.Popen]:

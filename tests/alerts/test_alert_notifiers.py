@@ -153,7 +153,7 @@ def test_dead_receiver_does_not_slow_observe_and_counts_failures(receiver):
             assert stats["dropped"] > 0  # the queue (20) filled while the receiver was dead
         # stop() gave up on the send in flight by closing its client; its worker counts
         # that batch as failed once the closed client fails it: wait for that, not a margin.
-        settled = wait_until(lambda: (st := svc.stats()["webhook"])["failed"] + st["dropped"] >= n and st, 20)
+        settled = wait_until(lambda: (st := svc.stats()["webhook"])["failed"] + st["dropped"] >= n and st, 60)
         assert settled["failed"] + settled["dropped"] == n and settled["queued"] == 0, settled
     finally:
         dead.close()

@@ -116,7 +116,7 @@ def running_prometheus(folder: Path, config: dict[str, Any]) -> Iterator[Prometh
         httpx.Client(base_url=url, timeout=5.0) as client,
     ):
         prom = Prometheus(url, client)
-        wait_until(lambda: prom.query('up{job="trainvitals"} == 1'), 15, "prometheus scraping the collector")
+        wait_until(lambda: prom.query('up{job="trainvitals"} == 1'), 60, "prometheus scraping the collector")
         yield prom
 
 

@@ -133,7 +133,7 @@ def test_two_sharded_collectors_behind_a_two_peer_alertmanager_page_once(tmp_pat
             lambda: all(
                 len(httpx.get(f"{u}/api/v2/status", timeout=5).json()["cluster"]["peers"]) == 2 for u in am_urls
             ),
-            30,
+            60,
             "the two Alertmanagers joined",
         )
         collectors = []
@@ -161,7 +161,7 @@ def test_two_sharded_collectors_behind_a_two_peer_alertmanager_page_once(tmp_pat
 
         # One incident on each shard (sharded by run: r-a on collector 0, r-b on collector 1).
         _incident(collectors[0], "r-a", 10, 1)
-        wait_until(lambda: _notifications(hook, "r-a"), 30, "r-a's notification")
+        wait_until(lambda: _notifications(hook, "r-a"), 60, "r-a's notification")
         time.sleep(5)  # the other peer's turn (peer_timeout 2 s) and a group interval: nothing more
         once = _notifications(hook, "r-a")
 
@@ -169,7 +169,7 @@ def test_two_sharded_collectors_behind_a_two_peer_alertmanager_page_once(tmp_pat
         os.kill(peers[0].pid, signal.SIGKILL)
         peers[0].wait(10)
         _incident(collectors[1], "r-b", 10, 1)
-        wait_until(lambda: _notifications(hook, "r-b"), 30, "r-b's notification")
+        wait_until(lambda: _notifications(hook, "r-b"), 60, "r-b's notification")
         time.sleep(5)
         killed_once = _notifications(hook, "r-b")
 

@@ -153,7 +153,7 @@ def test_the_collectors_live_pages_in_chromium(tmp_path: Path):
             # Reports keep arriving: the open page redraws from the collector.
             job.train(mon, 5)
             assert mon.flush(30)
-            wait_until(lambda: b.pump(0.5) or "27" in _facts(b)[0]["incidents"][0][4], 20, "the page to update")
+            wait_until(lambda: b.pump(0.5) or "27" in _facts(b)[0]["incidents"][0][4], 60, "the page to update")
             b.screenshot(tmp_path / "live.png")
             requests, console = b.requests, b.console
         mon.close()

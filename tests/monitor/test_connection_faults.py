@@ -170,7 +170,7 @@ def test_the_served_socket_has_tcp_nodelay():
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        wait_until(lambda: server.started, 20, "started")
+        wait_until(lambda: server.started, 60, "started")
         with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}") as c:
             assert c.get("/healthz").status_code == 200
             served = [p.transport.get_extra_info("socket") for p in server.server_state.connections]
@@ -224,7 +224,7 @@ def test_live_settings_die_with_their_run():
         assert c.put("/v1/runs/reused/settings", json={"every": 7, "ttl_seconds": 600}).status_code == 200
         again = c.post("/v1/reports", content=body(report("reused", 2)), headers=JSON).json()
         time.sleep(1.1)  # the run expires (run_ttl_seconds: 1)
-        wait_until(lambda: c.get("/v1/runs").json() == [], 10, "the run expired")
+        wait_until(lambda: c.get("/v1/runs").json() == [], 60, "the run expired")
         new_job = c.post("/v1/reports", content=body(report("reused", 1)), headers=JSON).json()
         shown = c.get("/v1/runs/reused/settings").json()
     assert again["settings"]["reused"]["every"] == 7

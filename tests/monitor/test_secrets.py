@@ -112,7 +112,7 @@ def test_no_secret_in_the_logs_of_the_collector_or_the_hooks(tmp_path, caplog):
                 # Delivered to the recorder with their secrets; the dead notifiers retried and failed.
                 wait_until(
                     lambda: sorted(s for s, _, _ in hook.alerts()) == ["firing"] * 2 + ["resolved"] * 2,
-                    20,
+                    60,
                     "pages and resolves",
                 )
                 assert sorted(set(hook.paths)) == [f"/hook?token={HOOK_TOKEN}", f"/pw?sig={HOOK_SIG}"]
