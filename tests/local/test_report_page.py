@@ -14,10 +14,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from tests.browser import browser, needs_chromium
+from tests.browser import browser
 from tests.e2e._jobs import DilutionJob
 from tests.local._recorded import record
-from tests.support import running_collector, wait_until
+from tests.support import needs_tools, running_collector, wait_until
 from trainvitals.alerts.verdict import VerdictBuilder
 from trainvitals.monitor.cli import main
 from trainvitals.monitor.report_page import MAX_BUCKETS, RunHistory, render_page
@@ -98,7 +98,7 @@ def test_history_keeps_an_envelope_of_bounded_size():
     assert series.steps[0] == 1.0 and list(series.steps) == sorted(series.steps)
 
 
-@needs_chromium
+@needs_tools("chromium")
 def test_the_report_file_in_chromium(files: dict[str, Path], tmp_path: Path):
     out = _report(files, tmp_path / "report.html", "i1", "healthy")
     with browser() as b:
@@ -122,7 +122,7 @@ def test_the_report_file_in_chromium(files: dict[str, Path], tmp_path: Path):
     assert shot.stat().st_size > 20_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@needs_chromium
+@needs_tools("chromium")
 def test_the_request_check_catches_a_page_that_fetches(files: dict[str, Path], tmp_path: Path):
     """The control: the same page without its policy and with one outside image is caught."""
     page = _report(files, tmp_path / "r.html", "i1").read_text()
@@ -134,7 +134,7 @@ def test_the_request_check_catches_a_page_that_fetches(files: dict[str, Path], t
         assert "http://198.51.100.7/pixel.png" in b.requests
 
 
-@needs_chromium
+@needs_tools("chromium")
 def test_the_collectors_live_pages_in_chromium(tmp_path: Path):
     job = DilutionJob()
     with running_collector(read_token=READ) as c:
@@ -160,7 +160,7 @@ def test_the_collectors_live_pages_in_chromium(tmp_path: Path):
             # Reports keep arriving: the open page redraws from the collector.
             job.train(mon, 5)
             assert mon.flush(30)
-            wait_until(lambda: b.pump(0.5) or "27" in _facts(b)[0]["incidents"][0][4], 20, "the page to update")
+            wait_until(lambda: b.pump(0.5) or "27" in _facts(b)[0]["incidents"][0][4], 60, "the page to update")
             b.screenshot(tmp_path / "live.png")
             requests, console = b.requests, b.console
         mon.close()
@@ -327,7 +327,7 @@ def _crowd_rules(path: Path) -> Path:
     return path
 
 
-@needs_chromium
+@needs_tools("chromium")
 @pytest.mark.parametrize("width", [1280, 700])
 def test_threshold_labels_never_overlap_in_chromium(files: dict[str, Path], tmp_path: Path, width: int):
     """Every threshold label is an element of the page; in Chromium no two label boxes
