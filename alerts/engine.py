@@ -220,7 +220,7 @@ class Engine:
             elif holds is None and verdict == BAD:
                 verdict = UNKNOWN
         if verdict == UNKNOWN or (inst is None and verdict != BAD):
-            if inst is not None and value is not None and value == value:
+            if inst is not None and value is not None and value == value and inst.state is not AlertState.RESOLVED:
                 inst.value = value
             return None
         if inst is None:

@@ -48,19 +48,27 @@ class SeriesHistory:
             if prev is None or raw != raw:
                 return None
             return raw if raw < prev else raw - prev  # a decrease is a counter reset
+        med = self.median_step(rule, key, raw)
+        if med is None:
+            return None
+        if med > 0:
+            return raw / med
+        if raw == raw:
+            return math.inf if raw > 0 else None
+        return None
+
+    def median_step(self, rule: ThresholdRule, key: tuple[Hashable, ...], raw: float) -> float | None:
+        """``ratio_to_median``'s step on one value: the median ``raw`` is divided by (None
+        while the history is shorter than ``min_history``), then ``raw`` is remembered.
+        :meth:`apply` uses it; so does the report page, to draw the rule's threshold in
+        the metric's own unit (``above`` times this median)."""
         hist = self._history.get(key)
         if hist is None:
             hist = self._history[key] = deque(maxlen=rule.window)
-        result: float | None = None
-        if len(hist) >= rule.history_needed:
-            med = statistics.median(hist)
-            if med > 0:
-                result = raw / med
-            elif raw == raw:
-                result = math.inf if raw > 0 else None
+        med = statistics.median(hist) if len(hist) >= rule.history_needed else None
         if math.isfinite(raw):
             hist.append(raw)
-        return result
+        return med
 
     def forget_run(self, run: str) -> None:
         """Drop every series of ``run``."""

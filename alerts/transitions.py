@@ -70,10 +70,12 @@ def advance(inst: AlertInstance, verdict: str, value: float, step: int, now: flo
     drops it."""
     rule = inst.rule
     old = inst.state
+    if old in (AlertState.INACTIVE, AlertState.RESOLVED) and verdict != BAD:
+        # A resolved alert keeps the step and value it resolved at, as the transition said
+        # them (the job's own log: "resolved at step 41"), not those of later reports.
+        return None
     inst.value, inst.step = value, step
     if old in (AlertState.INACTIVE, AlertState.RESOLVED):
-        if verdict != BAD:
-            return None
         inst.state, inst.pending_step, inst.pending_time = AlertState.PENDING, step, now
         inst.fired_at = inst.resolved_at = None
         inst.reason = ""

@@ -32,6 +32,7 @@ from trainvitals.alerts.engine import Engine
 from trainvitals.alerts.loading import RuleSpec, resolve_rules
 from trainvitals.alerts.model import Rule, SilenceRule, ThresholdRule
 from trainvitals.alerts.state import Alert, AlertState, Transition
+from trainvitals.alerts.templates import render_template
 from trainvitals.wire import METRICS, RUN_END_EVENT, Report
 from trainvitals.wire.coverage import NOT_BLIND, REASONS, SIGNALS
 
@@ -65,12 +66,16 @@ def _runbook_fixes() -> dict[str, str]:
     return out
 
 
-def action_for(rule: Rule) -> str:
-    """One line of what to do about ``rule``: its runbook's fix, else its description."""
+def action_for(rule: Rule, alert: Alert | None = None) -> str:
+    """One line of what to do about ``rule``: its runbook's fix, else the first sentence of
+    its description (or summary), rendered with ``alert``'s labels and value (a template
+    field no alert fills reads ``?``, never a raw ``{value:.1f}``)."""
     fix = _runbook_fixes().get(rule.alert)
     if fix:
         return fix
-    text = " ".join((rule.description or rule.summary or "").split())
+    template = rule.description or rule.summary or ""
+    text = render_template(template, alert.fields() if alert is not None else {})
+    text = " ".join(text.split())
     return text.split(". ")[0].rstrip(".") + "." if text else f"see the runbook of {rule.alert}"
 
 
@@ -125,6 +130,9 @@ class RunVerdict:
     ended: bool = False
     """A report carried ``run_end`` (the job closed its monitor)."""
     incidents: list[Incident] = field(default_factory=list)
+    source: str | None = None
+    """The file the reports came from, where the same run name is in several files
+    (``trainvitals check a.jsonl b.jsonl`` judges each apart)."""
     coverage: dict[str, int] = field(default_factory=dict)
     signals: dict[str, dict[str, Any]] = field(default_factory=dict)
     """What the reports' coverage entries said per built-in signal
@@ -134,6 +142,11 @@ class RunVerdict:
     """Reports that carried figures of each signal (``optimizer``, ``loss``, ``params``,
     ``adam``, ``softmax``: the metric catalogue's groups); a signal absent here was never
     seen in this run's reports."""
+
+    @property
+    def name(self) -> str:
+        """The run's name as the verdict shows it: ``RUN [FILE]`` when ``source`` is set."""
+        return f"{self.run} [{self.source}]" if self.source else self.run
 
     @property
     def paged(self) -> bool:
@@ -147,6 +160,7 @@ class RunVerdict:
     def as_dict(self) -> dict[str, Any]:
         return {
             "run": self.run,
+            **({"file": self.source} if self.source else {}),
             "reports": self.reports,
             "first_step": self.first_step,
             "last_step": self.last_step,
@@ -156,6 +170,29 @@ class RunVerdict:
             "coverage": dict(self.coverage),
             "signals": {k: dict(v) for k, v in self.signals.items()},
         }
+
+    def checks(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """What the verdict rests on: the signals that carried figures (active in at
+        least one report), and the others with their reason (the reports' coverage;
+        for reports from before coverage, the signal groups that carried no figure)."""
+        checked: list[str] = []
+        missing: list[tuple[str, str]] = []
+        if self.signals:
+            for name in SIGNALS:
+                sig = self.signals.get(name)
+                if sig is None:
+                    continue
+                if sig["active"]:
+                    checked.append(name)
+                else:
+                    missing.append((name, sig["reason"] or "no_input"))
+            return checked, missing
+        for group in SIGNAL_GROUPS:
+            if self.coverage.get(group, 0):
+                checked.append(group)
+            else:
+                missing.append((group, "no_input"))
+        return checked, missing
 
     def coverage_lines(self) -> list[str]:
         """What was watched, per built-in signal: in how many reports it was active, and
@@ -279,7 +316,7 @@ class VerdictBuilder:
                     last_step=t.step if t.step is not None else 0,
                     peak=t.value,
                     summary=t.summary,
-                    action=action_for(rule),
+                    action=action_for(rule, t),
                     runbook=rule.runbook or "",
                     metric=rule.metric if isinstance(rule, ThresholdRule) else None,
                 )

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from trainvitals.alerts.verdict import RunVerdict
 
-__all__ = ["format_value", "format_verdict", "verdict_table"]
+__all__ = ["checked_text", "format_value", "format_verdict", "verdict_table"]
 
 
 def format_value(value: float) -> str:
@@ -23,20 +23,53 @@ def format_value(value: float) -> str:
     return f"{value:.4g}"
 
 
+_WHY_NOT = {
+    "not_requested": "not requested",
+    "no_optimizer_step": "no optimizer step",
+    "no_input": "nothing reached it",
+    "no_lm_head": "no LM head found",
+    "head_bypassed": "no gradient reached the LM head",
+    "logits_layout": "logits layout not understood",
+    "not_cross_entropy": "not a plain cross-entropy loss",
+    "logits_overwritten": "logits overwritten in place",
+    "sharded": "sharded layout not handled",
+    "failed": "failed",
+    "not_adam": "no Adam moments",
+    "no_parameters": "nothing to watch",
+}
+"""A coverage reason in a few words, for the verdict's headline (the full detail is in
+the coverage lines)."""
+
+
+def checked_text(verdict: RunVerdict) -> str:
+    """``checked: optimizer, params, adam, loss; not checked: probe (not requested), ...``:
+    what the verdict rests on, and what it does not, with why."""
+    checked, missing = verdict.checks()
+    parts = [f"checked: {', '.join(checked) if checked else 'nothing'}"]
+    if missing:
+        parts.append("not checked: " + ", ".join(f"{name} ({_WHY_NOT.get(why, why)})" for name, why in missing))
+    return "; ".join(parts)
+
+
 def format_verdict(verdict: RunVerdict, *, report_file: str | None = None) -> list[str]:
-    """The verdict as log lines: a headline, then one line per incident and its fix."""
+    """The verdict as log lines: a headline that says what was checked and what was not
+    (and why), then one line per incident and its fix."""
     steps = (
         f"steps {verdict.first_step}-{verdict.last_step}"
         if verdict.first_step is not None and verdict.first_step != verdict.last_step
         else f"step {verdict.last_step}"
     )
     where = f"; reports in {report_file}" if report_file else ""
+    checks = checked_text(verdict)
     if not verdict.incidents:
-        return [f"trainvitals verdict for run {verdict.run}: no incident in {verdict.reports} reports ({steps}){where}"]
+        return [
+            f"trainvitals verdict for run {verdict.name}: no incident in {verdict.reports} reports ({steps}); "
+            f"{checks}{where}"
+        ]
     pages = sum(i.severity == "page" for i in verdict.incidents)
     lines = [
-        f"trainvitals verdict for run {verdict.run}: {len(verdict.incidents)} incident(s)"
-        f"{f', {pages} of severity page' if pages else ''} in {verdict.reports} reports ({steps}){where}"
+        f"trainvitals verdict for run {verdict.name}: {len(verdict.incidents)} incident(s)"
+        f"{f', {pages} of severity page' if pages else ''} in {verdict.reports} reports ({steps}); {checks}{where}"
     ]
     for i in verdict.incidents:
         state = (
@@ -63,11 +96,13 @@ def verdict_table(verdicts: Iterable[RunVerdict]) -> str:
     quiet = []
     for v in verdicts:
         if not v.incidents:
-            quiet.append(f"{v.run}: no incident in {v.reports} reports (steps {v.first_step}-{v.last_step})")
+            quiet.append(
+                f"{v.name}: no incident in {v.reports} reports (steps {v.first_step}-{v.last_step}); {checked_text(v)}"
+            )
         for i in v.incidents:
             rows.append(
                 (
-                    v.run,
+                    v.name,
                     i.alert,
                     i.severity,
                     i.where or "-",

@@ -77,7 +77,8 @@ def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         gen = torch.Generator().manual_seed(0)
         client = httpx.Client(base_url=url, timeout=5)
-        with attach(model, opt, run="demo", collector=url, modalities=("text", "image"), every=1) as mon:
+        # rules="off": the collector judges; the demo prints what it says as a table
+        with attach(model, opt, run="demo", collector=url, modalities=("text", "image"), every=1, rules="off") as mon:
             header = f"{'step':>5} {'phase':<24} {'loss':>7} {'image grad share':>17} {'dilution':>9}  alert"
             global_step = 0
             for phase in (
@@ -128,13 +129,25 @@ def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
             echo(f"... and resolved by step {result['resolved_at']} once the loss was normalized per sample.")
         if others:
             echo(f"Other alerts seen: {', '.join(others)} (see {url}/v1/alerts).")
+        pages = (
+            f"  {url}/            the runs, their state and alerts\n"
+            f"  {url}/runs/demo   this run: verdict, incident timeline, the signals behind each alert\n"
+            f"  {url}/v1/alerts   the alerts as JSON\n"
+            f"  {url}/metrics     what Prometheus scrapes"
+        )
+        result["pages"] = [f"{url}/", f"{url}/runs/demo", f"{url}/v1/alerts", f"{url}/metrics"]
         if serve:
-            echo(f"\n/metrics stays up at {url}/metrics; Ctrl-C to stop.")
+            echo(f"\nOpen these pages while the demo's collector stays up (Ctrl-C to stop):\n{pages}")
             try:
                 while True:
                     time.sleep(1)
             except KeyboardInterrupt:
                 echo("bye")
+        else:
+            echo(
+                "\nThe demo's collector stops now (--no-serve). Without --no-serve it stays up with these pages:\n"
+                + pages.replace(url, "http://127.0.0.1:PORT")
+            )
     finally:
         server.__exit__(None, None, None)
     return result

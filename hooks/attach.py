@@ -7,6 +7,7 @@ instead; past this point nothing trainvitals does raises into the training loop.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -15,9 +16,9 @@ import torch
 from torch import nn
 
 from trainvitals.hooks import distributed
-from trainvitals.hooks.config import ATTACH_ENV, Config, attach_env
+from trainvitals.hooks.config import ATTACH_ENV, CHECK_ENV, Config, attach_env
 from trainvitals.hooks.monitor import Monitor, monitor_of
-from trainvitals.hooks.sinks import HttpSink, NullSink, make_sink
+from trainvitals.hooks.sinks import NullSink, make_sink
 from trainvitals.wire.runs import check_run
 
 __all__ = ["attach"]
@@ -111,8 +112,9 @@ def attach(
     ``every``: report every N optimizer steps (default 10). ``scaler``: a ``GradScaler``,
     so loss weights are unscaled. ``rules``: alert rules evaluated in the job, each
     firing and resolution logged with its step and value and a verdict at close
-    (``"default"``, rule files, ``"off"``); default: the default rules when no
-    collector is configured (the collector evaluates them otherwise). Further options: see
+    (``"default"``, rule files, ``"off"``); default: the default rules (with a collector
+    too, which evaluates its own; reports it never takes are kept in
+    ``./trainvitals-<run>.jsonl``). Further options: see
     :class:`trainvitals.hooks.config.Config`. Options not passed come from the
     ``TRAINVITALS_*`` environment variables where set (docs/configuration.md).
 
@@ -157,6 +159,7 @@ def build_monitor(
     # Arguments win over the environment; a bad variable raises naming it.
     env = attach_env()
     env_options = Config.from_env()
+    every, collector, sink = _under_check(every, collector, sink, env_options)
     if run is None:
         run = env.get("run")
         if run is None:
@@ -202,20 +205,35 @@ def build_monitor(
         existing.close()
     # Only rank 0 sends; other ranks compute (and join the collectives) but send nothing.
     resolved = make_sink(collector, sink, run) if distributed.rank() == 0 else NullSink()
-    rules = _local_rules(rules, resolved)
+    rules = _local_rules(rules)
     return Monitor(model, optimizer, run=run, sink=resolved, modalities=mods, scaler=scaler, config=config, rules=rules)
+
+
+def _under_check(every: Any, collector: Any, sink: Any, env_options: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """Under ``trainvitals check -- CMD``: the check's interval and report file, whatever
+    the job passes (said in the log when it passed something else)."""
+    check_sink = os.environ.get(CHECK_ENV, "").strip()
+    if not check_sink:
+        return every, collector, sink
+    checked = env_options.get("every")
+    if checked is not None and every is not None and every != checked:
+        log.warning("trainvitals check: reporting every %d step(s) as the check asks, not every=%d", checked, every)
+    if collector is not None or sink is not None:
+        log.warning("trainvitals check: reports go to %s for the check, not to %r", check_sink, collector or sink)
+    return (checked if checked is not None else every), None, check_sink
 
 
 _OFF = ("off", "none", "false", "no", "0")
 
 
-def _local_rules(rules: Any, sink: Any) -> Any:
+def _local_rules(rules: Any) -> Any:
     """What the job evaluates in-process: ``rules`` as given, nothing when turned off, and
-    the default rules when nothing was said and no collector will evaluate them."""
+    the default rules when nothing was said (with a collector too: the job's log then says
+    each alert as it fires, and keeps judging when the collector cannot be reached)."""
     if rules is False or (isinstance(rules, str) and rules.strip().lower() in _OFF):
         return None
     if isinstance(rules, list | tuple) and len(rules) == 1 and str(rules[0]).strip().lower() in _OFF:
         return None
-    if rules is None and distributed.rank() == 0 and not isinstance(sink, HttpSink):
+    if rules is None and distributed.rank() == 0:
         return "default"
     return rules

@@ -61,6 +61,7 @@ from torch import nn
 from trainvitals.hooks import distributed
 from trainvitals.hooks.attach import build_monitor
 from trainvitals.hooks.config import ATTACH_ENV, default_run_name, env_name
+from trainvitals.hooks.logits_finder import AUTO, find_head
 from trainvitals.hooks.monitor import Monitor, monitor_of
 from trainvitals.hooks.naming import unwrap
 from trainvitals.hooks.summary import visible_logs
@@ -113,16 +114,18 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     _stepping.discard(id(optimizer))
     if _stop_at is not None:
         watch = _watched.get(optimizer)
-        if watch is not None and watch.monitor is not None and watch.monitor.step >= _stop_at:
-            _stop_job(watch.monitor.step)
+        # ours, or the one the job attached itself: --steps counts the job's steps either way
+        monitor = watch.monitor if watch is not None and watch.monitor is not None else monitor_of(optimizer)
+        if monitor is not None and monitor.step >= _stop_at:
+            _stop_job(monitor.step, monitor)
 
 
-def _stop_job(step: int) -> None:
+def _stop_job(step: int, stepped: Monitor) -> None:
     """``trainvitals check --steps N``: close every monitor (their last reports are
     written) and end the job with status 0, as asked; the only place trainvitals
     raises into a job, and only this SystemExit."""
     log.info("trainvitals check: stopping the job after %d optimizer steps, as asked (--steps)", step)
-    for monitor in watched():
+    for monitor in [*watched(), *([stepped] if stepped not in watched() else [])]:
         try:
             monitor.close()
         except Exception as exc:  # noqa: BLE001
@@ -250,25 +253,11 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
     options: dict[str, Any] = {}
     if closure and not os.environ.get(env_name("step_boundary"), "").strip():
         options["step_boundary"] = "manual"
-    no_head = ""
     if not os.environ.get(env_name("loss_from_logits"), "").strip():
-        head, no_head = _logits_module(model)
-        if head is not None:
-            options["loss_from_logits"] = head
+        head = find_head(unwrap(model)).head  # none: the monitor says why loss accounting is off
+        options["loss_from_logits"] = head if head is not None else AUTO
     monitor = build_monitor(model, optimizer, run=run, scaler=scaler, **options)
     monitor.automatic = True
-    if no_head:  # zero-code expects loss accounting of a language model: say why it is off
-        from trainvitals.hooks.logits_finder import token_embedding
-
-        if token_embedding(unwrap(model)) is None:
-            monitor.coverage.set_inactive(
-                "loss",
-                "not_requested",
-                "the model has no token embedding (not a language model): no logits to read loss weights "
-                "from; call Monitor.track_loss for loss accounting",
-            )
-        else:
-            monitor.coverage.set_inactive("loss", "no_lm_head", no_head)
     where = ""
     if distributed.world_size() > 1:
         where = f", rank {monitor.rank} of {monitor.world_size}"
@@ -285,7 +274,7 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
         run,
         where,
         "; loss accounting from the logits of " + _name_in(model, options["loss_from_logits"])
-        if "loss_from_logits" in options
+        if isinstance(options.get("loss_from_logits"), nn.Module)
         else "",
         monitor.start_line(),
     )
@@ -415,16 +404,6 @@ def _best_partial(tops: list[nn.Module], left: set[int]) -> nn.Module | None:
         if inner is None or extras == 0:
             return best
         best = inner
-
-
-def _logits_module(model: nn.Module) -> tuple[nn.Module | None, str]:
-    """The model's LM head, or None and why not."""
-    from trainvitals.hooks.logits_finder import find_logits_module
-
-    try:
-        return find_logits_module(unwrap(model), True), ""
-    except (ValueError, TypeError) as exc:
-        return None, str(exc)
 
 
 def _name_in(model: nn.Module, module: Any) -> str:

@@ -36,6 +36,11 @@ ATTACH_ENV = {
 """The environment variable of each core ``attach()`` argument (``sink``: use
 ``TRAINVITALS_COLLECTOR=file:PATH``; ``scaler`` is an object: none)."""
 
+CHECK_ENV = "TRAINVITALS_CHECK_SINK"
+"""Set by ``trainvitals check -- CMD`` to where the check reads the reports
+(``file:PATH``): a monitor the job attaches itself then reports there, at the check's
+``--every``, whatever the job passes (each override logged)."""
+
 ATTACH_ENV_HELP = {
     "run": f"The run's name ({RUN_RULE.removeprefix('use ')}); "
     "`trainvitals run` sets it (`--run`, else the script's name and the start time).",
@@ -118,12 +123,16 @@ class Config:
     is at most about two chunks plus ~4 MiB (measured on [4, 512, 131072] float32 logits:
     2.1-3.6 MiB for 2.5-4 MiB chunks)."""
 
-    loss_from_logits: Any = False
+    loss_from_logits: Any = "auto"
     """Zero-code loss accounting: read every token's loss weight from the gradient that
     reaches the logits during the job's own backward, with no ``track_loss`` call (plain
     cross-entropy losses only; others are detected and reported as such, docs/integrations.md).
+    ``"auto"`` (the default): find the LM head as True does; a model without one is
+    watched without loss accounting, said in the start line, the verdict and the
+    coverage; a ``track_loss`` call takes over from it. False: off.
     True: find the LM head (``get_output_embeddings()``, else the module tied to the token
-    embedding, else the last module with a ``[vocabulary, width]`` weight); a name from
+    embedding, else the last module with a ``[vocabulary, width]`` weight; an error when
+    there is none); a name from
     ``model.named_modules()`` or the module itself names it. Tag micro-batches with
     ``Monitor.tag_batch(modality=..., segments=...)``; a model whose config names an image
     or video token id has its samples classed by their input ids."""

@@ -54,6 +54,10 @@ _HOW_TO_ASK = {
 }
 
 
+_FIRST_CALL = {"loss": "track_loss()", "softmax": "observe_logits()"}
+"""Signals a job's own call starts: at attach they are not requested *yet*."""
+
+
 class Coverage:
     """Per built-in signal: declared states, and the tally of what the reports said."""
 
@@ -182,8 +186,12 @@ class Coverage:
         if moot:
             parts.append("does not apply: " + "; ".join(moot))
         skipped = [e["signal"] for e in off if e["reason"] == "not_requested"]
-        if skipped:
-            parts.append("not requested: " + ", ".join(skipped))
+        first_call = [f"{name} (from the first {_FIRST_CALL[name]} call)" for name in skipped if name in _FIRST_CALL]
+        if first_call:
+            parts.append("not requested yet: " + ", ".join(first_call))
+        unasked = [name for name in skipped if name not in _FIRST_CALL]
+        if unasked:
+            parts.append("not requested: " + ", ".join(unasked))
         return "; ".join(parts)
 
 

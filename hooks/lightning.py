@@ -40,6 +40,7 @@ except ImportError:  # only the older import name is installed
 
 from trainvitals.hooks.attach import attach
 from trainvitals.hooks.integration_support import batch_value, run_name, torch_optimizer
+from trainvitals.hooks.logits_finder import AUTO
 from trainvitals.hooks.monitor import Monitor
 
 __all__ = ["TrainvitalsCallback"]
@@ -59,7 +60,8 @@ class TrainvitalsCallback(Callback):
     integer codes that ``modality`` finds in each batch: a key of a dict batch, an
     attribute, or a function of the batch returning codes [B] or [B, T]; ``segments``
     likewise for packed rows' sample ids [B, T]. ``loss_from_logits``: zero-code loss
-    accounting (True: find the LM head; a module name; False: off). Other keywords go
+    accounting ("auto", the default: find the LM head, and say why it is off when there
+    is none; True: find it or raise; a module name; False: off). Other keywords go
     to :func:`~trainvitals.hooks.attach`. ``monitor`` is the attached
     :class:`~trainvitals.hooks.Monitor` once training starts.
     """
@@ -73,7 +75,7 @@ class TrainvitalsCallback(Callback):
         modalities: Sequence[str] = (),
         modality: Field = None,
         segments: Field = None,
-        loss_from_logits: Any = True,
+        loss_from_logits: Any = AUTO,
         **options: Any,
     ) -> None:
         if modality is not None and not modalities:
@@ -128,7 +130,7 @@ class TrainvitalsCallback(Callback):
             self.monitor.step = trainer.global_step
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self.monitor is None or not self.loss_from_logits:
+        if self.monitor is None or not self.monitor.reads_logits:
             return
         modality = batch_value(batch, self.modality)
         segments = batch_value(batch, self.segments)

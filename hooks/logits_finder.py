@@ -25,12 +25,16 @@ positions) that is the position table.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-__all__ = ["expected_vocab", "find_logits_module", "logits_of", "token_embedding"]
+__all__ = ["AUTO", "HeadSearch", "expected_vocab", "find_head", "find_logits_module", "logits_of", "token_embedding"]
+
+AUTO = "auto"
+"""``loss_from_logits``'s default: find the LM head, and say why loss accounting is off
+when there is none (never an error: the job is watched without it)."""
 
 _POSITIONAL = re.compile(r"(^|_)(wpe|pos|position|positions|positional)(_|$)|^pos|position", re.IGNORECASE)
 
@@ -146,6 +150,36 @@ def find_logits_module(model: nn.Module, spec: Any) -> nn.Module:
         "get_output_embeddings(), no module tied to or sized like the token embedding); pass "
         "its name, loss_from_logits='lm_head' (a name from model.named_modules())"
     )
+
+
+class HeadSearch(NamedTuple):
+    """What :func:`find_head` found: the head, or None with the coverage reason
+    (``no_lm_head``, or ``not_requested`` for a model that is no language model) and
+    the detail a user reads."""
+
+    head: nn.Module | None
+    reason: str = ""
+    detail: str = ""
+
+
+def find_head(model: nn.Module) -> HeadSearch:
+    """The LM head as ``loss_from_logits=True`` finds it, or why there is none."""
+    try:
+        return HeadSearch(find_logits_module(model, True))
+    except (ValueError, TypeError):
+        if token_embedding(model) is None:
+            return HeadSearch(
+                None,
+                "not_requested",
+                "the model has no token embedding (not a language model): no logits to read loss "
+                "weights from; call Monitor.track_loss for loss accounting",
+            )
+        return HeadSearch(
+            None,
+            "no_lm_head",
+            "no LM head found (no get_output_embeddings(), no module tied to or sized like the token "
+            "embedding): name it, attach(loss_from_logits='lm_head'), or call Monitor.track_loss",
+        )
 
 
 def expected_vocab(model: nn.Module, head: nn.Module) -> int | None:

@@ -22,6 +22,7 @@ from trainvitals.hooks.config import Config
 from trainvitals.hooks.coverage import Coverage
 from trainvitals.hooks.lifecycle import StepLifecycle
 from trainvitals.hooks.live_settings import LiveSettings
+from trainvitals.hooks.logits_finder import AUTO, find_head, find_logits_module
 from trainvitals.hooks.naming import clean_name, unwrap
 from trainvitals.hooks.pack import PendingReport
 from trainvitals.hooks.sender import Sender
@@ -85,9 +86,11 @@ class Monitor:
         # Zero-code loss accounting: its module is found first, so a wrong name raises
         # before anything is hooked or started.
         logits_module = None
-        if config.loss_from_logits:
-            from trainvitals.hooks.logits_finder import find_logits_module
-
+        no_head = None
+        self._loss_auto = config.loss_from_logits == AUTO
+        if self._loss_auto:
+            logits_module, *no_head = find_head(self.model)
+        elif config.loss_from_logits:
             logits_module = find_logits_module(self.model, config.loss_from_logits)
         self._pending_events: list[tuple[str, str, dict[str, str]]] = []
         self._warned: set[str] = set()
@@ -113,7 +116,9 @@ class Monitor:
         self._headline: tuple[tuple[int, Any, list[str]], tuple[int, dict[str, float]]] | None = None
         if evaluator is not None and hasattr(sink, "firing"):
             sink.firing = self._firing_names  # a tracker sink shows the alerts firing
-        self._sender = Sender(sink, max_queue_bytes=config.queue_bytes, on_report=self._observe_report)
+        self._sender = Sender(
+            sink, max_queue_bytes=config.queue_bytes, on_report=self._observe_report, spill=_spill_for(sink, run)
+        )
         self.signals: list[Signal] = _default_signals(config.signals)
         self._steps = StepLifecycle(self)
         self._handles: list[Removable] = [optimizer.register_step_post_hook(self._steps.after_step)]
@@ -122,7 +127,9 @@ class Monitor:
         for s in self.signals:
             self._handles.extend(s.run_guarded("bind", s.bind, self) or [])
         if logits_module is not None:
-            self._handles.extend(self._loss_signal().watch_logits(self, logits_module))
+            self._handles.extend(self._loss_signal().watch_logits(self, logits_module, auto=self._loss_auto))
+        elif no_head is not None:  # "auto" found no head: watched without loss accounting, said why
+            self.coverage.set_inactive("loss", *no_head)
         # Live settings arrive with the collector's answers (sender thread) and are
         # applied at the end of a step (training thread).
         self._live = LiveSettings(self)
@@ -166,7 +173,7 @@ class Monitor:
         self,
         per_token: torch.Tensor,
         *,
-        modality: Any,
+        modality: Any = None,
         mask: torch.Tensor | None = None,
         segments: torch.Tensor | None = None,
         output: torch.Tensor | None = None,
@@ -179,7 +186,9 @@ class Monitor:
 
         ``per_token``: [B, T] (or [N]) per-token losses the loss is reduced from
         (``reduction="none"``); it must require grad. ``modality``: per sample [B] or
-        per token [B, T], integer codes or names from ``attach(modalities=...)``.
+        per token [B, T], integer codes or names from ``attach(modalities=...)``; leave
+        it out for a job with one modality (its figures are the totals: weight mass,
+        exponent, spread).
         ``mask``: [B, T] bool, the label tokens (default: all). ``segments``: [B, T]
         sample ids of packed rows. ``output``: logits or last hidden states
         [B, T, ...], for per-modality output-gradient norms. ``objective``: which term of
@@ -190,7 +199,17 @@ class Monitor:
         ``attach(loss_normalization=...)``). Wrong types, shapes and unknown names raise
         here; problems in the values become events.
         """
-        self._loss_signal().track(
+        signal = self._loss_signal()
+        if self._loss_auto and signal.reads_logits:
+            # The job accounts its loss itself: the head's logits are read no more (the
+            # step begun from them is dropped, so no micro-batch counts twice).
+            signal.stop_reading_logits()
+            log.info("trainvitals: track_loss() called: loss accounting from it; the LM head's logits are read no more")
+        if self._loss_auto:
+            self._loss_auto = False
+            if self.coverage.declared("loss") is not None:
+                self.coverage.clear("loss")  # the head "auto" did not find no longer matters
+        signal.track(
             self,
             per_token,
             modality=modality,
@@ -201,6 +220,13 @@ class Monitor:
             weight=weight,
             normalization=normalization,
         )
+
+    @property
+    def reads_logits(self) -> bool:
+        """Zero-code loss accounting is on: the LM head's logits are read every micro-batch."""
+        from trainvitals.hooks.signals.loss_accounting import LossAccounting
+
+        return any(isinstance(s, LossAccounting) and s.reads_logits for s in self.signals)
 
     def tag_batch(self, modality: Any = None, segments: torch.Tensor | None = None) -> None:
         """With zero-code loss accounting (``attach(loss_from_logits=...)``): the modality
@@ -435,6 +461,16 @@ class Monitor:
         from trainvitals.hooks.signals.softmax import Softmax
 
         return self._signal(Softmax)
+
+
+def _spill_for(sink: Sink, run: str) -> Sink | None:
+    """A collector's reports that it never takes (unreachable until the queue overflows
+    or the job ends) are kept in the run's local file, ``./trainvitals-<run>.jsonl``."""
+    from trainvitals.hooks.sinks import FileSink, HttpSink
+
+    if not isinstance(sink, HttpSink):
+        return None
+    return FileSink(f"trainvitals-{run.replace('/', '_')}.jsonl")
 
 
 def builtin_signal_classes() -> dict[str, type[Signal]]:

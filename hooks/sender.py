@@ -59,8 +59,15 @@ class Sender:
         max_pending: int = 256,
         backoff: tuple[float, float] = (0.2, 30.0),
         on_report: Callable[[Report], Any] | None = None,
+        spill: Sink | None = None,
     ) -> None:
         self.sink = sink
+        self.spill = spill
+        """Where reports the sink never took go instead of being lost (a local file, for a
+        collector that cannot be reached): those dropped from a full queue, and those still
+        undelivered at close."""
+        self.spilled = 0
+        self._to_spill: list[bytes] = []
         self.max_queue_bytes = max_queue_bytes
         self.max_pending = max_pending
         self.backoff = backoff
@@ -142,12 +149,27 @@ class Sender:
             self.unconfirmed = maybe + in_flight
             ended = self._last_ended and (left > 0 or self.unconfirmed > 0)
             self.dropped += left
+            kept = [b for b in self._outbox if id(b) not in self._maybe_applied] if self.spill is not None else []
+            kept, self._to_spill = self._to_spill + kept, []
             self._pending.clear()
             self._outbox.clear()
             self._outbox_bytes = 0
             self._closed = True
         if left and self._last_head is not None and not self._thread.is_alive():
             self._send_count(ended, deadline)
+        self._spill_now(kept)
+        if self.spilled:
+            log.warning(
+                "trainvitals: %d report(s) the collector never took are in %s: send them later with "
+                "trainvitals replay %s --collector URL",
+                self.spilled,
+                getattr(self.spill, "path", self.spill),
+                getattr(self.spill, "path", "FILE"),
+            )
+            try:
+                self.spill.close()  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001
+                pass
         if (left or self.unconfirmed) and not quiet:
             # A warning, unless the sink already warned that the collector is unreachable.
             level = logging.INFO if getattr(self.sink, "healthy", True) is False else logging.WARNING
@@ -225,6 +247,8 @@ class Sender:
                 else:
                     self.dropped += len(batch)
                 self._cond.notify_all()
+            if self._to_spill:
+                self._spill_now()
 
     def _encode(self, item: PendingReport) -> None:
         try:
@@ -246,6 +270,8 @@ class Sender:
             self._outbox.append(data)
             self._outbox_bytes += len(data)
             self._trim_locked()
+        if self._to_spill:
+            self._spill_now()
         if self.on_report is not None:
             try:
                 self.on_report(validated)
@@ -288,11 +314,29 @@ class Sender:
                 self.sink.timeout = saved  # type: ignore[attr-defined]
 
     def _trim_locked(self) -> None:
-        """Drop the oldest reports until the outbox fits its byte bound (keeps the newest)."""
+        """Drop the oldest reports until the outbox fits its byte bound (keeps the newest);
+        with a spill, they are written there (by :meth:`_spill_now`, outside the lock)."""
         while self._outbox_bytes > self.max_queue_bytes and len(self._outbox) > 1:
             old = self._outbox.popleft()
             self._outbox_bytes -= len(old)
             self.dropped += 1
+            if self.spill is not None:
+                self._to_spill.append(old)
+
+    def _spill_now(self, bodies: list[bytes] | None = None) -> None:
+        """Write what was trimmed (or ``bodies``) to the spill; never raises."""
+        if self.spill is None:
+            return
+        if bodies is None:
+            with self._cond:
+                bodies, self._to_spill = self._to_spill, []
+        if not bodies:
+            return
+        try:
+            if self.spill.deliver(bodies) == "sent":
+                self.spilled += len(bodies)
+        except Exception as exc:  # noqa: BLE001
+            self._warn_once("spill", "could not keep undelivered reports in %r: %s", self.spill, exc)
 
     def _take_batch(self) -> list[bytes]:
         batch: list[bytes] = []

@@ -39,6 +39,7 @@ from trainvitals.hooks.integration_support import (
     state_file,
     torch_optimizer,
 )
+from trainvitals.hooks.logits_finder import AUTO
 from trainvitals.hooks.monitor import Monitor
 from trainvitals.hooks.naming import unwrap
 
@@ -75,7 +76,8 @@ class TrainvitalsCallback(TrainerCallback):
     ``$TRAINVITALS_EVERY``, else 10): report every N
     optimizer steps. ``modalities``: names of the integer codes found in the batch
     field ``modality_field`` (one per sample [B], or per token [B, T]).
-    ``loss_from_logits``: zero-code loss accounting (True: find the LM head; a module
+    ``loss_from_logits``: zero-code loss accounting ("auto", the default: find the LM
+    head, and say why it is off when there is none; True: find it or raise; a module
     name; False: off). Other keywords go to :func:`~trainvitals.hooks.attach` (e.g.
     ``rules="default"``, ``loss_normalization="token"``). ``monitor`` is the attached
     :class:`~trainvitals.hooks.Monitor` while training runs.
@@ -89,7 +91,7 @@ class TrainvitalsCallback(TrainerCallback):
         *,
         modalities: Sequence[str] = (),
         modality_field: str | None = None,
-        loss_from_logits: Any = True,
+        loss_from_logits: Any = AUTO,
         **options: Any,
     ) -> None:
         if modality_field is not None and not modalities:
@@ -168,7 +170,7 @@ class TrainvitalsCallback(TrainerCallback):
             kwargs = dict(kwargs)
             modality = kwargs.pop(self.modality_field)  # never reaches the model's forward
         segments = segments_from_positions(kwargs.get("position_ids"))
-        if modality is not None or segments is not None:
+        if (modality is not None or segments is not None) and monitor.reads_logits:
             monitor.tag_batch(modality=modality, segments=segments)
         return args, kwargs
 

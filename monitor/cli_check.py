@@ -5,9 +5,10 @@ files) and prints the verdict (:mod:`trainvitals.alerts.verdict`) as a table;
 ``check -- COMMAND ...`` is the pre-flight check: the command runs under
 ``trainvitals run`` reporting every step, for ``--steps N`` optimizer steps or to
 its end, then the same verdict and what was watched. Exit status: 1 when an alert
-of severity ``page`` fired, 0 when none did, 2 for a usage error or an unreadable
-file (the message names the line), 3 when the pre-flight job failed or reported
-nothing.
+of severity ``--fail-on`` or worse fired (default ``warning``: a warning or a page;
+``--fail-on page``: pages only), 0 when none did, 2 for a usage error or an
+unreadable file (the message names the line), 3 when the pre-flight job failed or
+reported nothing.
 
 ``report FILE.jsonl -o report.html`` writes the report page
 (:mod:`trainvitals.monitor.report_page`).
@@ -59,20 +60,81 @@ def decode_line(line: bytes) -> list[Any]:
     return list(decode_batch(stripped).reports)
 
 
-def _judge(files: list[Path], rules: tuple[str, ...]) -> Any:
-    from trainvitals.alerts.report_files import ReportFileError, read_report_files
+def _judge(files: list[Path], rules: tuple[str, ...]) -> tuple[list[Any], list[str]]:
+    """The verdicts of every run in ``files``, each file judged on its own; a run name
+    found in several files is kept apart, each verdict named ``RUN [FILE]``, and said
+    in the notes returned."""
+    from trainvitals.alerts.report_files import ReportFileError, read_report_file
 
-    builder = _builder(rules)
+    per_file = []
     try:
-        for report in read_report_files(files, decode_line):
-            builder.observe(report)
+        for path in files:
+            builder = _builder(rules)
+            for _, report in read_report_file(path, decode_line):
+                builder.observe(report)
+            per_file.append((path, builder.verdicts()))
     except ReportFileError as exc:
         raise _UsageError(str(exc)) from None
-    return builder
+    seen: dict[str, list[Path]] = {}
+    for path, verdicts in per_file:
+        for v in verdicts:
+            seen.setdefault(v.run, []).append(path)
+    shared = {run: paths for run, paths in seen.items() if len(paths) > 1}
+    out = []
+    for path, verdicts in per_file:
+        for v in verdicts:
+            if v.run in shared:
+                v.source = str(path)
+            out.append(v)
+    notes = [
+        f"note: run {run!r} is in {len(paths)} files ({', '.join(map(str, paths))}): each is judged on its own, "
+        "as RUN [FILE] (one file holds one run's reports: concatenate them to judge them as one)"
+        for run, paths in shared.items()
+    ]
+    return out, notes
 
 
 def _is_report_file(arg: str) -> bool:
     return arg.endswith((".jsonl", ".json"))
+
+
+def _first_line_is_report(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            line = f.readline(1 << 20)
+    except OSError:
+        return False
+    try:
+        return bool(line.strip()) and bool(decode_line(line))
+    except ValueError:
+        return False
+
+
+def _report_files(args: tuple[str, ...]) -> list[Path] | None:
+    """The arguments as report files (named ``.jsonl``/``.json``, or files whose first
+    line is a report), or None for a command to run; a file that is neither a report
+    file nor a program is refused, saying so (``check notes.txt`` does not run it)."""
+    if all(_is_report_file(a) for a in args):
+        return [Path(a) for a in args]
+    first = Path(args[0])
+    if not first.is_file():
+        return None  # a program on PATH (python, torchrun, ...)
+    if all(Path(a).is_file() and _first_line_is_report(Path(a)) for a in args):
+        return [Path(a) for a in args]
+    if os.access(first, os.X_OK) and not _is_report_file(args[0]):
+        return None  # ./train.sh
+    bad = next(a for a in args if not (Path(a).is_file() and _first_line_is_report(Path(a))))
+    hint = f"trainvitals check -- python {args[0]}" if args[0].endswith(".py") else "trainvitals check -- COMMAND ..."
+    raise _UsageError(
+        f"{bad}: not a trainvitals report file (its first line is not a report) and not a program to run; "
+        f"pass report files (.jsonl), or a command: {hint}"
+    )
+
+
+def _exit_status(verdicts: list[Any], fail_on: str) -> int:
+    """EXIT_PAGE when an alert of severity ``fail_on`` or worse fired, else 0."""
+    levels = {"page": ("page",), "warning": ("page", "warning")}[fail_on]
+    return EXIT_PAGE if any(i.severity in levels for v in verdicts for i in v.incidents) else 0
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -84,6 +146,13 @@ def _is_report_file(arg: str) -> bool:
     help="Rule file or folder instead of the default rules ('default' adds them back); repeatable.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the verdict as JSON.")
+@click.option(
+    "--fail-on",
+    type=click.Choice(["page", "warning"]),
+    default="warning",
+    show_default=True,
+    help="Exit 1 when an alert of this severity or worse fired.",
+)
 @click.option(
     "--steps",
     type=click.IntRange(min=1),
@@ -111,6 +180,7 @@ def _is_report_file(arg: str) -> bool:
 def check(
     rules: tuple[str, ...],
     as_json: bool,
+    fail_on: str,
     steps: int | None,
     every: int,
     run_name: str | None,
@@ -126,20 +196,24 @@ def check(
     Before a long job, run the pre-flight check on it: it runs the command under
     trainvitals run reporting every step (--every), stops it cleanly after --steps
     optimizer steps (or lets it finish), and prints each incident, what to do and
-    what was watched. Exit status: 1 if an alert of severity page fired, 0 if none
-    did, 2 for a usage error or an unreadable file, 3 if the pre-flight job failed
-    or reported nothing.
+    what was watched. Exit status: 1 if an alert of severity --fail-on (default
+    warning: a warning or a page) fired, 0 if none did, 2 for a usage error or an
+    unreadable file, 3 if the pre-flight job failed or reported nothing.
     """
-    if all(_is_report_file(a) for a in args):
-        if steps is not None or run_name is not None or settings:
-            raise _UsageError("--steps, --run and --set are for the pre-flight check (check -- COMMAND ...)")
-        builder = _judge([Path(a) for a in args], rules)
-        verdicts = builder.verdicts()
+    files = _report_files(args)
+    if files is not None:
+        every_source = click.get_current_context().get_parameter_source("every")
+        every_given = every_source is not None and every_source is not click.core.ParameterSource.DEFAULT
+        if steps is not None or run_name is not None or settings or every_given:
+            raise _UsageError("--steps, --every, --run and --set are for the pre-flight check (check -- COMMAND ...)")
+        verdicts, notes = _judge(files, rules)
         if not verdicts:
             raise _UsageError(f"no report in {', '.join(args)}")
+        for note in notes:
+            click.echo(note, err=True)
         _print(verdicts, as_json, files=list(args))
-        sys.exit(EXIT_PAGE if any(v.paged for v in verdicts) else 0)
-    _preflight(rules, as_json, steps, every, run_name, settings, args)
+        sys.exit(_exit_status(verdicts, fail_on))
+    _preflight(rules, as_json, fail_on, steps, every, run_name, settings, args)
 
 
 def _print(verdicts: list[Any], as_json: bool, *, files: list[str], job: dict[str, Any] | None = None) -> None:
@@ -165,6 +239,7 @@ def _print(verdicts: list[Any], as_json: bool, *, files: list[str], job: dict[st
 def _preflight(
     rules: tuple[str, ...],
     as_json: bool,
+    fail_on: str,
     steps: int | None,
     every: int,
     run_name: str | None,
@@ -179,6 +254,7 @@ def _preflight(
     run = env[config.ATTACH_ENV["run"]]
     path = Path(f"trainvitals-check-{run.replace('/', '_')}.jsonl")
     env[config.ATTACH_ENV["collector"]] = f"file:{path}"
+    env[config.CHECK_ENV] = f"file:{path}"  # a monitor the job attaches itself reports here too
     env[config.ATTACH_ENV["rules"]] = "off"  # judged here, from the file
     if steps is not None:
         env["TRAINVITALS_CHECK_STEPS"] = str(steps)
@@ -218,7 +294,7 @@ def _preflight(
     verdicts = builder.verdicts()
     click.echo(f"trainvitals check: the job exited with status {status}", err=True)
     _print(verdicts, as_json, files=[str(path)], job=job)
-    if any(v.paged for v in verdicts):
+    if _exit_status(verdicts, fail_on):
         sys.exit(EXIT_PAGE)
     if status != 0 or not any(v.reports for v in verdicts):
         sys.exit(EXIT_JOB)
@@ -247,7 +323,7 @@ def report(files: tuple[Path, ...], output: Path, rules: tuple[str, ...], title:
     from trainvitals.monitor.report_page import RunHistory, render_page
 
     builder = _builder(rules)
-    history = RunHistory()
+    history = RunHistory(rules=builder.rules)
     try:
         for r in read_report_files(files, decode_line):
             builder.observe(r)

@@ -7,6 +7,15 @@ the collector serves the same page for a live run (``/runs/{run}``,
 and the job's close), the incident timeline, then plots of the signals behind
 each alert with the rule's thresholds drawn.
 
+Thresholds: only a threshold on the plotted scale is a constant line (a rule or an
+``and`` condition on the metric's value as reported; a rule with label matchers says
+which series it is for when the plot shows others). A rule on the value over its
+series' own median (``ratio_to_median``, GradNormSpike) is drawn as a series in the
+metric's unit, the median times the rule's factor, computed as the engine computes it
+(:class:`RunHistory`); any other transform is not drawn, and the plot's caption says
+so. The labels are elements over the plot, laid out in the browser so that no two
+overlap (``static/report.js``).
+
 Plots are drawn in the browser by uPlot (MIT, vendored in ``static/``), inlined
 with its stylesheet, the page's own script and the data; a Content-Security-Policy
 in the page forbids every request (the live page may fetch from the collector
@@ -34,7 +43,9 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from trainvitals.alerts.model import ThresholdRule
+from trainvitals.alerts.model import Condition, Matcher, ThresholdRule
+from trainvitals.alerts.rule_index import compile_matchers
+from trainvitals.alerts.transforms import SeriesHistory
 from trainvitals.alerts.verdict import RunVerdict, VerdictBuilder
 from trainvitals.alerts.verdict_text import format_value
 from trainvitals.monitor.series import Labels
@@ -61,18 +72,20 @@ class Panel:
 PANELS: tuple[Panel, ...] = (
     Panel(
         "dilution",
-        "Modality dilution (sample share / gradient share) and its excess over the intended normalization",
-        ("modality_excess_dilution_ratio", "modality_dilution_ratio"),
+        "Modality dilution in excess of the intended normalization (the share it intends / the share it gets)",
+        ("modality_excess_dilution_ratio",),
     ),
+    Panel("dilution_ratio", "Modality dilution (sample share / gradient share)", ("modality_dilution_ratio",)),
     Panel(
         "grad_share",
         "Per-modality share of samples and of gradient weight",
         ("modality_sample_share_ratio", "modality_grad_share_ratio"),
     ),
+    Panel("loss_mass", "Loss weight mass per optimizer step", ("loss_weight_mass",)),
     Panel(
-        "loss_mass",
-        "Loss weight mass per optimizer step and its accumulation exponent",
-        ("loss_weight_mass", "loss_accumulation_exponent"),
+        "loss_exponent",
+        "Accumulation exponent of the loss weight mass (log mass / log micro-batches)",
+        ("loss_accumulation_exponent",),
     ),
     Panel("spread", "Token weight spread across the micro-batches of a step", ("token_weight_spread_ratio",)),
     Panel("drift", "1D parameter drift (bits since attach)", ("param_drift_log2",)),
@@ -142,13 +155,30 @@ def _nanmax(a: float, b: float) -> float:
 
 
 class RunHistory:
-    """The plotted metrics' series of each run, bounded (see the module's "Size")."""
+    """The plotted metrics' series of each run, bounded (see the module's "Size").
 
-    def __init__(self, metrics: Iterable[str] = _PLOTTED) -> None:
+    ``rules``: the rules the page draws (the verdict's). A ``ratio_to_median`` rule's
+    threshold is not a constant on the metric's scale: for each series it watches, the
+    history keeps the median the rule divides each value by, computed as the engine
+    does (:meth:`~trainvitals.alerts.transforms.SeriesHistory.median_step`, fed the
+    same reports in the same order), so the page draws the rule's threshold as a line
+    in the metric's unit. Without the rules no such line can be drawn, and the page says so.
+    """
+
+    def __init__(self, metrics: Iterable[str] = _PLOTTED, rules: Iterable[Any] = ()) -> None:
         self.metrics = frozenset(metrics)
         # run -> metric -> label items -> series
         self.runs: dict[str, dict[str, dict[tuple[tuple[str, str], ...], _Series]]] = {}
         self.updated: dict[str, float] = {}
+        # ratio_to_median rules on a plotted metric: metric -> [(position, rule, label predicate)]
+        self.rules: list[Any] = list(rules)
+        self._ratio: dict[str, list[tuple[int, ThresholdRule, Any]]] = {}
+        for i, rule in enumerate(self.rules):
+            if isinstance(rule, ThresholdRule) and rule.transform == "ratio_to_median" and rule.metric in self.metrics:
+                self._ratio.setdefault(rule.metric, []).append((i, rule, compile_matchers(rule.labels)))
+        self._medians = SeriesHistory()
+        # run -> (rule position, series key) -> the rule's median before each report
+        self.baselines: dict[str, dict[tuple[int, tuple[tuple[str, str], ...]], _Series]] = {}
 
     def add(self, report: Any) -> None:
         """One report (a wire Report, or the collector decoder's struct)."""
@@ -157,6 +187,7 @@ class RunHistory:
             run = self.runs[report.run] = {}
         step = float(report.step)
         wanted = self.metrics
+        ratio = self._ratio
         rank = ("rank", str(report.rank)) if report.rank else None
         isfinite = math.isfinite
         for sample in report.samples:
@@ -178,11 +209,37 @@ class RunHistory:
                 series = per_metric[key] = _Series()
             value = float(sample.value)
             series.add(step, value if isfinite(value) else math.nan)
+            if name in ratio:
+                self._baseline(report, ratio[name], labels, key, step, value)
         self.updated[report.run] = time.time()
+
+    def _baseline(
+        self,
+        report: Any,
+        rules: list[tuple[int, ThresholdRule, Any]],
+        labels: Any,
+        key: tuple[tuple[str, str], ...],
+        step: float,
+        raw: float,
+    ) -> None:
+        for i, rule, match in rules:
+            if not match(labels):  # the series the rule watches, matched as the engine does
+                continue
+            # The median the engine divides this value by (its key: rule, run, rank, labels).
+            med = self._medians.median_step(rule, (i, report.run, report.rank, key), raw)
+            if med is None:  # fewer than min_history reports: no verdict yet, no line
+                continue
+            per_run = self.baselines.setdefault(report.run, {})
+            line = per_run.get((i, key))
+            if line is None:
+                line = per_run[(i, key)] = _Series()
+            line.add(step, med if med > 0 else math.nan)
 
     def forget(self, run: str) -> None:
         self.runs.pop(run, None)
         self.updated.pop(run, None)
+        self.baselines.pop(run, None)
+        self._medians.forget_run(run)
 
 
 def _label_text(metric: str, key: tuple[tuple[str, str], ...]) -> str:
@@ -190,42 +247,81 @@ def _label_text(metric: str, key: tuple[tuple[str, str], ...]) -> str:
     return f"{metric}{{{inner}}}" if inner else metric
 
 
-def _thresholds(rules: Iterable[Any], metric: str) -> list[dict[str, Any]]:
-    out = []
+def _matchers_text(matchers: Iterable[Matcher]) -> str:
+    return ", ".join(f"{m.name}{'=' if m.op == '=' else m.op}{m.value}" for m in matchers)
+
+
+def _applies(matchers: tuple[Matcher, ...], drawn: list[tuple[tuple[str, str], ...]]) -> tuple[bool, str | None]:
+    """Whether a threshold with label ``matchers`` applies to any drawn series of its metric,
+    and, when only to some, which (``threshold=0.99``: the line is not the others')."""
+    if not matchers:
+        return True, None
+    match = compile_matchers(matchers)
+    hits = [match(dict(kv for kv in key if kv[0] != "rank")) for key in drawn]
+    if not any(hits):
+        return False, None
+    return True, None if all(hits) else _matchers_text(matchers)
+
+
+def _constant(rule: ThresholdRule, cond: Condition | None, metric: str, kind: str, only: str | None) -> dict[str, Any]:
+    src = cond if cond is not None else rule
+    return {
+        "alert": rule.alert,
+        "value": getattr(src, kind),
+        "kind": kind,
+        # No second line where the rule clears at its threshold (no hysteresis).
+        "clear": None if cond is not None or rule.clear_at == rule.threshold else rule.clear_at,
+        "severity": rule.severity,
+        "metric": metric,
+        "condition": cond is not None,
+        "only": only,
+    }
+
+
+def _thresholds(
+    rules: Iterable[Any], metric: str, drawn: list[tuple[tuple[str, str], ...]]
+) -> tuple[list[dict[str, Any]], list[tuple[ThresholdRule, str]]]:
+    """The constant thresholds on ``metric`` (drawn as horizontal lines), and the rules on it
+    whose threshold is not a constant of the metric's scale, with what they compare."""
+    out: list[dict[str, Any]] = []
+    other: list[tuple[ThresholdRule, str]] = []
     for rule in rules:
-        if isinstance(rule, ThresholdRule) and rule.metric == metric:
-            bound = rule.above if rule.above is not None else rule.below
-            out.append(
-                {
-                    "alert": rule.alert,
-                    "value": bound,
-                    "kind": "above" if rule.above is not None else "below",
-                    "clear": rule.clear_at,
-                    "severity": rule.severity,
-                    "metric": metric,
-                }
-            )
-        for cond in getattr(rule, "and_", ()) or ():
+        if not isinstance(rule, ThresholdRule):
+            continue
+        if rule.metric == metric:
+            ok, only = _applies(rule.labels, drawn)
+            if ok and rule.transform == "value":
+                out.append(_constant(rule, None, metric, "above" if rule.above is not None else "below", only))
+            elif ok:
+                other.append((rule, only or ""))
+        for cond in rule.and_:
             if cond.metric == metric:
-                for kind in ("above", "below"):
-                    bound = getattr(cond, kind, None)
-                    if bound is not None:
-                        out.append(
-                            {
-                                "alert": rule.alert,
-                                "value": bound,
-                                "kind": kind,
-                                "clear": None,
-                                "severity": rule.severity,
-                                "metric": metric,
-                                "condition": True,
-                            }
-                        )
-    return out
+                # A condition reads the metric's value as reported, whatever the rule's transform.
+                ok, only = _applies(cond.labels, drawn)
+                if ok:
+                    out.append(_constant(rule, cond, metric, "above" if cond.above is not None else "below", only))
+    return out, other
+
+
+def _ratio_note(rule: ThresholdRule, metric: str) -> str:
+    kind = "above" if rule.above is not None else "below"
+    clears = (
+        f", clears at {format_value(rule.clear)} x" if rule.clear is not None and rule.clear != rule.threshold else ""
+    )
+    return (
+        f"{rule.alert} compares {metric} to its median over the previous {rule.window} reports, from the "
+        f"{_ordinal(rule.history_needed + 1)} report on: its threshold moves with the series and is drawn as one "
+        f"(fires {kind} {format_value(rule.threshold)} x the median{clears})"
+    )
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def _panel_data(
-    panel: Panel, metrics: Mapping[str, Any], verdict: RunVerdict, rules: list[Any]
+    panel: Panel, metrics: Mapping[str, Any], verdict: RunVerdict, rules: list[Any], history: RunHistory, run: str
 ) -> dict[str, Any] | None:
     wanted_keys = {(i.metric, tuple(sorted(i.labels.items()))) for i in verdict.incidents if i.metric in panel.metrics}
     chosen: list[tuple[str, tuple[Any, ...], _Series]] = []
@@ -234,7 +330,11 @@ def _panel_data(
         per = metrics.get(metric)
         if not per:
             continue
-        below = any(t["kind"] == "below" and not t.get("condition") for t in _thresholds(rules, metric))
+        below = any(
+            r.metric == metric and r.below is not None and r.transform == "value"
+            for r in rules
+            if isinstance(r, ThresholdRule)
+        )
         ranked = sorted(
             per.items(),
             key=lambda kv: (
@@ -246,34 +346,92 @@ def _panel_data(
         left_out += max(0, len(ranked) - MAX_SERIES)
     if not chosen:
         return None
+    # The rules' thresholds: constants of the plotted scale as horizontal lines; a rule on a
+    # ratio to the series' own median as a line per series it watches, in the metric's unit
+    # (the median times the rule's factor, as the engine computes it); anything else is
+    # not drawn, and the caption says so.
+    shown_metrics = [m for m in panel.metrics if m in metrics]
+    constants: list[dict[str, Any]] = []
+    derived: list[tuple[dict[str, Any], _Series, float]] = []
+    notes: list[str] = []  # rules on these metrics that are not constants of the plotted scale
+    baselines = history.baselines.get(run, {})
+    for metric in shown_metrics:
+        drawn = [k for m, k, _ in chosen if m == metric]
+        consts, other = _thresholds(rules, metric, drawn)
+        constants.extend(consts)
+        for rule, _only in other:
+            if rule.transform != "ratio_to_median":
+                notes.append(
+                    f"{rule.alert} compares the {rule.transform} of {metric} between reports, not its value:"
+                    " its threshold is not on this scale and is not drawn"
+                )
+                continue
+            pos = next((i for i, r in enumerate(history.rules) if r == rule), -1)  # -1: kept without it
+            watched = [(key, baselines[(pos, key)]) for m, key, _ in chosen if m == metric and (pos, key) in baselines]
+            for key, base in watched:
+                of = f" of {_label_text(metric, key)}" if len(drawn) > 1 else ""
+                kind = "above" if rule.above is not None else "below"
+                spec = {"alert": rule.alert, "severity": rule.severity}
+                fires = f"{rule.alert} fires {kind}: {format_value(rule.threshold)} x median{of}"
+                derived.append(({**spec, "kind": kind, "label": fires}, base, rule.threshold))
+                if rule.clear is not None and rule.clear != rule.threshold:
+                    clears = f"{rule.alert} clears at: {format_value(rule.clear)} x median{of}"
+                    derived.append(({**spec, "kind": "clear", "label": clears}, base, rule.clear))
+            if watched:
+                notes.append(_ratio_note(rule, metric))
+            else:
+                why = (
+                    f"fewer than {rule.history_needed + 1} reports of the series it watches"
+                    if pos >= 0
+                    else "the page was built without the rule's history"
+                )
+                notes.append(
+                    f"{rule.alert} compares {metric} to {format_value(rule.threshold)} x its median over the previous "
+                    f"{rule.window} reports; not drawn: {why}"
+                )
     # One x axis: every bucket start of the chosen series, and a point just after it for
     # the bucket's max when the bucket holds more than one report.
+    everything = [s for _, _, s in chosen] + [b for _, b, _ in derived]
     xs: set[float] = set()
-    for _, _, s in chosen:
+    for s in everything:
         xs.update(s.steps)
         if s.per_bucket > 1:
             xs.update(x + 0.5 * s.per_bucket for x in s.steps)
     x = sorted(xs)
     index = {v: i for i, v in enumerate(x)}
-    columns: list[list[float | None]] = []
-    for _, _, s in chosen:
+
+    def column(s: _Series, factor: float = 1.0) -> list[float | None]:
         col: list[float | None] = [None] * len(x)
         for st, lo, hi in zip(s.steps, s.lo, s.hi, strict=True):
             if s.per_bucket > 1:
-                col[index[st]] = _num(lo)
-                col[index[st + 0.5 * s.per_bucket]] = _num(hi)
+                col[index[st]] = _num(lo * factor)
+                col[index[st + 0.5 * s.per_bucket]] = _num(hi * factor)
             else:
-                col[index[st]] = _num(lo)
-        columns.append(col)
+                col[index[st]] = _num(lo * factor)
+        return col
+
+    series = [
+        {"label": _label_text(m, k), "metric": m, "incident": (m, k) in wanted_keys, "values": column(s)}
+        for m, k, s in chosen
+    ]
+    for spec, base, factor in derived:
+        series.append(
+            {
+                "label": spec["label"],
+                "metric": None,
+                "incident": False,
+                "threshold": {"alert": spec["alert"], "severity": spec["severity"], "kind": spec["kind"]},
+                "values": column(base, factor),
+            }
+        )
     return {
         "key": panel.key,
         "title": panel.title,
         "x": [_num(v) for v in x],
-        "series": [
-            {"label": _label_text(m, k), "metric": m, "incident": (m, k) in wanted_keys, "values": c}
-            for (m, k, _), c in zip(chosen, columns, strict=True)
-        ],
-        "thresholds": [t for m in panel.metrics if m in metrics for t in _thresholds(rules, m)],
+        "series": series,
+        "thresholds": constants,
+        "multi_metric": len(shown_metrics) > 1,
+        "notes": notes,
         "left_out": left_out,
     }
 
@@ -296,7 +454,9 @@ def page_data(builder: VerdictBuilder, history: RunHistory, runs: Iterable[str] 
     for run in names:
         verdict = verdicts.get(run) or RunVerdict(run)
         metrics = history.runs.get(run, {})
-        panels = [p for p in (_panel_data(panel, metrics, verdict, builder.rules) for panel in PANELS) if p]
+        panels = [
+            p for p in (_panel_data(panel, metrics, verdict, builder.rules, history, run) for panel in PANELS) if p
+        ]
         out.append({"verdict": verdict.as_dict(), "panels": panels})
     return {"runs": out, "generated": time.time()}
 

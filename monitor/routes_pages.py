@@ -1,4 +1,4 @@
-"""The collector's pages: ``GET /`` (the runs, their state and firing alerts) and
+"""The collector's pages: ``GET /`` (the runs, their state, firing alerts and past incidents) and
 ``GET /runs/{run}`` (the report page of one run, :mod:`trainvitals.monitor.report_page`,
 updating as reports arrive: the page refetches ``/runs/{run}?format=json``).
 
@@ -22,7 +22,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from trainvitals.alerts.service import AlertService
-from trainvitals.alerts.verdict import VerdictBuilder
+from trainvitals.alerts.verdict import Incident, VerdictBuilder
 from trainvitals.monitor.report_page import RunHistory, page_data, render_page
 from trainvitals.wire.errors import Refused
 
@@ -45,7 +45,7 @@ class LivePages:
         self._rules = rules
         self._lock = threading.Lock()
         self.builder = VerdictBuilder(rules, engine=None if alerts is None else alerts.engine)
-        self.history = RunHistory()
+        self.history = RunHistory(rules=self.builder.rules)
 
     def observe_batch(self, batch: Any, now: float | None = None) -> None:
         now = time.time() if now is None else now
@@ -73,6 +73,14 @@ class LivePages:
     def known(self, run: str) -> bool:
         with self._lock:
             return run in self.history.runs
+
+    def incidents(self, run: str) -> list[Incident] | None:
+        """The run's incidents (fired, resolved, firing when it ended), from its verdict;
+        None when the pages do not keep the run (past :data:`MAX_RUNS`)."""
+        with self._lock:
+            if run not in self.history.runs:
+                return None
+            return list(self.builder.verdict(run).incidents)
 
     def data(self, run: str) -> dict[str, Any]:
         with self._lock:
@@ -111,15 +119,33 @@ body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#1d2330;background:#f6f7f
 header{background:#1d2330;color:#fff;padding:10px 20px}h1{font-size:18px;margin:0}main{padding:10px 20px}
 table{border-collapse:collapse;background:#fff;width:100%}th,td{text-align:left;padding:6px 10px;
 border-bottom:1px solid #eceff3}.page{color:#b3261e;font-weight:700}.warning{color:#9a6100;font-weight:700}
-.ok{color:#1c5b2a}.silent{color:#7a4b00}
+.ok{color:#1c5b2a}.silent{color:#7a4b00}.note{color:#666}
 """
+
+
+def _labels_text(labels: Any) -> str:
+    return ", ".join(f"{k}={v}" for k, v in labels.items() if k != "run")
+
+
+def _incident_text(inc: Incident) -> str:
+    """``resolved: GradientDilution (modality=image, steps 21-26)``."""
+    state = "resolved" if inc.resolved else ("firing when the run ended" if inc.ended_firing else "firing")
+    where = _labels_text(inc.labels)
+    steps = f"step {inc.first_step}" if inc.first_step == inc.last_step else f"steps {inc.first_step}-{inc.last_step}"
+    again = f", fired {inc.fired} times" if inc.fired > 1 else ""
+    return (
+        f'{html.escape(state)}: <span class="{html.escape(inc.severity)}">{html.escape(inc.alert)}</span>'
+        f" ({html.escape(where + ', ' if where else '')}{steps}{again})"
+    )
 
 
 @router.get("/", response_class=HTMLResponse)
 async def index(request: Request) -> HTMLResponse:
-    """The runs the collector knows: state, last step, firing alerts, a link to each page."""
+    """The runs the collector knows: state, last step, their alerts (firing now, and the
+    incidents they had: resolved, or firing when the run ended), a link to each page."""
     now = time.time()
     store = request.app.state.store
+    pages = _pages(request)
     firing: dict[str, list[Any]] = {}
     for alert in request.app.state.alerts.engine.firing():
         firing.setdefault(alert.labels.get("run", ""), []).append(alert)
@@ -128,23 +154,27 @@ async def index(request: Request) -> HTMLResponse:
         age = now - r.last_report_time
         state = "ended" if r.ended else ("reporting" if age < 120 else f"silent for {int(age)} s")
         alerts = sorted(firing.get(r.run, []), key=lambda a: (a.severity != "page", a.alertname))
-        shown = ", ".join(
+        shown = [
             f'<span class="{html.escape(a.severity)}">{html.escape(a.alertname)}</span>'
-            + (
-                f" ({html.escape(', '.join(f'{k}={v}' for k, v in a.labels.items() if k != 'run'))})"
-                if len(a.labels) > 1
-                else ""
-            )
+            + (f" ({html.escape(_labels_text(a.labels))})" if len(a.labels) > 1 else "")
             for a in alerts
-        )
+        ]
+        # What fired before (resolved, or still firing when the run ended): the run's
+        # verdict, as its page shows it; an alert firing now is listed once, above.
+        now_firing = {(a.alertname, _labels_text(a.labels)) for a in alerts}
+        incidents = pages.incidents(r.run)
+        if incidents is None:
+            shown.append('<span class="note">earlier incidents not kept (too many runs)</span>')
+        else:
+            shown += [_incident_text(i) for i in incidents if (i.alert, _labels_text(i.labels)) not in now_firing]
         rows.append(
             f'<tr class="run" data-run="{html.escape(r.run)}"><td><a href="/runs/{quote(r.run, safe="/:")}">'
             f"{html.escape(r.run)}</a></td><td>{r.step}</td>"
             f'<td class="{"silent" if state.startswith("silent") else "ok"}">{html.escape(state)}</td>'
-            f"<td>{shown or '<span class=ok>none</span>'}</td></tr>"
+            f'<td class="alerts">{"; ".join(shown) or "<span class=ok>none</span>"}</td></tr>'
         )
     table = (
-        "<table><tr><th>run</th><th>step</th><th>state</th><th>firing alerts</th></tr>" + "".join(rows) + "</table>"
+        "<table><tr><th>run</th><th>step</th><th>state</th><th>alerts</th></tr>" + "".join(rows) + "</table>"
         if rows
         else "<p>No run has reported yet.</p>"
     )

@@ -6,8 +6,8 @@
 makes (``Network.requestWillBeSent`` of its own session: chromium's own background
 traffic, which has no page, is not in it), answers HTTP Basic challenges with the
 credentials it was given (``Fetch.authRequired``), evaluates JavaScript in the page
-and takes screenshots. Tests that need it skip where ``chromium`` is absent
-(``.ci/run`` installs it).
+and takes screenshots. Tests that need it are marked ``needs_tools("chromium")``
+(``tests.support``): they skip where it is not installed.
 """
 
 from __future__ import annotations
@@ -24,11 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run installs it)")
+from tests.support import require_tool
 
 _FLAGS = [
     "--headless",
@@ -192,8 +188,9 @@ class Browser:
 
 @contextmanager
 def browser() -> Iterator[Browser]:
-    """A headless chromium with a throw-away profile."""
-    assert CHROMIUM is not None
+    """A headless chromium with a throw-away profile (skips the test where chromium is
+    not installed)."""
+    chromium = require_tool("chromium")
     profile = tempfile.mkdtemp(prefix="tv-chromium-")
     to_r, to_w = os.pipe()  # we write, chromium reads on fd 3
     from_r, from_w = os.pipe()  # chromium writes on fd 4, we read
@@ -204,7 +201,7 @@ def browser() -> Iterator[Browser]:
         os.dup2(high_w, 4)
 
     proc = subprocess.Popen(
-        [CHROMIUM, *_FLAGS, f"--user-data-dir={profile}", "about:blank"],
+        [chromium, *_FLAGS, f"--user-data-dir={profile}", "about:blank"],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -77,6 +77,17 @@ def _no_trainvitals_environment() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _work_in_a_scratch_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Run every test from a scratch folder: a job writes its reports where it runs by
+    default (``./trainvitals-<run>.jsonl``, also the reports a collector never took), and
+    none of that may land in the checkout. Tests reach the repository's files through
+    ``Path(__file__)``, never the working directory."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path_factory.mktemp("cwd"))
+        yield
+
+
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:
     """torch on one thread for the test (see ``tests.support.one_torch_thread``)."""

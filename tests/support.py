@@ -1,7 +1,9 @@
 """Test helpers shared across the suites: free ports, bounded polling, a server process
 waited for and stopped, Debian's Alertmanager on loopback, a real collector in this
-process and its /metrics read back, data-parallel ranks, a host-sync spy. The recording
-HTTP server is in ``tests.http_recorder``, wire report builders in ``tests.reports``."""
+process and its /metrics read back, data-parallel ranks, a host-sync spy, and the system
+tools some tests run (``needs_tools``, ``require_tool``: they skip without them). The
+recording HTTP server is in ``tests.http_recorder``, wire report builders in
+``tests.reports``."""
 
 from __future__ import annotations
 
@@ -29,7 +31,50 @@ from trainvitals.monitor.server import serve_in_thread
 from trainvitals.monitor.settings import Settings
 from trainvitals.monitor.store import SeriesStore
 
-ALERTMANAGER = shutil.which("prometheus-alertmanager")
+# -- system tools ---------------------------------------------------------------------------
+# The tests that run real Prometheus, Alertmanager, promtool or chromium skip where the tool
+# is not on PATH, saying how to install it: one line here, the README's and .ci/run's.
+TEST_TOOLS_INSTALL = "apt-get install prometheus prometheus-alertmanager chromium"
+# tool -> (the names it goes by on PATH, how to install it)
+_APT = f"apt: {TEST_TOOLS_INSTALL}"
+_TOOLS: dict[str, tuple[tuple[str, ...], str]] = {
+    "prometheus": (("prometheus",), f"Debian package prometheus; {_APT}"),
+    "promtool": (("promtool",), f"Debian package prometheus; {_APT}"),
+    "prometheus-alertmanager": (("prometheus-alertmanager",), f"Debian package prometheus-alertmanager; {_APT}"),
+    "amtool": (("amtool",), f"Debian package prometheus-alertmanager; {_APT}"),
+    "chromium": (("chromium", "chromium-browser"), f"Debian package chromium; {_APT}"),
+    "kubectl": (("kubectl",), "https://kubernetes.io/docs/tasks/tools/"),
+    "systemd-analyze": (("systemd-analyze",), "Debian package systemd"),
+}
+
+
+def tool_path(tool: str) -> str | None:
+    """Where ``tool`` (a key of the table above) is on PATH, or None."""
+    names, _ = _TOOLS[tool]
+    return next((path for path in map(shutil.which, names) if path is not None), None)
+
+
+def missing_tools(*tools: str) -> str | None:
+    """Why a test needing ``tools`` cannot run here (naming how to install them), or None."""
+    missing = [t for t in tools if tool_path(t) is None]
+    if not missing:
+        return None
+    return "; ".join(f"{t} is not on PATH ({_TOOLS[t][1]})" for t in missing)
+
+
+def needs_tools(*tools: str) -> pytest.MarkDecorator:
+    """Mark a test, class or module to skip unless every one of ``tools`` is on PATH."""
+    reason = missing_tools(*tools)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def require_tool(tool: str) -> str:
+    """``tool``'s path; skips the test (naming how to install it) where it is missing. For
+    a helper that needs the tool partway through a test: the test's checks before it ran."""
+    path = tool_path(tool)
+    if path is None:
+        pytest.skip(missing_tools(tool) or "")
+    return path
 
 
 def free_port() -> int:
@@ -44,8 +89,11 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "", interval: float = 0.02) -> Any:
-    """Poll until ``predicate()`` is truthy and return it; fail after ``timeout`` s."""
+def wait_until(predicate: Callable[[], Any], timeout: float = 60.0, what: str = "", interval: float = 0.02) -> Any:
+    """Poll until ``predicate()`` is truthy and return it; fail after ``timeout`` s. The
+    timeout bounds a failure, it is not an expectation: a passing test returns as soon as
+    the event happens, so give it room for a loaded machine (several workers and other
+    work on two cores), never a tight margin."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -86,7 +134,7 @@ def running_process(
     log: Path,
     ready_url: str,
     what: str,
-    timeout: float = 30,
+    timeout: float = 60,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
 ) -> Iterator[subprocess.Popen]:
@@ -133,9 +181,8 @@ def running_alertmanager(
 ) -> Iterator[str]:
     """Debian's prometheus-alertmanager on loopback, no cluster, storage in ``folder``;
     its route sends every alert, grouped by ``group_by``, to ``receiver_url``/webhook.
-    Yields its URL."""
-    if ALERTMANAGER is None:
-        raise RuntimeError("prometheus-alertmanager is not installed")
+    Yields its URL; skips the test where Alertmanager is not installed."""
+    alertmanager = require_tool("prometheus-alertmanager")
     folder.mkdir(parents=True, exist_ok=True)
     config = folder / "alertmanager.yml"
     config.write_text(ALERTMANAGER_CONFIG.format(url=receiver_url, group_by=", ".join(group_by)))
@@ -143,7 +190,7 @@ def running_alertmanager(
     url = f"http://127.0.0.1:{port}"
     with running_process(
         [
-            ALERTMANAGER,
+            alertmanager,
             f"--config.file={config}",
             f"--storage.path={folder / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
@@ -181,7 +228,7 @@ class Collector:
     def firing(self, run: str | None = None) -> list[dict[str, Any]]:
         return [a for a in self.alerts(run) if a["state"] == "firing"]
 
-    def wait_for(self, alertname: str, run: str, state: str = "firing", timeout: float = 15.0) -> dict[str, Any]:
+    def wait_for(self, alertname: str, run: str, state: str = "firing", timeout: float = 60.0) -> dict[str, Any]:
         """The alert ``alertname`` of ``run`` once it is in ``state`` (bounded poll)."""
 
         def found() -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import TEST_TOOLS_INSTALL
 from trainvitals.wire.reference import reference_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -228,3 +229,14 @@ def test_wire_doc_lists_every_event_kind():
     text = (ROOT / "docs" / "wire.md").read_text()
     missing = [kind for kind in EVENT_KINDS if f"`{kind}`" not in text]
     assert not missing, f"docs/wire.md does not list the event kind(s) {missing} (EVENT_KINDS in wire/schema.py)"
+
+
+def test_the_readme_ci_and_skip_reasons_name_the_same_system_packages():
+    """The tests that need system tools skip naming an apt-get line; the README tells a
+    contributor the same packages, and .ci/run installs them."""
+    packages = TEST_TOOLS_INSTALL.removeprefix("apt-get install ").split()
+    assert packages == ["prometheus", "prometheus-alertmanager", "chromium"], TEST_TOOLS_INSTALL
+    readme = (ROOT / "README.md").read_text()
+    assert f"apt-get update && apt-get install -y {' '.join(packages)}" in readme
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f"apt-get install -y --no-install-recommends {' '.join(packages)}" in ci

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.signals.base import MonitorView, Removable
-from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES, TrackChecks
+from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES, UNTAGGED, TrackChecks
 from trainvitals.hooks.signals.loss_binning import Batch, SumsLayout, bin_batch
 from trainvitals.hooks.signals.loss_probe import ModalityProbe
 from trainvitals.hooks.signals.loss_report import Accumulated, LossReport
@@ -114,7 +114,7 @@ class LossAccounting(ZeroCodeSeams):
         monitor: MonitorView,
         per_token: torch.Tensor,
         *,
-        modality: Any,
+        modality: Any = None,
         mask: torch.Tensor | None = None,
         segments: torch.Tensor | None = None,
         output: torch.Tensor | None = None,
@@ -132,6 +132,13 @@ class LossAccounting(ZeroCodeSeams):
             )
         checks = self._checks
         rows, cols, codes = checks(monitor.modalities, per_token, modality, mask, segments, output)
+        if modality is None and len(monitor.modalities) > 1:
+            monitor.warn_once(
+                "track_loss_untagged",
+                "track_loss: modalities %s are declared but a micro-batch came without modality=...; "
+                "its tokens count toward the totals only",
+                "/".join(monitor.modalities),
+            )
         checks.declarations(objective, weight, normalization)
         slot = self._slot(objective)
         if self._layout is None:  # created outside Monitor._signal: bind ourselves
@@ -193,7 +200,10 @@ class LossAccounting(ZeroCodeSeams):
         self._ensure_sums(step, loss.device)
         assert self._layout is not None and step.sums is not None
         seg = None if segments is None else segments.detach().reshape(rows, cols).to(loss.device)
-        batch = bin_batch(self._layout, step.sums, loss, label, seg, codes, probe=step.probe)
+        untagged = type(codes) is int and codes == UNTAGGED  # no modality given: the totals only
+        batch = bin_batch(
+            self._layout, step.sums, loss, label, seg, codes, probe=step.probe, count_unknown=not untagged
+        )
         self._count_nonfinite(loss, label, batch.row_loss)
         batch.row_loss = None  # it may be a kept buffer's row, written by the next micro-batch
         per_token.register_hook(self._weight_hook(monitor, step, batch, per_token, slot))

@@ -9,7 +9,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_OBJECTIVES", "NORMALIZATIONS", "TrackChecks", "check_declarations", "check_track_loss"]
+__all__ = ["MAX_OBJECTIVES", "NORMALIZATIONS", "UNTAGGED", "TrackChecks", "check_declarations", "check_track_loss"]
+
+UNTAGGED = -1
+"""The modality code of samples whose modality is not known: they count toward the
+totals (weight mass, exponent, spread) and no modality's figures."""
 
 NORMALIZATIONS = {"token": 1.0, "sqrt": 0.5, "sample": 0.0}
 """Declared loss normalizations and the exponent beta of ``w_sample ~ n_tokens^beta`` each gives."""
@@ -74,10 +78,10 @@ def check_track_loss(
     else:
         rows, cols = per_token.shape
     shape = tuple(per_token.shape)
-    if not modalities:
+    if modality is not None and not modalities:
         raise ValueError(
-            "track_loss needs modality names: attach(..., modalities=('text', 'image')), "
-            "then pass codes or names per sample"
+            "track_loss(modality=...) needs modality names: attach(..., modalities=('text', 'image')), "
+            "then pass codes or names per sample; for a job with one modality, leave modality out"
         )
     for name, t in (("mask", mask), ("segments", segments)):
         if t is None:
@@ -186,6 +190,8 @@ def _layout_key(
 
 
 def _modality_codes(modalities: tuple[str, ...], modality: Any, per_token: torch.Tensor, rows: int, cols: int) -> Any:
+    if modality is None:  # one modality (code 0 when it is named), or the totals only
+        return 0 if len(modalities) == 1 else UNTAGGED
     known = list(modalities)
     if isinstance(modality, str):
         return _code_of(modality, known)

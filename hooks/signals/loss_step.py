@@ -114,6 +114,12 @@ class StepBook(Signal):
         self._closed = False
         self._objectives: dict[str, int] = {}  # name -> slot in the per-objective sums
         self._buffers: StepBuffers | None = None
+        self._generation = 0  # bumped by forget_step: tensor hooks made before it do nothing
+
+    def forget_step(self) -> None:
+        """Drop the step being accounted; the tensor hooks registered for it do nothing."""
+        self._generation += 1
+        self._step = None
 
     def _slot(self, objective: str) -> int:
         slot = self._objectives.get(objective)
@@ -238,8 +244,10 @@ class StepBook(Signal):
         """A tensor hook running ``fn(grad)``: skipped during the probe's own backward or
         once the signal is off; a failure turns the signal off, never the user's backward."""
 
+        generation = self._generation
+
         def hook(grad: torch.Tensor) -> None:
-            if self._probing or self._closed or self.broken:
+            if self._probing or self._closed or self.broken or self._generation != generation:
                 return
             self.run_guarded(where, fn, grad)
 

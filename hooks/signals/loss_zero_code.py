@@ -70,8 +70,26 @@ class ZeroCodeSeams(StepBook):
         self._seam: _Seam | None = None  # the head's logits in the model's current forward
         self._head = ""  # the hooked LM head's name
         self._per_sample = False  # Megatron's default loss: per-sample intent on one-sample micro-batches
+        self._logits_handles: list[Removable] = []
+        self._auto_head = False
 
-    def watch_logits(self, monitor: MonitorView, module: torch.nn.Module) -> list[Removable]:
+    @property
+    def reads_logits(self) -> bool:
+        """Zero-code accounting is on: every micro-batch is read at the LM head."""
+        return self._zero_code
+
+    def stop_reading_logits(self) -> None:
+        """Turn zero-code accounting off (``track_loss`` takes over): the head's hooks are
+        removed, and the step begun from them is dropped, with any hook still to fire on
+        logits already made (it sees a new generation and does nothing)."""
+        for handle in self._logits_handles:
+            handle.remove()
+        self._logits_handles = []
+        self._zero_code = False
+        self._tags = self._seam = self._auto = None
+        self.forget_step()
+
+    def watch_logits(self, monitor: MonitorView, module: torch.nn.Module, *, auto: bool = False) -> list[Removable]:
         """Account every micro-batch from the gradient at ``module``'s output (the
         logits), objective ``main``; returns the hooks' handles. Hooks on the model
         itself too: before its forward, to read the layout of its input ids; after it,
@@ -80,6 +98,7 @@ class ZeroCodeSeams(StepBook):
         if self._layout is None:
             self.bind(monitor)
         self._zero_code = True
+        self._auto_head = auto  # found by default: a track_loss call may take over
         self._head = next((n for n, m in monitor.model.named_modules() if m is module), type(module).__name__)
         slot = self._slot("main")
         root = monitor.model
@@ -141,6 +160,7 @@ class ZeroCodeSeams(StepBook):
         if module is not root:
             handles.append(root.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(root.register_forward_hook(after))
+        self._logits_handles = list(handles)
         return handles
 
     def _sequence_first(self, logits: torch.Tensor, megatron: bool) -> bool:
@@ -183,7 +203,10 @@ class ZeroCodeSeams(StepBook):
         if modality is None and auto is not None and auto.shape[0] == rows:
             return auto.to(positions.device, non_blocking=True)  # from the image/video tokens of the input ids
         if modality is None:
-            if monitor.modalities:
+            if len(monitor.modalities) == 1:
+                return 0  # one modality declared: every sample is of it
+            # Found by default, the first step may yet see track_loss take over: no word before.
+            if monitor.modalities and not (self._auto_head and monitor.step == 0):
                 monitor.warn_once(
                     "logits_untagged",
                     "loss_from_logits: modalities are declared but a micro-batch came without "

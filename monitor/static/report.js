@@ -4,19 +4,44 @@
 const COLORS=["#1f77b4","#d62728","#2ca02c","#9467bd","#ff7f0e","#17becf","#8c564b","#e377c2","#7f7f7f","#bcbd22"];
 function esc(s){return String(s).replace(/[&<>"']/g,c=>({"&":"&amp;","<":"&lt;",">":"&gt;",'"':"&quot;","'":"&#39;"}[c]));}
 function fmt(v){if(v===null||v===undefined)return "--";const a=Math.abs(v);return (a!==0&&(a<1e-3||a>=1e5))?v.toExponential(3):(+v.toPrecision(4)).toString();}
-// The rules' thresholds as horizontal lines: dashed (red: page, amber: warning) where an
-// alert fires, dotted green where it clears, dotted grey for an "and" condition; one
-// label per value.
-function thresholdPlugin(ths){return {hooks:{draw:[u=>{const ctx=u.ctx,d=devicePixelRatio;ctx.save();ctx.lineWidth=1.5*d;
- const line=(y,color,dash)=>{ctx.strokeStyle=color;ctx.setLineDash(dash);ctx.beginPath();ctx.moveTo(u.bbox.left,y);ctx.lineTo(u.bbox.left+u.bbox.width,y);ctx.stroke();};
- const labels=new Map();const add=(v,text)=>{const k=String(v);labels.set(k,(labels.has(k)?labels.get(k)+"; ":"")+text);};
- for(const t of ths){const y=u.valToPos(t.value,"y",true);if(!isFinite(y))continue;
-  line(y,t.condition?"#999":(t.severity==="page"?"#c62828":"#d08700"),t.condition?[2,4]:[8,4]);
-  add(t.value,(t.condition?"and: ":"")+t.alert+" "+t.kind+" "+fmt(t.value));
-  if(t.clear!==null&&t.clear!==undefined){line(u.valToPos(t.clear,"y",true),"#2e7d32",[2,3]);add(t.clear,t.alert+" clears at "+fmt(t.clear));}}
- ctx.fillStyle="#444";ctx.textAlign="left";ctx.textBaseline="bottom";ctx.font=(10*d)+"px sans-serif";
- for(const [v,text] of labels){const y=u.valToPos(+v,"y",true);if(isFinite(y))ctx.fillText(text,u.bbox.left+4*d,y-2*d);}
- ctx.restore();}]}};}
+// The rules' constant thresholds as horizontal lines: dashed (red: page, amber: warning, blue: info)
+// where an alert fires, dotted green where it clears, dotted grey for an "and" condition.
+// Their labels, one per value, are elements over the plot (class th-label), laid out so
+// that none overlaps another: each sits just above its line unless a neighbour is there,
+// then it is pushed down (up, at the plot's bottom) just far enough to clear it; labels
+// that cannot all fit in the plot's height are listed under the plot instead. A threshold that is a ratio to the
+// series' own median is a series of its own (see "series" below), never a constant line.
+const SEV_COLOR={page:"#c62828",critical:"#c62828",error:"#c62828",warning:"#d08700"};
+const SEV_RANK={critical:4,page:3,error:3,warning:2,ticket:1,info:0};
+// Most severe first: a label takes the style of its most severe line, drawn last (on top).
+function bySeverity(ths){return ths.slice().sort((a,b)=>(SEV_RANK[b.severity]??0)-(SEV_RANK[a.severity]??0));}
+function lineStyle(t,clear){return clear?["#2e7d32",[2,3]]:(t.condition?["#999",[2,4]]:[SEV_COLOR[t.severity]||"#3d6fb6",[8,4]]);}
+function thresholdLabels(p){const byValue=new Map();
+ const add=(v,text,style)=>{const k=String(v);if(!byValue.has(k))byValue.set(k,{value:v,texts:[],style:style});const e=byValue.get(k);if(!e.texts.includes(text))e.texts.push(text);};
+ for(const t of bySeverity(p.thresholds)){const on=p.multi_metric?" "+t.metric:"";const only=t.only?` (${t.only} only)`:"";
+  add(t.value,(t.condition?"and: ":"")+t.alert+on+" "+t.kind+" "+fmt(t.value)+only,lineStyle(t,false));
+  if(t.clear!==null&&t.clear!==undefined)add(t.clear,t.alert+on+" clears at "+fmt(t.clear)+only,lineStyle(t,true));}
+ return [...byValue.values()];}
+function thresholdPlugin(p,fig){const labels=thresholdLabels(p);let box=null,list=null;
+ return {hooks:{init:[u=>{box=document.createElement("div");box.className="th-labels";u.over.appendChild(box);
+   list=document.createElement("div");list.className="th-list";fig.appendChild(list);}],
+  draw:[u=>{const ctx=u.ctx,d=devicePixelRatio;ctx.save();ctx.lineWidth=1.5*d;
+   for(const t of bySeverity(p.thresholds).reverse()){for(const clear of [false,true]){const v=clear?t.clear:t.value;if(v===null||v===undefined)continue;
+    const y=u.valToPos(v,"y",true);if(!isFinite(y))continue;const [color,dash]=lineStyle(t,clear);
+    ctx.strokeStyle=color;ctx.setLineDash(dash.map(x=>x*d));ctx.beginPath();ctx.moveTo(u.bbox.left,y);ctx.lineTo(u.bbox.left+u.bbox.width,y);ctx.stroke();}}
+   ctx.restore();layout(u,box,list,labels);}]}};}
+function labelEl(e){const el=document.createElement("div");el.className="th-label";el.style.borderLeftColor=e.style[0];el.textContent=e.texts.join("; ");el.dataset.value=String(e.value);return el;}
+function layout(u,box,list,labels){box.textContent="";list.textContent="";if(!labels.length)return;
+ const H=u.over.clientHeight,W=u.over.clientWidth,gap=1;
+ const items=labels.map(e=>{const el=labelEl(e);el.style.maxWidth=Math.max(40,W-8)+"px";box.appendChild(el);
+  return {el:el,h:el.offsetHeight,line:u.valToPos(e.value,"y")};}).filter(i=>isFinite(i.line)||(i.el.remove(),false));
+ items.sort((a,b)=>a.line-b.line);
+ // Each label's bottom just above its line; then top to bottom, push down what overlaps the one above.
+ let prev=-Infinity;for(const i of items){i.y=Math.max(i.line-i.h-1,prev+gap,0);prev=i.y+i.h;}
+ // What ran past the bottom goes back up, bottom to top.
+ let next=H;for(let k=items.length-1;k>=0;k--){const i=items[k];i.y=Math.min(i.y,next-gap-i.h);next=i.y;}
+ if(items.length&&items[0].y<0){box.textContent="";for(const e of labels)list.appendChild(labelEl(e));return;}
+ for(const i of items){i.el.style.top=i.y+"px";}}
 function timeline(v){const incs=v.incidents;if(!incs.length)return "";const lo=v.first_step??0,hi=Math.max(v.last_step??1,lo+1);
  let h='<div class="timeline" data-role="timeline">';for(const i of incs){const l=100*(i.first_step-lo)/(hi-lo),w=Math.max(0.5,100*(i.last_step-i.first_step)/(hi-lo));
  h+=`<div class="tl-row"><div class="tl-bar ${esc(i.severity)}" style="left:${l}%;width:${w}%" title="${esc(i.alert)} steps ${i.first_step}-${i.last_step}">${esc(i.alert)} ${esc(Object.values(i.labels).join(","))}</div></div>`;}
@@ -38,9 +63,15 @@ function draw(root,data){root.innerHTML="";const width=Math.floor(Math.min(640,M
   sec.innerHTML=`<h2>Run ${esc(v.run)}</h2><div class="verdict ${cls}" data-role="verdict">${esc(text)}${v.ended?"":" The run has not closed its monitor."}</div>${table(v)}${timeline(v)}${coverage(v)}<div class="plots"></div>`;
   root.appendChild(sec);const plots=sec.querySelector(".plots");
   for(const p of r.panels){const fig=document.createElement("figure");fig.className="plot";fig.dataset.panel=p.key;fig.style.width=(width+14)+"px";
-   fig.innerHTML=`<figcaption>${esc(p.title)}${p.left_out?` <span class="note">(${p.left_out} more series not drawn: the most extreme are shown)</span>`:""}</figcaption>`;plots.appendChild(fig);
-   const series=[{label:"step"}].concat(p.series.map((s,i)=>({label:s.label,stroke:COLORS[i%COLORS.length],width:s.incident?2.5:1.2,spanGaps:true,points:{show:false},value:(u,x)=>fmt(x)})));
-   const ys=p.thresholds.map(t=>t.value);const opts={width:width,height:240,series:series,plugins:[thresholdPlugin(p.thresholds)],
+   fig.innerHTML=`<figcaption>${esc(p.title)}${p.left_out?` <span class="note">(${p.left_out} more series not drawn: the most extreme are shown)</span>`:""}</figcaption>`
+    +(p.notes||[]).map(n=>`<div class="note th-note">${esc(n)}</div>`).join("");plots.appendChild(fig);
+   // A threshold that moves with the series (a ratio to its own median) is a series: dashed
+   // in the alert's colour where it fires, dotted green where it clears, in the legend by name.
+   let ci=0;const series=[{label:"step"}].concat(p.series.map(s=>{const th=s.threshold;
+    const [color,dash]=th?lineStyle({severity:th.severity},th.kind==="clear"):[COLORS[ci++%COLORS.length],undefined];
+    return {label:s.label,stroke:color,dash:dash,width:s.incident?2.5:(th?1.5:1.2),spanGaps:true,points:{show:false},value:(u,x)=>fmt(x)};}));
+   const ys=p.thresholds.flatMap(t=>t.clear===null||t.clear===undefined?[t.value]:[t.value,t.clear]);
+   const opts={width:width,height:240,series:series,plugins:[thresholdPlugin(p,fig)],
     scales:{x:{time:false},y:{range:(u,mn,mx)=>{let a=Math.min(mn,...ys),b=Math.max(mx,...ys);if(!isFinite(a)||!isFinite(b)){a=0;b=1;}const pad=(b-a)*0.08||1;return [a-pad,b+pad];}}},
     axes:[{label:"step"},{size:60,values:(u,vals)=>vals.map(fmt)}],legend:{live:true}};
    new uPlot(opts,[p.x].concat(p.series.map(s=>s.values)),fig);}}}

@@ -309,6 +309,20 @@ def test_resolved_alerts_are_kept_for_a_while():
     assert eng.alerts() == []
 
 
+def test_a_resolved_alert_keeps_the_step_and_value_it_resolved_at():
+    """Later healthy reports (a value in the band too) leave the resolved alert as its
+    transition said it: the step and the value of the report that cleared it."""
+    eng = engine(DILUTION)
+    assert feed(eng, [17, 17, 17, 1.5, 4, 2, 1]) == [(0, IN, P), (20, P, F), (30, F, R)]
+    (alert,) = eng.alerts()
+    assert (alert.state, alert.step, alert.value) == (R, 30, 1.5)
+    assert " at step 30: modality_dilution_ratio is back to 1.5 " in alert.resolved_summary()
+    # It fires again from a new pending step, with that report's step and value.
+    assert feed(eng, [9, 9, 9], start=70) == [(70, R, P), (90, P, F)]
+    (alert,) = eng.alerts()
+    assert (alert.state, alert.step, alert.value) == (F, 90, 9)
+
+
 def test_counter_increase_transform():
     eng = engine("""
 - alert: NonFiniteLoss

@@ -10,14 +10,13 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from tests.support import needs_tools, require_tool
 from trainvitals.alerts.cli import rules as rules_cli
 from trainvitals.alerts.export import RUN_ENDED, export_prometheus, promql_template
 from trainvitals.alerts.loading import load_rules, parse_rules
 from trainvitals.alerts.model import METRIC_LABELS
 from trainvitals.wire import METRICS
 
-PROMTOOL = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
 PROMTOOL_TESTS = Path(__file__).parent / "promtool"
 
 
@@ -132,20 +131,22 @@ def test_cli_export_to_stdout_and_bad_rules(tmp_path):
     assert result.exit_code == 1 and "field 'summary': unknown template field {nope}" in result.stderr
 
 
-@needs_promtool
+@needs_tools("promtool")
 def test_promtool_checks_the_exported_default_rules(tmp_path):
     out = _exported(tmp_path)
-    proc = subprocess.run([PROMTOOL, "check", "rules", str(out)], capture_output=True, text=True, timeout=60)
+    promtool = require_tool("promtool")
+    proc = subprocess.run([promtool, "check", "rules", str(out)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"SUCCESS: {len(load_rules('default'))} rules found" in proc.stdout
 
 
-@needs_promtool
+@needs_tools("promtool")
 @pytest.mark.parametrize("test_file", sorted(PROMTOOL_TESTS.glob("*.yaml")), ids=lambda p: p.stem)
 def test_promtool_unit_tests_pass_on_the_export(tmp_path, test_file):
     _exported(tmp_path)
     shutil.copy(test_file, tmp_path / test_file.name)
+    promtool = require_tool("promtool")
     proc = subprocess.run(
-        [PROMTOOL, "test", "rules", test_file.name], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [promtool, "test", "rules", test_file.name], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -88,12 +88,12 @@ def _links_everywhere(external_url: str | None):
             for step in (0, 10, 20):
                 assert c.client.post("/v1/reports", json=make_body(_report("mm/pt-1", step, 17.0))).status_code == 202
             c.wait_for("GradientDilution", "mm/pt-1")
-            wait_until(lambda: hook.count() >= 3, 20, "webhook re-sends")  # first + two re-sends
+            wait_until(lambda: hook.count() >= 3, 60, "webhook re-sends")  # first + two re-sends
             assert slack.count() == 1 and pd.count() == 1  # no endsAt there: sent once
             end = make_body(_report("mm/pt-1", 30, 17.0, events=[{"kind": "run_end", "labels": {}, "detail": ""}]))
             assert c.client.post("/v1/reports", json=end).status_code == 202
-            wait_until(lambda: slack.count() == 2 and pd.count() == 2, 20, "resolves")
-            wait_until(lambda: any(b["status"] == "resolved" for b in hook.bodies()), 20, "webhook resolve")
+            wait_until(lambda: slack.count() == 2 and pd.count() == 2, 60, "resolves")
+            wait_until(lambda: any(b["status"] == "resolved" for b in hook.bodies()), 60, "webhook resolve")
             return c.url, hook.bodies(), slack.bodies(), pd.bodies()
 
 

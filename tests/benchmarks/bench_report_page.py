@@ -90,7 +90,8 @@ def main_(argv: list[str] | None = None) -> None:
             file_cpu.append(time.process_time() - c0)
             assert result.exit_code == 0, result.output
             size = out.stat().st_size
-            builder, history = VerdictBuilder("default"), RunHistory()
+            builder = VerdictBuilder("default")
+            history = RunHistory(rules=builder.rules)
             t0 = time.perf_counter()
             for r in models:
                 builder.observe(r)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support import dead_url, metric_value, running_collector
+from tests.support import dead_url, metric_value, needs_tools, require_tool, running_collector
 from trainvitals.hooks import attach
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,10 +38,9 @@ def test_readme_example_reaches_metrics_with_the_reference_grad_norm():
     assert "Traceback" not in out.stderr
 
 
+@needs_tools("promtool")
 def test_metrics_of_a_real_job_pass_promtool():
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not installed (apt-get install prometheus)")
+    promtool = require_tool("promtool")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -120,7 +120,7 @@ def test_coverage_travels_to_metrics_as_a_per_signal_gauge_with_the_reason():
         "optimizer": (None, 1.0),
         "params": (None, 1.0),
         "adam": ("not_adam", 0.0),
-        "loss": ("not_requested", 0.0),
+        "loss": (None, 1.0),  # read from the LM head by default
         "probe": ("not_requested", 0.0),
         "softmax": ("not_requested", 0.0),
     }

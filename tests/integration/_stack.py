@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,12 +17,11 @@ from typing import Any
 import httpx
 import yaml
 
-from tests.support import free_port, running_process, wait_until
+from tests.support import free_port, require_tool, running_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 DASHBOARDS = ROOT / "dashboards"
-PROMETHEUS = shutil.which("prometheus")
 SCRAPE_S = 1  # scrape and rule evaluation interval of the test Prometheus, seconds
 
 
@@ -95,9 +93,9 @@ class Prometheus:
 @contextmanager
 def running_prometheus(folder: Path, config: dict[str, Any]) -> Iterator[Prometheus]:
     """Debian's Prometheus on loopback with ``config``, storage in ``folder``; waits
-    until it is ready and its scrape target is up."""
-    if PROMETHEUS is None:
-        raise RuntimeError("prometheus is not installed (Debian package 'prometheus')")
+    until it is ready and its scrape target is up; skips the test where Prometheus is not
+    installed."""
+    prometheus = require_tool("prometheus")
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "prometheus.yml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -106,7 +104,7 @@ def running_prometheus(folder: Path, config: dict[str, Any]) -> Iterator[Prometh
     with (
         running_process(
             [
-                PROMETHEUS,
+                prometheus,
                 f"--config.file={path}",
                 f"--storage.tsdb.path={folder / 'data'}",
                 f"--web.listen-address=127.0.0.1:{port}",
@@ -118,7 +116,7 @@ def running_prometheus(folder: Path, config: dict[str, Any]) -> Iterator[Prometh
         httpx.Client(base_url=url, timeout=5.0) as client,
     ):
         prom = Prometheus(url, client)
-        wait_until(lambda: prom.query('up{job="trainvitals"} == 1'), 15, "prometheus scraping the collector")
+        wait_until(lambda: prom.query('up{job="trainvitals"} == 1'), 60, "prometheus scraping the collector")
         yield prom
 
 

@@ -22,10 +22,10 @@ import yaml
 from tests.http_recorder import RecordingServer
 from tests.integration._stack import DEPLOY, Prometheus, prometheus_config, running_prometheus
 from tests.reports import make_body, make_report
-from tests.support import metric_sum, running_alertmanager, running_collector, wait_until
+from tests.support import metric_sum, needs_tools, running_alertmanager, running_collector, wait_until
 from trainvitals.wire import PREFIX
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, needs_tools("prometheus", "prometheus-alertmanager")]
 
 RULES = DEPLOY / "rules" / "trainvitals.rules.yml"
 
@@ -77,7 +77,7 @@ def test_one_incident_through_both_paths_is_one_alert(tmp_path: Path, relabel: b
         _post(collector, run, 1, _nonfinite(0))
         wait_until(
             lambda: prom.query(f'{PREFIX}nonfinite_total{{run="{run}", what="loss"}} == 0'),
-            10,
+            60,
             "the counter at 0 scraped",
         )
         _post(collector, run, 2, _nonfinite(1))
@@ -85,7 +85,7 @@ def test_one_incident_through_both_paths_is_one_alert(tmp_path: Path, relabel: b
         def firing_in_prometheus() -> list[dict[str, Any]]:
             return [a for a in prom.alerts() if a["labels"]["alertname"] == "NonFiniteLoss" and a["state"] == "firing"]
 
-        (prom_alert,) = wait_until(firing_in_prometheus, 15, "NonFiniteLoss firing in Prometheus")
+        (prom_alert,) = wait_until(firing_in_prometheus, 60, "NonFiniteLoss firing in Prometheus")
         collector_alerts = [
             a
             for a in collector.get("/v1/alerts").json()
@@ -93,8 +93,8 @@ def test_one_incident_through_both_paths_is_one_alert(tmp_path: Path, relabel: b
         ]
         assert len(collector_alerts) == 1, collector_alerts
         # Both paths have delivered: Prometheus says it sent, Alertmanager got two.
-        wait_until(lambda: _prometheus_sent(prom) >= 1, 15, "Prometheus sending its alert")
-        wait_until(lambda: _received_firing(am) >= 2, 15, "alerts from both paths at Alertmanager")
+        wait_until(lambda: _prometheus_sent(prom) >= 1, 60, "Prometheus sending its alert")
+        wait_until(lambda: _received_firing(am) >= 2, 60, "alerts from both paths at Alertmanager")
 
         stored = am.get("/api/v2/alerts", params={"filter": 'alertname="NonFiniteLoss"'}).json()
         assert len(stored) == expected, [a["labels"] for a in stored]
@@ -113,7 +113,7 @@ def test_one_incident_through_both_paths_is_one_alert(tmp_path: Path, relabel: b
 
         seen = wait_until(
             lambda: len(alerts_at_receiver()) >= expected and alerts_at_receiver(),
-            15,
+            60,
             f"{expected} NonFiniteLoss alert(s) at the webhook",
         )
         assert len(seen) == expected, list(seen.values())
@@ -156,7 +156,7 @@ def test_exported_run_silent_spares_a_run_that_ended_cleanly(tmp_path: Path) -> 
         _post(collector, "crashed", 1, [{"name": "loss", "labels": {}, "value": 2.0}])
         wait_until(
             lambda: _silent_runs(prom).get("crashed") == "firing",
-            20,
+            60,
             "RunSilent firing for the run that stopped without run_end",
         )
         exported = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]

@@ -22,7 +22,7 @@ import yaml
 
 from tests.integration._stack import DASHBOARDS, DEPLOY, ROOT
 from tests.reports import make_body, make_report, make_sample
-from tests.support import free_port, running_process
+from tests.support import free_port, require_tool, running_process
 from trainvitals.monitor.app import create_app
 from trainvitals.monitor.cli import main as trainvitals_cli
 from trainvitals.monitor.cli import serve
@@ -30,10 +30,6 @@ from trainvitals.monitor.settings import DEFAULT_PORT, Settings
 
 pytestmark = pytest.mark.integration
 
-PROMTOOL = shutil.which("promtool")
-AMTOOL = shutil.which("amtool")
-KUBECTL = shutil.which("kubectl")
-SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 COMPOSE_FILES = [DEPLOY / "compose.yaml", DEPLOY / "scale-out" / "compose.scale-out.yaml"]
 PROMETHEUS_CONFIGS = [
     DEPLOY / "prometheus.yml",
@@ -46,12 +42,6 @@ COLLECTOR_CONFIGS = [
     DEPLOY / "systemd" / "collector.yaml",
     DEPLOY / "scale-out" / "collector-stateless.yaml",
 ]
-
-
-def _tool(path: str | None, name: str) -> str:
-    if path is None:
-        raise RuntimeError(f"{name} is not installed here; the deploy checks need it")
-    return path
 
 
 def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -77,7 +67,7 @@ def _pinned(image: str) -> bool:
 # -- Prometheus and Alertmanager -----------------------------------------------------------
 @pytest.mark.parametrize("config", PROMETHEUS_CONFIGS, ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_promtool_accepts_the_config_and_its_rule_files(config: Path) -> None:
-    result = _run(_tool(PROMTOOL, "promtool"), "check", "config", str(config))
+    result = _run(require_tool("promtool"), "check", "config", str(config))
     assert result.returncode == 0, result.stdout + result.stderr
     # promtool checks the rule files the config names; an empty glob would pass silently.
     assert re.search(r"SUCCESS: [1-9]\d* rule files found", result.stdout), result.stdout
@@ -98,7 +88,7 @@ def test_prometheus_configs_keep_run_labels_and_converge_alerts(config: Path) ->
 
 
 def test_amtool_accepts_alertmanager_yml_and_routes_by_severity() -> None:
-    amtool = _tool(AMTOOL, "amtool")
+    amtool = require_tool("amtool")
     config = str(DEPLOY / "alertmanager.yml")
     result = _run(amtool, "check-config", config)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -247,7 +237,7 @@ def test_grafana_provisioning_points_at_the_dashboards_and_prometheus() -> None:
 
 # -- Kubernetes ---------------------------------------------------------------------------
 def _kustomize() -> list[dict[str, Any]]:
-    result = _run(_tool(KUBECTL, "kubectl"), "kustomize", str(DEPLOY / "k8s"))
+    result = _run(require_tool("kubectl"), "kustomize", str(DEPLOY / "k8s"))
     assert result.returncode == 0, result.stderr
     return [d for d in yaml.safe_load_all(result.stdout) if d]
 
@@ -403,5 +393,5 @@ def test_systemd_unit_verifies_and_its_command_parses(tmp_path: Path) -> None:
     here = shutil.which("trainvitals") or str(Path(sys.executable).parent / "trainvitals")
     local = tmp_path / unit_path.name
     local.write_text(text.replace("/opt/trainvitals/bin/trainvitals", here))
-    result = _run(_tool(SYSTEMD_ANALYZE, "systemd-analyze"), "verify", str(local))
+    result = _run(require_tool("systemd-analyze"), "verify", str(local))
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr

@@ -26,11 +26,11 @@ from tests.integration._stack import (
     running_prometheus,
     substitute,
 )
-from tests.support import one_torch_thread, running_collector, wait_until
+from tests.support import needs_tools, one_torch_thread, running_collector, wait_until
 from trainvitals.hooks import Monitor
 from trainvitals.wire import METRICS, PREFIX
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, needs_tools("prometheus")]
 
 RUN = "it-every-signal"
 OPTIONAL_LABELS = {"signal_active": {"reason"}}
@@ -72,12 +72,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 assert mon.flush(10), "reports not delivered"
                 wait_until(
                     lambda: prom.query(f'{PREFIX}nonfinite_total{{run="{RUN}", what="loss"}} == 0'),
-                    10,
+                    60,
                     "the loss counter at 0 in Prometheus",
                 )
 
         _job.run_job(collector.url, RUN, STEPS, before_step=scraped_before_nonfinite)
-        wait_until(lambda: prom.query(f'{PREFIX}step{{run="{RUN}"}} == {STEPS}'), 10, "the last step scraped")
+        wait_until(lambda: prom.query(f'{PREFIX}step{{run="{RUN}"}} == {STEPS}'), 60, "the last step scraped")
         yield Stack(prom, start, notified)
 
 
@@ -112,7 +112,7 @@ def test_every_panel_query_returns_data(stack: Stack) -> None:
 
     # Alert states and rates need a few evaluations after the job's last report.
     try:
-        wait_until(all_have_data, 20, interval=1.0)
+        wait_until(all_have_data, 60, interval=1.0)
     except AssertionError:
         pytest.fail("panels without data:\n  " + "\n  ".join(last))
 
@@ -156,7 +156,7 @@ def test_series_carry_the_catalogues_labels(stack: Stack) -> None:
 def test_the_collector_notified_through_its_webhook(stack: Stack) -> None:
     """The notifier behind notifications_total really delivered (the job pages
     NonFiniteLoss): the collector-owned series are not just zeros."""
-    wait_until(lambda: stack.notified.received(), 10, "a webhook notification")
+    wait_until(lambda: stack.notified.received(), 60, "a webhook notification")
     bodies = [r.json() for r in stack.notified.received()]
     names = {a["labels"]["alertname"] for b in bodies for a in b["alerts"] if a["status"] == "firing"}
     assert "NonFiniteLoss" in names, bodies

@@ -19,14 +19,11 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration._stack import DEPLOY, PROMETHEUS, host_port
+from tests.integration._stack import DEPLOY, host_port
 from tests.monitor.helpers import Recorder, body, report, serve_process
-from tests.support import ALERTMANAGER, free_port, running_process, stop_process, wait_until
+from tests.support import free_port, needs_tools, require_tool, running_process, stop_process, wait_until
 
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None or ALERTMANAGER is None,
-    reason="needs Debian's prometheus and prometheus-alertmanager (.ci/run installs them)",
-)
+pytestmark = needs_tools("prometheus", "prometheus-alertmanager")
 JSON = {"Content-Type": "application/json"}
 AM_CONFIG = """\
 route:
@@ -49,7 +46,7 @@ def _alertmanager_peer(folder: Path, receiver: str, port: int, gossip: int, peer
     (folder / "am.yml").write_text(AM_CONFIG.format(url=receiver))
     with running_process(
         [
-            str(ALERTMANAGER),
+            require_tool("prometheus-alertmanager"),
             f"--config.file={folder / 'am.yml'}",
             f"--storage.path={folder / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
@@ -72,7 +69,7 @@ def _prometheus(folder: Path, config: dict, *, receiver: bool = False):
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
     port = free_port()
     args = [
-        str(PROMETHEUS),
+        require_tool("prometheus"),
         f"--config.file={folder / 'prometheus.yml'}",
         f"--storage.tsdb.path={folder / 'data'}",
         f"--web.listen-address=127.0.0.1:{port}",
@@ -136,7 +133,7 @@ def test_two_sharded_collectors_behind_a_two_peer_alertmanager_page_once(tmp_pat
             lambda: all(
                 len(httpx.get(f"{u}/api/v2/status", timeout=5).json()["cluster"]["peers"]) == 2 for u in am_urls
             ),
-            30,
+            60,
             "the two Alertmanagers joined",
         )
         collectors = []
@@ -164,7 +161,7 @@ def test_two_sharded_collectors_behind_a_two_peer_alertmanager_page_once(tmp_pat
 
         # One incident on each shard (sharded by run: r-a on collector 0, r-b on collector 1).
         _incident(collectors[0], "r-a", 10, 1)
-        wait_until(lambda: _notifications(hook, "r-a"), 30, "r-a's notification")
+        wait_until(lambda: _notifications(hook, "r-a"), 60, "r-a's notification")
         time.sleep(5)  # the other peer's turn (peer_timeout 2 s) and a group interval: nothing more
         once = _notifications(hook, "r-a")
 
@@ -172,7 +169,7 @@ def test_two_sharded_collectors_behind_a_two_peer_alertmanager_page_once(tmp_pat
         os.kill(peers[0].pid, signal.SIGKILL)
         peers[0].wait(10)
         _incident(collectors[1], "r-b", 10, 1)
-        wait_until(lambda: _notifications(hook, "r-b"), 30, "r-b's notification")
+        wait_until(lambda: _notifications(hook, "r-b"), 60, "r-b's notification")
         time.sleep(5)
         killed_once = _notifications(hook, "r-b")
 

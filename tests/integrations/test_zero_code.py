@@ -181,7 +181,7 @@ def test_wrong_use_raises_with_what_to_do():
         attach(nn.Sequential(nn.Linear(4, 4)), opt, run="x", sink="null", loss_from_logits=True)
     with pytest.raises(ValueError, match="loss_from_logits must be"):
         attach(model, opt, run="x", sink="null", loss_from_logits=3)
-    with attach(model, opt, run="x", sink="null", modalities=MODALITIES) as mon:
+    with attach(model, opt, run="x", sink="null", modalities=MODALITIES, loss_from_logits=False) as mon:
         with pytest.raises(ValueError, match="tag_batch needs zero-code"):
             mon.tag_batch(modality="text")
     with attach(model, opt, run="x", sink="null", modalities=MODALITIES, loss_from_logits="head") as mon:

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.e2e._jobs import AccumulationJob, DilutionJob, DistillJob, DriftJob, HealthyJob, Job, MeanOfMeansJob
+from tests.e2e._jobs import (
+    AccumulationJob,
+    DilutionJob,
+    DistillJob,
+    DriftJob,
+    HealthyJob,
+    Job,
+    MeanOfMeansJob,
+    SpikeJob,
+)
 from tests.support import one_torch_thread
 from trainvitals.hooks import attach
 
@@ -17,6 +26,7 @@ RECORDINGS: dict[str, tuple[type[Job], int]] = {
     "i4": (DriftJob, 56),
     "i5": (DistillJob, 54),
     "healthy": (HealthyJob, 30),
+    "spike": (SpikeJob, 40),  # GradNormSpike: the gradient 100x at step 27
 }
 
 

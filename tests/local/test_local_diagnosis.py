@@ -62,7 +62,8 @@ def test_a_job_without_collector_logs_the_firing_step_and_a_verdict_at_close(
     if fixed:
         assert alerts == []
         assert verdict == (
-            "trainvitals verdict for run i1: no incident in 31 reports (steps 1-30); reports in trainvitals-i1.jsonl"
+            "trainvitals verdict for run i1: no incident in 31 reports (steps 1-30); checked: optimizer, params, "
+            "adam, loss; not checked: probe (not requested), softmax (not requested); reports in trainvitals-i1.jsonl"
         )
         return
     # One line per transition: the alert, the step, the value, the summary; the run's end resolves it.
@@ -78,6 +79,7 @@ def test_a_job_without_collector_logs_the_firing_step_and_a_verdict_at_close(
     lines = verdict.splitlines()
     assert lines[0] == (
         "trainvitals verdict for run i1: 1 incident(s), 1 of severity page in 31 reports (steps 1-30); "
+        "checked: optimizer, params, adam, loss; not checked: probe (not requested), softmax (not requested); "
         "reports in trainvitals-i1.jsonl"
     )
     assert lines[1].startswith(
@@ -110,10 +112,11 @@ def test_a_resolution_is_logged_with_its_step(tmp_path: Path, caplog: pytest.Log
     assert (incident.first_step, incident.last_step, incident.resolved) == (21, 25, True)
 
 
-def test_in_job_rules_are_off_with_a_collector_or_when_turned_off(tmp_path: Path):
+def test_in_job_rules_run_with_a_collector_too_and_are_off_when_turned_off(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where reports the collector never takes are kept
     job = DilutionJob()
     with attach(job.model, job.opt, run="a", collector="http://127.0.0.1:9", every=1, flush_timeout=0.1) as mon:
-        assert mon.verdict() is None  # the collector evaluates the rules
+        assert mon.verdict() is not None  # the job says each alert as it fires, collector or not
     for off in ("off", "none", False):
         with attach(job.model, job.opt, run="b", sink="null", rules=off) as mon:
             assert mon.verdict() is None
@@ -158,9 +161,14 @@ def test_check_tables_i2_to_i5_with_their_values(recorded: dict[str, Path]):
 def test_check_exit_codes(recorded: dict[str, Path], tmp_path: Path):
     assert _check(str(recorded["i2"]))[0] == 1  # a page fired
     code, out = _check(str(recorded["i3"]))
-    assert code == 0 and "MeanOfMeansLoss  warning" in out  # a warning only
+    assert code == 1 and "MeanOfMeansLoss  warning" in out  # a warning: --fail-on warning, the default
+    assert _check("--fail-on", "page", str(recorded["i3"]))[0] == 0  # a warning only
     code, out = _check(str(recorded["healthy"]))
-    assert (code, out.strip()) == (0, "healthy: no incident in 31 reports (steps 1-30)")
+    assert (code, out.strip()) == (
+        0,
+        "healthy: no incident in 31 reports (steps 1-30); checked: optimizer, params, adam, loss, softmax; "
+        "not checked: probe (not requested)",
+    )
     bad = tmp_path / "bad.jsonl"
     lines = recorded["healthy"].read_text().splitlines()
     bad.write_text("\n".join([lines[0], lines[1], '{"run": "x", "step": -1}', *lines[3:]]) + "\n")
@@ -180,7 +188,7 @@ def test_check_with_other_rules(recorded: dict[str, Path], tmp_path: Path):
     rules = tmp_path / "mine.yaml"
     rules.write_text("- {alert: MassAboveTwo, metric: loss_weight_mass, above: 2, severity: warning, summary: s}\n")
     code, out = _check("--rules", str(rules), str(recorded["i2"]))
-    assert code == 0 and "MassAboveTwo" in out and "LossNotAccumNormalized" not in out
+    assert code == 1 and "MassAboveTwo" in out and "LossNotAccumNormalized" not in out  # a warning fired
 
 
 # -- the pre-flight check ---------------------------------------------------------------------

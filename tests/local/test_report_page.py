@@ -7,27 +7,34 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
-from tests.browser import browser, needs_chromium
+from tests.browser import browser
 from tests.e2e._jobs import DilutionJob
 from tests.local._recorded import record
-from tests.support import running_collector, wait_until
+from tests.support import needs_tools, running_collector, wait_until
 from trainvitals.alerts.verdict import VerdictBuilder
 from trainvitals.monitor.cli import main
 from trainvitals.monitor.report_page import MAX_BUCKETS, RunHistory, render_page
 from trainvitals.wire import Report
 
 READ = "read-tok-Pg7q"
+RULES = Path(__file__).parents[2] / "alerts" / "rules"
+
+
+def _data(page: str) -> dict:
+    return json.loads(re.search(r'<script id="report-data" type="application/json">(.*?)</script>', page).group(1))
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("pages")
-    return {name: record(folder, name) for name in ("i1", "i2", "healthy")}
+    return {name: record(folder, name) for name in ("i1", "i2", "healthy", "spike")}
 
 
 def _report(files: dict[str, Path], out: Path, *names: str) -> Path:
@@ -91,7 +98,7 @@ def test_history_keeps_an_envelope_of_bounded_size():
     assert series.steps[0] == 1.0 and list(series.steps) == sorted(series.steps)
 
 
-@needs_chromium
+@needs_tools("chromium")
 def test_the_report_file_in_chromium(files: dict[str, Path], tmp_path: Path):
     out = _report(files, tmp_path / "report.html", "i1", "healthy")
     with browser() as b:
@@ -115,7 +122,7 @@ def test_the_report_file_in_chromium(files: dict[str, Path], tmp_path: Path):
     assert shot.stat().st_size > 20_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@needs_chromium
+@needs_tools("chromium")
 def test_the_request_check_catches_a_page_that_fetches(files: dict[str, Path], tmp_path: Path):
     """The control: the same page without its policy and with one outside image is caught."""
     page = _report(files, tmp_path / "r.html", "i1").read_text()
@@ -127,7 +134,7 @@ def test_the_request_check_catches_a_page_that_fetches(files: dict[str, Path], t
         assert "http://198.51.100.7/pixel.png" in b.requests
 
 
-@needs_chromium
+@needs_tools("chromium")
 def test_the_collectors_live_pages_in_chromium(tmp_path: Path):
     job = DilutionJob()
     with running_collector(read_token=READ) as c:
@@ -153,7 +160,7 @@ def test_the_collectors_live_pages_in_chromium(tmp_path: Path):
             # Reports keep arriving: the open page redraws from the collector.
             job.train(mon, 5)
             assert mon.flush(30)
-            wait_until(lambda: b.pump(0.5) or "27" in _facts(b)[0]["incidents"][0][4], 20, "the page to update")
+            wait_until(lambda: b.pump(0.5) or "27" in _facts(b)[0]["incidents"][0][4], 60, "the page to update")
             b.screenshot(tmp_path / "live.png")
             requests, console = b.requests, b.console
         mon.close()
@@ -164,7 +171,8 @@ def test_the_collectors_live_pages_in_chromium(tmp_path: Path):
 
 def test_report_of_many_series_stays_small():
     """200 series over 10,000 steps: the page draws at most a few per plot, bucketed."""
-    builder, history = VerdictBuilder("default"), RunHistory()
+    builder = VerdictBuilder("default")
+    history = RunHistory(rules=builder.rules)
     for step in range(1, 10_001, 5):
         samples = [
             {"name": "param_drift_log2", "labels": {"param": f"p{i}"}, "value": 0.001 * i + 1e-4 * step}
@@ -188,3 +196,179 @@ def test_report_of_many_series_stays_small():
 def test_chromium_is_in_ci():
     ci = (Path(__file__).parents[2] / ".ci" / "run").read_text()
     assert re.search(r"apt-get install[^\n]*\bchromium\b", ci)
+
+
+def _grad_norm_max(path: Path) -> list[tuple[int, float]]:
+    """(step, grad_norm_max) of each report in a recorded file, read as plain JSON."""
+    out = []
+    for line in path.read_text().splitlines():
+        report = json.loads(line)
+        for sample in report["samples"]:
+            if sample["name"] == "grad_norm_max" and not sample.get("labels"):
+                out.append((report["step"], sample["value"]))
+    return out
+
+
+def test_a_ratio_to_median_threshold_is_drawn_in_the_plots_unit(files: dict[str, Path], tmp_path: Path):
+    """GradNormSpike fires when grad_norm_max is over 10x the median of its previous 20
+    reports: the page draws that moving line (and the clear line, 3x), never a constant
+    at 10; the value crosses the line exactly where the alert fired."""
+    data = _data(_report(files, tmp_path / "r.html", "spike").read_text())
+    (run,) = data["runs"]
+    (incident,) = run["verdict"]["incidents"]
+    assert (incident["alert"], incident["first_step"]) == ("GradNormSpike", 27)
+    panel = next(p for p in run["panels"] if p["key"] == "grad_norm")
+    assert [t for t in panel["thresholds"] if t["alert"] == "GradNormSpike"] == []  # no line at 10
+    x = panel["x"]
+    lines = {s["threshold"]["kind"]: s["values"] for s in panel["series"] if s.get("threshold")}
+    assert set(lines) == {"above", "clear"}
+    # The truth: the rule's median, from the file (the previous 20 values, from the 6th report).
+    values = _grad_norm_max(files["spike"])
+    expected_fire, expected_clear, crossed = {}, {}, []
+    for k, (step, value) in enumerate(values):
+        if k >= 5:
+            med = statistics.median(v for _, v in values[max(0, k - 20) : k])
+            expected_fire[step], expected_clear[step] = 10 * med, 3 * med
+            if value > 10 * med:
+                crossed.append(step)
+    for kind, expected in (("above", expected_fire), ("clear", expected_clear)):
+        drawn = {int(step): v for step, v in zip(x, lines[kind], strict=True) if v is not None}
+        assert drawn.keys() == expected.keys()
+        assert all(drawn[s] == pytest.approx(expected[s], rel=1e-5) for s in expected)
+    assert crossed == [27]
+    assert any("GradNormSpike compares grad_norm_max to its median" in n for n in panel["notes"])
+
+
+def test_every_drawn_constant_is_on_the_plotted_scale(files: dict[str, Path], tmp_path: Path):
+    """The audit of the default rules: a constant line comes only from a rule (or an `and`
+    condition) on the metric's value as reported; a rule on a transform of the value is
+    drawn as its own series or named in the caption as not drawn."""
+    rules = [r for f in sorted(RULES.glob("*.yaml")) for r in yaml.safe_load(f.read_text())]
+    on_value = {
+        (r["alert"], r["metric"], k, r[k])
+        for r in rules
+        if "metric" in r and r.get("transform", "value") == "value"
+        for k in ("above", "below")
+        if k in r
+    }
+    on_value |= {
+        (r["alert"], c["metric"], k, c[k])
+        for r in rules
+        for c in r.get("and", ())
+        for k in ("above", "below")
+        if k in c
+    }
+    transformed = {(r["alert"], r["metric"]) for r in rules if r.get("transform", "value") != "value"}
+    data = _data(_report(files, tmp_path / "r.html", "i1", "i2", "spike").read_text())
+    seen_transformed = set()
+    for run in data["runs"]:
+        for panel in run["panels"]:
+            for t in panel["thresholds"]:
+                assert (t["alert"], t["metric"], t["kind"], t["value"]) in on_value, t
+            metrics = {s["metric"] for s in panel["series"]}
+            for alert, metric in transformed:
+                if metric in metrics:
+                    seen_transformed.add(alert)
+                    drawn = any((s.get("threshold") or {}).get("alert") == alert for s in panel["series"])
+                    assert drawn or any(n.startswith(alert) and "not drawn" in n for n in panel["notes"]), alert
+    assert seen_transformed == {"GradNormSpike"}
+
+
+def test_a_constant_with_a_label_matcher_says_which_series_it_is_for():
+    """SoftmaxSaturation watches the series of threshold 0.99 only: drawn over the 0.999
+    series too, its line says so; with no 0.99 series drawn, it is not drawn."""
+    builder = VerdictBuilder("default")
+    history = RunHistory(rules=builder.rules)
+    for step in range(1, 4):
+        samples = [
+            {
+                "name": "softmax_saturated_ratio",
+                "labels": {"task": "t", "role": "student", "threshold": th},
+                "value": 0.5,
+            }
+            for th in ("0.99", "0.999")
+        ]
+        report = Report(run="both", step=step, time=float(step), samples=samples)
+        builder.observe(report)
+        history.add(report)
+        only = Report(run="only", step=step, time=float(step), samples=samples[1:])
+        builder.observe(only)
+        history.add(only)
+    data = _data(render_page(builder, history, title="t"))
+    both, only_999 = ({p["key"]: p for p in r["panels"]}["softmax"] for r in data["runs"])
+    (line,) = both["thresholds"]
+    assert (line["alert"], line["value"], line["only"]) == ("SoftmaxSaturation", 0.9, "threshold=0.99")
+    assert only_999["thresholds"] == []
+
+
+_LABEL_BOXES = """Array.from(document.querySelectorAll('figure.plot')).map(f => {
+    const box = r => ({top: r.top, bottom: r.bottom, left: r.left, right: r.right});
+    return {panel: f.dataset.panel, run: f.closest('section.run').dataset.run, figure: box(f.getBoundingClientRect()),
+            listed: f.querySelectorAll('.th-list .th-label').length,
+            labels: Array.from(f.querySelectorAll('.th-label')).map(l => ({text: l.textContent,
+                value: +l.dataset.value, ...box(l.getBoundingClientRect())}))};
+})"""
+
+
+def _overlaps(a: dict, b: dict) -> bool:
+    return a["left"] < b["right"] and b["left"] < a["right"] and a["top"] < b["bottom"] and b["top"] < a["bottom"]
+
+
+def _crowd_rules(path: Path) -> Path:
+    """The default rules, and 30 more on loss_weight_mass 0.01 apart: too many labels to
+    fit beside their lines."""
+    crowd = [
+        {"alert": f"Crowd{i:02d}", "metric": "loss_weight_mass", "above": round(1.3 + 0.01 * i, 2), "summary": "x"}
+        for i in range(30)
+    ]
+    path.write_text(
+        yaml.safe_dump([r for f in sorted(RULES.glob("*.yaml")) for r in yaml.safe_load(f.read_text())] + crowd)
+    )
+    return path
+
+
+@needs_tools("chromium")
+@pytest.mark.parametrize("width", [1280, 700])
+def test_threshold_labels_never_overlap_in_chromium(files: dict[str, Path], tmp_path: Path, width: int):
+    """Every threshold label is an element of the page; in Chromium no two label boxes
+    intersect and each stays inside its plot's figure: close thresholds (the loss-mass
+    plot's 1.2/1.5 and 0.5/0.8) are pushed apart, and labels too many for the plot's
+    height are listed under it."""
+    out = _report(files, tmp_path / "r.html", "i1", "i2", "spike")
+    crowded = tmp_path / "crowd.html"
+    result = CliRunner().invoke(
+        main, ["report", str(files["i2"]), "--rules", str(_crowd_rules(tmp_path / "crowd.yaml")), "-o", str(crowded)]
+    )
+    assert result.exit_code == 0, result.output
+    figures = []
+    for page in (out, crowded):
+        expected = {
+            (r["verdict"]["run"], p["key"]): {
+                v for t in p["thresholds"] for v in (t["value"], t["clear"]) if v is not None
+            }
+            for r in _data(page.read_text())["runs"]
+            for p in r["panels"]
+        }
+        with browser() as b:
+            b.open(page.as_uri(), width=width)
+            shown = b.evaluate(_LABEL_BOXES)
+            assert b.console == []
+        for fig in shown:
+            # One label per distinct threshold value of the plot, whatever the data's range.
+            assert {lab["value"] for lab in fig["labels"]} == expected[(fig["run"], fig["panel"])], fig
+            f = fig["figure"]
+            for lab in fig["labels"]:
+                assert f["left"] <= lab["left"] and lab["right"] <= f["right"], (fig["panel"], lab)
+                assert f["top"] <= lab["top"] and lab["bottom"] <= f["bottom"], (fig["panel"], lab)
+        on_page = [(fig["panel"], lab) for fig in shown for lab in fig["labels"]]
+        for i, (pa, a) in enumerate(on_page):
+            for pb, b in on_page[i + 1 :]:
+                assert not _overlaps(a, b), (pa, a, pb, b)
+        figures += shown
+    assert sum(len(fig["labels"]) for fig in figures) > 40
+    crowd = next(f for f in figures if f["panel"] == "loss_mass" and any("Crowd" in lab["text"] for lab in f["labels"]))
+    assert crowd["listed"] == len(crowd["labels"]) >= 30  # too many for the plot: listed under it
+    mass = next(f for f in figures if f["run"] == "i2" and f["panel"] == "loss_mass" and not f["listed"])
+    assert (
+        len(mass["labels"]) == 4
+    )  # 1.5, 1.2 (LossNotAccumNormalized), 0.5, 0.8 (LossWeightMassLow): beside their lines

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import httpx
 import pytest
 
 from tests.reports import make_body, make_report, make_sample
-from tests.support import metric_value, running_collector
+from tests.support import metric_value, needs_tools, require_tool, running_collector
 from trainvitals.monitor.settings import Settings
 
 TOKEN = "s3cret-token"
@@ -112,7 +111,7 @@ def test_app_state_exposes_store_and_settings(collector):
     assert app.state.store is not None and isinstance(app.state.settings, Settings)
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+@needs_tools("promtool")
 def test_promtool_check_metrics_passes_on_the_endpoint(client):
     client.post(
         "/v1/reports",
@@ -127,7 +126,7 @@ def test_promtool_check_metrics_passes_on_the_endpoint(client):
     )
     client.post("/v1/reports", content=b"nope", headers={"Content-Type": "application/json"})
     text = client.get("/metrics").content
-    proc = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, timeout=30)
+    proc = subprocess.run([require_tool("promtool"), "check", "metrics"], input=text, capture_output=True, timeout=30)
     assert (proc.returncode, proc.stdout + proc.stderr) == (0, b"")
 
 

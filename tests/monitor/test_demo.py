@@ -14,3 +14,13 @@ def test_demo_fires_then_resolves_and_nothing_else_fires():
     assert "resolved by step" in res.output
     assert "Other alerts seen" not in res.output
     assert " 17.0x" in res.output and "16.00%" in res.output
+
+
+def test_demo_ends_naming_the_pages_to_open_and_its_start_line_tells_the_truth():
+    res = CliRunner().invoke(main, ["demo", "--no-serve", "--port", "0", "--steps", "25"])
+    assert res.exit_code == 0, res.output
+    tail = res.output[res.output.index("The demo's collector stops now") :]
+    for page in ("/ ", "/runs/demo ", "/v1/alerts ", "/metrics "):
+        assert f"http://127.0.0.1:PORT{page}" in tail, tail
+    # loss is reported from the first step: the start line must not say it was not requested
+    assert "not requested: loss" not in res.output and "not requested: loss" not in res.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import subprocess
 import time
 
@@ -14,7 +13,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.reports import make_batch, make_report, make_sample
-from tests.support import Series, metric_value, parse_metrics
+from tests.support import Series, metric_value, needs_tools, parse_metrics, require_tool
 from trainvitals.monitor.exposition import REPORT_OUTCOMES, ReportCounter, StoreCollector
 from trainvitals.monitor.store import SeriesStore
 from trainvitals.wire import METRICS
@@ -211,7 +210,7 @@ def test_render_parses_back_to_exactly_what_the_store_holds(store, exporter):
         assert got == expected
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
+@needs_tools("promtool")
 @pytest.mark.parametrize("populated", [False, True], ids=["empty", "populated"])
 def test_promtool_check_metrics_passes(store, exporter, populated):
     if populated:
@@ -233,7 +232,9 @@ def test_promtool_check_metrics_passes(store, exporter, populated):
             make_report("a", 1, samples[:1], rank=1, events=[RUN_END]),
         )
         assert "trainvitals_run_ended{" in exporter.render().decode()
-    proc = subprocess.run(["promtool", "check", "metrics"], input=exporter.render(), capture_output=True, timeout=30)
+    proc = subprocess.run(
+        [require_tool("promtool"), "check", "metrics"], input=exporter.render(), capture_output=True, timeout=30
+    )
     assert (proc.returncode, proc.stdout + proc.stderr) == (0, b"")
 
 

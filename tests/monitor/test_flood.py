@@ -53,7 +53,7 @@ def test_one_rule_on_a_free_label_opens_a_bounded_number_of_alerts_per_run(tmp_p
                 assert c.post("/v1/reports", content=body(noisy), headers=JSON).status_code == 202
             other = report("other", 1, events=_events(3), sender="o", seq=1)
             assert c.post("/v1/reports", content=body(other), headers=JSON).status_code == 202
-            wait_until(lambda: len(hook.alerts()) >= 8, 20, "the bounded pages")
+            wait_until(lambda: len(hook.alerts()) >= 8, 60, "the bounded pages")
             alerts = c.get("/v1/alerts").json()
             metrics = c.get("/metrics").text
     per_run = {}
@@ -103,7 +103,7 @@ def test_a_run_flooding_the_queue_cannot_drop_another_runs_page(tmp_path):
             quiet = report("quiet", 1, events=[{"kind": "optimizer_state_reset", "detail": "once"}])
             assert c.post("/v1/reports", content=body(quiet), headers=JSON).status_code == 202
             hook.gate.set()
-            wait_until(lambda: any(labels["run"] == "quiet" for _, _, labels in hook.alerts()), 20, "quiet's page")
+            wait_until(lambda: any(labels["run"] == "quiet" for _, _, labels in hook.alerts()), 60, "quiet's page")
             metrics = c.get("/metrics").text
     runs = [labels["run"] for _, _, labels in hook.alerts()]
     assert runs.count("quiet") == 1

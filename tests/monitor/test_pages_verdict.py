@@ -1,9 +1,18 @@
 """The collector's pages read their verdicts off the alert service's engine: the rules
-are evaluated once per report, and the verdict is the one a separate evaluation gives."""
+are evaluated once per report, and the verdict is the one a separate evaluation gives;
+``/`` and ``/v1/alerts`` say what the job's own evaluation says."""
 
 from __future__ import annotations
 
+import html
+import logging
+import re
+
+import pytest
+
+from tests.e2e._jobs import DilutionJob
 from tests.reports import wire_report
+from tests.support import one_torch_thread, running_collector, wait_until
 from trainvitals.alerts.service import AlertService
 from trainvitals.alerts.verdict import VerdictBuilder
 from trainvitals.monitor.routes_pages import LivePages
@@ -42,3 +51,44 @@ def test_pages_verdict_equals_a_separate_evaluation_and_skips_run_silent():
     # Forgetting the run on the pages (their bound) leaves the alerts' state alone.
     pages.builder.forget("r1", 0.0)
     assert pages.builder.verdict("r1").incidents == []
+
+
+def test_the_collector_says_the_step_an_alert_resolved_at_and_lists_past_incidents(caplog):
+    """A real job reporting to a real collector, its rules also evaluated in the job: the
+    collector's resolved alert names the step the job's own log names (the report that
+    cleared it, not the latest one), and ``/`` lists the incidents of a run that ended."""
+    healed, stuck = DilutionJob(), DilutionJob(seed=1)
+    with one_torch_thread(), running_collector() as c, caplog.at_level(logging.INFO, logger="trainvitals"):
+        mon = healed.attach(c.url, "healed", rules="default")
+        healed.train(mon, 25)  # steps 1-25 diluted: pending at 1, fires at 1 + for_steps = 21
+        healed.fixed = True
+        healed.train(mon, 20)  # steps 26-45 healthy: the report of step 26 clears it
+        assert mon.flush(30)
+        job_log = [r.getMessage() for r in caplog.records if r.name == "trainvitals"]
+        logged = [m[m.index("Resolved: ") :] for m in job_log if "Resolved: GradientDilution" in m]
+        assert len(logged) == 1 and " at step 26: " in logged[0], job_log
+        (alert,) = c.alerts("healed")
+        assert alert["state"] == "resolved" and alert["step"] == 26
+        # The same words up to how long it fired (each side's own clock).
+        assert alert["summary"].split(" after firing")[0] == logged[0].split(" after firing")[0]
+        assert alert["value"] == pytest.approx(1.0, abs=0.05)  # the value that cleared it
+        mon.close()
+        # A second run ends while the alert still fires: the run's end resolves it.
+        with stuck.attach(c.url, "stuck", rules="default") as mon2:
+            stuck.train(mon2, 23)
+            assert mon2.flush(30)
+        wait_until(lambda: len(c.client.get("/").text.split('class="run"')) == 3, 10, "both runs on /")
+        wait_until(lambda: "ended" in _rows(c)["stuck"], 10, "the stuck run's end")
+        rows = _rows(c)
+    assert rows["healed"] == "healed|45|ended|resolved: GradientDilution (modality=image, steps 21-26)"
+    assert rows["stuck"] == "stuck|23|ended|firing when the run ended: GradientDilution (modality=image, steps 21-23)"
+
+
+def _rows(c) -> dict[str, str]:
+    """``/``'s table, a row per run: its cells' text joined by ``|``."""
+    page = c.client.get("/").text
+    out = {}
+    for row in re.findall(r'<tr class="run".*?</tr>', page):
+        cells = [html.unescape(re.sub(r"<[^>]+>", "", cell)) for cell in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+        out[cells[0]] = "|".join(cells)
+    return out

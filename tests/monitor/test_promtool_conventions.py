@@ -10,7 +10,7 @@ import subprocess
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.monitor.helpers import PROMTOOL
+from tests.support import needs_tools, require_tool
 from trainvitals.wire import PREFIX, metric_type
 from trainvitals.wire.schema import (
     _ABBREVIATIONS,
@@ -21,6 +21,8 @@ from trainvitals.wire.schema import (
     _label_name_problem,
     _name_problem,
 )
+
+pytestmark = needs_tools("promtool")
 
 # Words that make names interesting to promtool, and plain ones.
 UNITS = [*_BASE_UNITS, *_OTHER_UNITS]
@@ -63,7 +65,11 @@ def promtool_flags(families: list[tuple[str, str]]) -> set[str]:
         exposed = PREFIX + name
         lines += [f"# HELP {exposed} h", f"# TYPE {exposed} {metric_type(name)}", f'{exposed}{{{label}="{i}"}} 1']
     proc = subprocess.run(
-        [PROMTOOL, "check", "metrics"], input="\n".join(lines) + "\n", text=True, capture_output=True, timeout=60
+        [require_tool("promtool"), "check", "metrics"],
+        input="\n".join(lines) + "\n",
+        text=True,
+        capture_output=True,
+        timeout=60,
     )
     out = proc.stdout + proc.stderr
     assert "error" not in out.lower(), out  # a format error would be a different problem

@@ -101,15 +101,15 @@ def test_sigkill_and_restart_resolve_a_cleared_alert_once_and_do_not_repage(tmp_
         with open(tmp_path / "serve.log", "wb") as log:
             proc = serve_process(config, port, log)
             send(1, 50.0, 40.0)
-            wait_until(lambda: len(hook.alerts()) == 2, 20, "two pages")
+            wait_until(lambda: len(hook.alerts()) == 2, 60, "two pages")
             # ... and their delivery recorded (a kill between the two pages it again: at least once).
-            wait_until(lambda: _delivered(tmp_path / "state.sqlite3") == 2, 20, "the deliveries recorded")
+            wait_until(lambda: _delivered(tmp_path / "state.sqlite3") == 2, 60, "the deliveries recorded")
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
             proc = serve_process(config, port, log)
             try:
                 send(2, 1.0, 45.0)  # image cleared, text still high
-                wait_until(lambda: len(hook.alerts()) == 3, 20, "the resolve")
+                wait_until(lambda: len(hook.alerts()) == 3, 60, "the resolve")
                 time.sleep(2)  # ten ticks: anything else owed would have gone out
                 alerts = httpx.get(url + "/v1/alerts").json()
             finally:
@@ -139,7 +139,7 @@ def test_a_run_silent_across_a_restart_gets_run_silent(tmp_path):
     with serve_in_thread(app) as url:
         runs = {r["run"]: r for r in httpx.get(url + "/v1/runs").json()}
         firing = wait_until(
-            lambda: [a for a in httpx.get(url + "/v1/alerts").json() if a["state"] == "firing"], 10, "RunSilent"
+            lambda: [a for a in httpx.get(url + "/v1/alerts").json() if a["state"] == "firing"], 60, "RunSilent"
         )
     assert runs["died"]["step"] == 9 and runs["done"]["ended"] is True
     assert [(a["alertname"], a["labels"]["run"]) for a in firing] == [("RunSilent", "died")]

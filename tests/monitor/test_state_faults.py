@@ -112,13 +112,13 @@ def test_a_full_disk_pages_answers_503_and_applies_every_report_once(tmp_path, c
             filler = _fill(disk)
             first = [c.post("/v1/reports", content=b, headers=JSON) for b in bodies]
             # Every page went out although nothing could be written.
-            wait_until(lambda: len(_pages(hook, "full")) >= 6, 20, "the pages of a full disk")
+            wait_until(lambda: len(_pages(hook, "full")) >= 6, 60, "the pages of a full disk")
             ready = c.get("/readyz")
             metrics = c.get("/metrics").text
             # The disk freed, the job retries what was refused: recognised, applied once.
             filler.unlink()
             retried = [c.post("/v1/reports", content=b, headers=JSON) for b in bodies]
-            wait_until(lambda: c.get("/readyz").status_code == 200, 10, "ready again")
+            wait_until(lambda: c.get("/readyz").status_code == 200, 60, "ready again")
             applied = _events_applied(c, "full")
         # A restart: the memory of what was applied was written.
         app = create_app(settings)
@@ -150,9 +150,9 @@ def test_a_state_file_deleted_while_running_is_written_back(tmp_path, caplog):
         app = create_app(settings)
         with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as c:
             answers = [c.post("/v1/reports", content=b, headers=JSON).status_code for b in bodies[:10]]
-            wait_until(lambda: len(_pages(hook, "deleted")) == 6, 20, "pages")
+            wait_until(lambda: len(_pages(hook, "deleted")) == 6, 60, "pages")
             shutil.rmtree(state.parent)  # the file, its WAL and its folder
-            wait_until(state.exists, 10, "the state file written back")
+            wait_until(state.exists, 60, "the state file written back")
             answers += [c.post("/v1/reports", content=b, headers=JSON).status_code for b in bodies[10:]]
             applied = _events_applied(c, "deleted")
         app = create_app(settings)
@@ -182,8 +182,8 @@ def test_a_state_file_replaced_while_running_is_moved_aside_and_written_back(tmp
             other = tmp_path / "other.sqlite3"
             sqlite3.connect(other).execute("CREATE TABLE t (x)").connection.close()
             os.replace(other, state)
-            wait_until(lambda: list(tmp_path.glob("collector.sqlite3.replaced-*")), 10, "the other file moved aside")
-            wait_until(lambda: app.state.state_db.problem is None, 10, "written back")
+            wait_until(lambda: list(tmp_path.glob("collector.sqlite3.replaced-*")), 60, "the other file moved aside")
+            wait_until(lambda: app.state.state_db.problem is None, 60, "written back")
             assert c.post("/v1/reports", content=body(_report("replaced", 2)), headers=JSON).status_code == 202
         app = create_app(settings)
         with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=30) as c:
@@ -308,8 +308,8 @@ def test_readyz_recovers_when_the_disk_does_even_with_nothing_to_write(tmp_path)
             # No seq: nothing the ingest must remember, but the alert states cannot be saved.
             event = {"kind": "optimizer_state_reset", "detail": "no seq"}
             assert c.post("/v1/reports", content=body(report("plain", 1, events=[event])), headers=JSON).is_success
-            wait_until(lambda: _pages(hook, "plain"), 20, "the page")
-            degraded = wait_until(lambda: c.get("/readyz").status_code == 503, 10, "degraded")
+            wait_until(lambda: _pages(hook, "plain"), 60, "the page")
+            degraded = wait_until(lambda: c.get("/readyz").status_code == 503, 60, "degraded")
             filler.unlink()
-            wait_until(lambda: c.get("/readyz").status_code == 200, 10, "ready once the disk takes writes")
+            wait_until(lambda: c.get("/readyz").status_code == 200, 60, "ready once the disk takes writes")
     assert degraded

@@ -322,7 +322,7 @@ def test_a_language_model_whose_head_is_not_found_says_so_and_warns():
         assert plain.returncode == 0, plain.stderr
         assert [a for a in c.alerts("regression") if a["alertname"] == "SignalInactive"] == []
     start = next(line for line in proc.stderr.splitlines() if "trainvitals run: watching" in line)
-    assert "blind: loss (no_lm_head: loss_from_logits=True: cannot find the module" in start
+    assert "blind: loss (no_lm_head: no LM head found (no get_output_embeddings()" in start
     close = next(line for line in proc.stderr.splitlines() if "closed after 25 optimizer step(s)" in line)
     assert "never engaged: loss (no_lm_head" in close and f"to HttpSink('{c.url}/v1/reports'), 0 not delivered" in close
     assert "not requested: loss" in next(line for line in plain.stderr.splitlines() if "closed after" in line)
