@@ -14,7 +14,8 @@ import torch
 from click.testing import CliRunner
 
 from tests.audit import _i4
-from tests.browser import browser, needs_chromium
+from tests.browser import browser
+from tests.support import needs_tools
 from trainvitals.audit.analysis import E4M3_BITS, INT8_BITS
 from trainvitals.audit.sources import CHUNK
 from trainvitals.hooks.signals.state_resets import reset_between
@@ -278,7 +279,7 @@ def test_html_page_and_table(runs, tmp_path: Path):
     assert "ParamDrift" in page and "OptimizerStateReset" in page and "Content-Security-Policy" in page
 
 
-@needs_chromium
+@needs_tools("chromium")
 def test_the_audit_page_in_chromium(runs, tmp_path: Path):
     _i4.write_torch(runs["bug"], tmp_path / "ck")
     out = tmp_path / "audit.html"
