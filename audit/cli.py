@@ -1,8 +1,9 @@
 """``trainvitals audit PATH...``: a health verdict from the checkpoints a job left behind.
 
 Prints the findings as a table (``--json``: everything as JSON), writes the report page
-(``--html``), and exits for CI: 1 when a finding at ``--fail-on`` severity or worse was
-made (default ``page``), 0 when none was, 2 for a usage error or an unreadable
+(``--html``), and exits for CI as ``trainvitals check`` does: 1 when a finding at
+``--fail-on`` severity or worse was made (default ``warning``: a warning or a page;
+``page``: pages only), 0 when none was, 2 for a usage error or an unreadable
 checkpoint (the message names the file).
 """
 
@@ -46,10 +47,10 @@ class _UsageError(click.ClickException):
 )
 @click.option(
     "--fail-on",
-    type=click.Choice(["page", "warning", "never"]),
-    default="page",
+    type=click.Choice(["page", "warning"]),
+    default="warning",
     show_default=True,
-    help="Exit 1 when a finding of this severity or worse was made.",
+    help="Exit 1 when a finding of this severity or worse was made (as for check).",
 )
 @click.option("--all", "show_all", is_flag=True, help="List every tensor in the quantization table.")
 def audit(
@@ -68,8 +69,9 @@ def audit(
       trainvitals audit ckpt-1000.pt ckpt-2000.pt  (torch.save, Lightning .ckpt, safetensors,
                                                     HF checkpoint-N/, distributed checkpoints)
 
-    Exit status: 1 if a finding of --fail-on severity (default page) or worse was made,
-    0 if none was, 2 for a usage error or an unreadable checkpoint.
+    Exit status: 1 if a finding of --fail-on severity (default warning) or worse was
+    made, 0 if none was (info findings never fail), 2 for a usage error or an
+    unreadable checkpoint.
     """
     from trainvitals.audit.analysis import SEVERITY_ORDER, init_reference, judge, look
     from trainvitals.audit.sources import CheckpointError, discover, open_checkpoint
@@ -132,7 +134,7 @@ def audit(
     else:
         click.echo(text(result, order, show_all))
     worst = result.worst
-    failing = fail_on != "never" and worst is not None and SEVERITY_ORDER[worst] <= SEVERITY_ORDER[fail_on]
+    failing = worst is not None and SEVERITY_ORDER[worst] <= SEVERITY_ORDER[fail_on]
     sys.exit(EXIT_PAGE if failing else 0)
 
 

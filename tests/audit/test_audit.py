@@ -96,7 +96,7 @@ def test_i4_pages_and_locates_the_reset_between_checkpoints_2_and_3(runs, tmp_pa
 
 def test_the_healthy_twin_is_clean(runs, tmp_path: Path):
     _i4.write_torch(runs["healthy"], tmp_path)
-    status, data, _ = audit("--fail-on", "warning", str(tmp_path))
+    status, data, _ = audit(str(tmp_path))  # --fail-on warning, the default
     assert status == 0
     assert [f for f in data["findings"] if f["severity"] != "info"] == []
     assert data["one_d"]["out_scale"]["walk"] == [0.0, 0.0, 0.0]
@@ -143,8 +143,8 @@ def test_model_only_checkpoints_say_what_they_could_not_check(runs, tmp_path: Pa
     assert drift["alert"] == "ParamDrift" and drift["severity"] == "warning"
     assert drift["value"] == pytest.approx(_i4.drift_truth(saved, "out_scale")[-1], rel=1e-6)
     assert any("param_weight_decay" in c and "not checked" in c for c in drift["detail"]["not_checked"])
-    assert status == 0  # warning, under the default --fail-on page
-    assert audit("--fail-on", "warning", *map(str, paths))[0] == 1
+    assert status == 1  # a warning, under the default --fail-on warning
+    assert audit("--fail-on", "page", *map(str, paths))[0] == 0
 
 
 def test_reference_checkpoint_and_init(runs, tmp_path: Path):
