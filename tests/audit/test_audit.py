@@ -346,3 +346,21 @@ def test_a_stage_that_adds_parameters_is_a_regrouping_not_a_walk_back(tmp_path: 
     assert between["detail"]["params"] == {}  # body's step counts went 4 -> 8: no reset
     spread = next(f for f in resets if f["where"].startswith("ckpt-8.pt"))
     assert spread["detail"]["step_counts"] == {"8": 2, "4": 2}
+
+
+def test_host_drift_maths_is_the_devices():
+    """judged_scales and drift_log2 (what the audit and the sender thread use) against
+    the device's own steps in DriftTracker.drift_bits: nanmedian of the scales that are
+    not 0, times 1e-2, as a floor; log2(1 + moved / judged)."""
+    from trainvitals.hooks.signals.param_drift import NEIGHBOUR_FLOOR, drift_log2, judged_scales
+
+    scales = torch.tensor([0.0, 1e-8, 1.0, 2.0, 3.0])
+    known = torch.where(scales > 0, scales, float("nan"))
+    floor = torch.nan_to_num(torch.nanmedian(known), nan=0.0) * NEIGHBOUR_FLOOR
+    device = torch.maximum(scales, floor)
+    assert judged_scales(scales.tolist()) == pytest.approx(device.tolist(), rel=1e-7)
+    moved = torch.tensor([0.5, 0.0, 55.0, 1.0, 3.0])
+    on_device = torch.addcdiv(torch.ones(()), moved, device.clamp_min(1e-38)).log2()
+    host = [drift_log2(m, j) for m, j in zip(moved.tolist(), judged_scales(scales.tolist()), strict=True)]
+    assert host == pytest.approx(on_device.tolist(), rel=1e-6)
+    assert drift_log2(55.0, 1.0) == pytest.approx(math.log2(56))  # I4: 1.0 -> 56, 5.8 bits
