@@ -50,7 +50,7 @@ def test_metrics_of_a_real_job_pass_promtool():
                 model(torch.randn(5, 4)).pow(2).mean().backward()
                 opt.step()
                 opt.zero_grad()
-            assert mon.flush(10)
+            assert mon.flush(60)
         text = collector.metrics()
     assert "trainvitals_grad_norm" in text
     lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)

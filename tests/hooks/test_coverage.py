@@ -112,7 +112,7 @@ def test_coverage_travels_to_metrics_as_a_per_signal_gauge_with_the_reason():
     with running_collector() as c:
         mon = attach(model, opt, run="sgd", collector=c.url, every=2)
         train(model, opt, 4)
-        assert mon.flush(10)
+        assert mon.flush(60)
         series = metric_series(c.client.get("/metrics").text, "trainvitals_signal_active")
         mon.close()
     got = {dict(k)["signal"]: (dict(k).get("reason"), v) for k, v in series.items() if dict(k)["run"] == "sgd"}
@@ -137,7 +137,7 @@ def test_zero_code_on_a_head_the_loss_bypasses_says_head_bypassed_and_warns(capl
             mon = attach(model, opt, run=run, collector=c.url, every=1, loss_from_logits="lm_head")
             train(model, opt, 30)
             cov = by_signal(mon.latest_coverage())
-            assert mon.flush(10)
+            assert mon.flush(60)
             if fused:
                 assert cov["loss"]["reason"] == "head_bypassed", cov["loss"]
                 assert "'lm_head'" in cov["loss"]["detail"]
@@ -164,7 +164,7 @@ def test_zero_code_on_a_label_smoothed_loss_says_not_cross_entropy_and_warns(cap
         cov = by_signal(mon.latest_coverage())
         assert mon.value("loss") is None  # the figures are withheld ...
         assert cov["loss"]["reason"] == "not_cross_entropy"  # ... and the report says why
-        assert mon.flush(10)
+        assert mon.flush(60)
         alert = c.wait_for("SignalInactive", "smooth")
         assert alert["labels"]["reason"] == "not_cross_entropy"
         train(model, opt, 1)

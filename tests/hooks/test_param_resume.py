@@ -125,7 +125,7 @@ def _segments_to(url: str, run: str, signs: tuple[float, ...], tmp_path) -> list
         _train(model, opt, mon, seg * SEGMENT + 1, SEGMENT)
         drifts.append(mon.value("param_drift_log2", param="out_scale"))
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, checkpoint)
-        assert mon.flush(10)
+        assert mon.flush(60)
         mon.close()
     return drifts
 

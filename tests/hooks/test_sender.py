@@ -51,7 +51,7 @@ def test_retries_transient_failures_and_delivers_once():
     with collector_stub(503, 429, 202) as rec:
         sender = Sender(HttpSink(rec.url), backoff=(0.01, 0.05))
         sender.put(packed(1))
-        assert sender.flush(5)
+        assert sender.flush(60)
         sender.close(1)
     assert [r["step"] for r in accepted_reports(rec)] == [1]
     assert rec.count() == 3 and sender.dropped == 0
@@ -61,9 +61,9 @@ def test_a_refused_batch_is_dropped_counted_and_logged(caplog):
     with collector_stub(422, 202) as rec:
         sender = Sender(HttpSink(rec.url), backoff=(0.01, 0.05))
         sender.put(packed(1))
-        assert sender.flush(5)
+        assert sender.flush(60)
         sender.put(packed(2))
-        assert sender.flush(5)
+        assert sender.flush(60)
         sender.close(1)
     assert [r["step"] for r in accepted_reports(rec)] == [2]
     assert sender.dropped == 1
@@ -80,7 +80,7 @@ def test_batches_are_gzipped_and_carry_the_token():
         sender = Sender(HttpSink(rec.url, token="s3cret", gzip_min_bytes=10))
         for i in range(5):
             sender.put(packed(i))
-        assert sender.flush(5)
+        assert sender.flush(60)
         sender.close(1)
     assert sorted(r["step"] for r in accepted_reports(rec)) == list(range(5))
     assert all(

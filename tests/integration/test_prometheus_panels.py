@@ -69,7 +69,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             # increase() needs the loss counter scraped once before it moves, at
             # 0; the job is faster than the 1 s scrape, so wait for that scrape.
             if step == _job.NONFINITE_AT:
-                assert mon.flush(10), "reports not delivered"
+                assert mon.flush(60), "reports not delivered"
                 wait_until(
                     lambda: prom.query(f'{PREFIX}nonfinite_total{{run="{RUN}", what="loss"}} == 0'),
                     60,

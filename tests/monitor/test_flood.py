@@ -97,7 +97,7 @@ def test_a_run_flooding_the_queue_cannot_drop_another_runs_page(tmp_path):
         with serve_in_thread(create_app(settings)) as url, httpx.Client(base_url=url) as c:
             first = report("noisy", 1, events=_events(1), sender="n", seq=1)
             assert c.post("/v1/reports", content=body(first), headers=JSON).status_code == 202
-            assert hook.waiting.wait(20)  # that page is in flight, held: the queue fills behind it
+            assert hook.waiting.wait(60)  # that page is in flight, held: the queue fills behind it
             flood = report("noisy", 2, events=_events(30, 1), sender="n", seq=2)
             assert c.post("/v1/reports", content=body(flood), headers=JSON).status_code == 202
             quiet = report("quiet", 1, events=[{"kind": "optimizer_state_reset", "detail": "once"}])

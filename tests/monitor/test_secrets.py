@@ -100,7 +100,7 @@ def test_no_secret_in_the_logs_of_the_collector_or_the_hooks(tmp_path, caplog):
                 for step, loss in ((1, 50.0), (2, 45.0), (3, 1.0)):  # fires, then resolves
                     for sender in (good, bad, lost):
                         sender.put(_report("leaky", step, loss))
-                    assert good.flush(20)
+                    assert good.flush(60)
                     time.sleep(0.5)
                 lost.close(5)
                 good.put(_Ready({**_report("leaky", 4, 1.0).data, "step": -1}))  # refused by the schema

@@ -240,7 +240,7 @@ class Job:
             self.opt.zero_grad()
             self.model(torch.randn(6, 4)).square().mean().backward()
             self.opt.step()
-            assert self.mon.flush(10)
+            assert self.mon.flush(60)
 
 
 def test_a_new_interval_applies_within_two_steps_and_expires_back(job_clock):
@@ -348,7 +348,7 @@ def test_the_probe_interval_switches_live():
                 mon.track_loss(pt, modality=rows.modality, mask=rows.mask, output=logits)
                 reduce_loss(pt, rows, "token", total_tokens=float(rows.mask.sum())).backward()
             opt.step()
-            assert mon.flush(10)
+            assert mon.flush(60)
             return got.of("probe")[-1].labels_of("modality_grad_norm", "scope")
 
         assert step() == {"output"}
