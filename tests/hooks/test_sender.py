@@ -120,7 +120,9 @@ def test_training_survives_a_dead_collector(caplog, capsys):
     assert mon.value("grad_norm") > 0
     t0 = time.monotonic()
     mon.close()
-    assert time.monotonic() - t0 < 5
+    # flush_timeout 0.5 s, never the retries' backoff (up to 30 s): the bound is that
+    # semantics, with room for a loaded machine.
+    assert time.monotonic() - t0 < 15
     assert mon.dropped_reports >= 1
     out = capsys.readouterr()
     assert "Traceback" not in out.err + out.out
