@@ -316,3 +316,20 @@ def test_an_unreachable_collector_leaves_the_reports_in_the_local_file_and_rules
     # the kept file is a report file: check judges it as the job did
     code, out = _check(str(kept))
     assert code == 1 and "LossNotAccumNormalized" in out
+
+
+@pytest.mark.slow
+def test_with_a_collector_the_job_still_prints_each_alert_line(caplog: pytest.LogCaptureFixture):
+    from tests.e2e._jobs import DilutionJob
+    from tests.support import running_collector
+
+    job = DilutionJob()
+    with running_collector() as c, caplog.at_level(logging.INFO, logger="trainvitals"):
+        mon = attach(job.model, job.opt, run="seen", collector=c.url, modalities=job.modalities, every=1)
+        job.train(mon, 25)
+        assert mon.flush(60)
+        collector_says = c.wait_for("GradientDilution", "seen")
+        mon.close()
+    lines = [m for m in _messages(caplog) if m.startswith("trainvitals alert GradientDilution firing")]
+    assert len(lines) == 1 and lines[0].startswith("trainvitals alert GradientDilution firing at step 21 (value 16.96)")
+    assert collector_says["fired_value"] == pytest.approx(16.96, abs=0.01)  # the collector judged the same

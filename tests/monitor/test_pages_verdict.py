@@ -77,8 +77,8 @@ def test_the_collector_says_the_step_an_alert_resolved_at_and_lists_past_inciden
         with stuck.attach(c.url, "stuck", rules="default") as mon2:
             stuck.train(mon2, 23)
             assert mon2.flush(30)
-        wait_until(lambda: len(c.client.get("/").text.split('class="run"')) == 3, 10, "both runs on /")
-        wait_until(lambda: "ended" in _rows(c)["stuck"], 10, "the stuck run's end")
+        wait_until(lambda: len(c.client.get("/").text.split('class="run"')) == 3, 60, "both runs on /")
+        wait_until(lambda: "ended" in _rows(c)["stuck"], 60, "the stuck run's end")
         rows = _rows(c)
     assert rows["healed"] == "healed|45|ended|resolved: GradientDilution (modality=image, steps 21-26)"
     assert rows["stuck"] == "stuck|23|ended|firing when the run ended: GradientDilution (modality=image, steps 21-23)"
