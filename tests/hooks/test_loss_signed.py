@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.support import one_torch_thread
+from tests.support import HostSyncSpy, one_torch_thread
 from trainvitals.hooks import attach
 
 VOCAB = 32
@@ -75,22 +75,27 @@ def token_weights(kind: str, mask: torch.Tensor, gen: torch.Generator) -> torch.
     return (torch.rand(mask.shape, generator=gen, dtype=torch.float64) + 0.5) / n * mask
 
 
-def run(model_cls: type, kind: str, steps: int = 3) -> tuple[object, list[float]]:
+def run(model_cls: type, kind: str, monkeypatch: pytest.MonkeyPatch, steps: int = 3) -> tuple[object, list[float]]:
+    """``steps`` reported steps; the second one's forward and backward (the hooks' work)
+    are checked for host syncs."""
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     model = model_cls()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     mon = attach(model, opt, run=f"signed-{kind}", sink="null", every=1, loss_from_logits="lm_head")
     masses = []
-    for _ in range(steps):
+    for step in range(steps):
         ids = torch.randint(0, VOCAB, (4, 10), generator=gen)
         mask = torch.ones(4, 10, dtype=torch.bool)
         mask[1, 7:] = False
         mask[3, 4:] = False
         w = token_weights(kind, mask[:, 1:], gen)
+        spy = HostSyncSpy(monkeypatch) if step == 1 else None
         out = model(ids, mask)
         loss = -(w.float() * out.log_probs).sum() if isinstance(out, FusedOutput) else (w.float() * out).sum()
         loss.backward()
+        if spy is not None:
+            assert spy.stop() == []  # the sign check runs on the device: no host sync
         opt.step()
         opt.zero_grad()
         assert (float(w.min()) < 0) == (kind == "advantage")
@@ -99,9 +104,9 @@ def run(model_cls: type, kind: str, steps: int = 3) -> tuple[object, list[float]
 
 
 @pytest.mark.parametrize("model_cls", [FusedLM, PerTokenLM], ids=["fused", "per-token"])
-def test_signed_per_token_weights_are_withheld_with_the_reason(model_cls, caplog):
+def test_signed_per_token_weights_are_withheld_with_the_reason(model_cls, caplog, monkeypatch):
     caplog.set_level(logging.WARNING, logger="trainvitals")
-    mon, masses = run(model_cls, "advantage")
+    mon, masses = run(model_cls, "advantage", monkeypatch)
     try:
         assert masses[-1] != 0  # a sum of signed weights: a "mass" that means nothing
         loss = {e["signal"]: e for e in mon.latest_coverage()}["loss"]
@@ -117,9 +122,9 @@ def test_signed_per_token_weights_are_withheld_with_the_reason(model_cls, caplog
 
 
 @pytest.mark.parametrize("model_cls", [FusedLM, PerTokenLM], ids=["fused", "per-token"])
-def test_non_negative_per_token_weights_are_active_and_exact(model_cls, caplog):
+def test_non_negative_per_token_weights_are_active_and_exact(model_cls, caplog, monkeypatch):
     caplog.set_level(logging.WARNING, logger="trainvitals")
-    mon, masses = run(model_cls, "positive")
+    mon, masses = run(model_cls, "positive", monkeypatch)
     try:
         loss = {e["signal"]: e for e in mon.latest_coverage()}["loss"]
         assert loss == {"signal": "loss", "active": True}
