@@ -44,6 +44,8 @@ def test_grpo_signed_weights_are_withheld_with_the_reason(job):
             assert "loss_not_cross_entropy" in {e["kind"] for e in r.get("events", [])}
         else:
             assert loss["active"] is True, (r["step"], loss)
+    end = next(c for c in reports[-1]["coverage"] if c["signal"] == "loss")  # the close report's
+    assert end["active"] is False and end["reason"] == "not_cross_entropy", end
     emitted = {s["name"] for r in reports for s in r.get("samples", [])}
     assert not emitted & LOSS_FIGURES, emitted & LOSS_FIGURES
     inactive = {
