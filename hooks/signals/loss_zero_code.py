@@ -421,7 +421,10 @@ def signed(weights: torch.Tensor) -> torch.Tensor:
     objective (a policy gradient's advantages, a preference or distillation term) whose
     "weights" are not a cross-entropy's, so the micro-batch counts as not cross-entropy.
     Below minus the dtype's smallest normal number: a denormal is rounding, not a sign."""
-    return (weights < -torch.finfo(weights.dtype).tiny).any().to(weights.dtype)
+    if weights.numel() == 0:
+        return weights.new_zeros(())
+    # the smallest weight against the bound: cheaper than a comparison per token, then any()
+    return (weights.amin() < -torch.finfo(weights.dtype).tiny).to(weights.dtype)
 
 
 def _fused_output(output: Any) -> tuple[torch.Tensor, torch.Tensor] | None:

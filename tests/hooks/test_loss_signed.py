@@ -133,3 +133,19 @@ def test_non_negative_per_token_weights_are_active_and_exact(model_cls, caplog, 
     finally:
         mon.close()
     assert not [r for r in caplog.records if "cross-entropy" in r.getMessage()]
+
+
+def test_the_sign_check_flags_a_negative_weight_and_not_rounding():
+    from trainvitals.hooks.signals.loss_zero_code import signed
+
+    tiny = torch.finfo(torch.float32).tiny
+    cases = [
+        ((0.5, -1e-3), 1.0),  # one negative weight
+        ((0.5, -2 * tiny), 1.0),
+        ((0.5, 0.0), 0.0),
+        ((0.5, -0.0), 0.0),
+        ((0.5, -tiny / 4), 0.0),  # a denormal is rounding, not a sign
+    ]
+    for weights, flagged in cases:
+        assert float(signed(torch.tensor(weights))) == flagged, weights
+    assert float(signed(torch.zeros(0))) == 0.0  # no label token: nothing to flag
