@@ -324,6 +324,17 @@ class Monitor:
             return []
         return [{**e, "labels": dict(e["labels"])} for e in self._latest.materialize()["events"]]
 
+    def _end_coverage(self) -> list[dict[str, Any]]:
+        """The run_end report's coverage: the last report's as it was sent, with the
+        device's verdicts applied (a step withheld as not cross-entropy stays inactive at
+        the run's end, not active as the training thread first wrote it); with no report,
+        what each signal would have covered. At close: a wait for the device is fine."""
+        if self._latest:
+            coverage = self._latest.materialize().get("coverage")
+            if coverage:
+                return [dict(e) for e in coverage]
+        return self._last_coverage or self._coverage_entries({})[0]
+
     def latest_coverage(self) -> list[dict[str, Any]]:
         """The most recent report's coverage: per built-in signal, active or why not."""
         return list(self._latest.materialize().get("coverage", [])) if self._latest else []
@@ -362,7 +373,7 @@ class Monitor:
             end = StepContext(step=self.step, device=torch.device("cpu"))
             end.event(RUN_END_EVENT, f"Monitor.close() after {self.step} optimizer steps")
             try:
-                end.coverage = self._last_coverage or self._coverage_entries({})[0]
+                end.coverage = self._end_coverage()
                 self._sender.put(packing.pack(end, run=self.run, rank=self.rank))
             except Exception as exc:  # noqa: BLE001
                 self.warn_once("run_end", "could not queue the run_end report: %s", exc)

@@ -66,8 +66,9 @@ REASONS: Mapping[str, str] = {
     "head_bypassed": "the LM head was found but no gradient reached its output for several report steps "
     "(a fused or chunked loss that never calls the head module)",
     "logits_layout": "the head's output has a layout the accounting does not understand",
-    "not_cross_entropy": "the gradient at the logits is not a plain cross-entropy one (label smoothing, "
-    "distillation, soft-capping, a loss that overwrites the logits in place)",
+    "not_cross_entropy": "the loss is not a plain cross-entropy: signed per-token weights (a policy gradient "
+    "with advantages, a preference loss), or a logits gradient with label smoothing, distillation, "
+    "soft-capping, a loss that overwrites the logits in place",
     "logits_overwritten": "the logits were overwritten in place between the forward and the backward (a fused "
     "cross-entropy that reuses their memory): their gradient cannot be read",
     "sharded": "not supported with sharded parameters (FSDP, DTensor)",

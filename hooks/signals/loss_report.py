@@ -310,11 +310,12 @@ class LossReport:
             warnings.append(
                 (
                     "loss_not_cross_entropy",
-                    "loss_from_logits: %d micro-batch(es) of a reported step had a logits gradient that "
-                    "is not a plain cross-entropy one (label smoothing, a distillation or z-loss term on "
-                    "the same logits, logit soft-capping after the hooked module); their token weights "
-                    "cannot be read from it, so that step's loss-accounting figures are left out. Use "
-                    "track_loss with the per-token cross-entropy (docs/integrations.md)",
+                    "loss_from_logits: %d micro-batch(es) of a reported step had a loss that is not a "
+                    "plain cross-entropy (signed per-token weights: a policy gradient's advantages or a "
+                    "preference loss; or, at the logits, label smoothing, a distillation or z-loss term, "
+                    "logit soft-capping after the hooked module); their token weights cannot be read from "
+                    "the gradient, so that step's loss-accounting figures are left out. Use track_loss "
+                    "with the per-token cross-entropy (docs/integrations.md)",
                     lay.not_ce,
                 )
             )
@@ -427,8 +428,10 @@ class LossReport:
                 "loss",
                 first[plan.not_ce],
                 "not_cross_entropy",
-                "the gradient at the logits is not a plain cross-entropy one (label smoothing, a "
-                "distillation or z-loss term, soft-capping after the head); the step's figures are left out",
+                "the loss is not a plain cross-entropy: signed per-token weights (a policy gradient's "
+                "advantages, a preference loss) at the per-token log-probabilities or losses, or a logits "
+                "gradient with label smoothing, a distillation or z-loss term, soft-capping after the head; "
+                "the step's figures are left out",
             )
             gate = verdict[plan.gate]
 
@@ -467,7 +470,8 @@ class LossReport:
             events.append(
                 (
                     "loss_not_cross_entropy",
-                    "loss_from_logits: a micro-batch's logits gradient is not a plain cross-entropy one; "
+                    "loss_from_logits: a micro-batch's loss is not a plain cross-entropy (signed per-token "
+                    "weights, or a logits gradient of another loss); "
                     "this step's loss-accounting figures are left out (docs/integrations.md)",
                     None,
                     first[plan.not_ce],

@@ -13,6 +13,11 @@ outputs, per framework, without a ``track_loss`` call (``attach(loss_from_logits
 - TRL's fused LM head (``fused_lm_head=True``) never calls the head module and
   returns per-token log-probabilities: the gradient at them is minus the weights.
 
+A cross-entropy's token weights are >= 0. On the per-token paths (fused log-probs,
+per-token losses) a negative weight flags the micro-batch as not cross-entropy: a
+policy gradient (GRPO's weight x advantage, zero-mean per group), a preference or
+distillation loss on the same per-token log-probabilities is never read as weights.
+
 Micro-batches are tagged with ``Monitor.tag_batch`` or from the input ids
 (:mod:`~trainvitals.hooks.signals.loss_modality`). When the gradient is not a plain
 cross-entropy one the step's figures are left out and a log line says so.
@@ -333,6 +338,7 @@ class ZeroCodeSeams(StepBook):
             self._count_nonfinite(loss, mask)
             batch = bin_batch(layout, step.sums, loss, mask, seg, codes, probe=False, count_unknown=m > 0)
             w = -grad.detach().reshape(-1).to(fdt)
+            step.sums[layout.not_ce].add_(signed(w))
             inv = self._inv_scale(monitor, grad.device, fdt)
             if inv is not None:
                 w = w * inv
@@ -402,10 +408,23 @@ class ZeroCodeSeams(StepBook):
         l1 = g.abs().sum(dim=1, dtype=torch.float32).to(fdt)
         expected = 2 * seam.weight * -torch.expm1(-seam.loss)
         residual = (l1 - expected).abs().sum()
-        step.sums[layout.not_ce].add_((residual > l1.sum() * residual_tolerance(g.dtype)).to(fdt))
+        bad = (residual > l1.sum() * residual_tolerance(g.dtype)) | (signed(seam.weight) > 0)
+        step.sums[layout.not_ce].add_(bad.to(fdt))
         if seam.batch is not None and layout.bins > 1:
             step.outputs += 1
             self._outputs(step, seam.batch, g, 1, seam.inv)
+
+
+def signed(weights: torch.Tensor) -> torch.Tensor:
+    """1 (in ``weights``' dtype, on their device, no host sync) when any per-token weight is
+    negative, else 0. A cross-entropy's weights are >= 0: a negative one is a signed
+    objective (a policy gradient's advantages, a preference or distillation term) whose
+    "weights" are not a cross-entropy's, so the micro-batch counts as not cross-entropy.
+    Below minus the dtype's smallest normal number: a denormal is rounding, not a sign."""
+    if weights.numel() == 0:
+        return weights.new_zeros(())
+    # the smallest weight against the bound: cheaper than a comparison per token, then any()
+    return (weights.amin() < -torch.finfo(weights.dtype).tiny).to(weights.dtype)
 
 
 def _fused_output(output: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
