@@ -32,9 +32,10 @@ capped by :mod:`~trainvitals.hooks.signals.param_series`), label ``param``:
 A weight-decay audit runs at attach (:mod:`~trainvitals.hooks.signals.weight_decay_audit`).
 The drift state lives in :mod:`~trainvitals.hooks.signals.param_drift`.
 
-Sharded parameters (FSDP2 DTensors): every rank reduces its local shard; minima,
-maxima and sums (gradient sums of squares, consistency sums and element counts)
-are combined in the report's one collective.
+Sharded parameters (FSDP2, tensor-parallel DTensors): every rank reduces its local
+piece; minima, maxima and sums (gradient sums of squares, consistency sums and
+element counts) are combined in the report's one collective, a piece that k ranks
+hold alike (replicated) counting 1/k on each (``MonitorView.weight_of``).
 """
 
 from __future__ import annotations
