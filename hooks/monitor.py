@@ -161,6 +161,13 @@ class Monitor:
         """Each parameter's :func:`rank_weight` (when any is a DTensor); the first layout
         that cannot be combined, as a sentence naming it."""
         named = list(self.model.named_parameters())
+        listed = {id(p) for _, p in named}
+        named += [
+            (f"param_group {i} #{j}", p)
+            for i, g in enumerate(self.optimizer.param_groups)
+            for j, p in enumerate(g["params"])
+            if id(p) not in listed
+        ]
         if not any(is_dtensor(p) for _, p in named):
             return None
         for name, p in named:
@@ -176,9 +183,12 @@ class Monitor:
         if not self.sharded:
             return 1.0
         weight = self._weights.get(id(p))
-        if weight is None:  # a parameter the optimizer has and the model does not list
+        if weight is None:  # a parameter added to the optimizer after attach
             found = rank_weight(p, self.world_size)
-            weight = found if isinstance(found, float) else 1.0
+            if isinstance(found, str):  # cannot be combined: told, and counted as one piece
+                self.warn_once(f"layout:{id(p)}", "%s: %s; its figures may be wrong", self.name_of(p), found)
+                found = 1.0
+            weight = self._weights[id(p)] = found
         return weight
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str:
