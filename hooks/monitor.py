@@ -83,6 +83,7 @@ class Monitor:
         self.coverage = Coverage()
         """What each built-in signal covers; signals declare their state here."""
         self._weights: dict[int, float] = {}
+        self._grad_checked: tuple[tuple[int, ...], str | None] | None = None
         self.layout_problem = self._placements()
         """A parameter layout whose per-rank sums cannot be combined (named), or None."""
         self.weighted = self.sharded and any(w != 1.0 for w in self._weights.values())
@@ -176,6 +177,28 @@ class Monitor:
                 return f"{clean_name(name)}: {weight}; optimizer, parameter and Adam figures withheld"
             self._weights[id(p)] = weight
         return None
+
+    def grad_layout_problem(self, params: list[torch.Tensor]) -> str | None:
+        """A DTensor parameter among ``params`` whose gradient is placed otherwise than
+        the parameter (SequenceParallel norms: ``Partial`` gradients of ``Replicate``
+        weights, summed later): its norm cannot be had from the ranks' pieces. Named,
+        or None; judged once per set of parameters (the placements follow the plan)."""
+        if not self._weights:
+            return None
+        key = tuple(map(id, params))
+        if self._grad_checked is None or self._grad_checked[0] != key:
+            problem = None
+            for p in params:
+                grad = p.grad
+                if grad is not None and is_dtensor(p) and tuple(getattr(grad, "placements", ())) != tuple(p.placements):  # type: ignore[attr-defined]
+                    placed = tuple(getattr(grad, "placements", ()))
+                    problem = (
+                        f"{self.name_of(p, 'a parameter')}: gradient placed {placed} unlike the parameter "
+                        f"{tuple(p.placements)}; gradient figures withheld"  # type: ignore[attr-defined]
+                    )
+                    break
+            self._grad_checked = (key, problem)
+        return self._grad_checked[1]
 
     def weight_of(self, p: torch.Tensor) -> float:
         """What this rank's partial sums of ``p`` count for in the sum over ranks (1: a

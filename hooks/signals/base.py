@@ -75,6 +75,10 @@ class MonitorView(Protocol):
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str: ...
 
+    def grad_layout_problem(self, params: list[torch.Tensor]) -> str | None:
+        """A gradient placed otherwise than its DTensor parameter, named; or None."""
+        ...
+
     def weight_of(self, p: torch.Tensor) -> float:
         """What this rank's partial sums of ``p`` count for in the sum over ranks."""
         ...

@@ -242,6 +242,10 @@ class OptimizerStats(Signal):
         upd = self._before is layout and bool(layout.tensors)
         self._before = None
         step_norms = ctx.grad_norms
+        problem = monitor.grad_layout_problem(step_norms.params) if step_norms is not None else None
+        if problem is not None:  # never a figure from pieces that cannot be combined
+            ctx.inactive_when("optimizer", None, "sharded", problem)
+            return
         applied_bad: torch.Tensor | None = None
         if step_norms is not None and step_norms.measured == "applied":
             # The gradient the optimizer applies is not finite although the backward's was

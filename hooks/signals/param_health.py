@@ -202,7 +202,10 @@ class ParamHealth(Signal):
         step_norms = ctx.grad_norms
         sharded = monitor.sharded
         grads = False
-        if step_norms is not None and step_norms.params:
+        problem = monitor.grad_layout_problem(step_norms.params) if step_norms is not None else None
+        if problem is not None:  # the other figures stand; the gradient's are withheld, said once
+            monitor.warn_once("grad_layout", "%s (param_grad_relative_rms)", problem)
+        elif step_norms is not None and step_norms.params:
             grad_labels, grad_finish = self._grad_rms_layout(monitor, drift, step_norms)
             if grad_labels:
                 grads = True

@@ -52,13 +52,16 @@ class Decoder(nn.Module):
         self.norm = nn.RMSNorm(D)
         self.head = nn.Linear(D, VOCAB, bias=False)
         self.gain = nn.Parameter(torch.ones(1))
+        self.gain_grad: list | None = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.emb(tokens)
         for block in self.blocks:
             x = block(x)
         gain = self.gain
-        if hasattr(gain, "full_tensor"):  # the "submesh" layout: the whole gain, as a plain tensor
+        if self.gain_grad is not None:  # "partial-grad": its gradient left Partial, as SequenceParallel does
+            gain = gain.to_local(grad_placements=self.gain_grad)
+        elif hasattr(gain, "full_tensor"):  # the "submesh" layout: the whole gain, as a plain tensor
             gain = gain.full_tensor()
         return self.head(self.norm(x)) * gain
 
@@ -191,6 +194,11 @@ def _rank_main(rank: int, world: int, port: int, out: str, mode: str) -> None:
 
         solo = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "solo"))["solo"]
         model.gain = nn.Parameter(DTensor.from_local(torch.ones(1), solo, [Replicate()], run_check=False))
+    if mode == "partial-grad":  # a Replicate gain whose gradient stays Partial (summed by the optimizer)
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        model.gain = nn.Parameter(DTensor.from_local(torch.ones(1), mesh, [Replicate()], run_check=False))
+        model.gain_grad = [Partial()]
     names = {id(p): n for n, p in model.named_parameters()}
     opt = optimizer(model)
     mon = attach(model, opt, run="tp", sink="null", every=EVERY, update_sample=1 << 16)
@@ -215,7 +223,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, mode: str) -> None:
         opt.zero_grad(set_to_none=True)
         if reporting:
             reports.append(flat_report(mon.latest()))
-    coverage = mon.coverage.declared("optimizer")
+    coverage = {e["signal"]: e for e in mon.latest_coverage()}
     mon.close()
     if rank == 0:
         with open(out, "w") as fh:

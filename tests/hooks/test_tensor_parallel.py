@@ -28,7 +28,7 @@ def run_ranks(tmp_path: Path, mode: str) -> dict:
 
 def test_every_figure_matches_the_full_tensors(tmp_path):
     got = run_ranks(tmp_path, "tp")
-    assert got["coverage"] is None  # nothing withheld
+    assert all(got["coverage"][s]["active"] for s in ("optimizer", "params", "adam"))
     assert len(got["reports"]) == len(got["truths"]) == 1 + STEPS // EVERY  # steps 1, 2, 4, 6
     kinds = {key.split("|")[0] for key in got["truths"][0]}
     assert {"grad_norm", "group_grad_norm", "param_norm", "update_ratio", "param_grad_relative_rms"} <= kinds
@@ -46,9 +46,26 @@ def test_a_mesh_not_spanning_the_job_withholds_the_figures(tmp_path):
     """The gain on a one-rank mesh in a job of two: what its sums over the job mean is
     unknown, so the optimizer, params and adam figures are withheld, coverage says why."""
     got = run_ranks(tmp_path, "submesh")
-    active, reason, detail = got["coverage"]
-    assert (active, reason) == (False, "sharded")
-    assert "gain" in detail and "mesh of 1 ranks in a job of 2" in detail
+    for signal in ("optimizer", "params", "adam"):
+        entry = got["coverage"][signal]
+        assert (entry["active"], entry["reason"]) == (False, "sharded")
+        assert "gain" in entry["detail"] and "mesh of 1 ranks in a job of 2" in entry["detail"]
     for report in got["reports"]:
         withheld = [k for k in report if k.startswith(("grad_norm", "group_", "param_", "update_ratio", "adam_"))]
         assert withheld == []
+
+
+def test_a_gradient_placed_unlike_its_parameter_withholds_the_gradient_figures(tmp_path):
+    """A ``Replicate`` gain whose gradient stays ``Partial`` (as SequenceParallel leaves
+    norm weights' gradients): the ranks' pieces of its gradient do not give its norm, so
+    the optimizer figures and ``param_grad_relative_rms`` are withheld, the rest stand."""
+    got = run_ranks(tmp_path, "partial-grad")
+    entry = got["coverage"]["optimizer"]
+    assert (entry["active"], entry["reason"]) == (False, "sharded")
+    assert "gain" in entry["detail"] and "Partial" in entry["detail"]
+    assert got["coverage"]["params"]["active"] and got["coverage"]["adam"]["active"]
+    for report, truth in zip(got["reports"], got["truths"], strict=True):
+        assert not [k for k in report if k.startswith(("grad_norm", "group_", "param_norm", "update_ratio"))]
+        assert not [k for k in report if k.startswith("param_grad_relative_rms")]
+        for key in [k for k in truth if k.startswith(("param_min", "param_max", "adam_exp_avg_sq_norm"))]:
+            assert report[key] == pytest.approx(truth[key], rel=1e-4, abs=1e-12), key
