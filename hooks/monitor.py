@@ -30,7 +30,7 @@ from trainvitals.hooks.signals.base import Removable, Signal
 from trainvitals.hooks.sinks import Sink
 from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.summary import log_summary, start_line, visible_logs
-from trainvitals.hooks.tensors import is_sharded
+from trainvitals.hooks.tensors import is_dtensor, is_sharded, rank_weight
 from trainvitals.wire.schema import RUN_END_EVENT
 
 __all__ = ["STATE_FORMAT", "Monitor", "builtin_signal_classes", "monitor_of", "visible_logs"]
@@ -82,6 +82,12 @@ class Monitor:
         self.sharded = any(is_sharded(p) for p in self.model.parameters())
         self.coverage = Coverage()
         """What each built-in signal covers; signals declare their state here."""
+        self._weights: dict[int, float] = {}
+        self._grad_checked: tuple[tuple[int, ...], str | None] | None = None
+        self.layout_problem = self._placements()
+        """A parameter layout whose per-rank sums cannot be combined (named), or None."""
+        self.weighted = self.sharded and any(w != 1.0 for w in self._weights.values())
+        """Some parameter's per-rank sums count for less than 1 (:meth:`weight_of`)."""
         self._last_coverage: list[dict[str, Any]] | None = None
         # Zero-code loss accounting: its module is found first, so a wrong name raises
         # before anything is hooked or started.
@@ -120,6 +126,10 @@ class Monitor:
             sink, max_queue_bytes=config.queue_bytes, on_report=self._observe_report, spill=_spill_for(sink, run)
         )
         self.signals: list[Signal] = _default_signals(config.signals)
+        if self.layout_problem is not None:  # withheld, said why: never a figure from a wrong sum
+            for s in [s for s in self.signals if s.covers in _PLACED]:
+                self.signals.remove(s)
+                self.coverage.set_inactive(s.covers, "sharded", self.layout_problem)  # type: ignore[arg-type]
         self._steps = StepLifecycle(self)
         self._handles: list[Removable] = [optimizer.register_step_post_hook(self._steps.after_step)]
         if config.step_boundary == "pre_step_hook":
@@ -147,6 +157,62 @@ class Monitor:
     def reporting_next(self) -> bool:
         """Whether the optimizer step now being accumulated will be reported."""
         return not self._closed and self.reports_at(self.step + 1)
+
+    def _placements(self) -> str | None:
+        """Each parameter's :func:`rank_weight` (when any is a DTensor); the first layout
+        that cannot be combined, as a sentence naming it."""
+        named = list(self.model.named_parameters())
+        listed = {id(p) for _, p in named}
+        named += [
+            (f"param_group {i} #{j}", p)
+            for i, g in enumerate(self.optimizer.param_groups)
+            for j, p in enumerate(g["params"])
+            if id(p) not in listed
+        ]
+        if not any(is_dtensor(p) for _, p in named):
+            return None
+        for name, p in named:
+            weight = rank_weight(p, self.world_size)
+            if isinstance(weight, str):
+                return f"{clean_name(name)}: {weight}; optimizer, parameter and Adam figures withheld"
+            self._weights[id(p)] = weight
+        return None
+
+    def grad_layout_problem(self, params: list[torch.Tensor]) -> str | None:
+        """A DTensor parameter among ``params`` whose gradient is placed otherwise than
+        the parameter (SequenceParallel norms: ``Partial`` gradients of ``Replicate``
+        weights, summed later): its norm cannot be had from the ranks' pieces. Named,
+        or None; judged once per set of parameters (the placements follow the plan)."""
+        if not self._weights:
+            return None
+        key = tuple(map(id, params))
+        if self._grad_checked is None or self._grad_checked[0] != key:
+            problem = None
+            for p in params:
+                grad = p.grad
+                if grad is not None and is_dtensor(p) and tuple(getattr(grad, "placements", ())) != tuple(p.placements):  # type: ignore[attr-defined]
+                    placed = tuple(getattr(grad, "placements", ()))
+                    problem = (
+                        f"{self.name_of(p, 'a parameter')}: gradient placed {placed} unlike the parameter "
+                        f"{tuple(p.placements)}; gradient figures withheld"  # type: ignore[attr-defined]
+                    )
+                    break
+            self._grad_checked = (key, problem)
+        return self._grad_checked[1]
+
+    def weight_of(self, p: torch.Tensor) -> float:
+        """What this rank's partial sums of ``p`` count for in the sum over ranks (1: a
+        piece no other rank holds; 1 / k: one of k copies). 1 when nothing is combined."""
+        if not self.sharded:
+            return 1.0
+        weight = self._weights.get(id(p))
+        if weight is None:  # a parameter added to the optimizer after attach
+            found = rank_weight(p, self.world_size)
+            if isinstance(found, str):  # cannot be combined: told, and counted as one piece
+                self.warn_once(f"layout:{id(p)}", "%s: %s; its figures may be wrong", self.name_of(p), found)
+                found = 1.0
+            weight = self._weights[id(p)] = found
+        return weight
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str:
         return self.param_names.get(id(p), fallback)
@@ -491,6 +557,10 @@ def builtin_signal_classes() -> dict[str, type[Signal]]:
     from trainvitals.hooks.signals.param_health import ParamHealth
 
     return {"optimizer": OptimizerStats, "params": ParamHealth, "adam": AdamState}
+
+
+_PLACED = ("optimizer", "params", "adam")
+"""The signals whose figures sum per-parameter pieces over ranks."""
 
 
 def _default_signals(names: tuple[str, ...] | None) -> list[Signal]:

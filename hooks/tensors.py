@@ -22,6 +22,39 @@ def is_sharded(t: torch.Tensor) -> bool:
     return any(p.is_shard() for p in placements)
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """True for a DTensor (it has a device mesh and placements)."""
+    return getattr(t, "device_mesh", None) is not None and getattr(t, "placements", None) is not None
+
+
+def rank_weight(t: torch.Tensor, world_size: int) -> float | str:
+    """What one rank's partial sums of ``t`` (sums of squares, element counts) count for
+    when every rank's are summed over the whole job (``world_size`` ranks): 1 for a
+    piece no other rank holds, ``1 / k`` for a piece ``k`` ranks hold alike, so the sum
+    over ranks counts every element once. A DTensor: its mesh must span the job; each
+    ``Shard`` mesh dim splits it (its pieces add up), each ``Replicate`` one copies it
+    (divides by that dim's size). A plain tensor, in a job where others are DTensors,
+    is replicated on every rank (``1 / world_size``). A layout the sums cannot be
+    combined for (a ``Partial`` placement: the norm of a sum of pieces is not the sum
+    of their norms; a mesh not spanning the job) is returned as a sentence, not a weight."""
+    if not is_dtensor(t):
+        return 1.0 / world_size
+    mesh: Any = getattr(t, "device_mesh", None)
+    placements: Any = getattr(t, "placements", ())
+    size = mesh.size()
+    if size != world_size:
+        return f"a DTensor on a mesh of {size} ranks in a job of {world_size}"
+    weight = 1.0
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            continue
+        if placement.is_replicate():
+            weight /= mesh.size(dim)
+            continue
+        return f"a DTensor placement {placement!r} on mesh dim {dim}"
+    return weight
+
+
 def real(t: torch.Tensor) -> torch.Tensor:
     """A complex tensor as (real, imaginary) pairs, as Adam treats it; others as they are."""
     return torch.view_as_real(t) if t.is_complex() else t

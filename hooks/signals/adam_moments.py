@@ -166,6 +166,8 @@ class MomentPlan:
             entry_bins[i].append(out_of_series[pos])
         for i, g in zip(group_entries, group_bins, strict=True):
             entry_bins[i].append(len(present) + g)
+        # Replicated pieces (tensor parallel): each entry's share of the sums over ranks.
+        self.weights = [monitor.weight_of(e.param) for e in entries] if monitor.weighted else None
         self._reduction(entry_bins, sizes, dev)
         # The state tensors the batches' source views are of: (m list, v list, both, all
         # contiguous, their data_ptrs), as AdamMoments._sources last saw them.
@@ -196,12 +198,21 @@ class MomentPlan:
                 for b in entry_bins[e]:
                     pairs += [(n_out + b, at + j), (b, at + k + j)]
             at += 2 * k
+        weights = self.weights or [1.0] * n_entries
         sampled = [0.0] * n_out
         for e, bins in enumerate(entry_bins):
             for b in bins:
-                sampled[b] += sizes[e]
+                sampled[b] += sizes[e] * weights[e]
         self.n_out = n_out
         self.matrix = SparseSum(4 * n_out, pairs, dev, torch.float64)
+        # z's weights: in column order, and in the order of the pairs (``matrix.take``)
+        self.z_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.weights is not None:
+            columns = weights + weights
+            for batch in self.batches:
+                columns += [weights[e] for e, _, _ in batch.segments] * 2
+            by_column = torch.tensor(columns, dtype=torch.float64)
+            self.z_weights = (by_column.to(dev), by_column[[c for _, c in pairs]].to(dev))
         self.bin_sampled = torch.tensor(sampled, dtype=torch.float64).to(dev)  # summed across shards when sharded
         self.finish = AdamFinish(sampled)  # in one process: on the sender thread
         self.ratio_rows = (torch.arange(4 * n_out) < n_out).to(dev)
@@ -419,10 +430,14 @@ class AdamMoments:
                 z = plan.z.square_()
             else:
                 z = torch.stack(taken, out=plan.z).square_()
+            if plan.z_weights is not None:  # replicated pieces count 1 / k
+                z.mul_(plan.z_weights[1])
             sums = matrix.add_taken(z, out=plan.sums)
         else:
             pieces += [torch.stack(n) for n in norm_lists]
             z = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).to(torch.float64).square()
+            if plan.z_weights is not None:  # replicated pieces count 1 / k
+                z.mul_(plan.z_weights[0])
             sums = matrix(z, out=plan.sums)
         labels = plan.labels
         names = ("adam_eps_dominated_ratio", "adam_normalized_update_rms", "adam_exp_avg_norm", "adam_exp_avg_sq_norm")

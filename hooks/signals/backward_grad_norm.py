@@ -61,6 +61,7 @@ class BackwardGradNorms:
         self._plain = True  # see _hook_params
         # NormPlan.cached's slot; its key: the params with a grad (None: all of them)
         self._plan: list[Any] = [None]
+        self._weight_of: tuple[tuple | None, list[torch.Tensor], torch.Tensor] | None = None
         self._key: tuple | None = None
         self._queued = False
         self._monitor: MonitorView | None = None
@@ -141,19 +142,31 @@ class BackwardGradNorms:
             if scale is not None:
                 norms = norms / scale
             self._per_param = (params, norms)
-            self._current = self._squared(norms, max(1, monitor.config.every))
+            weights = self._weights(monitor, params, key) if monitor.weighted else None
+            self._current = self._squared(norms, max(1, monitor.config.every), weights)
 
-    def _squared(self, norms: torch.Tensor, size: int) -> torch.Tensor:
-        """The squared norm of ``norms``, in this step's element of the kept vector when
-        it has one (no step since the last take holds that element)."""
+    def _weights(self, monitor: MonitorView, params: list[torch.Tensor], key: tuple | None) -> torch.Tensor:
+        """Each parameter's share of the sums over ranks (replicated pieces count 1 / k),
+        kept while the parameters with a gradient stay the same."""
+        kept = self._weight_of
+        if kept is None or kept[0] != key or kept[1] is not self._params:
+            w = torch.tensor([monitor.weight_of(p) for p in params], dtype=torch.float32).to(monitor.device)
+            kept = self._weight_of = (key, self._params, w)
+        return kept[2]
+
+    def _squared(self, norms: torch.Tensor, size: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """The squared norm of ``norms`` (each square times its weight when given), in
+        this step's element of the kept vector when it has one (no step since the last
+        take holds that element)."""
+        other = norms if weights is None else norms * weights
         k = len(self._since)
         if k >= size or norms.requires_grad:
-            return torch.dot(norms, norms)
+            return torch.dot(norms, other)
         buf = self._buf
         if buf is None or buf.numel() != size or buf.dtype != norms.dtype or buf.device != norms.device:
             buf = self._buf = torch.empty(size, dtype=norms.dtype, device=norms.device)
             self._slots = list(buf.unbind())
-        return torch.dot(norms, norms, out=self._slots[k])
+        return torch.dot(norms, other, out=self._slots[k])
 
     def fresh(self) -> tuple[list[torch.Tensor], torch.Tensor] | None:
         """This step's per-parameter gradient norms (unscaled, before clipping), once the

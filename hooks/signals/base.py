@@ -60,6 +60,9 @@ class MonitorView(Protocol):
     rank: int
     world_size: int
     sharded: bool
+    """Some parameter is split across ranks: per-parameter sums are combined over ranks."""
+    weighted: bool
+    """Combined, and some parameter's per-rank sums count for less than 1 (replicated)."""
     coverage: Coverage
     """Where signals declare their coverage state (:mod:`trainvitals.hooks.coverage`)."""
 
@@ -71,6 +74,14 @@ class MonitorView(Protocol):
     def reports_at(self, step: int) -> bool: ...
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str: ...
+
+    def grad_layout_problem(self, params: list[torch.Tensor]) -> str | None:
+        """A gradient placed otherwise than its DTensor parameter, named; or None."""
+        ...
+
+    def weight_of(self, p: torch.Tensor) -> float:
+        """What this rank's partial sums of ``p`` count for in the sum over ranks."""
+        ...
 
     def groups(self) -> list[tuple[str, dict[str, Any]]]: ...
 

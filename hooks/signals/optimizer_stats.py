@@ -21,6 +21,7 @@ total to its parts.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -68,6 +69,16 @@ class _Layout:
         plan = NormPlan(self.tensors, dev)
         self.param_plan = plan if plan.groups else None
         self.matrices: dict[tuple, _Matrix] = {}
+        # Replicated pieces (tensor parallel): each parameter's share of the sums over
+        # ranks, folded in before the one collective (None: every piece counts once).
+        self.weights: list[float] | None = None
+        self.sample_weight: torch.Tensor | None = None
+        self.column_weights: dict[tuple, torch.Tensor] = {}
+        if monitor.weighted:
+            self.weights = [monitor.weight_of(p) for p in params]
+            roots = torch.tensor([math.sqrt(w) for w in self.weights], dtype=torch.float32)
+            sizes = torch.tensor(self.sample.sizes, dtype=torch.long)
+            self.sample_weight = torch.repeat_interleave(roots, sizes).to(dev)
 
     def take(self, dst: list[torch.Tensor], buf: torch.Tensor, dev: torch.device) -> None:
         """The sample of the parameters now into ``buf`` (through its views ``dst``)."""
@@ -75,6 +86,22 @@ class _Layout:
             torch._foreach_copy_(dst, self.sources if self.kept else self.sample.sources(self.tensors))
         elif self.tensors:
             buf.copy_(self.sample.take(self.tensors, dev))
+
+    def weigh(
+        self, squares: torch.Tensor, monitor: MonitorView, grad_params: list[torch.Tensor] | None, upd: bool
+    ) -> None:
+        """Scale the squares (as :meth:`_Matrix.squares` lays them out) by each column's
+        parameter share of the sums over ranks; the update sample is weighted per element."""
+        if self.weights is None:
+            return
+        key = (tuple(map(id, grad_params)) if grad_params is not None else None, upd, squares.numel())
+        w = self.column_weights.get(key)
+        if w is None:
+            grads = [monitor.weight_of(p) for p in grad_params] if grad_params is not None else []
+            row = grads + self.weights + ([1.0] * (2 * self.n_groups) if upd else [])
+            copies = squares.numel() // len(row)
+            w = self.column_weights[key] = torch.tensor(row * copies, dtype=squares.dtype).to(squares.device)
+        squares.mul_(w)
 
     def matrix(self, grad_groups: tuple[int, ...] | None, whole_grad: bool, upd: bool, dev: torch.device) -> _Matrix:
         """``M(x, bias)`` turns x, the squares of [gradient norms (of the
@@ -215,6 +242,10 @@ class OptimizerStats(Signal):
         upd = self._before is layout and bool(layout.tensors)
         self._before = None
         step_norms = ctx.grad_norms
+        problem = monitor.grad_layout_problem(step_norms.params) if step_norms is not None else None
+        if problem is not None:  # never a figure from pieces that cannot be combined
+            ctx.inactive_when("optimizer", None, "sharded", problem)
+            return
         applied_bad: torch.Tensor | None = None
         if step_norms is not None and step_norms.measured == "applied":
             # The gradient the optimizer applies is not finite although the backward's was
@@ -232,6 +263,9 @@ class OptimizerStats(Signal):
         if upd:
             layout.take(layout.after_dst, layout.after, dev)
             torch.sub(layout.after, layout.before, out=layout.diff)
+            if layout.sample_weight is not None:  # squares weighted by each piece's share
+                layout.diff.mul_(layout.sample_weight)
+                layout.after.mul_(layout.sample_weight)
             norm_inputs += layout.diff_groups + layout.after_groups
         pieces = [step_norms.norms] if step_norms is not None else []
         if layout.param_plan is not None:
@@ -242,6 +276,7 @@ class OptimizerStats(Signal):
             grad_groups = tuple(layout.group_by_id.get(id(p), 0) for p in step_norms.params)
         matrix = layout.matrix(grad_groups, history is None, upd, dev)
         squares = matrix.squares(pieces, norms)
+        layout.weigh(squares, monitor, step_norms.params if step_norms is not None else None, upd)
         series = self._series(monitor, step_norms is not None, history is None, upd)
 
         def finish(sq: torch.Tensor, *rest: torch.Tensor) -> None:

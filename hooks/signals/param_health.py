@@ -32,9 +32,10 @@ capped by :mod:`~trainvitals.hooks.signals.param_series`), label ``param``:
 A weight-decay audit runs at attach (:mod:`~trainvitals.hooks.signals.weight_decay_audit`).
 The drift state lives in :mod:`~trainvitals.hooks.signals.param_drift`.
 
-Sharded parameters (FSDP2 DTensors): every rank reduces its local shard; minima,
-maxima and sums (gradient sums of squares, consistency sums and element counts)
-are combined in the report's one collective.
+Sharded parameters (FSDP2, tensor-parallel DTensors): every rank reduces its local
+piece; minima, maxima and sums (gradient sums of squares, consistency sums and
+element counts) are combined in the report's one collective, a piece that k ranks
+hold alike (replicated) counting 1/k on each (``MonitorView.weight_of``).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class ParamHealth(Signal):
         self._series: tuple[Any, ...] = (None,)
         self._grad_key: tuple | None = None
         self._grad_layout: tuple[list[dict[str, str]], GradRmsFinish] | None = None
+        self._weights: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     # -- attach ----------------------------------------------------------------
     def bind(self, monitor: MonitorView) -> list[Removable]:
@@ -161,6 +163,14 @@ class ParamHealth(Signal):
         self._grad_layout = (labels, finish)
         return self._grad_layout
 
+    def _grad_weights(self, monitor: MonitorView, step_norms: GradNorms) -> torch.Tensor:
+        """Each gradient's share of the sums over ranks, kept while the parameters are."""
+        key = tuple(map(id, step_norms.params))
+        if self._weights is None or self._weights[0] != key:
+            w = torch.tensor([monitor.weight_of(p) for p in step_norms.params], dtype=torch.float32)
+            self._weights = (key, w.to(step_norms.norms.device))
+        return self._weights[1]
+
     def _weight_decay(self, monitor: MonitorView, drift: DriftTracker) -> torch.Tensor:
         groups = monitor.optimizer.param_groups
         wds = [groups[s.group].get("weight_decay", 0.0) for s in drift.one_d]
@@ -192,12 +202,18 @@ class ParamHealth(Signal):
         step_norms = ctx.grad_norms
         sharded = monitor.sharded
         grads = False
-        if step_norms is not None and step_norms.params:
+        problem = monitor.grad_layout_problem(step_norms.params) if step_norms is not None else None
+        if problem is not None:  # the other figures stand; the gradient's are withheld, said once
+            monitor.warn_once("grad_layout", "%s (param_grad_relative_rms)", problem)
+        elif step_norms is not None and step_norms.params:
             grad_labels, grad_finish = self._grad_rms_layout(monitor, drift, step_norms)
             if grad_labels:
                 grads = True
                 # across shards the squares add up; in one process the norms are what it takes
-                parts.append((step_norms.norms.square() if sharded else step_norms.norms, "sum"))
+                squares = step_norms.norms.square() if sharded else step_norms.norms
+                if monitor.weighted:  # replicated pieces: each copy counts 1 / k
+                    squares = squares * self._grad_weights(monitor, step_norms)
+                parts.append((squares, "sum"))
         wd = self._weight_decay(monitor, drift) if n else None
         if self._series[0] is not drift:  # the block's series, made once per tracker
             rows = [(name, drift.labels) for name in _ROWS]
