@@ -396,6 +396,9 @@ class Monitor:
         the run's end, not active as the training thread first wrote it); with no report,
         what each signal would have covered. At close: a wait for the device is fine."""
         if self._latest:
+            # The sender thread materializes reports (the loss figures are made there):
+            # let it finish the last one rather than making it here.
+            self._sender.wait_encoded(self.config.flush_timeout)
             coverage = self._latest.materialize().get("coverage")
             if coverage:
                 return [dict(e) for e in coverage]

@@ -125,6 +125,18 @@ class Sender:
                 self._cond.wait(left)
         return True
 
+    def wait_encoded(self, timeout: float) -> bool:
+        """Wait (bounded) until every queued report is materialized and encoded (local
+        work; deliveries may still be in flight); False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._pending or (self._busy and self._busy != self._in_flight):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
     def close(self, timeout: float, *, quiet: bool = False) -> int:
         """Flush, stop, and send the final drop count, all within ``timeout`` seconds
         together; what is left undelivered is counted as dropped and returned. ``quiet``:
