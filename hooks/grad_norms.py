@@ -19,7 +19,7 @@ The step lifecycle (:mod:`~trainvitals.hooks.lifecycle`) makes the object before
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -41,6 +41,17 @@ class GradNorms:
     measured: Literal["backward", "applied"]
     """Where: at the end of the backward (before clipping, unscaled), or as applied."""
     _positions: dict[int, int] = field(default_factory=dict, repr=False)
+    _shares: torch.Tensor | None = field(default=None, repr=False)
+
+    def shares(self, weight_of: Callable[[torch.Tensor], float]) -> torch.Tensor:
+        """float32 ``[len(params)]`` on the norms' device: each parameter's share of the
+        sums over ranks (``MonitorView.weight_of``: 1 / k for a piece k ranks hold alike);
+        made once per step's norms, by whoever measured them or at the first ask."""
+        if self._shares is None:
+            w = torch.tensor([weight_of(p) for p in self.params], dtype=torch.float32)
+            object.__setattr__(self, "_shares", w.to(self.norms.device))  # frozen: a cache, set once
+        assert self._shares is not None
+        return self._shares
 
     @classmethod
     def applied(cls, groups: Sequence[dict[str, Any]], device: torch.device) -> GradNorms:

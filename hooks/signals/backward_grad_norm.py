@@ -66,7 +66,8 @@ class BackwardGradNorms:
         self._queued = False
         self._monitor: MonitorView | None = None
         self._current: torch.Tensor | None = None  # this step's squared norm so far
-        self._per_param: tuple[list[torch.Tensor], torch.Tensor] | None = None  # and per parameter
+        # and per parameter, with each one's share of the sums over ranks (None: all 1)
+        self._per_param: tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None] | None = None
         self._backwards = 0  # backward passes seen in the current step
         self._expected = 1  # ... in the previous step: the one that completes the gradient
         self._since: list[torch.Tensor] = []  # the squared norms of the steps since the last take()
@@ -141,8 +142,8 @@ class BackwardGradNorms:
             scale = self._scale(monitor)
             if scale is not None:
                 norms = norms / scale
-            self._per_param = (params, norms)
             weights = self._weights(monitor, params, key) if monitor.weighted else None
+            self._per_param = (params, norms, weights)
             self._current = self._squared(norms, max(1, monitor.config.every), weights)
 
     def _weights(self, monitor: MonitorView, params: list[torch.Tensor], key: tuple | None) -> torch.Tensor:
@@ -168,9 +169,10 @@ class BackwardGradNorms:
             self._slots = list(buf.unbind())
         return torch.dot(norms, other, out=self._slots[k])
 
-    def fresh(self) -> tuple[list[torch.Tensor], torch.Tensor] | None:
-        """This step's per-parameter gradient norms (unscaled, before clipping), once the
-        backward that completes the step's gradient has run; else None."""
+    def fresh(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None] | None:
+        """This step's per-parameter gradient norms (unscaled, before clipping) and their
+        shares of the sums over ranks (None: all 1), once the backward that completes the
+        step's gradient has run; else None."""
         if self._current is None or self._backwards < self._expected:
             return None
         return self._per_param

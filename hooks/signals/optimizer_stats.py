@@ -222,7 +222,10 @@ class OptimizerStats(Signal):
 
     def measured_grad_norms(self) -> GradNorms | None:
         fresh = self._history.fresh()  # taken at the end of the backward: no second pass
-        return GradNorms(*fresh, "backward") if fresh is not None else None
+        if fresh is None:
+            return None
+        params, norms, shares = fresh
+        return GradNorms(params, norms, "backward", _shares=shares)
 
     def before_step(self, monitor: MonitorView, reporting: bool) -> None:
         if reporting:

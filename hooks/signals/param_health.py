@@ -86,7 +86,6 @@ class ParamHealth(Signal):
         self._series: tuple[Any, ...] = (None,)
         self._grad_key: tuple | None = None
         self._grad_layout: tuple[list[dict[str, str]], GradRmsFinish] | None = None
-        self._weights: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     # -- attach ----------------------------------------------------------------
     def bind(self, monitor: MonitorView) -> list[Removable]:
@@ -163,14 +162,6 @@ class ParamHealth(Signal):
         self._grad_layout = (labels, finish)
         return self._grad_layout
 
-    def _grad_weights(self, monitor: MonitorView, step_norms: GradNorms) -> torch.Tensor:
-        """Each gradient's share of the sums over ranks, kept while the parameters are."""
-        key = tuple(map(id, step_norms.params))
-        if self._weights is None or self._weights[0] != key:
-            w = torch.tensor([monitor.weight_of(p) for p in step_norms.params], dtype=torch.float32)
-            self._weights = (key, w.to(step_norms.norms.device))
-        return self._weights[1]
-
     def _weight_decay(self, monitor: MonitorView, drift: DriftTracker) -> torch.Tensor:
         groups = monitor.optimizer.param_groups
         wds = [groups[s.group].get("weight_decay", 0.0) for s in drift.one_d]
@@ -212,7 +203,7 @@ class ParamHealth(Signal):
                 # across shards the squares add up; in one process the norms are what it takes
                 squares = step_norms.norms.square() if sharded else step_norms.norms
                 if monitor.weighted:  # replicated pieces: each copy counts 1 / k
-                    squares = squares * self._grad_weights(monitor, step_norms)
+                    squares = squares * step_norms.shares(monitor.weight_of)
                 parts.append((squares, "sum"))
         wd = self._weight_decay(monitor, drift) if n else None
         if self._series[0] is not drift:  # the block's series, made once per tracker
