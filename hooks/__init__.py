@@ -6,7 +6,7 @@ Importing this package imports torch, never the collector stack (fastapi, uvicor
 from __future__ import annotations
 
 from trainvitals.hooks.attach import attach
-from trainvitals.hooks.monitor import Monitor
+from trainvitals.hooks.job_monitor import Monitor
 from trainvitals.wire.schema import SCHEMA_VERSION
 
 __all__ = ["SCHEMA_VERSION", "Monitor", "attach"]

@@ -17,7 +17,7 @@ from torch import nn
 
 from trainvitals.hooks import distributed
 from trainvitals.hooks.config import ATTACH_ENV, CHECK_ENV, Config, attach_env
-from trainvitals.hooks.monitor import Monitor, monitor_of
+from trainvitals.hooks.job_monitor import Monitor, monitor_of
 from trainvitals.hooks.sinks import NullSink, make_sink
 from trainvitals.wire.runs import check_run
 

@@ -62,7 +62,7 @@ from trainvitals.hooks import distributed
 from trainvitals.hooks.attach import build_monitor
 from trainvitals.hooks.config import ATTACH_ENV, default_run_name, env_name
 from trainvitals.hooks.logits_finder import AUTO, find_head
-from trainvitals.hooks.monitor import Monitor, monitor_of
+from trainvitals.hooks.job_monitor import Monitor, monitor_of
 from trainvitals.hooks.naming import unwrap
 from trainvitals.hooks.summary import visible_logs
 from trainvitals.wire.runs import MAX_RUN

@@ -28,7 +28,7 @@ from trainvitals.hooks.grad_norms import GradNorms
 from trainvitals.hooks.step import StepContext
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainvitals.hooks.monitor import Monitor
+    from trainvitals.hooks.job_monitor import Monitor
 
 __all__ = ["StepLifecycle"]
 

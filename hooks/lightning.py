@@ -41,7 +41,7 @@ except ImportError:  # only the older import name is installed
 from trainvitals.hooks.attach import attach
 from trainvitals.hooks.integration_support import batch_value, run_name, torch_optimizer
 from trainvitals.hooks.logits_finder import AUTO
-from trainvitals.hooks.monitor import Monitor
+from trainvitals.hooks.job_monitor import Monitor
 
 __all__ = ["TrainvitalsCallback"]
 

@@ -40,7 +40,7 @@ from trainvitals.hooks.step import StepContext
 from trainvitals.wire.live_settings import BUILTIN_SIGNALS, LIVE_FIELDS, MAX_INTERVAL, parse_entry
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainvitals.hooks.monitor import Monitor
+    from trainvitals.hooks.job_monitor import Monitor
     from trainvitals.hooks.signals.base import Signal
 
 __all__ = ["LIVE_FIELDS", "MAX_EVERY", "LiveSettings", "parse_entry"]
@@ -212,7 +212,7 @@ class LiveSettings:
 
     # -- internals -----------------------------------------------------------------
     def _signals(self, monitor: Monitor, old: Any, new: Any) -> None:
-        from trainvitals.hooks.monitor import builtin_signal_classes
+        from trainvitals.hooks.job_monitor import builtin_signal_classes
 
         classes = builtin_signal_classes()
         want = set(BUILTIN_SIGNALS if new.signals is None else new.signals)
@@ -276,7 +276,7 @@ class LiveSettings:
 
 
 def _classes_in_order() -> list[type]:
-    from trainvitals.hooks.monitor import builtin_signal_classes
+    from trainvitals.hooks.job_monitor import builtin_signal_classes
 
     return list(builtin_signal_classes().values())
 

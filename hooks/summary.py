@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from trainvitals.wire.coverage import NOT_BLIND
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainvitals.hooks.monitor import Monitor
+    from trainvitals.hooks.job_monitor import Monitor
 
 __all__ = ["log_summary", "start_line", "visible_logs"]
 

@@ -40,7 +40,7 @@ from trainvitals.hooks.integration_support import (
     torch_optimizer,
 )
 from trainvitals.hooks.logits_finder import AUTO
-from trainvitals.hooks.monitor import Monitor
+from trainvitals.hooks.job_monitor import Monitor
 from trainvitals.hooks.naming import unwrap
 
 __all__ = ["TrainvitalsCallback"]
