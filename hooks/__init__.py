@@ -6,7 +6,8 @@ Importing this package imports torch, never the collector stack (fastapi, uvicor
 from __future__ import annotations
 
 from trainvitals.hooks.attach import attach
-from trainvitals.hooks.job_monitor import Monitor
+from trainvitals.hooks.job_monitor import Monitor, monitor_of
+from trainvitals.hooks.sinks import TensorBoardSink
 from trainvitals.wire.schema import SCHEMA_VERSION
 
-__all__ = ["SCHEMA_VERSION", "Monitor", "attach"]
+__all__ = ["SCHEMA_VERSION", "Monitor", "TensorBoardSink", "attach", "monitor_of"]

@@ -61,8 +61,8 @@ from torch import nn
 from trainvitals.hooks import distributed
 from trainvitals.hooks.attach import build_monitor
 from trainvitals.hooks.config import ATTACH_ENV, default_run_name, env_name
-from trainvitals.hooks.logits_finder import AUTO, find_head
 from trainvitals.hooks.job_monitor import Monitor, monitor_of
+from trainvitals.hooks.logits_finder import AUTO, find_head
 from trainvitals.hooks.naming import unwrap
 from trainvitals.hooks.summary import visible_logs
 from trainvitals.wire.runs import MAX_RUN

@@ -3,7 +3,7 @@
 A handful of series per signal, not every per-parameter series: what the HF
 callback adds to the Trainer's logs (so every ``report_to`` backend shows them), what
 the Lightning callback logs through the module's loggers and what
-:class:`TensorBoardSink` writes for a plain loop.
+:class:`~trainvitals.hooks.sinks.TensorBoardSink` writes for a plain loop.
 
 Names are the ``/metrics`` names, labels appended as ``/label:value`` (a form every
 tracker takes: MLflow refuses braces, quotes and ``=``)::
@@ -18,21 +18,13 @@ Per-parameter metrics (``param_drift_log2``, ``adam_eps_dominated_ratio``) give 
 
 from __future__ import annotations
 
-import json
-import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from trainvitals.wire import PREFIX
 
-if TYPE_CHECKING:
-    from trainvitals.hooks.sinks import Delivery
-
-__all__ = ["HEADLINE", "PER_PARAMETER_SERIES", "TensorBoardSink", "figure_name", "headline_figures"]
-
-log = logging.getLogger("trainvitals")
+__all__ = ["HEADLINE", "PER_PARAMETER_SERIES", "figure_name", "headline_figures"]
 
 HEADLINE: tuple[str, ...] = (
     # optimizer
@@ -92,61 +84,3 @@ def headline_figures(samples: Iterable[Any], firing: Iterable[str] = ()) -> dict
     for alert in sorted(set(firing)):
         out[figure_name("alerts_firing", {"alertname": alert})] = 1.0
     return out
-
-
-class TensorBoardSink:
-    """Writes each report's headline figures as TensorBoard scalars (event files in
-    ``logdir``), at the report's step: ``attach(..., sink=TensorBoardSink("runs/x"))``
-    or ``sink="tensorboard:runs/x"``. Runs on the sender thread, never in the step.
-
-    ``also``: another sink that gets every report too (``"file:run.jsonl"`` to keep the
-    reports for ``trainvitals check``/``report``; default the run's JSONL file is not
-    written). Needs the ``tensorboard`` package (its writer: ``torch.utils.tensorboard``).
-    """
-
-    max_batch_bytes = 1 << 62
-
-    def __init__(self, logdir: str | Path, *, also: Any = None) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:  # torch's writer needs the tensorboard package
-            raise ImportError(
-                f"TensorBoardSink needs the tensorboard package ({exc}); pip install tensorboard"
-            ) from None
-        self.logdir = Path(logdir)
-        self._writer = SummaryWriter(log_dir=str(self.logdir))
-        if isinstance(also, str):
-            from trainvitals.hooks.sinks import parse_sink
-
-            also = parse_sink(also)
-        self.also = also
-        self.firing: Callable[[], Iterable[str]] | None = None
-        """Set by the monitor when the rules run in the job: the alerts firing now."""
-        self._failed = False
-
-    def deliver(self, batch: list[bytes]) -> Delivery:
-        try:
-            firing = list(self.firing()) if self.firing is not None else []
-            for raw in batch:
-                report = json.loads(raw)
-                for name, value in headline_figures(report.get("samples", ()), firing).items():
-                    self._writer.add_scalar(name, value, global_step=int(report["step"]))
-            self._writer.flush()
-        except Exception as exc:  # noqa: BLE001 - a tracker must never fail the reports
-            if not self._failed:
-                self._failed = True
-                log.warning("trainvitals: cannot write TensorBoard figures to %s (%s)", self.logdir, exc)
-        return self.also.deliver(batch) if self.also is not None else "sent"
-
-    @property
-    def path(self) -> Path | None:
-        """The report file of ``also``, if it writes one (the verdict at close names it)."""
-        return getattr(self.also, "path", None)
-
-    def close(self) -> None:
-        self._writer.close()
-        if self.also is not None:
-            self.also.close()
-
-    def __repr__(self) -> str:
-        return f"TensorBoardSink({str(self.logdir)!r})"

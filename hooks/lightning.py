@@ -40,8 +40,8 @@ except ImportError:  # only the older import name is installed
 
 from trainvitals.hooks.attach import attach
 from trainvitals.hooks.integration_support import batch_value, run_name, torch_optimizer
-from trainvitals.hooks.logits_finder import AUTO
 from trainvitals.hooks.job_monitor import Monitor
+from trainvitals.hooks.logits_finder import AUTO
 
 __all__ = ["TrainvitalsCallback"]
 

@@ -1,4 +1,5 @@
-"""Where reports go: one small interface, a null sink, a JSONL file, and HTTP.
+"""Where reports go: one small interface, a null sink, a JSONL file, HTTP, and
+TensorBoard (a report's headline figures, :mod:`trainvitals.hooks.headline`).
 
 A sink is called from the sender thread only (:mod:`trainvitals.hooks.sender`),
 never from the training step, with batches of encoded reports (one wire JSON
@@ -9,12 +10,14 @@ retries, backoff and the drop count. Nothing here raises into the caller.
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from trainvitals.hooks.headline import headline_figures
 from trainvitals.wire.body import encode_body
 from trainvitals.wire.redact import redact
 
@@ -26,6 +29,7 @@ __all__ = [
     "HttpSink",
     "NullSink",
     "Sink",
+    "TensorBoardSink",
     "make_sink",
     "parse_sink",
 ]
@@ -296,6 +300,62 @@ class _SubmitSink:
         return repr(self.inner)
 
 
+class TensorBoardSink:
+    """Writes each report's headline figures as TensorBoard scalars (event files in
+    ``logdir``), at the report's step: ``attach(..., sink=TensorBoardSink("runs/x"))``
+    or ``sink="tensorboard:runs/x"``. Runs on the sender thread, never in the step.
+
+    ``also``: another sink that gets every report too (``"file:run.jsonl"`` to keep the
+    reports for ``trainvitals check``/``report``; default the run's JSONL file is not
+    written). Needs the ``tensorboard`` package (its writer: ``torch.utils.tensorboard``).
+    """
+
+    max_batch_bytes = 1 << 62
+
+    def __init__(self, logdir: str | Path, *, also: Any = None) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # torch's writer needs the tensorboard package
+            raise ImportError(
+                f"TensorBoardSink needs the tensorboard package ({exc}); pip install tensorboard"
+            ) from None
+        self.logdir = Path(logdir)
+        self._writer = SummaryWriter(log_dir=str(self.logdir))
+        if isinstance(also, str):
+            also = parse_sink(also)
+        self.also = also
+        self.firing: Callable[[], Iterable[str]] | None = None
+        """Set by the monitor when the rules run in the job: the alerts firing now."""
+        self._failed = False
+
+    def deliver(self, batch: list[bytes]) -> Delivery:
+        try:
+            firing = list(self.firing()) if self.firing is not None else []
+            for raw in batch:
+                report = json.loads(raw)
+                for name, value in headline_figures(report.get("samples", ()), firing).items():
+                    self._writer.add_scalar(name, value, global_step=int(report["step"]))
+            self._writer.flush()
+        except Exception as exc:  # noqa: BLE001 - a tracker must never fail the reports
+            if not self._failed:
+                self._failed = True
+                log.warning("trainvitals: cannot write TensorBoard figures to %s (%s)", self.logdir, exc)
+        return self.also.deliver(batch) if self.also is not None else "sent"
+
+    @property
+    def path(self) -> Path | None:
+        """The report file of ``also``, if it writes one (the verdict at close names it)."""
+        return getattr(self.also, "path", None)
+
+    def close(self) -> None:
+        self._writer.close()
+        if self.also is not None:
+            self.also.close()
+
+    def __repr__(self) -> str:
+        return f"TensorBoardSink({str(self.logdir)!r})"
+
+
 def make_sink(collector: str | None, sink: Any, run: str) -> Sink:
     """Resolve ``attach(collector=..., sink=...)`` into a sink object.
 
@@ -330,8 +390,6 @@ def parse_sink(spec: str) -> Sink:
     if spec.startswith(("http://", "https://")):
         return HttpSink(spec)
     if spec.startswith("tensorboard:"):
-        from trainvitals.hooks.headline import TensorBoardSink
-
         logdir = spec[len("tensorboard:") :]
         if not logdir:
             raise ValueError("sink 'tensorboard:' needs a folder, e.g. sink='tensorboard:runs/exp1'")

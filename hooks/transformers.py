@@ -39,8 +39,8 @@ from trainvitals.hooks.integration_support import (
     state_file,
     torch_optimizer,
 )
-from trainvitals.hooks.logits_finder import AUTO
 from trainvitals.hooks.job_monitor import Monitor
+from trainvitals.hooks.logits_finder import AUTO
 from trainvitals.hooks.naming import unwrap
 
 __all__ = ["TrainvitalsCallback"]

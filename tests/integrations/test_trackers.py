@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainvitals.hooks import attach
-from trainvitals.hooks.headline import HEADLINE, TensorBoardSink, figure_name, headline_figures
+from trainvitals.hooks.headline import HEADLINE, figure_name, headline_figures
+from trainvitals.hooks.sinks import TensorBoardSink
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
