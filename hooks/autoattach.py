@@ -145,7 +145,7 @@ def _track_steps() -> None:
 
 def watched() -> list[Monitor]:
     """The monitors attached so far in this process."""
-    return [w.monitor for w in list(_watched.values()) if w.monitor is not None and not w.monitor._closed]
+    return [w.monitor for w in list(_watched.values()) if w.monitor is not None and not w.monitor.closed]
 
 
 def on_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -231,7 +231,7 @@ def _replace(
             exc,
         )
         return None
-    previous._end_report = False  # the run goes on: no run_end for the collector
+    previous.ends_run = False  # the run goes on: no run_end for the collector
     previous.close()
     old.monitor = None
     log.info(
@@ -339,7 +339,7 @@ def _find_objects(params: list[torch.Tensor]) -> tuple[nn.Module, Any]:
 
 def _choose_model(modules: list[nn.Module], params: list[torch.Tensor]) -> nn.Module:
     want = {id(p) for p in params}
-    children = {id(c) for m in modules for c in m._modules.values() if c is not None}
+    children = {id(c) for m in modules for c in m.children()}
     tops = [m for m in modules if id(m) not in children]
     best = _best_cover(tops, want)
     if best is not None:
@@ -364,7 +364,7 @@ def _choose_model(modules: list[nn.Module], params: list[torch.Tensor]) -> nn.Mo
     log.info(
         "trainvitals run: the optimizer's parameters belong to %d separate modules; they are named under %s",
         len(picked),
-        ", ".join(root._modules),
+        ", ".join(name for name, _ in root.named_children()),
     )
     return root
 

@@ -1,9 +1,12 @@
-"""The ``Monitor`` that ``attach()`` returns: the user API, and what signals use of it.
+"""The ``Monitor`` that ``attach()`` returns: the user API, and what signals use of it
+(:class:`~trainvitals.hooks.signals.base.MonitorView`).
 
-Its hooks on the optimizer step, from a step's start to its report, are
-:mod:`trainvitals.hooks.lifecycle` (which names the stages of a report, each its own
-module); what it says in the job's log at attach and close is
-:mod:`trainvitals.hooks.summary`.
+It puts together, each in its own module: where the parameters live
+(:mod:`trainvitals.hooks.placement`), the running signals and their hooks
+(:mod:`trainvitals.hooks.running_signals`), the hooks on the optimizer step, from a
+step's start to its report (:mod:`trainvitals.hooks.lifecycle`, which names the stages
+of a report), the collector's live settings (:mod:`trainvitals.hooks.live_settings`)
+and what it says in the job's log at attach and close (:mod:`trainvitals.hooks.summary`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -20,17 +23,21 @@ from trainvitals.hooks import distributed
 from trainvitals.hooks import pack as packing
 from trainvitals.hooks.config import Config
 from trainvitals.hooks.coverage import Coverage
+from trainvitals.hooks.headline import headline_figures
 from trainvitals.hooks.lifecycle import StepLifecycle
 from trainvitals.hooks.live_settings import LiveSettings
 from trainvitals.hooks.logits_finder import AUTO, find_head, find_logits_module
-from trainvitals.hooks.naming import clean_name, unwrap
+from trainvitals.hooks.naming import unwrap
 from trainvitals.hooks.pack import PendingReport
+from trainvitals.hooks.placement import Placement
+from trainvitals.hooks.running_signals import PendingEvents, RunningSignals
 from trainvitals.hooks.sender import Sender
-from trainvitals.hooks.signals.base import Removable, Signal
-from trainvitals.hooks.sinks import Sink
+from trainvitals.hooks.signals.base import Signal
+from trainvitals.hooks.signals.loss_accounting import LossAccounting
+from trainvitals.hooks.signals.softmax import Softmax
+from trainvitals.hooks.sinks import FileSink, HttpSink, Sink
 from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.summary import log_summary, start_line, visible_logs
-from trainvitals.hooks.tensors import is_dtensor, is_sharded, rank_weight
 from trainvitals.wire.schema import RUN_END_EVENT
 
 __all__ = ["STATE_FORMAT", "Monitor", "builtin_signal_classes", "monitor_of", "visible_logs"]
@@ -39,6 +46,8 @@ STATE_FORMAT = 1
 """Version of ``Monitor.state_dict()``'s layout."""
 
 log = logging.getLogger("trainvitals")
+
+S = TypeVar("S", bound=Signal)
 
 # optimizer -> its monitor, both weakly (a monitor holds its optimizer: a strong value
 # would keep the key alive forever).
@@ -49,7 +58,7 @@ def monitor_of(optimizer: Any) -> Monitor | None:
     """The open monitor watching ``optimizer``, or None."""
     ref = _BY_OPTIMIZER.get(optimizer)
     found = ref() if ref is not None else None
-    return None if found is None or found._closed else found
+    return None if found is None or found.closed else found
 
 
 class Monitor:
@@ -76,19 +85,18 @@ class Monitor:
         self.step = 0
         self.rank = distributed.rank()
         self.world_size = distributed.world_size()
-        self.param_names: dict[int, str] = {id(p): clean_name(n) for n, p in self.model.named_parameters()}
-        first = next(iter(self.model.parameters()), None)
-        self.device = first.device if first is not None else torch.device("cpu")
-        self.sharded = any(is_sharded(p) for p in self.model.parameters())
+        self._warned: set[str] = set()
+        self.placement = Placement(self.model, optimizer, self.world_size, self.warn_once)
+        """Where the parameters live: names, device, how per-rank sums combine."""
+        self.param_names = self.placement.param_names
+        self.device = self.placement.device
+        self.sharded = self.placement.sharded
         self.coverage = Coverage()
         """What each built-in signal covers; signals declare their state here."""
-        self._weights: dict[int, float] = {}
-        self._grad_checked: tuple[tuple[int, ...], str | None] | None = None
-        self.layout_problem = self._placements()
+        self.layout_problem = self.placement.layout_problem
         """A parameter layout whose per-rank sums cannot be combined (named), or None."""
-        self.weighted = self.sharded and any(w != 1.0 for w in self._weights.values())
+        self.weighted = self.placement.weighted
         """Some parameter's per-rank sums count for less than 1 (:meth:`weight_of`)."""
-        self._last_coverage: list[dict[str, Any]] | None = None
         # Zero-code loss accounting: its module is found first, so a wrong name raises
         # before anything is hooked or started.
         logits_module = None
@@ -98,12 +106,13 @@ class Monitor:
             logits_module, *no_head = find_head(self.model)
         elif config.loss_from_logits:
             logits_module = find_logits_module(self.model, config.loss_from_logits)
-        self._pending_events: list[tuple[str, str, dict[str, str]]] = []
-        self._warned: set[str] = set()
-        self._latest: PendingReport | None = None
+        self._events = PendingEvents()
         self._saved_signals: dict[str, Any] = {}
-        self._closed = False
-        self._end_report = True  # False: the run goes on in another monitor (trainvitals run)
+        self.closed = False
+        """``close()`` has run: no hooks left, nothing more reported."""
+        self.ends_run = True
+        """``close()`` reports the run's end (False: the run goes on in another monitor,
+        as when ``trainvitals run``'s monitor hands over to the job's own ``attach``)."""
         self.automatic = False
         """Attached by ``trainvitals run`` (the job's own ``attach`` may take over)."""
         evaluator = None
@@ -130,19 +139,24 @@ class Monitor:
             for s in [s for s in self.signals if s.covers in _PLACED]:
                 self.signals.remove(s)
                 self.coverage.set_inactive(s.covers, "sharded", self.layout_problem)  # type: ignore[arg-type]
-        self._steps = StepLifecycle(self)
-        self._handles: list[Removable] = [optimizer.register_step_post_hook(self._steps.after_step)]
-        if config.step_boundary == "pre_step_hook":
-            self._handles.append(optimizer.register_step_pre_hook(self._steps.before_step))
-        for s in self.signals:
-            self._handles.extend(s.run_guarded("bind", s.bind, self) or [])
-        if logits_module is not None:
-            self._handles.extend(self._loss_signal().watch_logits(self, logits_module, auto=self._loss_auto))
-        elif no_head is not None:  # "auto" found no head: watched without loss accounting, said why
-            self.coverage.set_inactive("loss", *no_head)
+        self._running = RunningSignals(self.signals)
         # Live settings arrive with the collector's answers (sender thread) and are
         # applied at the end of a step (training thread).
-        self._live = LiveSettings(self)
+        self._live = LiveSettings(
+            config, run=run, signals=self._running, events=self._events, builtin=builtin_signal_classes()
+        )
+        self._steps = StepLifecycle(
+            self, run=run, signals=self._running, events=self._events, live=self._live, sender=self._sender
+        )
+        self._running.hold(optimizer.register_step_post_hook(self._steps.after_step))
+        if config.step_boundary == "pre_step_hook":
+            self._running.hold(optimizer.register_step_pre_hook(self._steps.before_step))
+        for s in self.signals:
+            self._running.bind(s, self)
+        if logits_module is not None:
+            self._running.hold_all(self._loss_signal().watch_logits(self, logits_module, auto=self._loss_auto))
+        elif no_head is not None:  # "auto" found no head: watched without loss accounting, said why
+            self.coverage.set_inactive("loss", *no_head)
         if hasattr(sink, "on_answer"):
             sink.on_answer = self._live.receive
         atexit.register(self.close)
@@ -156,66 +170,20 @@ class Monitor:
     @property
     def reporting_next(self) -> bool:
         """Whether the optimizer step now being accumulated will be reported."""
-        return not self._closed and self.reports_at(self.step + 1)
-
-    def _placements(self) -> str | None:
-        """Each parameter's :func:`rank_weight` (when any is a DTensor); the first layout
-        that cannot be combined, as a sentence naming it."""
-        named = list(self.model.named_parameters())
-        listed = {id(p) for _, p in named}
-        named += [
-            (f"param_group {i} #{j}", p)
-            for i, g in enumerate(self.optimizer.param_groups)
-            for j, p in enumerate(g["params"])
-            if id(p) not in listed
-        ]
-        if not any(is_dtensor(p) for _, p in named):
-            return None
-        for name, p in named:
-            weight = rank_weight(p, self.world_size)
-            if isinstance(weight, str):
-                return f"{clean_name(name)}: {weight}; optimizer, parameter and Adam figures withheld"
-            self._weights[id(p)] = weight
-        return None
+        return not self.closed and self.reports_at(self.step + 1)
 
     def grad_layout_problem(self, params: list[torch.Tensor]) -> str | None:
-        """A DTensor parameter among ``params`` whose gradient is placed otherwise than
-        the parameter (SequenceParallel norms: ``Partial`` gradients of ``Replicate``
-        weights, summed later): its norm cannot be had from the ranks' pieces. Named,
-        or None; judged once per set of parameters (the placements follow the plan)."""
-        if not self._weights:
-            return None
-        key = tuple(map(id, params))
-        if self._grad_checked is None or self._grad_checked[0] != key:
-            problem = None
-            for p in params:
-                grad = p.grad
-                if grad is not None and is_dtensor(p) and tuple(getattr(grad, "placements", ())) != tuple(p.placements):  # type: ignore[attr-defined]
-                    placed = tuple(getattr(grad, "placements", ()))
-                    problem = (
-                        f"{self.name_of(p, 'a parameter')}: gradient placed {placed} unlike the parameter "
-                        f"{tuple(p.placements)}; gradient figures withheld"  # type: ignore[attr-defined]
-                    )
-                    break
-            self._grad_checked = (key, problem)
-        return self._grad_checked[1]
+        """A gradient placed otherwise than its DTensor parameter, named; or None
+        (:meth:`Placement.grad_layout_problem`)."""
+        return self.placement.grad_layout_problem(params)
 
     def weight_of(self, p: torch.Tensor) -> float:
-        """What this rank's partial sums of ``p`` count for in the sum over ranks (1: a
-        piece no other rank holds; 1 / k: one of k copies). 1 when nothing is combined."""
-        if not self.sharded:
-            return 1.0
-        weight = self._weights.get(id(p))
-        if weight is None:  # a parameter added to the optimizer after attach
-            found = rank_weight(p, self.world_size)
-            if isinstance(found, str):  # cannot be combined: told, and counted as one piece
-                self.warn_once(f"layout:{id(p)}", "%s: %s; its figures may be wrong", self.name_of(p), found)
-                found = 1.0
-            weight = self._weights[id(p)] = found
-        return weight
+        """What this rank's partial sums of ``p`` count for in the sum over ranks
+        (:meth:`Placement.weight_of`)."""
+        return self.placement.weight_of(p)
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str:
-        return self.param_names.get(id(p), fallback)
+        return self.placement.name_of(p, fallback)
 
     def groups(self) -> list[tuple[str, dict[str, Any]]]:
         """(label, param_group) for each optimizer param group; label is the group's
@@ -224,7 +192,7 @@ class Monitor:
 
     def event(self, kind: str, detail: str = "", labels: dict[str, str] | None = None) -> None:
         """Queue a host-side event for the next report."""
-        self._pending_events.append((kind, detail, dict(labels or {})))
+        self._events.add(kind, detail, labels)
 
     def warn_once(self, key: str, message: str, *args: Any) -> bool:
         """Log ``message`` the first time ``key`` is given; True when it logged now."""
@@ -290,8 +258,6 @@ class Monitor:
     @property
     def reads_logits(self) -> bool:
         """Zero-code loss accounting is on: the LM head's logits are read every micro-batch."""
-        from trainvitals.hooks.signals.loss_accounting import LossAccounting
-
         return any(isinstance(s, LossAccounting) and s.reads_logits for s in self.signals)
 
     def tag_batch(self, modality: Any = None, segments: torch.Tensor | None = None) -> None:
@@ -311,7 +277,7 @@ class Monitor:
                 "gradients_ready() is for attach(step_boundary='manual'); by default "
                 "the optimizer's pre-step hook marks the end of a step's gradients"
             )
-        if not self._closed:
+        if not self.closed:
             self._steps.before_step(self.optimizer, (), {})
 
     def observe_logits(
@@ -349,7 +315,7 @@ class Monitor:
             "format": STATE_FORMAT,
             "run": self.run,
             "step": self.step,
-            "signals": {type(s).__name__: s.state_dict() for s in self.signals if not s.broken},
+            "signals": self._running.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -370,12 +336,12 @@ class Monitor:
         self.step = state["step"]
         self._saved_signals = dict(state["signals"])
         for s in self.signals:
-            self._restore(s)
+            self._running.restore(s, self._saved_signals)
 
-    def _restore(self, signal: Signal) -> None:
-        saved = self._saved_signals.pop(type(signal).__name__, None)
-        if saved:
-            signal.run_guarded("load_state_dict", signal.load_state_dict, saved)
+    @property
+    def _latest(self) -> PendingReport | None:
+        """The latest report made (:attr:`StepLifecycle.latest`)."""
+        return self._steps.latest
 
     def latest(self) -> list[dict[str, Any]]:
         """The most recent report's samples: dicts with ``name``, ``labels``, ``value``
@@ -402,7 +368,7 @@ class Monitor:
             coverage = self._latest.materialize().get("coverage")
             if coverage:
                 return [dict(e) for e in coverage]
-        return self._last_coverage or self._coverage_entries({})[0]
+        return self._steps.last_coverage or self._coverage_entries()
 
     def latest_coverage(self) -> list[dict[str, Any]]:
         """The most recent report's coverage: per built-in signal, active or why not."""
@@ -421,24 +387,17 @@ class Monitor:
 
     def close(self) -> None:
         """Remove every hook placed by ``attach`` and flush the sender (bounded wait)."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         atexit.unregister(self.close)
-        for h in self._handles:
-            try:
-                h.remove()
-            except Exception:  # noqa: BLE001 - a handle that is already gone is fine
-                pass
-        self._handles.clear()
-        for s in self.signals:
-            s.run_guarded("close", s.close)
+        self._running.close()
         # Before the interpreter ends: the process group's threads let go of our tensors.
         distributed.settle()
         # A last, sample-free report tells the collector the run ended on purpose,
         # so RunSilent does not page for a job that simply finished. Its coverage is
         # the last report's (or, with no report, what each signal would have covered).
-        if self._end_report:
+        if self.ends_run:
             end = StepContext(step=self.step, device=torch.device("cpu"))
             end.event(RUN_END_EVENT, f"Monitor.close() after {self.step} optimizer steps")
             try:
@@ -448,12 +407,12 @@ class Monitor:
                 self.warn_once("run_end", "could not queue the run_end report: %s", exc)
         left = self._sender.close(self.config.flush_timeout, quiet=True)
 
-        if self._end_report:
+        if self.ends_run:
             try:
-                log_summary(self, left)
+                log_summary(self, self._coverage_entries(), self._sender, left)
             except Exception as exc:  # noqa: BLE001 - never into the training loop
                 log.warning("trainvitals: could not summarize run %r: %s", self.run, exc)
-        if self._evaluator is not None and self._end_report:
+        if self._evaluator is not None and self.ends_run:
             # The verdict after the summary: together, what was watched and what it showed.
             path = getattr(self._sender.sink, "path", None)
             self._evaluator.close(self.run, report_file=str(path) if path is not None else None)
@@ -468,8 +427,6 @@ class Monitor:
         kept = self._headline
         if kept is not None and kept[0] is source:
             return kept[1]
-        from trainvitals.hooks.headline import headline_figures
-
         figures = (source[0], headline_figures(source[1], source[2]))
         self._headline = (source, figures)
         return figures
@@ -484,7 +441,7 @@ class Monitor:
 
     def start_line(self) -> str:
         """What the monitor watches, in words (``attach`` logs it)."""
-        return start_line(self)
+        return start_line(self, self._coverage_entries(), self._sender)
 
     def _observe_report(self, report: Any) -> None:
         """Sender thread: the in-process rules, then the headline figures for the trackers."""
@@ -495,17 +452,10 @@ class Monitor:
         if any(s.name != "client_dropped_reports_total" for s in report.samples):
             self._headline_of = (report.step, report.samples, self._firing_names())
 
-    def _coverage_entries(
-        self, emitted: dict[str, bool], verdicts: dict[str, tuple[str, str]] | None = None
-    ) -> tuple[list[dict[str, Any]], set[str]]:
-        """The coverage entries of a report (and the final ones): ``emitted`` says, per
-        running signal, whether it emitted samples in this report (absent: judged as
-        emitting, for previews); ``verdicts``: the report's own (``ctx.inactive_when``)."""
-        running: dict[str, tuple[bool, bool, str]] = {}
-        for s in self.signals:
-            if s.covers is not None:
-                running[s.covers] = (emitted.get(s.covers, True), s.broken, s.failure)
-        return self.coverage.entries(running, stepped=self.step > 0, verdicts=verdicts)
+    def _coverage_entries(self) -> list[dict[str, Any]]:
+        """What each built-in signal would cover now (every running signal judged as
+        emitting)."""
+        return self._running.coverage_entries(self.coverage, {}, stepped=self.step > 0)[0]
 
     @property
     def dropped_reports(self) -> int:
@@ -522,32 +472,26 @@ class Monitor:
         return f"Monitor(run={self.run!r}, step={self.step}, every={self.config.every}, sink={self._sender.sink!r})"
 
     # -- internals -----------------------------------------------------------
-    def _signal(self, cls: type[Signal]) -> Any:
-        for s in self.signals:
-            if isinstance(s, cls):
-                return s
+    def _signal(self, cls: type[S]) -> S:
+        found = self._running.find(cls)
+        if found is not None:
+            return found
         s = cls()
         self.signals.append(s)
-        self._handles.extend(s.run_guarded("bind", s.bind, self) or [])
-        self._restore(s)  # a state loaded before this signal started
+        self._running.bind(s, self)
+        self._running.restore(s, self._saved_signals)  # a state loaded before this signal started
         return s
 
-    def _loss_signal(self) -> Any:
-        from trainvitals.hooks.signals.loss_accounting import LossAccounting
-
+    def _loss_signal(self) -> LossAccounting:
         return self._signal(LossAccounting)
 
-    def _softmax_signal(self) -> Any:
-        from trainvitals.hooks.signals.softmax import Softmax
-
+    def _softmax_signal(self) -> Softmax:
         return self._signal(Softmax)
 
 
 def _spill_for(sink: Sink, run: str) -> Sink | None:
     """A collector's reports that it never takes (unreachable until the queue overflows
     or the job ends) are kept in the run's local file, ``./trainvitals-<run>.jsonl``."""
-    from trainvitals.hooks.sinks import FileSink, HttpSink
-
     if not isinstance(sink, HttpSink):
         return None
     return FileSink(f"trainvitals-{run.replace('/', '_')}.jsonl")

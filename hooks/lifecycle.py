@@ -18,29 +18,52 @@ Data flow of one report step (each stage its own module):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from trainvitals.hooks import distributed
 from trainvitals.hooks import pack as packing
 from trainvitals.hooks.grad_norms import GradNorms
+from trainvitals.hooks.live_settings import LiveSettings
+from trainvitals.hooks.pack import PendingReport
+from trainvitals.hooks.running_signals import PendingEvents, RunningSignals
+from trainvitals.hooks.sender import Sender
+from trainvitals.hooks.signals.base import MonitorView
 from trainvitals.hooks.step import StepContext
-
-if TYPE_CHECKING:  # pragma: no cover
-    from trainvitals.hooks.job_monitor import Monitor
 
 __all__ = ["StepLifecycle"]
 
 
 class StepLifecycle:
-    """The per-step state of one monitor's optimizer hooks."""
+    """The per-step state of one monitor's optimizer hooks, and the reports they make.
 
-    def __init__(self, monitor: Monitor) -> None:
+    ``monitor`` is the view the signals get (its ``step`` counts the steps taken);
+    the rest is what a report is made of and where it goes."""
+
+    def __init__(
+        self,
+        monitor: MonitorView,
+        *,
+        run: str,
+        signals: RunningSignals,
+        events: PendingEvents,
+        live: LiveSettings,
+        sender: Sender,
+    ) -> None:
         self.monitor = monitor
+        self.run = run
+        self.signals = signals
+        self.events = events
+        self.live = live
+        self.sender = sender
         self.ready = False  # before_step ran for the step now being taken
         self.reporting = False  # the step now being taken is a report step
         self._grad_norms: GradNorms | None = None  # the step's, for its report
+        self.latest: PendingReport | None = None
+        """The latest report made (handed to the sender)."""
+        self.last_coverage: list[dict[str, Any]] | None = None
+        """The latest report's coverage entries as the training thread wrote them."""
 
     def before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         mon = self.monitor
@@ -52,7 +75,7 @@ class StepLifecycle:
         grad_was = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
         try:
-            for s in mon.signals:
+            for s in self.signals.items:
                 s.run_guarded("before_step", s.before_step, mon, self.reporting)
             if self.reporting:
                 self._grad_norms = self._take_grad_norms()
@@ -63,10 +86,10 @@ class StepLifecycle:
         """The step's gradient norms, once: a signal's own measurement, else the applied
         gradients'; None when no running signal uses them."""
         mon = self.monitor
-        users = [s for s in mon.signals if s.uses_grad_norms and not s.broken]
+        users = [s for s in self.signals.items if s.uses_grad_norms and not s.broken]
         if not users:
             return None
-        for s in mon.signals:
+        for s in self.signals.items:
             measured = s.run_guarded("measured_grad_norms", s.measured_grad_norms)
             if measured is not None:
                 return measured
@@ -83,11 +106,11 @@ class StepLifecycle:
         self.ready = False
         mon.step += 1
         reporting = self.reporting
-        mon._live.step_ending()  # before the report: its own answer waits for the next step's end
+        self.live.step_ending()  # before the report: its own answer waits for the next step's end
         grad_was = torch.is_grad_enabled()  # statistics only: no autograd bookkeeping (before_step)
         torch.set_grad_enabled(False)
         try:
-            for s in mon.signals:
+            for s in self.signals.items:
                 s.run_guarded("after_step", s.after_step, mon, reporting)
             if reporting:
                 try:
@@ -97,7 +120,7 @@ class StepLifecycle:
         finally:
             torch.set_grad_enabled(grad_was)
         self._grad_norms = None
-        mon._live.step_end(mon, reporting)  # the next step runs with what is due
+        self.live.step_end(mon, reporting)  # the next step runs with what is due
 
     def report(self) -> None:
         """Collect, combine and pack the report of the step just taken (called by
@@ -105,7 +128,7 @@ class StepLifecycle:
         mon = self.monitor
         ctx = StepContext(step=mon.step, device=mon.device, grad_norms=self._grad_norms)
         emitted: dict[str, bool] = {}
-        for s in mon.signals:
+        for s in self.signals.items:
             sections = len(ctx.sections)
             before = len(ctx.emits) + len(ctx.reduces) + sections
             s.run_guarded("collect", s.collect, mon, ctx)
@@ -114,18 +137,18 @@ class StepLifecycle:
             if s.covers is not None:
                 emitted[s.covers] = len(ctx.emits) + len(ctx.reduces) + len(ctx.sections) > before
         try:
-            ctx.coverage, ctx.final = mon._coverage_entries(emitted, ctx.verdicts())
-            mon._last_coverage = ctx.coverage
+            ctx.coverage, ctx.final = self.signals.coverage_entries(
+                mon.coverage, emitted, stepped=mon.step > 0, verdicts=ctx.verdicts()
+            )
+            self.last_coverage = ctx.coverage
         except Exception as exc:  # noqa: BLE001
             mon.warn_once("coverage", "could not assemble the coverage of step %d: %s", mon.step, exc)
-        mon._live.contribute(mon, ctx)
+        self.live.contribute(mon, ctx)
         distributed.combine(ctx)
-        for kind, detail, labels in mon._pending_events:
-            ctx.event(kind, detail, labels)
-        mon._pending_events.clear()
-        pending = packing.pack(ctx, run=mon.run, rank=mon.rank)
+        self.events.move_to(ctx)
+        pending = packing.pack(ctx, run=self.run, rank=mon.rank)
         if ctx.coverage:
             mon.coverage.note(ctx.coverage)
             pending.settle = mon.coverage.settle
-        mon._latest = pending
-        mon._sender.put(pending)
+        self.latest = pending
+        self.sender.put(pending)

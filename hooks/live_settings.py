@@ -31,17 +31,15 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from trainvitals.hooks.signals.base import REBINDING
+from trainvitals.hooks.config import Config
+from trainvitals.hooks.running_signals import PendingEvents, RunningSignals
+from trainvitals.hooks.signals.base import REBINDING, MonitorView, Signal
 from trainvitals.hooks.step import StepContext
 from trainvitals.wire.live_settings import BUILTIN_SIGNALS, LIVE_FIELDS, MAX_INTERVAL, parse_entry
-
-if TYPE_CHECKING:  # pragma: no cover
-    from trainvitals.hooks.job_monitor import Monitor
-    from trainvitals.hooks.signals.base import Signal
 
 __all__ = ["LIVE_FIELDS", "MAX_EVERY", "LiveSettings", "parse_entry"]
 
@@ -54,19 +52,33 @@ _OWN = -1.0  # in the collective's vector: "the job's own value"
 
 
 class LiveSettings:
-    """One monitor's live settings: what the collector asked for and what is applied."""
+    """One monitor's live settings: what the collector asked for and what is applied.
 
-    def __init__(self, monitor: Monitor) -> None:
-        self.own = monitor.config
+    ``own``: the job's settings; ``signals``: the monitor's running signals, which a
+    change of ``signals=`` adds to and removes from; ``builtin``: the built-in signal
+    classes by name, in the order they run; ``events``: the monitor's queue of events."""
+
+    def __init__(
+        self,
+        own: Config,
+        *,
+        run: str,
+        signals: RunningSignals,
+        events: PendingEvents,
+        builtin: dict[str, type[Signal]],
+    ) -> None:
+        self.own = own
         """The job's own settings (attach's), which an override replaces field by field."""
         self.applied: dict[str, Any] = {}
         """The override in force now (empty: the job's own settings)."""
-        self.run = monitor.run
+        self.run = run
+        self._signals_running = signals
+        self._events = events
+        self._builtin = builtin
         self._offer: tuple[dict[str, Any], float] | None = None  # (override, monotonic deadline)
         self._held: tuple[dict[str, Any], float] | None = None  # the offer as the step began its end
         self._warned: set[str] = set()
         self._stash: dict[str, dict[str, Any]] = {}  # state of signals turned off, by name
-        self._handles: dict[int, list[Any]] = {}  # hooks of the signals created here
         # Data parallel: rank 0's wanted state, numbered; what the reports carried.
         self._wanted: dict[str, Any] = {}
         self._version = 0
@@ -106,7 +118,7 @@ class LiveSettings:
         however fast the collector answers."""
         self._held = self._offer
 
-    def step_end(self, monitor: Monitor, reported: bool) -> None:
+    def step_end(self, monitor: MonitorView, reported: bool) -> None:
         """At the end of an optimizer step (after its report): apply what is due."""
         try:
             if monitor.world_size > 1:
@@ -122,7 +134,7 @@ class LiveSettings:
         except Exception as exc:  # noqa: BLE001 - never into the training loop
             self._warn("apply", "could not apply live settings: %s: %s", type(exc).__name__, exc)
 
-    def contribute(self, monitor: Monitor, ctx: StepContext) -> None:
+    def contribute(self, monitor: MonitorView, ctx: StepContext) -> None:
         """Data parallel, on every report step of every rank: rank 0's wanted state
         joins the report's collective (the other ranks add zeros, so the sum is rank
         0's); its host copy is read at the end of the next report step."""
@@ -164,7 +176,7 @@ class LiveSettings:
             self._cached = (key, vec)
         return self._cached[1]
 
-    def _apply_carried(self, monitor: Monitor) -> None:
+    def _apply_carried(self, monitor: MonitorView) -> None:
         # The copy of an earlier report step: done long ago, the wait is a formality.
         earlier = [c for c in self._carried if c[0] < monitor.step]
         self._carried = [c for c in self._carried if c[0] >= monitor.step]
@@ -179,7 +191,7 @@ class LiveSettings:
             if wanted != self.applied:
                 self.apply(monitor, wanted)
 
-    def apply(self, monitor: Monitor, override: dict[str, Any]) -> None:
+    def apply(self, monitor: MonitorView, override: dict[str, Any]) -> None:
         """Make ``override`` (over the job's own settings) the monitor's settings, from
         the next step on: the interval, the built-in signals (one turned off keeps its
         state for when it comes back), per-parameter series, the probe."""
@@ -187,8 +199,9 @@ class LiveSettings:
         new = dataclasses.replace(self.own, **override)
         monitor.config = new
         self._signals(monitor, old, new)
-        if old.probe_every != new.probe_every:
-            self._probe(monitor)
+        for s in list(self._signals_running.items):
+            if not s.broken:
+                s.settings_changed(monitor, old, new)
         self.applied = dict(override)
         if override:
             offer = self._held or self._offer
@@ -211,74 +224,51 @@ class LiveSettings:
             )
 
     # -- internals -----------------------------------------------------------------
-    def _signals(self, monitor: Monitor, old: Any, new: Any) -> None:
-        from trainvitals.hooks.job_monitor import builtin_signal_classes
-
-        classes = builtin_signal_classes()
+    def _signals(self, monitor: MonitorView, old: Config, new: Config) -> None:
+        classes = self._builtin
         want = set(BUILTIN_SIGNALS if new.signals is None else new.signals)
         # Per-parameter series are chosen when these signals bind: rebuild them.
         rebuild = {"params", "adam"} if old.per_param != new.per_param else set()
         for name in BUILTIN_SIGNALS:
             cls = classes[name]
-            current = next((s for s in monitor.signals if type(s) is cls), None)
+            current = next((s for s in self._signals_running.items if type(s) is cls), None)
             if current is not None and current.broken:
                 continue  # failed once: stays off
             if current is not None and (name not in want or name in rebuild):
-                self._remove(monitor, name, current)
+                self._remove(name, current)
                 current = None
             if current is None and name in want:
                 self._add(monitor, name, cls())
 
-    def _remove(self, monitor: Monitor, name: str, signal: Signal) -> None:
+    def _remove(self, name: str, signal: Signal) -> None:
         state = signal.run_guarded("state_dict", signal.state_dict)
         if state:
             self._stash[name] = state
         signal.run_guarded("close", signal.close)
-        for h in self._handles.pop(id(signal), []):
-            h.remove()
-        monitor.signals.remove(signal)
+        self._signals_running.unbind(signal)
 
-    def _add(self, monitor: Monitor, name: str, signal: Signal) -> None:
+    def _add(self, monitor: MonitorView, name: str, signal: Signal) -> None:
         # Built-in signals keep the order they have at attach (cheap bookkeeping order).
-        order = {cls: i for i, cls in enumerate(_classes_in_order())}
+        order: dict[type[Signal], int] = {cls: i for i, cls in enumerate(self._builtin.values())}
         rank = order.get(type(signal), len(order))
-        at = next(
-            (i for i, s in enumerate(monitor.signals) if order.get(type(s), len(order)) > rank), len(monitor.signals)
-        )
-        events = len(monitor._pending_events)
+        running = self._signals_running.items
+        at = next((i for i, s in enumerate(running) if order.get(type(s), len(order)) > rank), len(running))
+        events = self._events.mark()
         token = REBINDING.set(True)  # the change logs one line (apply); the start-up lines are not repeated
         try:
-            handles = signal.run_guarded("bind", signal.bind, monitor) or []
+            self._signals_running.bind(signal, monitor, at)
             # Binding again repeats the one-off weight-decay audit: it was reported at attach.
-            del monitor._pending_events[events:]
-            self._handles[id(signal)] = list(handles)
-            monitor._handles.extend(handles)
+            self._events.drop_since(events)
             saved = self._stash.pop(name, None)
             if saved:
                 signal.run_guarded("load_state_dict", signal.load_state_dict, saved)
         finally:
             REBINDING.reset(token)
-        monitor.signals.insert(at, signal)
-
-    def _probe(self, monitor: Monitor) -> None:
-        from trainvitals.hooks.signals.loss_accounting import LossAccounting
-        from trainvitals.hooks.signals.loss_probe import ModalityProbe
-
-        for s in monitor.signals:
-            if isinstance(s, LossAccounting) and not s.broken:
-                # Between steps: no probe step is in flight, its buffers live in the step.
-                s._probe = ModalityProbe(monitor) if monitor.config.probe_every is not None else None
 
     def _warn(self, key: str, message: str, *args: Any) -> None:
         if key not in self._warned:
             self._warned.add(key)
             log.warning("trainvitals: " + message, *args)
-
-
-def _classes_in_order() -> list[type]:
-    from trainvitals.hooks.job_monitor import builtin_signal_classes
-
-    return list(builtin_signal_classes().values())
 
 
 def _in_force(offer: tuple[dict[str, Any], float] | None) -> dict[str, Any]:

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+import torch
+from torch import nn
+
+from trainvitals.hooks.config import Config
+from trainvitals.hooks.coverage import Coverage
+from trainvitals.hooks.sender import Sender
 from trainvitals.wire.coverage import NOT_BLIND
 
-if TYPE_CHECKING:  # pragma: no cover
-    from trainvitals.hooks.job_monitor import Monitor
-
-__all__ = ["log_summary", "start_line", "visible_logs"]
+__all__ = ["Watched", "log_summary", "start_line", "visible_logs"]
 
 log = logging.getLogger("trainvitals")
 
@@ -30,27 +33,38 @@ def visible_logs() -> None:
         log.propagate = False
 
 
-def start_line(monitor: Monitor) -> str:
-    """What the monitor watches, in words (``attach`` logs it)."""
+class Watched(Protocol):
+    """What the log lines say of a monitor."""
+
+    run: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    config: Config
+    coverage: Coverage
+    step: int
+
+
+def start_line(monitor: Watched, entries: list[dict[str, Any]], sender: Sender) -> str:
+    """What the monitor watches, in words (``attach`` logs it); ``entries``: the
+    coverage each signal would have now."""
     return (
         f"run {monitor.run!r}, {type(monitor.optimizer).__name__} on {type(monitor.model).__name__}: "
-        f"{monitor.coverage.describe(monitor._coverage_entries({})[0])}; reports every {monitor.config.every} "
-        f"optimizer steps to {monitor._sender.sink!r}"
+        f"{monitor.coverage.describe(entries)}; reports every {monitor.config.every} "
+        f"optimizer steps to {sender.sink!r}"
     )
 
 
-def log_summary(monitor: Monitor, left: int) -> None:
+def log_summary(monitor: Watched, entries: list[dict[str, Any]], sender: Sender, left: int) -> None:
     """One line at close: what was reported, what never engaged and why, what was not
-    delivered and where it was going (``left``: reports still queued at close)."""
+    delivered and where it was going (``entries``: the coverage each signal would have
+    now; ``left``: reports still queued at close)."""
     reported, never = monitor.coverage.summary()
-    sender = monitor._sender
     sink = sender.sink
     dropped = sender.dropped
     parts = [f"run {monitor.run!r} closed after {monitor.step} optimizer step(s)"]
     if reported:
         parts.append("reported: " + ", ".join(f"{s} ({n} report(s))" for s, n in reported.items()))
     elif monitor.step == 0:
-        entries, _ = monitor._coverage_entries({})
         would = [e["signal"] for e in entries if e.get("reason") == "no_optimizer_step"]
         also = f" (would have watched {', '.join(would)})" if would else ""
         parts.append("NOTHING was watched: no optimizer step ran" + also)

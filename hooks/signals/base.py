@@ -47,7 +47,7 @@ class Removable(Protocol):
 
 
 class MonitorView(Protocol):
-    """What a signal may use of the :class:`~trainvitals.hooks.monitor.Monitor`."""
+    """What a signal may use of the :class:`~trainvitals.hooks.job_monitor.Monitor`."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -115,6 +115,10 @@ class Signal:
 
     def after_step(self, monitor: MonitorView, reporting: bool) -> None:
         """Called after ``optimizer.step()``."""
+
+    def settings_changed(self, monitor: MonitorView, old: Config, new: Config) -> None:
+        """Between steps, after live settings replaced ``monitor.config`` (``old`` by
+        ``new``): adjust what the settings shape. Nothing by default."""
 
     def measured_grad_norms(self) -> GradNorms | None:
         """The step's gradient norms when this signal measured them already (asked before

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from trainvitals.hooks.config import Config
 from trainvitals.hooks.signals.base import MonitorView, Removable
 from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES, UNTAGGED, TrackChecks
 from trainvitals.hooks.signals.loss_binning import Batch, SumsLayout, bin_batch
@@ -82,6 +83,11 @@ class LossAccounting(ZeroCodeSeams):
             self._probe = ModalityProbe(monitor)
         self._report = LossReport(self._layout, self._objectives, self._late)
         return []
+
+    def settings_changed(self, monitor: MonitorView, old: Config, new: Config) -> None:
+        if old.probe_every != new.probe_every:
+            # Between steps: no probe step is in flight, its buffers live in the step.
+            self._probe = ModalityProbe(monitor) if new.probe_every is not None else None
 
     def before_step(self, monitor: MonitorView, reporting: bool) -> None:
         # Gradients are final: this step's accounting is complete.
