@@ -1,12 +1,15 @@
 """The suite's own layout: a helper module is imported one way, by its package path
 (``from tests.hooks._loss_models import ...``), never by its bare name (``from
 _loss_models import ...``, which works only because pytest puts a test's folder on
-``sys.path``): two names would load the module twice, as two sets of classes."""
+``sys.path``): two names would load the module twice, as two sets of classes. And the
+package's own layout: no import cycles, between modules or between folders."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
+from typing import Any
 
 TESTS = Path(__file__).resolve().parent
 BARE = re.compile(r"^[ \t]*(?:from[ \t]+_(?!_)\w*[ \t]+import|import[ \t]+_(?!_)\w*)", re.MULTILINE)
@@ -19,3 +22,70 @@ def test_helpers_are_imported_by_their_package_path():
         if BARE.search(path.read_text())
     }
     assert not bare, bare
+
+
+# -- no import cycles ------------------------------------------------------------------
+# Every import counts: at module level, inside a function (a local import that hides a
+# cycle from the interpreter hides it from no reader) and under TYPE_CHECKING. A module
+# that needs what another offers and is needed back asks for a protocol or a parameter
+# instead. The folders (trainvitals.<folder>) may not import each other round either.
+
+PACKAGES = ("hooks", "monitor", "alerts", "wire", "audit", "demo", "errors")
+
+KNOWN_CYCLES: dict[frozenset[str], str] = {
+    frozenset({"trainvitals.alerts.service", "trainvitals.alerts.service_views"}): (
+        "the alert service and its views import each other"
+    ),
+    frozenset({"monitor", "demo", "audit"}): (
+        "monitor/cli.py adds the demo and audit commands, which import the collector"
+    ),
+}
+"""Cycles that exist and are being removed: an entry goes when its cycle does."""
+
+
+def _import_graph() -> tuple[Any, dict[str, set[str]]]:
+    import grimp  # the [test] extra
+
+    graph = grimp.build_graph(*(f"trainvitals.{p}" for p in PACKAGES), cache_dir=None)
+    edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+    return graph, edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[frozenset[str]]:
+    import networkx as nx
+
+    digraph = nx.DiGraph([(a, b) for a, targets in edges.items() for b in targets if a != b])
+    return [frozenset(c) for c in nx.strongly_connected_components(digraph) if len(c) > 1]
+
+
+def _one_loop(graph: Any, cycle: frozenset[str]) -> str:
+    """One way round ``cycle``, each step with the import line that makes it."""
+    start = min(cycle)
+    step = min(m for m in graph.find_modules_directly_imported_by(start) if m in cycle)
+    chain = [start, *graph.find_shortest_chain(importer=step, imported=start)]
+    lines = []
+    for a, b in itertools.pairwise(chain):
+        detail = graph.get_import_details(importer=a, imported=b)[0]
+        lines.append(f"  {a}:{detail['line_number']} {detail['line_contents'].strip()}")
+    return "\n".join(lines)
+
+
+def test_no_module_imports_itself_round():
+    graph, edges = _import_graph()
+    cycles = _cycles(edges)
+    new = [c for c in cycles if c not in KNOWN_CYCLES]
+    assert not new, "import cycles:\n" + "\n\n".join(_one_loop(graph, c) for c in new)
+    gone = [KNOWN_CYCLES[c] for c in KNOWN_CYCLES if c not in cycles and not c.isdisjoint(edges)]
+    assert not gone, f"no longer cycles, take them out of KNOWN_CYCLES: {gone}"
+
+
+def test_no_folder_imports_itself_round():
+    _, edges = _import_graph()
+    folders: dict[str, set[str]] = {}
+    for a, targets in edges.items():
+        folders.setdefault(a.split(".")[1], set()).update(b.split(".")[1] for b in targets)
+    cycles = _cycles(folders)
+    new = [sorted(c) for c in cycles if c not in KNOWN_CYCLES]
+    assert not new, f"folders that import each other (module cycles above name the lines): {new}"
+    gone = [KNOWN_CYCLES[c] for c in KNOWN_CYCLES if c not in cycles and c <= set(PACKAGES)]
+    assert not gone, f"no longer cycles, take them out of KNOWN_CYCLES: {gone}"
