@@ -283,10 +283,12 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
 
 def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any] | None:
     # args[0] is the optimizer itself (torch passes the bound call's args).
-    if callable(kwargs.get("closure")):
-        return kwargs["closure"]
+    closure: Callable[[], Any] | None = kwargs.get("closure")
+    if callable(closure):
+        return closure
     if len(args) > 1 and callable(args[1]):
-        return args[1]
+        given: Callable[[], Any] = args[1]
+        return given
     return None
 
 

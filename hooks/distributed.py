@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ def settle(timeout: float = 0.5) -> bool:
         time.sleep(0.001)
 
 
-def _dist():
+def _dist() -> Any:
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None

@@ -20,7 +20,7 @@ class IndexCache:
 
     def __init__(self, max_entries: int = 16) -> None:
         self.max_entries = max_entries
-        self._tensors: dict[tuple, torch.Tensor] = {}
+        self._tensors: dict[tuple[tuple[float, ...], torch.device, torch.dtype], torch.Tensor] = {}
 
     def get(
         self, values: Sequence[int] | Sequence[float], device: torch.device, dtype: torch.dtype = torch.long

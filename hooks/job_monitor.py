@@ -378,7 +378,8 @@ class Monitor:
         """The latest value of one series (labels must match exactly), or None."""
         for s in self.latest():
             if s["name"] == name and s["labels"] == labels:
-                return s["value"]
+                value: float = s["value"]
+                return value
         return None
 
     def flush(self, timeout: float | None = None) -> bool:

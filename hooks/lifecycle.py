@@ -90,7 +90,7 @@ class StepLifecycle:
         if not users:
             return None
         for s in self.signals.items:
-            measured = s.run_guarded("measured_grad_norms", s.measured_grad_norms)
+            measured: GradNorms | None = s.run_guarded("measured_grad_norms", s.measured_grad_norms)
             if measured is not None:
                 return measured
         try:

@@ -78,7 +78,7 @@ def token_embedding(model: nn.Module) -> nn.Module | None:
     found = _hf_input_embeddings(model)
     if found is not None:
         return found
-    named = [(n, m) for n, m in model.named_modules() if _embedding_like(m)]
+    named: list[tuple[str, nn.Module]] = [(n, m) for n, m in model.named_modules() if _embedding_like(m)]
     if not named:
         return None
     others = [m for m in model.modules() if not _embedding_like(m)]
@@ -116,7 +116,7 @@ def find_logits_module(model: nn.Module, spec: Any) -> nn.Module:
                 "attached model; pass the model's LM head (or its name)"
             )
         return spec
-    named = dict(model.named_modules())
+    named: dict[str, nn.Module] = dict(model.named_modules())
     if isinstance(spec, str):
         if spec not in named:
             heads = [n for n, m in named.items() if isinstance(m, nn.Linear)][-5:]

@@ -364,7 +364,8 @@ def make_sink(collector: str | None, sink: Any, run: str) -> Sink:
     """
     if sink is not None and not isinstance(sink, str):
         if callable(getattr(sink, "deliver", None)) and callable(getattr(sink, "close", None)):
-            return sink
+            given: Sink = sink
+            return given
         for attr in ("submit", "flush", "close"):
             if not callable(getattr(sink, attr, None)):
                 raise TypeError(

@@ -148,7 +148,7 @@ class NormPlan:
     def __init__(self, tensors: Sequence[torch.Tensor], device: torch.device):
         self.device = device
         self.count = len(tensors)
-        by_shape: dict[tuple, list[int]] = {}
+        by_shape: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
         for i, t in enumerate(tensors):
             if 0 < t.ndim and t.numel() <= SMALL_NUMEL and t.device == device and t.layout == torch.strided:
                 by_shape.setdefault((tuple(t.shape), t.dtype), []).append(i)
@@ -172,7 +172,8 @@ class NormPlan:
         if entry is None or entry[0] != key:
             entry = slot[0] = (key, cls(tensors, device))
         try:
-            return entry[1].norms(tensors)
+            plan: NormPlan = entry[1]
+            return plan.norms(tensors)
         except ValueError:
             entry = slot[0] = (key, cls(tensors, device))
             return entry[1].norms(tensors)

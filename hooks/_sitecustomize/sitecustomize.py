@@ -19,8 +19,20 @@ and exits without stepping an optimizer says so on stderr too (nothing was watch
 nothing was sent): never a silent blind run.
 """
 
+from __future__ import annotations
+
 import os
 import sys
+
+TYPE_CHECKING = False  # not typing's: this runs in every process of the job, typing costs ms to import
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from importlib.abc import Loader
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+    from typing import Any
+
+    Hook = Callable[[Any, Any, Any], Any]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -28,33 +40,34 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 class _LoaderAfter:
     """Wraps torch's loader: runs ``then(module)`` once torch is fully imported."""
 
-    def __init__(self, loader, then):
+    def __init__(self, loader: Loader, then: Callable[[ModuleType], None]) -> None:
         self._loader = loader
         self._then = then
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
-    def exec_module(self, module):
+    def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
         # Torch's own loader from here on, for anything that asks the module.
         module.__loader__ = self._loader
-        if getattr(module, "__spec__", None) is not None:
-            module.__spec__.loader = self._loader
+        spec = getattr(module, "__spec__", None)
+        if spec is not None:
+            spec.loader = self._loader
         self._then(module)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
 
 
 class _WhenTorchImported:
     """A meta path finder that only watches for ``torch`` (then steps aside)."""
 
-    def __init__(self, then):
+    def __init__(self, then: Callable[[ModuleType], None]) -> None:
         self._then = then
         self._busy = False
 
-    def find_spec(self, name, path=None, target=None):
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> ModuleSpec | None:
         if name != "torch" or self._busy:
             return None
         import importlib.util
@@ -68,17 +81,17 @@ class _WhenTorchImported:
             return None
         if self in sys.meta_path:
             sys.meta_path.remove(self)  # once is enough
-        spec.loader = _LoaderAfter(spec.loader, self._then)
+        spec.loader = _LoaderAfter(spec.loader, self._then)  # type: ignore[assignment]  # a Loader by delegation
         return spec
 
-    def invalidate_caches(self):
+    def invalidate_caches(self) -> None:
         pass
 
 
-_impl = None
+_impl: Hook | None = None
 
 
-def _pre_step(optimizer, args, kwargs):
+def _pre_step(optimizer: Any, args: Any, kwargs: Any) -> Any:
     """The global pre-step hook: hands over to trainvitals.hooks.autoattach."""
     global _impl
     if _impl is None:
@@ -95,11 +108,11 @@ def _pre_step(optimizer, args, kwargs):
     return _impl(optimizer, args, kwargs)
 
 
-def _off(optimizer, args, kwargs):
+def _off(optimizer: Any, args: Any, kwargs: Any) -> None:
     return None
 
 
-def _torch_imported(torch):
+def _torch_imported(torch: ModuleType) -> None:
     try:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -111,7 +124,7 @@ def _torch_imported(torch):
         )
 
 
-def _chain():
+def _chain() -> None:
     """Import the sitecustomize this one hides, as Python would have."""
     import importlib.machinery
     import importlib.util
@@ -125,7 +138,7 @@ def _chain():
     spec.loader.exec_module(module)
 
 
-def _job_process():
+def _job_process() -> bool:
     """Whether this process is one of the job's own (not torchrun's launcher, not a
     multiprocessing worker: those never step an optimizer by design)."""
     if "multiprocessing" in sys.modules:
@@ -141,7 +154,7 @@ def _job_process():
     return os.path.basename(sys.argv[0] if sys.argv else "") not in ("torchrun",)
 
 
-def _shown(url):
+def _shown(url: str) -> str:
     """The destination without a password (the standard library only)."""
     try:
         from urllib.parse import urlsplit, urlunsplit
@@ -156,7 +169,7 @@ def _shown(url):
     return url
 
 
-def _at_exit():
+def _at_exit() -> None:
     """No optimizer step ran in a process that imported torch: say that nothing was watched."""
     if _impl is not None or "torch" not in sys.modules or not _job_process():
         return
