@@ -5,8 +5,10 @@ It puts together, each in its own module: where the parameters live
 (:mod:`trainvitals.hooks.placement`), the running signals and their hooks
 (:mod:`trainvitals.hooks.running_signals`), the hooks on the optimizer step, from a
 step's start to its report (:mod:`trainvitals.hooks.lifecycle`, which names the stages
-of a report), the collector's live settings (:mod:`trainvitals.hooks.live_settings`)
-and what it says in the job's log at attach and close (:mod:`trainvitals.hooks.summary`).
+of a report), the collector's live settings (:mod:`trainvitals.hooks.live_settings`),
+what the job makes of its own reports (in-job rules, the trackers' headline figures:
+:mod:`trainvitals.hooks.report_observer`) and what it says in the job's log at attach
+and close (:mod:`trainvitals.hooks.summary`).
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ from trainvitals.hooks import distributed
 from trainvitals.hooks import pack as packing
 from trainvitals.hooks.config import Config
 from trainvitals.hooks.coverage import Coverage
-from trainvitals.hooks.headline import headline_figures
 from trainvitals.hooks.lifecycle import StepLifecycle
 from trainvitals.hooks.live_settings import LiveSettings
 from trainvitals.hooks.logits_finder import AUTO, find_head, find_logits_module
 from trainvitals.hooks.naming import unwrap
 from trainvitals.hooks.pack import PendingReport
 from trainvitals.hooks.placement import Placement
+from trainvitals.hooks.report_observer import ReportObserver
 from trainvitals.hooks.running_signals import PendingEvents, RunningSignals
 from trainvitals.hooks.sender import Sender
 from trainvitals.hooks.signals.base import Signal
@@ -115,24 +117,14 @@ class Monitor:
         as when ``trainvitals run``'s monitor hands over to the job's own ``attach``)."""
         self.automatic = False
         """Attached by ``trainvitals run`` (the job's own ``attach`` may take over)."""
-        evaluator = None
-        if rules is not None:
-            from trainvitals.alerts import LocalEvaluator
-
-            evaluator = LocalEvaluator(rules=rules)
+        self._observer = ReportObserver(rules)
         # What is watched (start), what was reported and delivered (close) and alerts in
         # the job are said where the job can see them, even with logging unconfigured.
         visible_logs()
-        self._evaluator = evaluator
-        # The latest report's step, samples and firing alerts (set by the sender thread);
-        # its headline figures are worked out when a tracker asks (most jobs have none),
-        # and kept with the report they came from.
-        self._headline_of: tuple[int, Any, list[str]] | None = None
-        self._headline: tuple[tuple[int, Any, list[str]], tuple[int, dict[str, float]]] | None = None
-        if evaluator is not None and hasattr(sink, "firing"):
-            sink.firing = self._firing_names  # a tracker sink shows the alerts firing
+        if self._observer.evaluator is not None and hasattr(sink, "firing"):
+            sink.firing = self._observer.firing_names  # a tracker sink shows the alerts firing
         self._sender = Sender(
-            sink, max_queue_bytes=config.queue_bytes, on_report=self._observe_report, spill=_spill_for(sink, run)
+            sink, max_queue_bytes=config.queue_bytes, on_report=self._observer.observe, spill=_spill_for(sink, run)
         )
         self.signals: list[Signal] = _default_signals(config.signals)
         if self.layout_problem is not None:  # withheld, said why: never a figure from a wrong sum
@@ -413,45 +405,25 @@ class Monitor:
                 log_summary(self, self._coverage_entries(), self._sender, left)
             except Exception as exc:  # noqa: BLE001 - never into the training loop
                 log.warning("trainvitals: could not summarize run %r: %s", self.run, exc)
-        if self._evaluator is not None and self.ends_run:
+        if self.ends_run:
             # The verdict after the summary: together, what was watched and what it showed.
             path = getattr(self._sender.sink, "path", None)
-            self._evaluator.close(self.run, report_file=str(path) if path is not None else None)
+            self._observer.close(self.run, str(path) if path is not None else None)
 
     def headline(self) -> tuple[int, dict[str, float]] | None:
         """The latest report's step and headline figures (:mod:`trainvitals.hooks.headline`:
         a handful of series per signal, named as on ``/metrics``, and the alerts the job's
         rules see firing), for the trackers; None before the first report."""
-        source = self._headline_of
-        if source is None:
-            return None
-        kept = self._headline
-        if kept is not None and kept[0] is source:
-            return kept[1]
-        figures = (source[0], headline_figures(source[1], source[2]))
-        self._headline = (source, figures)
-        return figures
-
-    def _firing_names(self) -> list[str]:
-        return [a.alertname for a in self._evaluator.firing()] if self._evaluator is not None else []
+        return self._observer.headline()
 
     def verdict(self) -> Any:
         """The in-job rules' verdict on this run so far (:class:`trainvitals.alerts.verdict.RunVerdict`),
         or None when no rules are evaluated in the job (a collector does)."""
-        return self._evaluator.verdict(self.run) if self._evaluator is not None else None
+        return self._observer.verdict(self.run)
 
     def start_line(self) -> str:
         """What the monitor watches, in words (``attach`` logs it)."""
         return start_line(self, self._coverage_entries(), self._sender)
-
-    def _observe_report(self, report: Any) -> None:
-        """Sender thread: the in-process rules, then the headline figures for the trackers."""
-        if self._evaluator is not None:
-            self._evaluator.observe(report)
-        # The sender adds its drop counter to every report; a report with nothing else (the
-        # run's end sent at close) has no figures and must not replace the last step's.
-        if any(s.name != "client_dropped_reports_total" for s in report.samples):
-            self._headline_of = (report.step, report.samples, self._firing_names())
 
     def _coverage_entries(self) -> list[dict[str, Any]]:
         """What each built-in signal would cover now (every running signal judged as
