@@ -88,16 +88,16 @@ class Monitor:
         self.rank = distributed.rank()
         self.world_size = distributed.world_size()
         self._warned: set[str] = set()
-        self.placement = Placement(self.model, optimizer, self.world_size, self.warn_once)
+        self._placement = Placement(self.model, optimizer, self.world_size, self.warn_once)
         """Where the parameters live: names, device, how per-rank sums combine."""
-        self.param_names = self.placement.param_names
-        self.device = self.placement.device
-        self.sharded = self.placement.sharded
+        self.param_names = self._placement.param_names
+        self.device = self._placement.device
+        self.sharded = self._placement.sharded
         self.coverage = Coverage()
         """What each built-in signal covers; signals declare their state here."""
-        self.layout_problem = self.placement.layout_problem
+        self.layout_problem = self._placement.layout_problem
         """A parameter layout whose per-rank sums cannot be combined (named), or None."""
-        self.weighted = self.placement.weighted
+        self.weighted = self._placement.weighted
         """Some parameter's per-rank sums count for less than 1 (:meth:`weight_of`)."""
         # Zero-code loss accounting: its module is found first, so a wrong name raises
         # before anything is hooked or started.
@@ -167,15 +167,15 @@ class Monitor:
     def grad_layout_problem(self, params: list[torch.Tensor]) -> str | None:
         """A gradient placed otherwise than its DTensor parameter, named; or None
         (:meth:`Placement.grad_layout_problem`)."""
-        return self.placement.grad_layout_problem(params)
+        return self._placement.grad_layout_problem(params)
 
     def weight_of(self, p: torch.Tensor) -> float:
         """What this rank's partial sums of ``p`` count for in the sum over ranks
         (:meth:`Placement.weight_of`)."""
-        return self.placement.weight_of(p)
+        return self._placement.weight_of(p)
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str:
-        return self.placement.name_of(p, fallback)
+        return self._placement.name_of(p, fallback)
 
     def groups(self) -> list[tuple[str, dict[str, Any]]]:
         """(label, param_group) for each optimizer param group; label is the group's
