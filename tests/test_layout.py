@@ -6,6 +6,7 @@ package's own layout: no import cycles, between modules or between folders."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import re
 from pathlib import Path
@@ -89,3 +90,53 @@ def test_no_folder_imports_itself_round():
     assert not new, f"folders that import each other (module cycles above name the lines): {new}"
     gone = [KNOWN_CYCLES[c] for c in KNOWN_CYCLES if c not in cycles and c <= set(PACKAGES)]
     assert not gone, f"no longer cycles, take them out of KNOWN_CYCLES: {gone}"
+
+
+# -- no module reads another's private attributes -------------------------------------
+# ``obj._name`` outside ``self``/``cls`` is allowed only for a name the module defines
+# itself (its own classes' attributes and methods): what a module needs of another is
+# that module's public interface, a parameter or a Protocol.
+
+TORCH_INTERNALS = {"_version", "_use_count"}
+"""Tensor internals read on purpose: autograd's in-place counter, a storage's user count."""
+
+KNOWN_PRIVATE_READS = {("alerts/verdict.py", "_lock"), ("alerts/verdict.py", "_forget_run")}
+"""Reads that exist and are being removed: an entry goes when its read does."""
+
+
+def _private_reads(path: Path) -> list[tuple[int, str, str]]:
+    tree = ast.parse(path.read_text())
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                own.add(node.attr)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls", "torch", "sys"):
+            continue  # its own; torch's fused ops (torch._foreach_*), sys._getframe
+        if node.attr in own or node.attr in TORCH_INTERNALS:
+            continue
+        found.append((node.lineno, ast.unparse(node), node.attr))
+    return found
+
+
+def test_no_module_reads_another_modules_private_attributes():
+    root = TESTS.parent
+    reads = {
+        (str(path.relative_to(root)), attr): f"{path.relative_to(root)}:{line}: {text}"
+        for folder in PACKAGES
+        for path in sorted((root / folder).rglob("*.py"))
+        for line, text, attr in _private_reads(path)
+    }
+    new = sorted(where for key, where in reads.items() if key not in KNOWN_PRIVATE_READS)
+    assert not new, "private attributes read from another module:\n" + "\n".join(new)
+    gone = KNOWN_PRIVATE_READS - set(reads)
+    assert not gone, f"no longer read, take them out of KNOWN_PRIVATE_READS: {sorted(gone)}"
