@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from tests.http_recorder import RecordingServer
-from tests.integration import _job
-from tests.integration._stack import (
+from tests.prometheus import _job
+from tests.prometheus._stack import (
     DEPLOY,
     Prometheus,
     load_dashboards,
