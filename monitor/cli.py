@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from trainvitals.alerts.report_files import first_error
+from trainvitals.wire.report_files import first_error
 from trainvitals.monitor.cli_options import bearer_token, token_options
 from trainvitals.monitor.settings import DEFAULT_PORT, Settings, SettingsError
 from trainvitals.wire import Report, ReportBatch, encode_body, encode_report

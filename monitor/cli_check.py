@@ -64,7 +64,7 @@ def _judge(files: list[Path], rules: tuple[str, ...]) -> tuple[list[Any], list[s
     """The verdicts of every run in ``files``, each file judged on its own; a run name
     found in several files is kept apart, each verdict named ``RUN [FILE]``, and said
     in the notes returned."""
-    from trainvitals.alerts.report_files import ReportFileError, read_report_file
+    from trainvitals.wire.report_files import ReportFileError, read_report_file
 
     per_file = []
     try:
@@ -284,7 +284,7 @@ def _preflight(
         if as_json:
             _print([], True, files=[str(path)], job=job)
         sys.exit(EXIT_JOB)
-    from trainvitals.alerts.report_files import ReportFileError, read_report_file
+    from trainvitals.wire.report_files import ReportFileError, read_report_file
 
     try:
         for _, report in read_report_file(path, decode_line):
@@ -319,7 +319,7 @@ def report(files: tuple[Path, ...], output: Path, rules: tuple[str, ...], title:
 
     Nothing in the page is fetched from elsewhere: mail it, open it offline.
     """
-    from trainvitals.alerts.report_files import ReportFileError, read_report_files
+    from trainvitals.wire.report_files import ReportFileError, read_report_files
     from trainvitals.monitor.report_page import RunHistory, render_page
 
     builder = _builder(rules)
