@@ -14,7 +14,7 @@ RunSilent rules are left out: a file of reports, or a job that is reporting, is
 not silent. Pure Python, no torch, no I/O besides reading the runbooks once.
 The verdict in words (log lines, the ``check`` table) is
 :mod:`trainvitals.alerts.verdict_text`'s; reading recorded reports,
-:mod:`trainvitals.alerts.report_files`'.
+:mod:`trainvitals.wire.report_files`'.
 """
 
 from __future__ import annotations
