@@ -68,4 +68,5 @@ class AlertInstance:
 class RunState:
     last_seen: float
     last_step: int
-    closed: bool = False
+    ended: bool = False
+    """Whether the run has ended: its latest report ended it (:func:`~trainvitals.wire.ends_run`)."""

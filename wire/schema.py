@@ -85,7 +85,12 @@ RUN_END_EVENT = "run_end"
 
 def ends_run(report: Any) -> bool:
     """Whether a report ends its run: it carries a :data:`RUN_END_EVENT` (a pydantic
-    :class:`Report` or the collector's struct: anything with ``events`` of ``kind``)."""
+    :class:`Report` or the collector's struct: anything with ``events`` of ``kind``).
+
+    The run end has one meaning on every side (``docs/wire.md``, "The run end"): a run
+    has *ended* while its latest report, from any rank, ends it; a later report that
+    does not means the run goes on (a job resumed under the same name). So whether a
+    run has ended is always ``ends_run(latest report)``, never a flag that stays set."""
     return any(ev.kind == RUN_END_EVENT for ev in report.events)
 
 
