@@ -35,7 +35,6 @@ def alertmanager_payload(batch: Sequence[Notification]) -> list[dict]:
 class AlertmanagerNotifier(HttpNotifier):
     """Pushes alerts to one Alertmanager (for an HA pair, configure one per instance)."""
 
-    type = "alertmanager"
     wants_repeats = True
     max_batch = 64
 

@@ -71,8 +71,6 @@ def pagerduty_event(n: Notification, routing_key: str) -> dict:
 class PagerDutyNotifier(HttpNotifier):
     """Triggers and resolves PagerDuty incidents, one event per request."""
 
-    type = "pagerduty"
-
     def __init__(self, name: str, routing_key: str, *, url: str = DEFAULT_URL, timeout: float = 10.0) -> None:
         super().__init__(name, timeout=timeout)
         self._routing_key = routing_key

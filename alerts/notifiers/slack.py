@@ -54,8 +54,6 @@ def slack_message(n: Notification) -> dict:
 class SlackNotifier(HttpNotifier):
     """Posts one message per notification to an incoming webhook."""
 
-    type = "slack"
-
     def __init__(self, name: str, webhook_url: str, *, timeout: float = 10.0) -> None:
         super().__init__(name, timeout=timeout)
         self._url = webhook_url

@@ -41,7 +41,6 @@ def webhook_payload(batch: Sequence[Notification]) -> dict:
 class WebhookNotifier(HttpNotifier):
     """POSTs batches of notifications as JSON to any URL, with optional headers."""
 
-    type = "webhook"
     wants_repeats = True
     max_batch = 32
 
