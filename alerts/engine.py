@@ -239,7 +239,7 @@ class Engine:
         run, rank, step = report.run, report.rank, report.step
         table = self._table
         per_run = table.event_instances.setdefault((run, rank), {})
-        seen: set[tuple] = set()
+        seen: set[tuple[Any, ...]] = set()
         for ev in report.events:
             for i, rule, match in self._index.by_event.get(ev.kind, ()):
                 if not match(ev.labels):

@@ -42,7 +42,7 @@ def _number_or_nan(v: Any) -> float:
     return math.nan if v is None else float(v)
 
 
-def export_row(key: tuple, inst: AlertInstance) -> dict[str, Any]:
+def export_row(key: tuple[Any, ...], inst: AlertInstance) -> dict[str, Any]:
     """One instance as a JSON-ready dict (NaN as None)."""
     out: dict[str, Any] = {
         "alertname": inst.rule.alert,

@@ -108,7 +108,7 @@ class AlertService:
             runbook_base_url=runbook_base_url,
         )
         self._resends = any(n.wants_repeats for n in notifiers)
-        self._last_sent: dict[tuple, float] = {}
+        self._last_sent: dict[tuple[Any, ...], float] = {}
         self._lock = threading.Lock()
         self._ticker = Ticker(self.tick, tick_interval)
         self._listeners: list[Callable[[ReportView | None, list[Transition]], None]] = []

@@ -245,7 +245,7 @@ class VerdictBuilder:
             self.rules = [r for r in engine.rules if not isinstance(r, SilenceRule)]
         self.engine = engine
         self._runs: dict[str, RunVerdict] = {}
-        self._incidents: dict[tuple[str, tuple], Incident] = {}
+        self._incidents: dict[tuple[str, tuple[Any, ...]], Incident] = {}
 
     def observe(self, report: Report, now: float | None = None) -> list[Transition]:
         """Evaluate one report; return the engine's transitions (for log lines)."""
@@ -296,7 +296,7 @@ class VerdictBuilder:
                 if alert.step == report.step and alert.labels.get("run") == report.run:
                     self._update(alert)
 
-    def _key(self, alert: Alert) -> tuple[str, tuple]:
+    def _key(self, alert: Alert) -> tuple[str, tuple[Any, ...]]:
         return alert.alertname, tuple(sorted(alert.labels.items()))
 
     def _transition(self, t: Transition) -> None:

@@ -15,9 +15,12 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    import torch
 
 # The batch of incident I1 (docs/incidents.md), scaled down 10x in length: 84% text samples with
 # 400 label tokens, 16% image samples with 20 (the same 20:1 length ratio).
@@ -31,7 +34,7 @@ class Phase:
     normalization: str  # "per-token" (the bug) or "per-sample" (the fix)
 
 
-def _batch(gen):
+def _batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     import torch
 
     b = TEXT_SAMPLES + IMAGE_SAMPLES
@@ -44,7 +47,7 @@ def _batch(gen):
     return ids, labels, mask, modality
 
 
-def _loss(per_token, mask, normalization: str):
+def _loss(per_token: torch.Tensor, mask: torch.Tensor, normalization: str) -> torch.Tensor:
     per_token = per_token * mask
     if normalization == "per-token":  # divide by all label tokens: long samples dominate
         return per_token.sum() / mask.sum()
@@ -90,7 +93,7 @@ def run_demo(
                         labels
                     )
                     mon.track_loss(per_token, modality=modality, mask=mask, output=logits)
-                    _loss(per_token, mask, phase.normalization).backward()
+                    torch.autograd.backward(_loss(per_token, mask, phase.normalization))
                     opt.step()
                     opt.zero_grad()
                     global_step += 1
@@ -146,6 +149,6 @@ def run_demo(
     return result
 
 
-def _fmt(v, spec: str) -> str:
+def _fmt(v: float | None, spec: str) -> str:
     width = int(spec.split(".")[0])
     return format(v, spec) if v is not None else "-".rjust(width)

@@ -41,11 +41,12 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-__all__ = ["DRIFT", "KEEP_SECONDS", "LIFETIME", "LifetimeDrift", "judged", "judged_batch"]
+__all__ = ["DRIFT", "KEEP_SECONDS", "LIFETIME", "LifetimeDrift", "judged", "judged_batch", "judging"]
 
 DRIFT = "param_drift_log2"
 """The drift figure as the hooks send it (since the monitor's own reference)."""
@@ -172,3 +173,13 @@ def judged_batch(batch: Any) -> Any:
     if all(a is b for a, b in zip(reports, batch.reports, strict=True)):
         return batch
     return _Judged(reports)
+
+
+def judging(observe: Callable[[Any, float | None], object]) -> Callable[[Any, float | None], None]:
+    """An ingest callback (the store's ``on_ingest``) handing ``observe`` each batch as
+    the rules judge it (:func:`judged_batch`); the store keeps the figures as sent."""
+
+    def callback(batch: Any, now: float | None = None) -> None:
+        observe(judged_batch(batch), now)
+
+    return callback
