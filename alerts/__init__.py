@@ -27,7 +27,8 @@ Modules, one concept each (the rule format is in ``docs/rules.md``):
   alert and one run; ``alert_table``: the alerts held, bounded per rule and run;
   ``engine_state``: their export and restore across a restart;
 - ``verdict``: a run's incidents from the engine's transitions; ``verdict_text``: the
-  verdict as log lines and a table; ``report_files``: reading recorded reports;
+  verdict as log lines and a table (recorded reports are read by
+  :mod:`trainvitals.wire.report_files`);
 - ``local``: LocalEvaluator (in-process, logs); ``service``: AlertService (collector:
   evaluation, wiring); ``notifications``: an alert as a notification, with its links;
   ``state_writer``: saving the service's state as it changes; ``reconcile``: the

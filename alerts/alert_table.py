@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 from trainvitals.alerts.instances import AlertInstance
 from trainvitals.alerts.model import Rule
@@ -43,14 +44,16 @@ class AlertTable:
         # Instances per rule: with none, a value short of the threshold needs no state lookup.
         self.live = [0] * rule_count
         # (run, rank) -> event-rule instances of that run, for holds.
-        self.event_instances: dict[tuple[str, int], dict[tuple, AlertInstance]] = {}
+        self.event_instances: dict[tuple[str, int], dict[tuple[Any, ...], AlertInstance]] = {}
         # (rule index, run) -> alerts held; past the bound new ones are counted, not opened.
         self._per_rule_run: dict[tuple[int, str], int] = {}
         self._flooded: set[tuple[int, str]] = set()  # said once per rule and run
         self.suppressed: dict[str, int] = {}
         """Alerts not opened past ``max_alerts_per_rule``, by alert name."""
 
-    def bounded(self, key: tuple, rule: Rule, labels: Mapping[str, str], run: str, rank: int) -> AlertInstance | None:
+    def bounded(
+        self, key: tuple[Any, ...], rule: Rule, labels: Mapping[str, str], run: str, rank: int
+    ) -> AlertInstance | None:
         """A new alert of ``rule`` in ``run``, unless the rule holds ``max_alerts_per_rule``
         there already (a rule on a free label: one alert per value): then None, counted in
         :attr:`suppressed` and logged once per rule and run."""
@@ -69,7 +72,7 @@ class AlertTable:
             return None
         return self.new(key, rule, series_labels(run, rank, labels), run)
 
-    def new(self, key: tuple, rule: Rule, labels: dict[str, str], run: str) -> AlertInstance:
+    def new(self, key: tuple[Any, ...], rule: Rule, labels: dict[str, str], run: str) -> AlertInstance:
         """A new alert, whatever the bound (RunSilent's one per run; a restart's)."""
         inst = self.instances[key] = AlertInstance(rule, key[0], labels, run, key)
         self.live[key[0]] += 1
@@ -77,11 +80,11 @@ class AlertTable:
         self._per_rule_run[per] = self._per_rule_run.get(per, 0) + 1
         return inst
 
-    def file_event(self, key: tuple, inst: AlertInstance) -> None:
+    def file_event(self, key: tuple[Any, ...], inst: AlertInstance) -> None:
         """File an event rule's alert under its run and rank, for its hold."""
         self.event_instances.setdefault((key[1], key[2]), {})[key] = inst
 
-    def drop(self, key: tuple, inst: AlertInstance) -> None:
+    def drop(self, key: tuple[Any, ...], inst: AlertInstance) -> None:
         """Forget one alert (inactive again, expired, or its run forgotten)."""
         del self.instances[key]
         self.live[key[0]] -= 1

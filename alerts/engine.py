@@ -23,8 +23,9 @@ resolved (-> pending/firing again).
   sample's labels).
 - Event rules fire on the report that carries the event and resolve on a later
   report of the same run without it, once ``hold_steps``/``hold`` have passed
-  since the last such event. A ``run_end`` event marks a run finished:
-  RunSilent stays quiet for it, and its firing alerts resolve with the reason
+  since the last such event. A ``run_end`` event ends a run (until a later report
+  of it without one: :func:`trainvitals.wire.ends_run`): RunSilent stays quiet for
+  it while it has ended, and its firing alerts resolve with the reason
   (``run r ended at step s``; pending ones are dropped) unless the engine was built
   with ``resolve_on_run_end=False`` (a replay judging what fired up to the end).
 - Timers (``tick``): RunSilent, holds in seconds, forgetting runs silent for
@@ -123,8 +124,7 @@ class Engine:
                 info.last_seen = max(info.last_seen, now)
                 info.last_step = step
             self._dirty_runs.add(run)
-            ended = ends_run(report)
-            info.closed = ended
+            ended = info.ended = ends_run(report)
             for i, _rule in index.silence:
                 inst = self._instances.get((i, run, 0, ()))
                 if inst is not None and inst.state is AlertState.FIRING:
@@ -239,7 +239,7 @@ class Engine:
         run, rank, step = report.run, report.rank, report.step
         table = self._table
         per_run = table.event_instances.setdefault((run, rank), {})
-        seen: set[tuple] = set()
+        seen: set[tuple[Any, ...]] = set()
         for ev in report.events:
             for i, rule, match in self._index.by_event.get(ev.kind, ()):
                 if not match(ev.labels):
@@ -283,7 +283,7 @@ class Engine:
                 if silent >= self.run_ttl:
                     out.extend(self._forget_run(run, now))
                     continue
-                if info.closed:
+                if info.ended:
                     continue
                 for i, rule in self._index.silence:
                     if silent < rule.silent_for:
@@ -335,7 +335,7 @@ class Engine:
     # ------------------------------------------------------------- persistence
 
     def export_runs(self, dirty: bool = False) -> list[RunRow]:
-        """``(run, last_seen, last_step, closed)`` per run; ``dirty``: only the runs changed
+        """``(run, last_seen, last_step, ended)`` per run; ``dirty``: only the runs changed
         since the last such call, a forgotten run as ``(run, None, None, None)``
         (:mod:`trainvitals.alerts.engine_state`)."""
         with self._lock:

@@ -3,7 +3,7 @@
 The collector's state file (an :class:`~trainvitals.alerts.persistence.AlertPersistence`)
 keeps what :func:`export_runs` and :func:`export_alerts` give, and
 :func:`restore` brings it back into a fresh engine's tables. A run is
-``(run, last_seen, last_step, closed)``; an alert a JSON-ready row (:func:`export_row`,
+``(run, last_seen, last_step, ended)``; an alert a JSON-ready row (:func:`export_row`,
 NaN as None) carrying its rule's name and index, its series and the fields of its
 state machine named in :data:`EXPORTED_FIELDS`. ``Engine.export_runs``,
 ``Engine.export_alerts`` and ``Engine.restore`` call these under the engine's lock.
@@ -42,7 +42,7 @@ def _number_or_nan(v: Any) -> float:
     return math.nan if v is None else float(v)
 
 
-def export_row(key: tuple, inst: AlertInstance) -> dict[str, Any]:
+def export_row(key: tuple[Any, ...], inst: AlertInstance) -> dict[str, Any]:
     """One instance as a JSON-ready dict (NaN as None)."""
     out: dict[str, Any] = {
         "alertname": inst.rule.alert,
@@ -61,12 +61,12 @@ def export_row(key: tuple, inst: AlertInstance) -> dict[str, Any]:
 
 
 def export_runs(runs: Mapping[str, RunState], names: Iterable[str]) -> list[RunRow]:
-    """``(run, last_seen, last_step, closed)`` for each of ``names``; a run no longer
+    """``(run, last_seen, last_step, ended)`` for each of ``names``; a run no longer
     in ``runs`` (forgotten) as ``(run, None, None, None)``."""
     out: list[RunRow] = []
     for name in names:
         info = runs.get(name)
-        out.append((name, None, None, None) if info is None else (name, info.last_seen, info.last_step, info.closed))
+        out.append((name, None, None, None) if info is None else (name, info.last_seen, info.last_step, info.ended))
     return out
 
 
@@ -100,9 +100,9 @@ def restore(
     its series clears and does not fire (page) again while it holds.
     """
     gone = []
-    for run, last_seen, last_step, closed in run_rows:
+    for run, last_seen, last_step, ended in run_rows:
         if run not in runs:
-            runs[run] = RunState(last_seen, last_step, bool(closed))
+            runs[run] = RunState(last_seen, last_step, bool(ended))
     for row in alert_rows:
         index = rule_index_of(by_name, row)
         if index is None:

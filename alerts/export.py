@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import yaml
 
@@ -67,7 +68,7 @@ def _duration(seconds: float) -> str:
     return "".join(parts) or "0s"
 
 
-def _selector(metric: str, matchers) -> str:
+def _selector(metric: str, matchers: Iterable[Any]) -> str:
     inner = ", ".join(m.promql() for m in matchers)
     return f"{PREFIX}{metric}{{{inner}}}" if inner else f"{PREFIX}{metric}"
 
@@ -114,9 +115,9 @@ class _Exporter:
         self.increase_window = _duration(parse_duration(increase_window))
         self.runbook_base_url = runbook_base_url
 
-    def rule(self, rule: Rule) -> tuple[dict | None, list[str]]:
+    def rule(self, rule: Rule) -> tuple[dict[str, Any] | None, list[str]]:
         notes: list[str] = []
-        out: dict = {"alert": rule.alert}
+        out: dict[str, Any] = {"alert": rule.alert}
         if isinstance(rule, ThresholdRule):
             out["expr"] = self._threshold_expr(rule, notes)
             for_s = max(rule.for_steps * self.step_seconds, rule.for_)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from trainvitals.alerts.model import Rule
 from trainvitals.alerts.state import Alert, AlertState
+
+_A = TypeVar("_A", bound=Alert)
 
 __all__ = ["AlertInstance", "RunState"]
 
@@ -24,7 +26,7 @@ class AlertInstance:
     index: int
     labels: dict[str, str]
     run: str
-    key: tuple
+    key: tuple[Any, ...]
     state: AlertState = AlertState.INACTIVE
     value: float = math.nan
     step: int | None = None
@@ -47,7 +49,7 @@ class AlertInstance:
             return self.resolved_at
         return self.pending_time
 
-    def snapshot(self, cls: type[Alert] = Alert, **extra: Any) -> Any:
+    def snapshot(self, cls: type[_A] = Alert, **extra: Any) -> _A:  # type: ignore[assignment]  # mypy: default of a TypeVar-typed argument
         return cls(
             rule=self.rule,
             labels=dict(self.labels),
@@ -68,4 +70,5 @@ class AlertInstance:
 class RunState:
     last_seen: float
     last_step: int
-    closed: bool = False
+    ended: bool = False
+    """Whether the run has ended: its latest report ended it (:func:`~trainvitals.wire.ends_run`)."""

@@ -20,29 +20,10 @@ from typing import Any
 from trainvitals.alerts.loading import RuleSpec
 from trainvitals.alerts.state import Alert, AlertState, Transition
 from trainvitals.alerts.verdict import RunVerdict, VerdictBuilder
-from trainvitals.alerts.verdict_text import format_value, format_verdict
+from trainvitals.alerts.verdict_text import format_transition, format_verdict
 from trainvitals.wire import Report
 
 __all__ = ["LocalEvaluator", "format_transition"]
-
-
-def format_transition(t: Transition, runbook: str | None = None) -> str:
-    """One log line: ``GradientDilution firing at step 21 (value 17.0): <summary> {run=..., ...} runbook: ...``
-    (``runbook``: the link to show, the collector's page; default the rule's own
-    reference); a resolve reads as :meth:`~trainvitals.alerts.state.Alert.resolved_summary`."""
-    if t.state is AlertState.RESOLVED:
-        return t.resolved_summary()
-    labels = ", ".join(f"{k}={v}" for k, v in t.labels.items())
-    where = f" at step {t.step}" if t.step is not None else ""
-    shown = ""
-    if t.value == t.value:
-        shown = f" (value {format_value(t.value)})"
-    text = f"{t.alertname} {t.state.value}{where}{shown}: {t.summary} {{{labels}}}"
-    if t.reason:
-        text += f" ({t.reason})"
-    if t.state is AlertState.FIRING and t.rule.runbook:
-        text += f" runbook: {runbook or t.rule.runbook}"
-    return text
 
 
 class LocalEvaluator:

@@ -286,7 +286,7 @@ class _RuleBase(_Model):
         return RULE_FIELDS | set(SERIES_LABELS)
 
     @model_validator(mode="after")
-    def _templates(self):
+    def _templates(self) -> _RuleBase:
         allowed = self.template_fields()
         for field_name in ("summary", "description"):
             try:

@@ -123,7 +123,7 @@ def _markdown_html(text: str) -> str:
     # Links into the repository's docs cannot open from the collector: show the path.
     text = _DOCS_LINK.sub(lambda m: f"] (docs/{m.group(1)}{m.group(2) or ''})", text)
     md = MarkdownIt("commonmark", {"html": False, "linkify": False})
-    return md.render(text)
+    return str(md.render(text))
 
 
 _STYLE = (

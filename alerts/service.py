@@ -45,7 +45,6 @@ from prometheus_client.core import Metric
 from trainvitals.alerts.dispatch import Dispatcher, RetryPolicy
 from trainvitals.alerts.engine import DEFAULT_MAX_ALERTS_PER_RULE, Engine
 from trainvitals.alerts.loading import RuleSpec, resolve_rules
-from trainvitals.alerts.local import format_transition
 from trainvitals.alerts.notifications import NotificationBuilder
 from trainvitals.alerts.notifiers.base import Notifier
 from trainvitals.alerts.notifiers.config import build_notifiers
@@ -55,6 +54,7 @@ from trainvitals.alerts.service_views import alert_rows, metric_families
 from trainvitals.alerts.state import Alert, AlertState, Transition
 from trainvitals.alerts.state_writer import StateWriter
 from trainvitals.alerts.ticker import Ticker
+from trainvitals.alerts.verdict_text import format_transition
 from trainvitals.wire.views import BatchView, ReportView
 
 __all__ = ["AlertService"]
@@ -108,7 +108,7 @@ class AlertService:
             runbook_base_url=runbook_base_url,
         )
         self._resends = any(n.wants_repeats for n in notifiers)
-        self._last_sent: dict[tuple, float] = {}
+        self._last_sent: dict[tuple[Any, ...], float] = {}
         self._lock = threading.Lock()
         self._ticker = Ticker(self.tick, tick_interval)
         self._listeners: list[Callable[[ReportView | None, list[Transition]], None]] = []

@@ -2,29 +2,40 @@
 
 Views of the service's state, apart from the evaluation, notification and persistence
 in :mod:`trainvitals.alerts.service` (whose ``alerts()`` and ``metric_families()`` call
-these).
+these). They read the service through :class:`ServiceView`, the little of it they need,
+so that this module does not import the service.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from trainvitals.alerts.engine import Engine
 from trainvitals.alerts.notifiers.base import rfc3339
-from trainvitals.alerts.state import AlertState
+from trainvitals.alerts.state import Alert, AlertState
 from trainvitals.wire import METRICS, PREFIX, exposed_family
 
-if TYPE_CHECKING:
-    from trainvitals.alerts.service import AlertService
+__all__ = ["ServiceView", "alert_rows", "metric_families"]
 
-__all__ = ["alert_rows", "metric_families"]
+
+class ServiceView(Protocol):
+    """What the views read of an :class:`~trainvitals.alerts.service.AlertService`."""
+
+    engine: Engine
+
+    def runbook_url(self, a: Alert) -> str: ...
+
+    def run_url(self, run: str) -> str: ...
+
+    def stats(self) -> dict[str, dict[str, int]]: ...
 
 
 def alert_rows(
-    service: AlertService,
+    service: ServiceView,
     include_pending: bool = True,
     *,
     run: str | None = None,
@@ -77,7 +88,7 @@ def alert_rows(
     return out
 
 
-def metric_families(service: AlertService) -> Iterator[Metric]:
+def metric_families(service: ServiceView) -> Iterator[Metric]:
     """Fresh metric families for the collector's exposition (a prometheus Collector)."""
     firing = GaugeMetricFamily(
         PREFIX + "alerts_firing", METRICS["alerts_firing"].help, labels=["alertname", "severity", "run"]

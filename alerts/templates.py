@@ -49,7 +49,7 @@ def check_template(text: str, allowed: frozenset[str]) -> None:
         raise ValueError(f"template does not render: {exc}") from None
 
 
-class _Missing(dict):
+class _Missing(dict[str, Any]):
     def __missing__(self, key: str) -> str:
         return "?"
 

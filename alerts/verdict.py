@@ -14,7 +14,7 @@ RunSilent rules are left out: a file of reports, or a job that is reporting, is
 not silent. Pure Python, no torch, no I/O besides reading the runbooks once.
 The verdict in words (log lines, the ``check`` table) is
 :mod:`trainvitals.alerts.verdict_text`'s; reading recorded reports,
-:mod:`trainvitals.alerts.report_files`'.
+:mod:`trainvitals.wire.report_files`'.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from trainvitals.alerts.loading import RuleSpec, resolve_rules
 from trainvitals.alerts.model import Rule, SilenceRule, ThresholdRule
 from trainvitals.alerts.state import Alert, AlertState, Transition
 from trainvitals.alerts.templates import render_template
-from trainvitals.wire import METRICS, RUN_END_EVENT, Report
+from trainvitals.wire import METRICS, Report, ends_run
 from trainvitals.wire.coverage import NOT_BLIND, REASONS, SIGNALS
 
 __all__ = ["Incident", "RunVerdict", "VerdictBuilder", "action_for", "runbook_fix"]
@@ -128,7 +128,8 @@ class RunVerdict:
     first_step: int | None = None
     last_step: int | None = None
     ended: bool = False
-    """A report carried ``run_end`` (the job closed its monitor)."""
+    """The run has ended: its latest report carried ``run_end`` (the job closed its
+    monitor; :func:`~trainvitals.wire.ends_run`)."""
     incidents: list[Incident] = field(default_factory=list)
     source: str | None = None
     """The file the reports came from, where the same run name is in several files
@@ -244,7 +245,7 @@ class VerdictBuilder:
             self.rules = [r for r in engine.rules if not isinstance(r, SilenceRule)]
         self.engine = engine
         self._runs: dict[str, RunVerdict] = {}
-        self._incidents: dict[tuple[str, tuple], Incident] = {}
+        self._incidents: dict[tuple[str, tuple[Any, ...]], Incident] = {}
 
     def observe(self, report: Report, now: float | None = None) -> list[Transition]:
         """Evaluate one report; return the engine's transitions (for log lines)."""
@@ -277,10 +278,8 @@ class VerdictBuilder:
                     run.coverage[group] = run.coverage.get(group, 0) + 1
         run.first_step = report.step if run.first_step is None else min(run.first_step, report.step)
         run.last_step = report.step if run.last_step is None else max(run.last_step, report.step)
-        ends = any(ev.kind == RUN_END_EVENT for ev in report.events)
-        if ends:
-            run.ended = True
-        elif report.samples:  # the run_end report repeats the last coverage: counted once
+        run.ended = ends = ends_run(report)
+        if not ends and report.samples:  # the run_end report repeats the last coverage: counted once
             for entry in getattr(report, "coverage", None) or ():
                 sig = run.signals.get(entry.signal)
                 if sig is None:
@@ -297,7 +296,7 @@ class VerdictBuilder:
                 if alert.step == report.step and alert.labels.get("run") == report.run:
                     self._update(alert)
 
-    def _key(self, alert: Alert) -> tuple[str, tuple]:
+    def _key(self, alert: Alert) -> tuple[str, tuple[Any, ...]]:
         return alert.alertname, tuple(sorted(alert.labels.items()))
 
     def _transition(self, t: Transition) -> None:

@@ -3,7 +3,9 @@
 :func:`format_verdict` writes one run's :class:`~trainvitals.alerts.verdict.RunVerdict`
 as a headline and one line per incident with what to do; :func:`verdict_table` every
 incident of every run as a plain-text table; :func:`format_value` a figure as both show
-it. The verdict itself is computed in :mod:`trainvitals.alerts.verdict`.
+it; :func:`format_transition` one alert's move as the log line both the in-job
+evaluator (:mod:`trainvitals.alerts.local`) and the collector's alert service write.
+The verdict itself is computed in :mod:`trainvitals.alerts.verdict`.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from trainvitals.alerts.state import AlertState, Transition
 from trainvitals.alerts.verdict import RunVerdict
 
-__all__ = ["checked_text", "format_value", "format_verdict", "verdict_table"]
+__all__ = ["checked_text", "format_transition", "format_value", "format_verdict", "verdict_table"]
 
 
 def format_value(value: float) -> str:
@@ -21,6 +24,25 @@ def format_value(value: float) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "nan"
     return f"{value:.4g}"
+
+
+def format_transition(t: Transition, runbook: str | None = None) -> str:
+    """One log line: ``GradientDilution firing at step 21 (value 17.0): <summary> {run=..., ...} runbook: ...``
+    (``runbook``: the link to show, the collector's page; default the rule's own
+    reference); a resolve reads as :meth:`~trainvitals.alerts.state.Alert.resolved_summary`."""
+    if t.state is AlertState.RESOLVED:
+        return t.resolved_summary()
+    labels = ", ".join(f"{k}={v}" for k, v in t.labels.items())
+    where = f" at step {t.step}" if t.step is not None else ""
+    shown = ""
+    if t.value == t.value:
+        shown = f" (value {format_value(t.value)})"
+    text = f"{t.alertname} {t.state.value}{where}{shown}: {t.summary} {{{labels}}}"
+    if t.reason:
+        text += f" ({t.reason})"
+    if t.state is AlertState.FIRING and t.rule.runbook:
+        text += f" runbook: {runbook or t.rule.runbook}"
+    return text
 
 
 _WHY_NOT = {

@@ -383,8 +383,8 @@ def _cond_met(cond: Any, value: float | None) -> bool | None:
     if value is None or not math.isfinite(value):
         return None
     if cond.above is not None:
-        return value > cond.above
-    return value < cond.below
+        return bool(value > cond.above)
+    return bool(value < cond.below)
 
 
 def judge(looks: list[Look], reference: Reference) -> Audit:

@@ -28,7 +28,7 @@ class _Findings:
 
 
 def _step(lk: Any) -> int:
-    return lk.step if lk.step is not None else lk.index + 1
+    return int(lk.step if lk.step is not None else lk.index + 1)
 
 
 def render_audit(result: Audit, run: str | None = None) -> str:

@@ -444,7 +444,8 @@ def _safetensors_ref(path: Path, name: str, shape: tuple[int, ...], dtype: torch
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt", device="cpu") as h:
-            return h.get_tensor(name)
+            tensor: torch.Tensor = h.get_tensor(name)
+        return tensor
 
     return TensorRef(shape, dtype, read, lambda: _row_chunks(path, name, shape, read))
 

@@ -1,18 +1,26 @@
 """``trainvitals demo``: incident I1 live, on the CPU, in under a minute.
 
-A collector starts in-process; a tiny two-modality model trains first with the
-bug (per-token loss normalization over a batch of long text samples and short
-image answers: the image samples get ~17x less gradient than their share), then
-with the fix (per-sample normalization). The live signals are printed, and the
-GradientDilution alert is seen firing and then resolving.
+A tiny two-modality model trains first with the bug (per-token loss normalization
+over a batch of long text samples and short image answers: the image samples get
+~17x less gradient than their share), then with the fix (per-sample normalization),
+reporting to a collector the caller started in-process. The live signals are
+printed, and the GradientDilution alert is seen firing and then resolving. The
+command, which starts the collector, is :mod:`trainvitals.monitor.cli_demo`'s: this
+package imports the hooks only.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    import torch
 
 # The batch of incident I1 (docs/incidents.md), scaled down 10x in length: 84% text samples with
 # 400 label tokens, 16% image samples with 20 (the same 20:1 length ratio).
@@ -26,7 +34,7 @@ class Phase:
     normalization: str  # "per-token" (the bug) or "per-sample" (the fix)
 
 
-def _batch(gen):
+def _batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     import torch
 
     b = TEXT_SAMPLES + IMAGE_SAMPLES
@@ -39,38 +47,28 @@ def _batch(gen):
     return ids, labels, mask, modality
 
 
-def _loss(per_token, mask, normalization: str):
+def _loss(per_token: torch.Tensor, mask: torch.Tensor, normalization: str) -> torch.Tensor:
     per_token = per_token * mask
     if normalization == "per-token":  # divide by all label tokens: long samples dominate
         return per_token.sum() / mask.sum()
     return (per_token.sum(1) / mask.sum(1)).mean()  # mean of sample means: every sample counts once
 
 
-def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
-    """Run both phases; return what happened (for tests)."""
+def run_demo(
+    *, steps: int, collector: AbstractContextManager[str], serve: bool, echo: Callable[[str], None] = click.echo
+) -> dict[str, Any]:
+    """Run both phases against the collector ``collector`` starts (a context manager
+    giving its URL, stopped at the end); return what happened (for tests)."""
     import httpx
     import torch
     import torch.nn.functional as F
     from torch import nn
 
     from trainvitals.hooks import attach
-    from trainvitals.monitor.app import create_app
-    from trainvitals.monitor.server import PortInUse, serve_in_thread
-    from trainvitals.monitor.settings import Settings
 
     torch.set_num_threads(1)
-    # state_path=None: a throwaway collector keeps no state file (nor shares one).
-    settings = Settings(port=port, rules="default", log_level="warning", state_path=None)
-    app = create_app(settings)
-    result: dict = {"fired_at": None, "resolved_at": None, "rows": []}
-    try:
-        server = serve_in_thread(app, port=port)
-        url = server.__enter__()
-    except PortInUse as exc:
-        raise click.ClickException(
-            f"{exc.strerror}. The demo runs its own collector: `trainvitals demo --port 0` picks a free port."
-        ) from None
-    try:
+    result: dict[str, Any] = {"fired_at": None, "resolved_at": None, "rows": []}
+    with collector as url:
         echo(f"collector: {url}  (metrics: {url}/metrics, alerts: {url}/v1/alerts)")
         torch.manual_seed(0)
         model = nn.Sequential(nn.Embedding(VOCAB, DIM), nn.RMSNorm(DIM), nn.Linear(DIM, VOCAB))
@@ -95,7 +93,7 @@ def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
                         labels
                     )
                     mon.track_loss(per_token, modality=modality, mask=mask, output=logits)
-                    _loss(per_token, mask, phase.normalization).backward()
+                    torch.autograd.backward(_loss(per_token, mask, phase.normalization))
                     opt.step()
                     opt.zero_grad()
                     global_step += 1
@@ -148,37 +146,9 @@ def run_demo(*, steps: int, port: int, serve: bool, echo=click.echo) -> dict:
                 "\nThe demo's collector stops now (--no-serve). Without --no-serve it stays up with these pages:\n"
                 + pages.replace(url, "http://127.0.0.1:PORT")
             )
-    finally:
-        server.__exit__(None, None, None)
     return result
 
 
-def _fmt(v, spec: str) -> str:
+def _fmt(v: float | None, spec: str) -> str:
     width = int(spec.split(".")[0])
     return format(v, spec) if v is not None else "-".rjust(width)
-
-
-@click.command("demo")
-@click.option(
-    "--steps",
-    type=click.IntRange(25, 10_000),
-    default=40,
-    show_default=True,
-    help="Optimizer steps per phase (bug, then fix).",
-)
-@click.option("--port", type=int, default=9477, show_default=True, help="Collector port (0: any free port).")
-@click.option("--no-serve", is_flag=True, help="Exit when done instead of leaving /metrics up.")
-def demo(steps: int, port: int, no_serve: bool) -> None:
-    """Watch incident I1 (gradient dilution) fire and resolve on a tiny CPU model."""
-    import logging
-
-    # The demo prints what matters itself; keep the hooks' own log lines out of the table.
-    logger = logging.getLogger("trainvitals")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        result = run_demo(steps=steps, port=port, serve=not no_serve)
-    finally:
-        logger.setLevel(level)
-    if not result["fired_at"]:
-        raise click.ClickException("the GradientDilution alert did not fire; this is a bug, please report it")

@@ -33,7 +33,7 @@ from typing import Any
 from trainvitals.hooks.pack import PendingReport
 from trainvitals.hooks.sinks import Sink
 from trainvitals.wire.body import encode_report
-from trainvitals.wire.schema import RUN_END_EVENT, Report
+from trainvitals.wire.schema import RUN_END_EVENT, Report, ends_run
 
 __all__ = ["Sender"]
 
@@ -272,7 +272,7 @@ class Sender:
             )
             data = encode_report(validated)
             self._last_head = {"run": validated.run, "rank": validated.rank, "step": validated.step}
-            self._last_ended = any(ev.kind == RUN_END_EVENT for ev in validated.events)
+            self._last_ended = ends_run(validated)
         except Exception as exc:  # noqa: BLE001 - never let a bad report kill the thread
             with self._cond:
                 self.dropped += 1

@@ -52,7 +52,7 @@ from trainvitals.monitor import (
 from trainvitals.monitor.answers import refused_response
 from trainvitals.monitor.auth import ReadAuthMiddleware
 from trainvitals.monitor.exposition import ReportCounter, StoreCollector
-from trainvitals.monitor.lifetime import LifetimeDrift
+from trainvitals.monitor.lifetime import LifetimeDrift, judging
 from trainvitals.monitor.run_settings import RunSettingsTable
 from trainvitals.monitor.settings import Settings, SettingsError
 from trainvitals.monitor.state_db import StateDB
@@ -110,7 +110,8 @@ def create_app(
                 state.close()  # release the file's lock: this app will never run
             raise
     # Rules are evaluated as reports arrive (cheap, no I/O); notifiers send from their own threads.
-    store.on_ingest(alerts.observe_batch)
+    # They judge drift over the run's life (lifetime.judging), the store keeps it as sent.
+    store.on_ingest(judging(alerts.observe_batch))
     exporter.register_family_source(alerts.metric_families)
 
     if state is not None:

@@ -1,4 +1,8 @@
-"""Optional bearer token on the read endpoints (setting ``read_token``).
+"""The collector's tokens: the ingest ``token`` and the optional ``read_token``.
+
+:func:`check_ingest_token` guards ``POST /v1/reports`` and the live-settings writes with
+the ingest token (setting ``token``, which jobs send). The rest of this module is the
+optional bearer token on the read endpoints (setting ``read_token``).
 
 ``GET /metrics``, ``/v1/runs``, ``/v1/alerts`` and the API docs (``/docs``,
 ``/redoc``, ``/openapi.json``) then need ``Authorization: Bearer <read_token>``
@@ -16,13 +20,27 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import secrets
 from typing import Any
 
-__all__ = ["ReadAuthMiddleware", "read_protected"]
+from trainvitals.wire.bearer import bearer_matches, challenge
+from trainvitals.wire.errors import Refused
+
+__all__ = ["ReadAuthMiddleware", "check_ingest_token", "read_protected"]
 
 _OPEN = ("/healthz", "/readyz")
-_REALM = 'Bearer realm="trainvitals"'
+
+
+def check_ingest_token(header: str | None, expected: str | None) -> None:
+    """Refuse (401, outcome ``unauthorized``) unless ``header`` is ``Bearer <expected>``;
+    no token set (``expected`` None): pass."""
+    if expected is None or bearer_matches(header, expected):
+        return
+    detail = (
+        "invalid bearer token" if header is not None else "missing bearer token: send 'Authorization: Bearer <token>'"
+    )
+    raise Refused(
+        detail, status=401, outcome="unauthorized", headers={"WWW-Authenticate": challenge(header is not None)}
+    )
 
 
 def read_protected(method: str, path: str) -> bool:
@@ -67,9 +85,8 @@ class ReadAuthMiddleware:
                 break
         scheme, _, given = header.partition(b" ")
         if scheme.lower() == b"basic":  # a browser on the pages: the token is the password
-            given, scheme = _basic_password(given.strip()), b"bearer"
-        # compare_digest: the time taken does not tell how much of the token matched.
-        if scheme.lower() == b"bearer" and secrets.compare_digest(given.strip(), self._token):
+            header = b"Bearer " + _basic_password(given.strip())
+        if bearer_matches(header, self._token):
             await self.app(scope, receive, send)
             return
         detail = (
@@ -81,11 +98,10 @@ class ReadAuthMiddleware:
             )
         )
         body = json.dumps({"detail": detail}).encode()
-        challenge = _REALM + (', error="invalid_token"' if header else "")
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", challenge.encode()),
+            (b"www-authenticate", challenge(bool(header)).encode()),
         ]
         if _is_page(scope["path"]):  # a browser asks for the token (as the password)
             headers.append((b"www-authenticate", b'Basic realm="trainvitals", charset="UTF-8"'))

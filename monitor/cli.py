@@ -6,7 +6,6 @@ here, or call ``main.add_command(cmd)`` from another module imported below.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import click
 
-from trainvitals.alerts.report_files import first_error
 from trainvitals.monitor.cli_options import bearer_token, token_options
 from trainvitals.monitor.settings import DEFAULT_PORT, Settings, SettingsError
-from trainvitals.wire import Report, ReportBatch, encode_body, encode_report
+from trainvitals.wire import encode_body, encode_report
+from trainvitals.wire.report_files import ReportFileError, read_report_file
 
 if TYPE_CHECKING:
     import httpx
@@ -177,23 +176,11 @@ def _detail(resp: httpx.Response) -> str:
 
 def _reports(file: Path) -> Iterator[tuple[int, bytes]]:
     """(line number, one report's wire JSON) for each report in the file."""
-    with file.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise click.ClickException(f"{file}:{lineno}: not valid JSON: {exc}") from None
-            try:
-                if isinstance(obj, dict) and "reports" in obj:
-                    reports = list(ReportBatch.model_validate(obj).reports)
-                else:
-                    reports = [Report.model_validate(obj)]
-            except ValueError as exc:  # pydantic.ValidationError
-                raise click.ClickException(f"{file}:{lineno}: {first_error(exc)}") from None
-            for report in reports:
-                yield lineno, encode_report(report)
+    try:
+        for lineno, report in read_report_file(file):
+            yield lineno, encode_report(report)
+    except ReportFileError as exc:
+        raise click.ClickException(f"{exc.where}: {exc.reason}") from None
 
 
 def _batches(file: Path, size: int) -> Iterator[tuple[int, int, list[bytes]]]:
@@ -217,8 +204,8 @@ def _batches(file: Path, size: int) -> Iterator[tuple[int, int, list[bytes]]]:
 def _add_subcommands() -> None:
     from trainvitals.alerts.cli import rules
     from trainvitals.audit.cli import audit
-    from trainvitals.demo import demo
     from trainvitals.monitor.cli_check import check, report
+    from trainvitals.monitor.cli_demo import demo
     from trainvitals.monitor.cli_run import configure, run
 
     main.add_command(rules)

@@ -53,18 +53,16 @@ def decode_line(line: bytes) -> list[Any]:
     """One JSONL line (a report, or a wire body) by the collector's decoder (msgspec:
     several times cheaper than the wire models); ValueError when it refuses it."""
     from trainvitals.monitor.decode import decode_batch
+    from trainvitals.wire.report_files import line_as_body
 
-    stripped = line.strip()
-    if stripped.startswith(b"{") and b'"reports"' not in stripped[:200]:
-        stripped = b'{"schema":1,"reports":[' + stripped + b"]}"
-    return list(decode_batch(stripped).reports)
+    return list(decode_batch(line_as_body(line)).reports)
 
 
 def _judge(files: list[Path], rules: tuple[str, ...]) -> tuple[list[Any], list[str]]:
     """The verdicts of every run in ``files``, each file judged on its own; a run name
     found in several files is kept apart, each verdict named ``RUN [FILE]``, and said
     in the notes returned."""
-    from trainvitals.alerts.report_files import ReportFileError, read_report_file
+    from trainvitals.wire.report_files import ReportFileError, read_report_file
 
     per_file = []
     try:
@@ -284,7 +282,7 @@ def _preflight(
         if as_json:
             _print([], True, files=[str(path)], job=job)
         sys.exit(EXIT_JOB)
-    from trainvitals.alerts.report_files import ReportFileError, read_report_file
+    from trainvitals.wire.report_files import ReportFileError, read_report_file
 
     try:
         for _, report in read_report_file(path, decode_line):
@@ -319,8 +317,8 @@ def report(files: tuple[Path, ...], output: Path, rules: tuple[str, ...], title:
 
     Nothing in the page is fetched from elsewhere: mail it, open it offline.
     """
-    from trainvitals.alerts.report_files import ReportFileError, read_report_files
     from trainvitals.monitor.report_page import RunHistory, render_page
+    from trainvitals.wire.report_files import ReportFileError, read_report_files
 
     builder = _builder(rules)
     history = RunHistory(rules=builder.rules)

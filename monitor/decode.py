@@ -29,7 +29,7 @@ import json
 import math
 import re
 from operator import attrgetter
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 from msgspec import UNSET, Meta, Raw, UnsetType
@@ -51,8 +51,10 @@ from trainvitals.wire.schema import (
     MAX_SEQ,
     MAX_STEP,
     MAX_TIME,
-    SCHEMA_VERSION,
+    SCHEMA_MISSING,
+    SchemaVersion,
     report_problem,
+    schema_version_problem,
 )
 
 __all__ = ["BodyInvalid", "WireBatch", "WireCoverage", "WireEvent", "WireReport", "WireSample", "decode_batch"]
@@ -100,7 +102,7 @@ class WireReport(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class WireBatch(msgspec.Struct, forbid_unknown_fields=True, rename={"schema_version": "schema"}):
-    schema_version: Literal[1]
+    schema_version: SchemaVersion
     reports: Annotated[list[WireReport], Meta(min_length=1, max_length=MAX_REPORTS)]
 
 
@@ -227,11 +229,9 @@ def _reference(body: bytes) -> WireBatch:
         obj = json.loads(body, parse_float=_whole)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise BodyInvalid(f"body is not valid JSON: {exc}", json_ok=False) from None
-    if isinstance(obj, dict) and obj.get("schema", SCHEMA_VERSION) != SCHEMA_VERSION:
-        got = obj["schema"]
-        raise BodyInvalid(
-            f"schema: unsupported schema version {got!r}; this collector supports version {SCHEMA_VERSION}"
-        )
+    problem = schema_version_problem(obj)
+    if problem is not None:
+        raise BodyInvalid(problem)
     try:
         return msgspec.convert(obj, WireBatch, strict=True)
     except msgspec.ValidationError as exc:
@@ -246,7 +246,7 @@ def _describe(message: str) -> str:
     path = re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
     path = re.sub(r"\['([^']*)'\]", r".\1", path)
     if msg == "Object missing required field `schema`" and not path:
-        return f"schema: missing; this collector supports schema version {SCHEMA_VERSION}"
+        return SCHEMA_MISSING
     return f"{path or 'body'}: {msg}"
 
 

@@ -10,9 +10,10 @@ ParamDrift's 1 bit.
 
 The collector sees every segment of a run (the run's name is its identity). From the
 first report that carries a parameter's reference it keeps that reference's absmax
-``a0`` and scale ``s0`` per (run, rank, parameter), in its state file. A later report
-whose reference differs (a resumed segment) has its ``param_drift_log2`` raised,
-before the store and the rules see it, to at least
+``a0`` and scale ``s0`` per (run, rank, parameter), in its state file. Beside each
+``param_drift_log2`` sample, which is stored and exported as sent, it adds a
+``param_drift_lifetime_log2`` sample (a series of its own, same labels): the segment's
+figure, and for a later report whose reference differs (a resumed segment) at least
 
     log2(1 + |absmax(x) - a0| / s0)
 
@@ -26,7 +27,12 @@ What it does not catch: a run renamed between segments (a new run to the collect
 ``trainvitals run`` names a run after the script and the start time unless ``--run``
 or ``TRAINVITALS_RUN`` is given), references older than ``KEEP_SECONDS`` unseen, and
 drift that leaves a vector's absmax where it was (elements trading places, a sign
-flip of the largest element): those need the monitor's own state.
+flip of the largest element): those need the monitor's own state. A sample whose
+reference is not usable (zero, not finite) gets no lifetime figure.
+
+The collector's rules judge the lifetime figure: :func:`judged` gives the alert
+engine (and the pages) a view of a report in which ``param_drift_log2`` reads the
+lifetime figure; the stored and exported ``param_drift_log2`` stays the job's.
 """
 
 from __future__ import annotations
@@ -35,9 +41,17 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["KEEP_SECONDS", "LifetimeDrift"]
+import msgspec
+
+__all__ = ["DRIFT", "KEEP_SECONDS", "LIFETIME", "LifetimeDrift", "judged", "judged_batch", "judging"]
+
+DRIFT = "param_drift_log2"
+"""The drift figure as the hooks send it (since the monitor's own reference)."""
+LIFETIME = "param_drift_lifetime_log2"
+"""The collector's figure of it over the run's whole life (a separate series)."""
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +86,20 @@ class LifetimeDrift:
         return None if kept is None else kept[0]
 
     def apply(self, batch: Any, now: float | None = None) -> int:
-        """Raise, in place, the ``param_drift_log2`` samples of resumed segments to the
-        lower bound of the drift since the run's first reference; keep the first
-        references of parameters seen for the first time. ``batch``: the ingest route's
-        decoded ``WireBatch`` (mutable structs). Returns the samples raised."""
+        """Add a ``param_drift_lifetime_log2`` sample after the last sample of each report
+        for each of its ``param_drift_log2`` samples with a usable reference: the drift
+        since the run's first reference (the segment's own figure, raised to the lower
+        bound of the drift since the first reference for a resumed segment). Keep the
+        first references of parameters seen for the first time. ``batch``: the ingest
+        route's decoded ``WireBatch`` (mutable structs); the samples as sent are not
+        changed. Returns the lifetime figures above the segment's own."""
         now = time.time() if now is None else now
         fresh: list[tuple[str, int, str, float, float, float]] = []
         seen: set[str] = set()
         rewritten = 0
         with self._lock:
             for report in batch.reports:
-                drifts = [s for s in report.samples if s.name == "param_drift_log2"]
+                drifts = [s for s in report.samples if s.name == DRIFT]
                 if not drifts:
                     continue
                 if now - self._touched.get(report.run, -math.inf) >= _TOUCH_SECONDS:
@@ -97,6 +114,7 @@ class LifetimeDrift:
                     if s.name in by_name:
                         by_name[s.name][s.labels.get("param")] = s.value
                 absmax, refs, scales = by_name.values()
+                lifetimes = []
                 for s in drifts:
                     param = s.labels.get("param")
                     top, ref, scale = absmax.get(param), refs.get(param), scales.get(param)
@@ -106,14 +124,62 @@ class LifetimeDrift:
                         continue  # a zero (not yet set) or broken reference: as the hooks report it
                     key = (report.run, report.rank, param)
                     first = self._refs.get(key)
+                    value = s.value
                     if first is None:
                         self._refs[key] = (ref, scale)
                         fresh.append((*key, ref, scale, now))
                     elif abs(ref - first[0]) > _SAME * first[0] or abs(scale - first[1]) > _SAME * first[1]:
                         bound = math.log2(1 + abs(top - first[0]) / first[1])
-                        if bound > s.value:
-                            s.value = bound
+                        if bound > value:
+                            value = bound
                             rewritten += 1
+                    lifetimes.append(msgspec.structs.replace(s, name=LIFETIME, value=value))
+                if lifetimes:  # last, so that judged() finds them at once
+                    report.samples = [*report.samples, *lifetimes]
         if self._state is not None and (fresh or seen):
             self._state.save_drift_refs(fresh, seen, now)
         return rewritten
+
+
+def judged(report: Any) -> Any:
+    """``report`` as the collector's rules judge it: its ``param_drift_log2`` samples
+    read the lifetime figures :meth:`LifetimeDrift.apply` added (the report itself is
+    not changed; one without them is returned as it is)."""
+    samples = report.samples
+    if not samples or samples[-1].name != LIFETIME:
+        return report
+    life = {s.labels.get("param"): s.value for s in samples if s.name == LIFETIME}
+    out = []
+    for s in samples:
+        value = life.get(s.labels.get("param")) if s.name == DRIFT else None
+        out.append(s if value is None or value == s.value else msgspec.structs.replace(s, value=value))
+    return msgspec.structs.replace(report, samples=out)
+
+
+class _Judged:
+    """A batch's reports as :func:`judged` gives them (the ``reports`` an ingest
+    callback reads)."""
+
+    __slots__ = ("reports",)
+
+    def __init__(self, reports: list[Any]) -> None:
+        self.reports = reports
+
+
+def judged_batch(batch: Any) -> Any:
+    """``batch`` with each report as :func:`judged` gives it (the batch itself when no
+    report carries a lifetime figure)."""
+    reports = [judged(r) for r in batch.reports]
+    if all(a is b for a, b in zip(reports, batch.reports, strict=True)):
+        return batch
+    return _Judged(reports)
+
+
+def judging(observe: Callable[[Any, float | None], object]) -> Callable[[Any, float | None], None]:
+    """An ingest callback (the store's ``on_ingest``) handing ``observe`` each batch as
+    the rules judge it (:func:`judged_batch`); the store keeps the figures as sent."""
+
+    def callback(batch: Any, now: float | None = None) -> None:
+        observe(judged_batch(batch), now)
+
+    return callback

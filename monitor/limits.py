@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from typing import Any
 
+from trainvitals.monitor.lifetime import LIFETIME
 from trainvitals.monitor.series import LabelKey, RunSeries, label_key
 from trainvitals.wire import PREFIX, RESERVED_NAMES, ends_run, exposed_family
 from trainvitals.wire.coverage import coverage_samples
@@ -147,7 +148,9 @@ class NameRegistry:
             return set()  # the common case, in C: every name seen before
         fresh = {s.name for r in reports for s in r.samples} - known
         for name in sorted(fresh):
-            if name in RESERVED_NAMES:  # a batch built in process, not through the schema
+            # A batch built in process, not through the schema; the lifetime drift is the
+            # collector's own, added to the reports before the store (monitor/lifetime.py).
+            if name in RESERVED_NAMES and name != LIFETIME:
                 raise IngestRefused(f"metric name {name!r} is produced by the collector; samples may not use it")
             family = exposed_family(name)  # a counter x_total and a gauge x: both family x
             other = family if family != name else name + "_total"

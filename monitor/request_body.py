@@ -1,5 +1,6 @@
-"""Reading a ``POST /v1/reports`` body: token, content type, bounded read, bounded
-gzip inflate, JSON parse, and an error description that names the field.
+"""Reading a ``POST /v1/reports`` body: content type, bounded read, bounded gzip
+inflate, JSON parse, and an error description that names the field (the token is
+checked before, :func:`trainvitals.monitor.auth.check_ingest_token`).
 
 No routing here: :func:`read_body` returns the body's JSON bytes (inflated) and
 :func:`parse_batch` validates them into a :class:`~trainvitals.monitor.decode.WireBatch`
@@ -15,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import secrets
 import zlib
 from typing import Any
 
@@ -25,11 +25,9 @@ from trainvitals.monitor.decode import WireBatch, decode_batch
 from trainvitals.monitor.settings import Settings
 from trainvitals.wire.errors import Refused
 
-__all__ = ["MAX_NUMBER_CHARS", "BodyRefused", "check_bearer", "load_json", "parse_batch", "read_batch", "read_body"]
+__all__ = ["MAX_NUMBER_CHARS", "BodyRefused", "load_json", "parse_batch", "read_batch", "read_body"]
 
 MAX_NUMBER_CHARS = 40  # characters of one JSON number in a small body (settings); more is refused
-
-_REALM = 'Bearer realm="trainvitals"'
 
 
 class BodyRefused(Refused):
@@ -40,19 +38,19 @@ class BodyRefused(Refused):
 
 
 async def read_batch(request: Request, settings: Settings) -> WireBatch:
-    """Check, read, inflate and validate the request's body; raise :class:`BodyRefused`."""
+    """Read, inflate and validate the request's body; raise :class:`BodyRefused`."""
     return parse_batch(await read_body(request, settings))
 
 
 async def read_body(request: Request, settings: Settings) -> bytes:
-    """Check, read and inflate the request's body (JSON bytes); raise :class:`BodyRefused`.
+    """Check the content type, read and inflate the request's body (JSON bytes); raise
+    :class:`BodyRefused`.
 
     Limits from ``settings``: ``max_body_bytes`` (as sent) and
     ``max_decompressed_bytes`` (after gzip), both in bytes; the body must arrive
     within ``body_timeout_seconds`` (408 otherwise: a trickling client does not
     hold a connection for ever).
     """
-    check_token(request, settings)
     check_content_type(request)
     body = await read_limited(request, settings.max_body_bytes, settings.body_timeout_seconds)
     return inflate(request, body, settings.max_decompressed_bytes)
@@ -130,34 +128,6 @@ def _long_number(value: Any, path: str) -> tuple[str, int] | None:
         if found is not None:
             return found
     return None
-
-
-def check_token(request: Request, settings: Settings) -> None:
-    """Refuse (401) a request without the configured bearer token; no token set: pass."""
-    if settings.token is None:
-        return
-    check_bearer(request.headers.get("authorization"), settings.token.get_secret_value())
-
-
-def check_bearer(header: str | None, expected: str) -> None:
-    """Refuse (401) unless ``header`` is ``Bearer <expected>``."""
-    if header is None:
-        raise BodyRefused(
-            401,
-            "unauthorized",
-            "missing bearer token: send 'Authorization: Bearer <token>'",
-            {"WWW-Authenticate": _REALM},
-        )
-    scheme, _, given = header.partition(" ")
-    token = expected.encode()
-    # compare_digest: the time taken does not tell how much of the token matched.
-    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token):
-        raise BodyRefused(
-            401,
-            "unauthorized",
-            "invalid bearer token",
-            {"WWW-Authenticate": f'{_REALM}, error="invalid_token"'},
-        )
 
 
 def check_content_type(request: Request) -> None:

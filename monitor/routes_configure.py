@@ -20,8 +20,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from trainvitals.monitor.answers import Cleared, Problem, RunSettingsAnswer, ShownSettings
+from trainvitals.monitor.auth import check_ingest_token
 from trainvitals.monitor.deps import RunSettingsDep, SettingsDep, StoreDep
-from trainvitals.monitor.request_body import BodyRefused, check_bearer, load_json, read_limited
+from trainvitals.monitor.request_body import load_json, read_limited
 from trainvitals.monitor.run_settings import parse_request
 from trainvitals.monitor.settings import Settings
 from trainvitals.monitor.state_db import StateWriteError
@@ -93,8 +94,8 @@ def _check_write_token(request: Request, settings: Settings) -> None:
     if settings.token is None:
         return
     try:
-        check_bearer(request.headers.get("authorization"), settings.token.get_secret_value())
-    except BodyRefused as exc:
+        check_ingest_token(request.headers.get("authorization"), settings.token.get_secret_value())
+    except Refused as exc:
         raise Refused(
             exc.detail + " (the collector's token, as jobs send)", status=exc.status, headers=exc.headers
         ) from None

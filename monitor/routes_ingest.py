@@ -24,6 +24,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from trainvitals.monitor.answers import IngestAnswer, refused_response
+from trainvitals.monitor.auth import check_ingest_token
 from trainvitals.monitor.deps import ReportsDep, RunSettingsDep, SettingsDep, StoreDep
 from trainvitals.monitor.lifetime import LifetimeDrift
 from trainvitals.monitor.request_body import BodyRefused, parse_batch, read_body
@@ -100,6 +101,8 @@ async def ingest(request: Request, state: State) -> IngestAnswer:
     reports = state.reports
     run_settings = state.run_settings
     try:
+        token = state.settings.token
+        check_ingest_token(request.headers.get("authorization"), None if token is None else token.get_secret_value())
         body = await read_body(request, state.settings)
         if len(body) > _INLINE_BYTES:
             result, runs = await run_in_threadpool(

@@ -23,6 +23,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 
 from trainvitals.alerts.service import AlertService
 from trainvitals.alerts.verdict import Incident, VerdictBuilder
+from trainvitals.monitor.lifetime import judging
 from trainvitals.monitor.report_page import RunHistory, page_data, render_page
 from trainvitals.wire.errors import Refused
 
@@ -103,7 +104,8 @@ def install(app: FastAPI) -> LivePages:
         alerts.on_observed(pages.observed)  # every accepted report reaches the alerts
     else:
         pages = LivePages("default" if settings.rules is None else settings.rules)
-        app.state.store.on_ingest(pages.observe_batch)
+        # judging drift over the run's life, as the alerts do
+        app.state.store.on_ingest(judging(pages.observe_batch))
     app.state.pages = pages
     app.include_router(router)
     return pages

@@ -228,7 +228,7 @@ class SeriesStore:
                         fam[tuple(sorted(c.labels.items()))] = (c.value, gen)
                 if stale and gen % stale == 0:
                     self.stale_dropped += drop_stale(fams, gen - stale)
-                # A later report without run_end (any rank) means the run goes on.
+                # The run end's one meaning (wire.ends_run): the latest report decides.
                 run.ended = ends_run(report) if report.events else False
                 count = run.count()
                 self._series_count += count - run.n_series

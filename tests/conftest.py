@@ -16,7 +16,7 @@ from tests.support import one_torch_thread as _one_torch_thread
 # framework's Trainer, a collector, Prometheus) or runs for many seconds. A module here
 # takes its own marks as well; a new slow module is added here or marked in place.
 SLOW_MODULES = (
-    "tests/integration/",  # real Prometheus and Alertmanager processes
+    "tests/prometheus/",  # real Prometheus and Alertmanager processes
     "tests/e2e/",  # training jobs in fresh Pythons against a collector
     "tests/integrations/test_transformers.py",  # HF Trainer jobs in fresh Pythons
     "tests/integrations/test_lightning.py",

@@ -281,6 +281,17 @@ _SPECS: tuple[MetricSpec, ...] = (
         "parameters)), x_ref the value at attach: bits of range the largest move since attach amounts to (I4).",
     ),
     _m(
+        "param_drift_lifetime_log2",
+        "gauge",
+        "bits",
+        ("param",),
+        "params",
+        "param_drift_log2 over the run's whole life, set by the collector: a job resumed without the "
+        "monitor's state measures drift from its own attach; this judges it from the run's first reference "
+        "(at least log2(1 + |absmax(x) - a0| / s0)). The figure the collector's alerts judge.",
+        "collector",
+    ),
+    _m(
         "param_drift_reference_absmax",
         "gauge",
         "value",

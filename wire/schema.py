@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StringConstraints, model_validator
 
@@ -44,6 +44,7 @@ __all__ = [
     "RUN_END_EVENT",
     "RUN_PATTERN",
     "RUN_RULE",
+    "SCHEMA_MISSING",
     "SCHEMA_VERSION",
     "SENDER_PATTERN",
     "Coverage",
@@ -51,11 +52,32 @@ __all__ = [
     "Report",
     "ReportBatch",
     "Sample",
+    "SchemaVersion",
     "ends_run",
     "report_problem",
+    "schema_version_problem",
 ]
 
-SCHEMA_VERSION = 1
+SchemaVersion = Literal[1]
+"""The body format's version as a type: the ``schema`` field of :class:`ReportBatch` and
+of the collector's decoder (:mod:`trainvitals.monitor.decode`) are declared with it."""
+SCHEMA_VERSION: int = get_args(SchemaVersion)[0]
+"""The body format's version (a body is ``{"schema": SCHEMA_VERSION, "reports": [...]}``)."""
+
+
+def schema_version_problem(body: Any) -> str | None:
+    """Why a decoded body's ``schema`` is not :data:`SCHEMA_VERSION`, as a receiver says
+    it; None when it is, or when there is no ``schema`` to judge (see
+    :data:`SCHEMA_MISSING`: a decoder reports a missing field where it finds it)."""
+    if isinstance(body, dict) and "schema" in body and body["schema"] != SCHEMA_VERSION:
+        return (
+            f"schema: unsupported schema version {body['schema']!r}; this collector supports version {SCHEMA_VERSION}"
+        )
+    return None
+
+
+SCHEMA_MISSING = f"schema: missing; this collector supports schema version {SCHEMA_VERSION}"
+"""What a receiver says of a body without ``schema``."""
 
 RUN_END_EVENT = "run_end"
 """The event ``Monitor.close()`` sends: the run ended on purpose (no RunSilent for it)."""
@@ -63,7 +85,12 @@ RUN_END_EVENT = "run_end"
 
 def ends_run(report: Any) -> bool:
     """Whether a report ends its run: it carries a :data:`RUN_END_EVENT` (a pydantic
-    :class:`Report` or the collector's struct: anything with ``events`` of ``kind``)."""
+    :class:`Report` or the collector's struct: anything with ``events`` of ``kind``).
+
+    The run end has one meaning on every side (``docs/wire.md``, "The run end"): a run
+    has *ended* while its latest report, from any rank, ends it; a later report that
+    does not means the run goes on (a job resumed under the same name). So whether a
+    run has ended is always ``ends_run(latest report)``, never a flag that stays set."""
     return any(ev.kind == RUN_END_EVENT for ev in report.events)
 
 
@@ -395,5 +422,5 @@ class ReportBatch(_Strict):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, ser_json_inf_nan="constants")
 
-    schema_version: Literal[1] = Field(alias="schema")
+    schema_version: SchemaVersion = Field(alias="schema")
     reports: Annotated[list[Report], Field(min_length=1, max_length=MAX_REPORTS)]

@@ -9,17 +9,18 @@ does) and resolve by sending the same labels with ``endsAt = now``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from trainvitals.alerts.notifiers.base import HttpNotifier, Notification, rfc3339
 
 __all__ = ["AlertmanagerNotifier", "alertmanager_payload"]
 
 
-def alertmanager_payload(batch: Sequence[Notification]) -> list[dict]:
+def alertmanager_payload(batch: Sequence[Notification]) -> list[dict[str, Any]]:
     """The JSON body for ``POST /api/v2/alerts``."""
     out = []
     for n in batch:
-        alert: dict = {
+        alert: dict[str, Any] = {
             "labels": dict(n.labels),
             "annotations": {k: v for k, v in n.annotations.items() if v},
             "startsAt": rfc3339(n.starts_at),
@@ -35,7 +36,6 @@ def alertmanager_payload(batch: Sequence[Notification]) -> list[dict]:
 class AlertmanagerNotifier(HttpNotifier):
     """Pushes alerts to one Alertmanager (for an HA pair, configure one per instance)."""
 
-    type = "alertmanager"
     wants_repeats = True
     max_batch = 64
 

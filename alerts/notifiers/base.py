@@ -143,7 +143,6 @@ class NotifyError(TrainvitalsError):
 class Notifier(ABC):
     """Sends notifications to one receiver. Called from one worker thread."""
 
-    type: str = ""
     #: Receives periodic repeats of firing alerts (Alertmanager expires alerts without them).
     wants_repeats: bool = False
     #: Most notifications one ``send`` call takes.

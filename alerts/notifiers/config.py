@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -199,7 +199,9 @@ NotifierConfig = Annotated[
     AlertmanagerConfig | PagerDutyConfig | SlackConfig | WebhookConfig, Field(discriminator="type")
 ]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(NotifierConfig)
-_TYPES = ("alertmanager", "pagerduty", "slack", "webhook")
+_CONFIGS: tuple[type[_Base], ...] = get_args(get_args(NotifierConfig)[0])
+_TYPES = tuple(get_args(c.model_fields["type"].annotation)[0] for c in _CONFIGS)
+"""The notifier types, each written once: in its config's ``type`` Literal."""
 
 
 def _where(index: int, raw: Any) -> str:

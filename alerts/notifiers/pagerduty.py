@@ -9,6 +9,7 @@ retried with backoff.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from trainvitals.alerts.notifiers.base import HttpNotifier, Notification, rfc3339
 
@@ -27,9 +28,9 @@ PAGERDUTY_SEVERITY = {
 }
 
 
-def pagerduty_event(n: Notification, routing_key: str) -> dict:
+def pagerduty_event(n: Notification, routing_key: str) -> dict[str, Any]:
     """The Events v2 body for one notification."""
-    event: dict = {"routing_key": routing_key, "dedup_key": n.dedup_key()}
+    event: dict[str, Any] = {"routing_key": routing_key, "dedup_key": n.dedup_key()}
     if not n.firing:
         event["event_action"] = "resolve"
         return event
@@ -70,8 +71,6 @@ def pagerduty_event(n: Notification, routing_key: str) -> dict:
 
 class PagerDutyNotifier(HttpNotifier):
     """Triggers and resolves PagerDuty incidents, one event per request."""
-
-    type = "pagerduty"
 
     def __init__(self, name: str, routing_key: str, *, url: str = DEFAULT_URL, timeout: float = 10.0) -> None:
         super().__init__(name, timeout=timeout)

@@ -8,6 +8,7 @@ success; 429 when rate limited (retried, honouring Retry-After).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from trainvitals.alerts.notifiers.base import HttpNotifier, Notification
 
@@ -21,7 +22,7 @@ def _esc(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def slack_message(n: Notification) -> dict:
+def slack_message(n: Notification) -> dict[str, Any]:
     """The webhook body for one notification."""
     status = "FIRING" if n.firing else "RESOLVED"
     summary = n.annotations.get("summary") or n.alertname
@@ -39,7 +40,7 @@ def slack_message(n: Notification) -> dict:
         context += f"  runbook: {_esc(runbook)}"
     if n.generator_url.startswith(("http://", "https://")):
         context += f"  <{n.generator_url}|run>"
-    blocks: list[dict] = [
+    blocks: list[dict[str, Any]] = [
         {
             "type": "section",
             "text": {"type": "mrkdwn", "text": f"{emoji} *[{status}] {_esc(n.alertname)}*\n{_esc(summary)}"},
@@ -53,8 +54,6 @@ def slack_message(n: Notification) -> dict:
 
 class SlackNotifier(HttpNotifier):
     """Posts one message per notification to an incoming webhook."""
-
-    type = "slack"
 
     def __init__(self, name: str, webhook_url: str, *, timeout: float = 10.0) -> None:
         super().__init__(name, timeout=timeout)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from trainvitals.alerts.notifiers.base import HttpNotifier, Notification, rfc3339
 
 __all__ = ["WebhookNotifier", "webhook_payload"]
 
 
-def webhook_payload(batch: Sequence[Notification]) -> dict:
+def webhook_payload(batch: Sequence[Notification]) -> dict[str, Any]:
     """``{"version": "1", "source": "trainvitals", "status", "alerts": [...]}``."""
     alerts = []
     for n in batch:
@@ -41,7 +42,6 @@ def webhook_payload(batch: Sequence[Notification]) -> dict:
 class WebhookNotifier(HttpNotifier):
     """POSTs batches of notifications as JSON to any URL, with optional headers."""
 
-    type = "webhook"
     wants_repeats = True
     max_batch = 32
 

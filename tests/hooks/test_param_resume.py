@@ -142,7 +142,7 @@ def test_the_collector_judges_drift_over_a_resumed_runs_life(tmp_path):
         walked = _segments_to(c.url, "walk", (-1.0, -1.0, -1.0), tmp_path)
         assert all(0.0 < d < 1.0 for d in walked) and sum(walked) > 1.0, walked
         lifetime = metric_value(
-            c.client.get("/metrics").text, "trainvitals_param_drift_log2", run="walk", param="out_scale"
+            c.client.get("/metrics").text, "trainvitals_param_drift_lifetime_log2", run="walk", param="out_scale"
         )
         assert lifetime == pytest.approx(math.log2(2 ** walked[0] * 2 ** walked[1] * 2 ** walked[2]), rel=1e-4)
         wait_until(lambda: [a for a in c.alerts("walk") if a["alertname"] == "ParamDrift"], what="ParamDrift")

@@ -23,7 +23,7 @@ def _report(step: int, drift: float, absmax: float, ref: float, scale: float) ->
 
 
 def _drift(batch: WireBatch) -> float:
-    return next(s.value for s in batch.reports[0].samples if s.name == "param_drift_log2")
+    return next(s.value for s in batch.reports[0].samples if s.name == "param_drift_lifetime_log2")
 
 
 def test_one_segment_is_reported_as_the_hooks_measured_it():

@@ -19,8 +19,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration._stack import DEPLOY, host_port
 from tests.monitor.helpers import Recorder, body, report, serve_process
+from tests.prometheus._stack import DEPLOY, host_port
 from tests.support import free_port, needs_tools, require_tool, running_process, stop_process, wait_until
 
 pytestmark = needs_tools("prometheus", "prometheus-alertmanager")

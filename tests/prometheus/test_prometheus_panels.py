@@ -1,6 +1,6 @@
 """The dashboards against real data: Debian's Prometheus, configured as
 ``deploy/prometheus.yml`` ships it (with the exported rules), scrapes a real
-collector that a real tiny job (tests/integration/_job.py) reports to. Every
+collector that a real tiny job (tests/prometheus/_job.py) reports to. Every
 variable query of every committed dashboard must list values and every panel
 query, variables substituted, must return data; every metric of the catalogue
 must reach Prometheus with the labels the catalogue gives it."""
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from tests.http_recorder import RecordingServer
-from tests.integration import _job
-from tests.integration._stack import (
+from tests.prometheus import _job
+from tests.prometheus._stack import (
     DEPLOY,
     Prometheus,
     load_dashboards,

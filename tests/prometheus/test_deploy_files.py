@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration._stack import DASHBOARDS, DEPLOY, ROOT
+from tests.prometheus._stack import DASHBOARDS, DEPLOY, ROOT
 from tests.reports import make_body, make_report, make_sample
 from tests.support import free_port, require_tool, running_process
 from trainvitals.monitor.app import create_app

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.integration._stack import DASHBOARDS, load_dashboards, panels
+from tests.prometheus._stack import DASHBOARDS, load_dashboards, panels
 from trainvitals.wire import METRICS, PREFIX
 
 

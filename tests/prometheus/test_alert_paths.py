@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.http_recorder import RecordingServer
-from tests.integration._stack import DEPLOY, Prometheus, prometheus_config, running_prometheus
+from tests.prometheus._stack import DEPLOY, Prometheus, prometheus_config, running_prometheus
 from tests.reports import make_body, make_report
 from tests.support import metric_sum, needs_tools, running_alertmanager, running_collector, wait_until
 from trainvitals.wire import PREFIX
