@@ -316,6 +316,12 @@ class Engine:
                         self._table.drop(key, inst)
         return out
 
+    def forget_run(self, run: str, now: float) -> list[Transition]:
+        """Forget ``run`` now, as a run silent for ``run_ttl`` is (its firing alerts
+        resolve, saying so); nothing when the engine does not know it."""
+        with self._lock:
+            return self._forget_run(run, now) if run in self._runs else []
+
     def _forget_run(self, run: str, now: float) -> list[Transition]:
         """A run silent for ``run_ttl``: its firing alerts resolve (saying so), all go."""
         out = []

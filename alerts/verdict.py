@@ -354,9 +354,7 @@ class VerdictBuilder:
         """Drop everything about ``run`` (a bounded consumer, the collector's pages); a
         shared engine keeps its own state of the run (its owner decides)."""
         if not self._fed:
-            with self.engine._lock:
-                if run in self.engine._runs:
-                    self.engine._forget_run(run, now)
+            self.engine.forget_run(run, now)
         self._runs.pop(run, None)
         for key in [k for k, inc in self._incidents.items() if inc.run == run]:
             del self._incidents[key]

@@ -203,7 +203,7 @@ def _batches(file: Path, size: int) -> Iterator[tuple[int, int, list[bytes]]]:
 
 def _add_subcommands() -> None:
     from trainvitals.alerts.cli import rules
-    from trainvitals.audit.cli import audit
+    from trainvitals.monitor.cli_audit import audit
     from trainvitals.monitor.cli_check import check, report
     from trainvitals.monitor.cli_demo import demo
     from trainvitals.monitor.cli_run import configure, run

@@ -117,7 +117,7 @@ def audit(
         ref = Reference("checkpoint", f"the earliest checkpoint {looks[0].label}", dict(looks[0].one_d), look=0)
     result = judge(looks, ref)
     if html_path is not None:
-        from trainvitals.audit.page import render_audit
+        from trainvitals.monitor.audit_page import render_audit
 
         page = render_audit(result)
         tmp = html_path.with_name(html_path.name + ".tmp")
