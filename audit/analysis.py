@@ -36,10 +36,10 @@ from typing import Any
 import torch
 
 from trainvitals.audit.sources import Checkpoint, TensorRef
-from trainvitals.hooks.signals.adam_moments import bias_factors
-from trainvitals.hooks.signals.param_drift import drift_log2, judged_scales, sign_consistency
-from trainvitals.hooks.signals.state_resets import reset_between
-from trainvitals.hooks.signals.weight_decay_audit import decays, weight_decay_message
+from trainvitals.hooks.signals.optimizer.adam_moments import bias_factors
+from trainvitals.hooks.signals.params.drift import drift_log2, judged_scales, sign_consistency
+from trainvitals.hooks.signals.optimizer.resets import reset_between
+from trainvitals.hooks.signals.params.weight_decay import decays, weight_decay_message
 
 INT8_LEVELS = 127
 """A symmetric per-tensor INT8 scale maps absmax to 127."""

@@ -42,7 +42,7 @@ def _media_modalities(model: nn.Module) -> tuple[str, ...]:
     """("text", "image"[, "video"]) for a model whose config names an image (video) token
     id: zero-code accounting then classes each sample by its input ids."""
     from trainvitals.hooks.naming import unwrap
-    from trainvitals.hooks.signals.loss_modality import model_media_tokens
+    from trainvitals.hooks.signals.loss.modality import model_media_tokens
 
     tokens = model_media_tokens(unwrap(model))
     if not tokens:

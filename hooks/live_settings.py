@@ -261,8 +261,8 @@ class LiveSettings:
         monitor.signals.insert(at, signal)
 
     def _probe(self, monitor: Monitor) -> None:
-        from trainvitals.hooks.signals.loss_accounting import LossAccounting
-        from trainvitals.hooks.signals.loss_probe import ModalityProbe
+        from trainvitals.hooks.signals.loss.signal import LossAccounting
+        from trainvitals.hooks.signals.loss.probe import ModalityProbe
 
         for s in monitor.signals:
             if isinstance(s, LossAccounting) and not s.broken:

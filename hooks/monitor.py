@@ -290,7 +290,7 @@ class Monitor:
     @property
     def reads_logits(self) -> bool:
         """Zero-code loss accounting is on: the LM head's logits are read every micro-batch."""
-        from trainvitals.hooks.signals.loss_accounting import LossAccounting
+        from trainvitals.hooks.signals.loss.signal import LossAccounting
 
         return any(isinstance(s, LossAccounting) and s.reads_logits for s in self.signals)
 
@@ -533,12 +533,12 @@ class Monitor:
         return s
 
     def _loss_signal(self) -> Any:
-        from trainvitals.hooks.signals.loss_accounting import LossAccounting
+        from trainvitals.hooks.signals.loss.signal import LossAccounting
 
         return self._signal(LossAccounting)
 
     def _softmax_signal(self) -> Any:
-        from trainvitals.hooks.signals.softmax import Softmax
+        from trainvitals.hooks.signals.softmax.signal import Softmax
 
         return self._signal(Softmax)
 
@@ -555,9 +555,9 @@ def _spill_for(sink: Sink, run: str) -> Sink | None:
 
 def builtin_signal_classes() -> dict[str, type[Signal]]:
     """The built-in signals by their ``signals=`` name, in the order they run."""
-    from trainvitals.hooks.signals.adam_state import AdamState
-    from trainvitals.hooks.signals.optimizer_stats import OptimizerStats
-    from trainvitals.hooks.signals.param_health import ParamHealth
+    from trainvitals.hooks.signals.optimizer.adam import AdamState
+    from trainvitals.hooks.signals.optimizer.stats import OptimizerStats
+    from trainvitals.hooks.signals.params.signal import ParamHealth
 
     return {"optimizer": OptimizerStats, "params": ParamHealth, "adam": AdamState}
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from trainvitals.hooks.signals.loss_arguments import NORMALIZATIONS
-from trainvitals.hooks.signals.loss_binning import SumsLayout
+from trainvitals.hooks.signals.loss.arguments import NORMALIZATIONS
+from trainvitals.hooks.signals.loss.binning import SumsLayout
 
 __all__ = ["MIN_LOG_LENGTH_VAR", "ROWS", "SHARES", "SQRT_TOLERANCE", "TESTS_PER_ROW", "Plan"]
 

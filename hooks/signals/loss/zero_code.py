@@ -32,16 +32,16 @@ import torch
 
 from trainvitals.hooks.logits_finder import expected_vocab, logits_of
 from trainvitals.hooks.signals.base import MonitorView, Removable
-from trainvitals.hooks.signals.logits_accounting import (
+from trainvitals.hooks.signals.loss.logits import (
     cross_entropy_residual,
     recover,
     residual_tolerance,
     uniform_tolerance,
 )
-from trainvitals.hooks.signals.loss_arguments import _modality_codes
-from trainvitals.hooks.signals.loss_binning import UNIFORM_RTOL, Batch, bin_batch
-from trainvitals.hooks.signals.loss_modality import input_ids, media_codes, sample_codes
-from trainvitals.hooks.signals.loss_step import LossStep, StepBook
+from trainvitals.hooks.signals.loss.arguments import _modality_codes
+from trainvitals.hooks.signals.loss.binning import UNIFORM_RTOL, Batch, bin_batch
+from trainvitals.hooks.signals.loss.modality import input_ids, media_codes, sample_codes
+from trainvitals.hooks.signals.loss.step import LossStep, StepBook
 
 __all__ = ["ZeroCodeSeams"]
 

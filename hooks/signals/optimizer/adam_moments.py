@@ -37,7 +37,7 @@ from trainvitals.hooks.host_finish import AdamFinish
 from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.sampling import BlockSample, owner_index
 from trainvitals.hooks.signals.base import MonitorView
-from trainvitals.hooks.signals.optimizer_state import (
+from trainvitals.hooks.signals.optimizer.state import (
     AdamEntry,
     StateWalk,
     is_adam_group,

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from trainvitals.hooks.signals import softmax_math as sm
+from trainvitals.hooks.signals.softmax import maths as sm
 
 __all__ = ["Positions", "check_logits", "check_mask", "check_name", "check_temperature"]
 

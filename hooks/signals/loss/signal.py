@@ -47,12 +47,12 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.signals.base import MonitorView, Removable
-from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES, UNTAGGED, TrackChecks
-from trainvitals.hooks.signals.loss_binning import Batch, SumsLayout, bin_batch
-from trainvitals.hooks.signals.loss_probe import ModalityProbe
-from trainvitals.hooks.signals.loss_report import Accumulated, LossReport
-from trainvitals.hooks.signals.loss_step import LossStep
-from trainvitals.hooks.signals.loss_zero_code import ZeroCodeSeams
+from trainvitals.hooks.signals.loss.arguments import MAX_OBJECTIVES, UNTAGGED, TrackChecks
+from trainvitals.hooks.signals.loss.binning import Batch, SumsLayout, bin_batch
+from trainvitals.hooks.signals.loss.probe import ModalityProbe
+from trainvitals.hooks.signals.loss.report import Accumulated, LossReport
+from trainvitals.hooks.signals.loss.step import LossStep
+from trainvitals.hooks.signals.loss.zero_code import ZeroCodeSeams
 from trainvitals.hooks.step import StepContext
 
 __all__ = ["HEAD_BYPASS_REPORTS", "LossAccounting"]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from trainvitals.hooks.signals.loss_binning import SumsLayout, output_finish, weight_finish
+from trainvitals.hooks.signals.loss.binning import SumsLayout, output_finish, weight_finish
 
 __all__ = ["MAX_ENTRIES", "MAX_NUMEL", "Deferred", "Entries", "add_weights"]
 

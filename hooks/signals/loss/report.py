@@ -96,11 +96,11 @@ from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.late_warnings import LateWarnings
 from trainvitals.hooks.optimizer_family import FAMILY_VALUE, optimizer_family
 from trainvitals.hooks.signals.base import MonitorView
-from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES
-from trainvitals.hooks.signals.loss_binning import SumsLayout
-from trainvitals.hooks.signals.loss_deferred import Deferred
-from trainvitals.hooks.signals.loss_plan import ROWS, Plan
-from trainvitals.hooks.signals.loss_probe import ModalityProbe
+from trainvitals.hooks.signals.loss.arguments import MAX_OBJECTIVES
+from trainvitals.hooks.signals.loss.binning import SumsLayout
+from trainvitals.hooks.signals.loss.deferred import Deferred
+from trainvitals.hooks.signals.loss.plan import ROWS, Plan
+from trainvitals.hooks.signals.loss.probe import ModalityProbe
 from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.tensors import float_dtype
 
