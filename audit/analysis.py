@@ -37,8 +37,8 @@ import torch
 
 from trainvitals.audit.sources import Checkpoint, TensorRef
 from trainvitals.hooks.signals.optimizer.adam_moments import bias_factors
-from trainvitals.hooks.signals.params.drift import drift_log2, judged_scales, sign_consistency
 from trainvitals.hooks.signals.optimizer.resets import reset_between
+from trainvitals.hooks.signals.params.drift import drift_log2, judged_scales, sign_consistency
 from trainvitals.hooks.signals.params.weight_decay import decays, weight_decay_message
 
 INT8_LEVELS = 127

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainvitals.hooks.signals.base import REBINDING
+from trainvitals.hooks.signals.registry import builtin_signal_classes
 from trainvitals.hooks.step import StepContext
 from trainvitals.wire.live_settings import BUILTIN_SIGNALS, LIVE_FIELDS, MAX_INTERVAL, parse_entry
 
@@ -212,14 +213,14 @@ class LiveSettings:
 
     # -- internals -----------------------------------------------------------------
     def _signals(self, monitor: Monitor, old: Any, new: Any) -> None:
-        from trainvitals.hooks.monitor import builtin_signal_classes
-
         classes = builtin_signal_classes()
         want = set(BUILTIN_SIGNALS if new.signals is None else new.signals)
         # Per-parameter series are chosen when these signals bind: rebuild them.
         rebuild = {"params", "adam"} if old.per_param != new.per_param else set()
         for name in BUILTIN_SIGNALS:
-            cls = classes[name]
+            cls = classes.get(name)
+            if cls is None:
+                continue  # declared (a spec) but no class registered on this side
             current = next((s for s in monitor.signals if type(s) is cls), None)
             if current is not None and current.broken:
                 continue  # failed once: stays off
@@ -261,8 +262,8 @@ class LiveSettings:
         monitor.signals.insert(at, signal)
 
     def _probe(self, monitor: Monitor) -> None:
-        from trainvitals.hooks.signals.loss.signal import LossAccounting
         from trainvitals.hooks.signals.loss.probe import ModalityProbe
+        from trainvitals.hooks.signals.loss.signal import LossAccounting
 
         for s in monitor.signals:
             if isinstance(s, LossAccounting) and not s.broken:
@@ -276,8 +277,6 @@ class LiveSettings:
 
 
 def _classes_in_order() -> list[type]:
-    from trainvitals.hooks.monitor import builtin_signal_classes
-
     return list(builtin_signal_classes().values())
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from trainvitals.hooks import distributed
 from trainvitals.hooks import pack as packing
 from trainvitals.hooks.config import Config
-from trainvitals.hooks.coverage import Coverage
+from trainvitals.hooks.coverage import CoverageTracker
 from trainvitals.hooks.lifecycle import StepLifecycle
 from trainvitals.hooks.live_settings import LiveSettings
 from trainvitals.hooks.logits_finder import AUTO, find_head, find_logits_module
@@ -27,11 +27,13 @@ from trainvitals.hooks.naming import clean_name, unwrap
 from trainvitals.hooks.pack import PendingReport
 from trainvitals.hooks.sender import Sender
 from trainvitals.hooks.signals.base import Removable, Signal
+from trainvitals.hooks.signals.registry import builtin_signal_classes
 from trainvitals.hooks.sinks import Sink
 from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.summary import log_summary, start_line, visible_logs
 from trainvitals.hooks.tensors import is_dtensor, is_sharded, rank_weight
 from trainvitals.wire.schema import RUN_END_EVENT
+from trainvitals.wire.signals import SignalNames
 
 __all__ = ["STATE_FORMAT", "Monitor", "builtin_signal_classes", "monitor_of", "visible_logs"]
 
@@ -80,7 +82,7 @@ class Monitor:
         first = next(iter(self.model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.sharded = any(is_sharded(p) for p in self.model.parameters())
-        self.coverage = Coverage()
+        self.coverage = CoverageTracker()
         """What each built-in signal covers; signals declare their state here."""
         self._weights: dict[int, float] = {}
         self._grad_checked: tuple[tuple[int, ...], str | None] | None = None
@@ -553,17 +555,9 @@ def _spill_for(sink: Sink, run: str) -> Sink | None:
     return FileSink(f"trainvitals-{run.replace('/', '_')}.jsonl")
 
 
-def builtin_signal_classes() -> dict[str, type[Signal]]:
-    """The built-in signals by their ``signals=`` name, in the order they run."""
-    from trainvitals.hooks.signals.optimizer.adam import AdamState
-    from trainvitals.hooks.signals.optimizer.stats import OptimizerStats
-    from trainvitals.hooks.signals.params.signal import ParamHealth
-
-    return {"optimizer": OptimizerStats, "params": ParamHealth, "adam": AdamState}
-
-
-_PLACED = ("optimizer", "params", "adam")
-"""The signals whose figures sum per-parameter pieces over ranks."""
+_PLACED = SignalNames(lambda spec: spec.per_parameter_sums, "")
+"""The signals whose figures sum per-parameter pieces over ranks (the registry's
+``per_parameter_sums``)."""
 
 
 def _default_signals(names: tuple[str, ...] | None) -> list[Signal]:

@@ -32,14 +32,14 @@ import torch
 
 from trainvitals.hooks.logits_finder import expected_vocab, logits_of
 from trainvitals.hooks.signals.base import MonitorView, Removable
+from trainvitals.hooks.signals.loss.arguments import _modality_codes
+from trainvitals.hooks.signals.loss.binning import UNIFORM_RTOL, Batch, bin_batch
 from trainvitals.hooks.signals.loss.logits import (
     cross_entropy_residual,
     recover,
     residual_tolerance,
     uniform_tolerance,
 )
-from trainvitals.hooks.signals.loss.arguments import _modality_codes
-from trainvitals.hooks.signals.loss.binning import UNIFORM_RTOL, Batch, bin_batch
 from trainvitals.hooks.signals.loss.modality import input_ids, media_codes, sample_codes
 from trainvitals.hooks.signals.loss.step import LossStep, StepBook
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainvitals.hooks.signals.optimizer.adam_moments import AdamMoments
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
+from trainvitals.hooks.signals.optimizer.adam_moments import AdamMoments
+from trainvitals.hooks.signals.optimizer.resets import ResetDetector
 from trainvitals.hooks.signals.optimizer.state import Anchors, StateWalk, stack_steps
 from trainvitals.hooks.signals.param_series import groups_key
-from trainvitals.hooks.signals.optimizer.resets import ResetDetector
 from trainvitals.hooks.step import StepContext
 
 

@@ -29,8 +29,8 @@ import torch
 from trainvitals.hooks.grad_norms import GradNorms
 from trainvitals.hooks.host_finish import RatioRootFinish
 from trainvitals.hooks.sampling import TensorsSample
-from trainvitals.hooks.signals.grad_norm.backward import BackwardGradNorms
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
+from trainvitals.hooks.signals.grad_norm.backward import BackwardGradNorms
 from trainvitals.hooks.step import Labels, ReduceOp, StepContext
 from trainvitals.hooks.tensors import NormPlan, RepeatedSum, flat, foreach_norm32, local
 

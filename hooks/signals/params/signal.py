@@ -50,8 +50,8 @@ from trainvitals.hooks.grad_norms import GradNorms
 from trainvitals.hooks.host_finish import GradRmsFinish
 from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.signals.base import REBINDING, MonitorView, Removable, Signal
-from trainvitals.hooks.signals.params.drift import DriftTracker, Reference
 from trainvitals.hooks.signals.param_series import choose, groups_key
+from trainvitals.hooks.signals.params.drift import DriftTracker, Reference
 from trainvitals.hooks.signals.params.weight_decay import audit_weight_decay
 from trainvitals.hooks.step import ReduceOp, StepContext
 

@@ -70,8 +70,8 @@ from typing import Any
 
 import torch
 
-from trainvitals.hooks.signals.softmax import maths as sm
 from trainvitals.hooks.signals.base import MonitorView, Signal
+from trainvitals.hooks.signals.softmax import maths as sm
 from trainvitals.hooks.signals.softmax.positions import (
     Positions,
     check_logits,
