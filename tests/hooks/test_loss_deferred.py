@@ -1,5 +1,5 @@
 """On one rank a reported step's loss hooks keep their per-sample results for the
-report (hooks/signals/loss_deferred.py) instead of adding them into the step's sums:
+report (hooks/signals/loss/deferred.py) instead of adding them into the step's sums:
 the sender thread finishes and adds them. What a step keeps is bounded; past the
 bound, and when the figures end up made on the training thread after all, the sums
 are the same as when every hook adds its own."""

@@ -49,7 +49,7 @@ def _queue_callback() -> Any:
 class BackwardGradNorms:
     """Squared global gradient norm at the end of every backward, kept per step.
 
-    Owned by :class:`~trainvitals.hooks.signals.optimizer_stats.OptimizerStats`,
+    Owned by :class:`~trainvitals.hooks.signals.optimizer.stats.OptimizerStats`,
     which calls :meth:`bind`, :meth:`end_step` and :meth:`take`.
     """
 

@@ -1,6 +1,6 @@
 """Loss accounting's report plan: which entries of the step's sums each figure divides.
 
-:class:`~trainvitals.hooks.signals.loss_report.LossReport` turns a reported step's
+:class:`~trainvitals.hooks.signals.loss.report.LossReport` turns a reported step's
 sums into some thirty figures over modalities and objectives. Made one by one they
 cost a tensor op each (a slice, a division, a comparison: ~120 ops per report);
 instead the report concatenates everything it reads into one pool vector, and each

@@ -1,8 +1,8 @@
 """Loss accounting's report: a reported step's sums turned into samples and events.
 
-During the step, capture (:mod:`~trainvitals.hooks.signals.loss_accounting`) adds
+During the step, capture (:mod:`~trainvitals.hooks.signals.loss.signal`) adds
 everything it learns into one sums vector laid out by
-:class:`~trainvitals.hooks.signals.loss_binning.SumsLayout`, plus each objective's
+:class:`~trainvitals.hooks.signals.loss.binning.SumsLayout`, plus each objective's
 largest and smallest label-token weight. At a report, :class:`LossReport` combines
 them across ranks (sum, max, min: one packed collective with the rest of the
 report) and derives every figure below from them with batched tensor arithmetic;

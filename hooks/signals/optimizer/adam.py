@@ -1,8 +1,8 @@
 """The optimizer-state signal (docs/incidents.md, I4): one walk over the optimizer's
 state per report feeds the reset detector
-(:mod:`~trainvitals.hooks.signals.state_resets`) and Adam's moment statistics
-(:mod:`~trainvitals.hooks.signals.adam_moments`). Host checks compare object
-identities only (:mod:`~trainvitals.hooks.signals.optimizer_state`), so a reset that
+(:mod:`~trainvitals.hooks.signals.optimizer.resets`) and Adam's moment statistics
+(:mod:`~trainvitals.hooks.signals.optimizer.adam_moments`). Host checks compare object
+identities only (:mod:`~trainvitals.hooks.signals.optimizer.state`), so a reset that
 happened between reports is seen and nothing here needs every step.
 """
 

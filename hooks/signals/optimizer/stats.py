@@ -2,7 +2,7 @@
 update-to-weight ratio, non-finite gradients (docs/signals.md, "Optimizer step").
 
 ``grad_norm`` is the global gradient L2 norm before clipping, taken at the end of
-every backward (:mod:`~trainvitals.hooks.signals.backward_grad_norm`), with
+every backward (:mod:`~trainvitals.hooks.signals.grad_norm.backward`), with
 ``grad_norm_max`` / ``grad_norm_mean`` over the steps since the previous report, and
 ``nonfinite_total{what="grad"}`` the steps whose gradient was not finite.
 ``group_grad_norm{group}`` is the L2 norm of one param group's gradients, from the

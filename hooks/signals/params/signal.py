@@ -29,8 +29,8 @@ capped by :mod:`~trainvitals.hooks.signals.param_series`), label ``param``:
   Adam, not the loss, moves the parameter; absent when it has no gradient. With
   ``per_param=True`` also for the parameters with ndim >= 2 that have a series.
 
-A weight-decay audit runs at attach (:mod:`~trainvitals.hooks.signals.weight_decay_audit`).
-The drift state lives in :mod:`~trainvitals.hooks.signals.param_drift`.
+A weight-decay audit runs at attach (:mod:`~trainvitals.hooks.signals.params.weight_decay`).
+The drift state lives in :mod:`~trainvitals.hooks.signals.params.drift`.
 
 Sharded parameters (FSDP2, tensor-parallel DTensors): every rank reduces its local
 piece; minima, maxima and sums (gradient sums of squares, consistency sums and
