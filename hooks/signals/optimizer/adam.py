@@ -26,9 +26,9 @@ class AdamState(Signal):
         self._resets: ResetDetector | None = None
         self._moments = AdamMoments()
         self._last: StateWalk | None = None
-        self._last_key: tuple | None = None
+        self._last_key: tuple[Any, ...] | None = None
 
-    def _walk(self, monitor: MonitorView, key: tuple | None = None) -> StateWalk:
+    def _walk(self, monitor: MonitorView, key: tuple[Any, ...] | None = None) -> StateWalk:
         """The state walk; the previous one again when, by identities, a new walk
         would see the same (the usual report: a walk is a Python loop over every
         parameter's state)."""

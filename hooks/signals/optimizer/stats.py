@@ -68,12 +68,12 @@ class _Layout:
         # Small tensors of one shape normed together (NormPlan) when the model has them.
         plan = NormPlan(self.tensors, dev)
         self.param_plan = plan if plan.groups else None
-        self.matrices: dict[tuple, _Matrix] = {}
+        self.matrices: dict[tuple[Any, ...], _Matrix] = {}
         # Replicated pieces (tensor parallel): each parameter's share of the sums over
         # ranks, folded in before the one collective (None: every piece counts once).
         self.weights: list[float] | None = None
         self.sample_weight: torch.Tensor | None = None
-        self.column_weights: dict[tuple, torch.Tensor] = {}
+        self.column_weights: dict[tuple[Any, ...], torch.Tensor] = {}
         if monitor.weighted:
             self.weights = [monitor.weight_of(p) for p in params]
             roots = torch.tensor([math.sqrt(w) for w in self.weights], dtype=torch.float32)
@@ -171,12 +171,12 @@ class OptimizerStats(Signal):
     uses_grad_norms = True
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
+        self._key: tuple[Any, ...] | None = None
         self._layout: _Layout | None = None
         self._before: _Layout | None = None  # the layout whose before buffer holds this step's sample
         self._nonfinite: torch.Tensor | None = None  # [1]
         self._history = BackwardGradNorms(self)
-        self._series_key: tuple | None = None
+        self._series_key: tuple[Any, ...] | None = None
         self._series_of: list[tuple[str, list[Labels]]] = []
         self._flags: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 

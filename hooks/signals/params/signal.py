@@ -79,12 +79,12 @@ class ParamHealth(Signal):
     def __init__(self) -> None:
         self._refs: dict[int, Reference] = {}
         self._restore: dict[str, Any] | None = None  # a loaded state waiting for its tracker
-        self._key: tuple | None = None
+        self._key: tuple[Any, ...] | None = None
         self._drift: DriftTracker | None = None
         self._fresh = False  # tracker rebuilt at this report: no change to record yet
         self._indices = IndexCache()
         self._series: tuple[Any, ...] = (None,)
-        self._grad_key: tuple | None = None
+        self._grad_key: tuple[Any, ...] | None = None
         self._grad_layout: tuple[list[dict[str, str]], GradRmsFinish] | None = None
 
     # -- attach ----------------------------------------------------------------
