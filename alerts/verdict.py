@@ -42,7 +42,7 @@ __all__ = ["Incident", "RunVerdict", "VerdictBuilder", "action_for", "runbook_fi
 SEVERITY_ORDER = {"page": 0, "warning": 1, "info": 2}
 _name = attrgetter("name")
 
-SIGNAL_GROUPS = SignalNames(lambda s: s.group is not None, "")
+SIGNAL_GROUPS = SignalNames(lambda s: s.group is not None)
 """The signals whose figures coverage counts, as the metric catalogue groups them (the
 registry's signals with a ``group``; ``optimizer``, ``params``, ``adam``, ``loss``,
 ``softmax`` built in). Listed in the catalogue's order by :func:`_signal_groups`."""

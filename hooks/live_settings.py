@@ -39,6 +39,7 @@ from trainvitals.hooks.signals.base import REBINDING
 from trainvitals.hooks.signals.registry import builtin_signal_classes
 from trainvitals.hooks.step import StepContext
 from trainvitals.wire.live_settings import BUILTIN_SIGNALS, LIVE_FIELDS, MAX_INTERVAL, parse_entry
+from trainvitals.wire.signals import SignalNames
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainvitals.hooks.monitor import Monitor
@@ -216,7 +217,7 @@ class LiveSettings:
         classes = builtin_signal_classes()
         want = set(BUILTIN_SIGNALS if new.signals is None else new.signals)
         # Per-parameter series are chosen when these signals bind: rebuild them.
-        rebuild = {"params", "adam"} if old.per_param != new.per_param else set()
+        rebuild = set(SignalNames(lambda s: s.per_param_series)) if old.per_param != new.per_param else set()
         for name in BUILTIN_SIGNALS:
             cls = classes.get(name)
             if cls is None:

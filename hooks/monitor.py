@@ -555,7 +555,7 @@ def _spill_for(sink: Sink, run: str) -> Sink | None:
     return FileSink(f"trainvitals-{run.replace('/', '_')}.jsonl")
 
 
-_PLACED = SignalNames(lambda spec: spec.per_parameter_sums, "")
+_PLACED = SignalNames(lambda spec: spec.per_parameter_sums)
 """The signals whose figures sum per-parameter pieces over ranks (the registry's
 ``per_parameter_sums``)."""
 

@@ -74,6 +74,9 @@ class SignalSpec:
     per_parameter_sums: bool = False
     """Its figures sum per-parameter pieces over ranks: it is withheld (coverage
     ``sharded``) when the parameters' layout over ranks is not understood."""
+    per_param_series: bool = False
+    """It chooses its per-parameter series when it binds (``per_param=``): a live settings
+    change of ``per_param`` binds it again."""
     metrics: tuple[MetricSpec, ...] = field(default=())
     """Metrics it adds to the catalogue (their group is set to :attr:`group`). The
     built-in signals' metrics are in the catalogue itself, under their group."""
@@ -108,6 +111,7 @@ BUILTIN_SPECS: tuple[SignalSpec, ...] = (
         dashboard="trainvitals-params.json",
         selectable=True,
         per_parameter_sums=True,
+        per_param_series=True,
     ),
     SignalSpec(
         "adam",
@@ -118,6 +122,7 @@ BUILTIN_SPECS: tuple[SignalSpec, ...] = (
         dashboard="trainvitals-params.json",
         selectable=True,
         per_parameter_sums=True,
+        per_param_series=True,
     ),
     SignalSpec(
         "loss",
@@ -210,7 +215,7 @@ class SignalNames(Sequence[str]):
     from the registry at each use (a tuple taken at import would miss a signal
     registered later). Compares equal to a sequence with the same names."""
 
-    def __init__(self, keep: Callable[[SignalSpec], bool], doc: str) -> None:
+    def __init__(self, keep: Callable[[SignalSpec], bool], doc: str = "") -> None:
         self._keep = keep
         self.__doc__ = doc
 

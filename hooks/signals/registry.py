@@ -18,7 +18,7 @@ from typing import TypeVar
 from trainvitals.hooks.signals.base import Signal
 from trainvitals.wire.signals import SELECTABLE, SignalSpec, register_spec, spec_of, unregister_spec
 
-__all__ = ["builtin_signal_classes", "per_parameter_sums", "register", "unregister"]
+__all__ = ["builtin_signal_classes", "register", "unregister"]
 
 S = TypeVar("S", bound=type[Signal])
 
@@ -59,9 +59,3 @@ def builtin_signal_classes() -> dict[str, type[Signal]]:
     importlib.import_module(_BUILTIN)  # their register lines, once
     with _lock:
         return {name: _classes[name] for name in SELECTABLE if name in _classes}
-
-
-def per_parameter_sums(name: str) -> bool:
-    """Whether signal ``name``'s figures sum per-parameter pieces over ranks."""
-    spec = spec_of(name)
-    return spec is not None and spec.per_parameter_sums
