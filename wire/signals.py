@@ -156,7 +156,8 @@ _registry: dict[str, SignalSpec] = {s.name: s for s in BUILTIN_SPECS}
 
 def signal_specs() -> tuple[SignalSpec, ...]:
     """Every registered signal, built-in first, then in the order they were registered."""
-    return tuple(_registry.values())
+    with _lock:  # a registration on another thread must not change the dict mid-copy
+        return tuple(_registry.values())
 
 
 def spec_of(name: str) -> SignalSpec | None:
@@ -202,7 +203,7 @@ def unregister_spec(name: str) -> None:
 def metric_groups() -> tuple[SignalSpec, ...]:
     """The signals that own a metric catalogue group, in the catalogue's order (the
     order of the metric reference and the verdict)."""
-    owners = {s.group: s for s in _registry.values() if s.group is not None}
+    owners = {s.group: s for s in signal_specs() if s.group is not None}
     seen: dict[str, SignalSpec] = {}
     for m in METRICS.values():
         if m.group in owners and m.group not in seen:
