@@ -35,16 +35,26 @@ from trainvitals.alerts.state import Alert, AlertState, Transition
 from trainvitals.alerts.templates import render_template
 from trainvitals.wire import METRICS, Report, ends_run
 from trainvitals.wire.coverage import NOT_BLIND, REASONS, SIGNALS
+from trainvitals.wire.signals import SignalNames, metric_groups
 
 __all__ = ["Incident", "RunVerdict", "VerdictBuilder", "action_for", "runbook_fix"]
 
 SEVERITY_ORDER = {"page": 0, "warning": 1, "info": 2}
 _name = attrgetter("name")
 
-SIGNAL_GROUPS = ("optimizer", "loss", "params", "adam", "softmax")
-"""The signals whose figures coverage counts, as the metric catalogue groups them."""
+SIGNAL_GROUPS = SignalNames(lambda s: s.group is not None)
+"""The signals whose figures coverage counts, as the metric catalogue groups them (the
+registry's signals with a ``group``; ``optimizer``, ``params``, ``adam``, ``loss``,
+``softmax`` built in). Listed in the catalogue's order by :func:`_signal_groups`."""
 
-_GROUP_OF = {spec.name: spec.group for spec in METRICS.values() if spec.group in SIGNAL_GROUPS}
+
+def _signal_groups() -> list[str]:
+    return [s.group for s in metric_groups() if s.group is not None]
+
+
+def _group_of(metric: str) -> str | None:
+    spec = METRICS.get(metric)
+    return spec.group if spec is not None and spec.group in SIGNAL_GROUPS else None
 
 
 @lru_cache(maxsize=1)
@@ -188,7 +198,7 @@ class RunVerdict:
                 else:
                     missing.append((name, sig["reason"] or "no_input"))
             return checked, missing
-        for group in SIGNAL_GROUPS:
+        for group in _signal_groups():
             if self.coverage.get(group, 0):
                 checked.append(group)
             else:
@@ -215,7 +225,7 @@ class RunVerdict:
                     line = f"  {name}: {blind}{sig['reason']}: {sig['detail'] or why}"
                 out.append(line)
             return out
-        for group in SIGNAL_GROUPS:
+        for group in _signal_groups():
             n = self.coverage.get(group, 0)
             out.append(
                 f"  {group}: figures in {n} of {self.reports} reports"
@@ -273,7 +283,7 @@ class VerdictBuilder:
         if report.samples:
             run.reports += 1
             # the distinct names first (C speed), then their groups
-            for group in {_GROUP_OF.get(name) for name in set(map(_name, report.samples))}:
+            for group in {_group_of(name) for name in set(map(_name, report.samples))}:
                 if group is not None:
                     run.coverage[group] = run.coverage.get(group, 0) + 1
         run.first_step = report.step if run.first_step is None else min(run.first_step, report.step)

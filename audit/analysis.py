@@ -7,15 +7,15 @@ second moment) and the values of the 1D parameters (kept: they are small). The f
 (:func:`judge`) use the live signals' maths and the default rules' thresholds:
 
 - ``ParamDrift``: ``param_drift_log2`` of each 1D parameter against its reference
-  (:func:`~trainvitals.hooks.signals.param_drift.drift_log2`, judged scale and all), its
+  (:func:`~trainvitals.hooks.signals.params.drift.drift_log2`, judged scale and all), its
   walk across the checkpoints and the sign consistency of its changes; the rule's
   conditions (consistency, weight decay, relative gradient RMS) checked where the
   checkpoints have what they need, and said where they do not;
 - ``AdamEpsilonDominated``: the share of elements with ``sqrt(v_hat) < eps``
-  (:func:`~trainvitals.hooks.signals.adam_moments.bias_factors`) with the rule's
+  (:func:`~trainvitals.hooks.signals.optimizer.adam_moments.bias_factors`) with the rule's
   conditions;
 - ``OptimizerStateReset``: step counts that went back or restarted between two
-  checkpoints (:func:`~trainvitals.hooks.signals.state_resets.reset_between`), or that
+  checkpoints (:func:`~trainvitals.hooks.signals.optimizer.resets.reset_between`), or that
   differ across the parameters of one;
 - ``WeightDecayCoverage``: the 1D parameters their param groups give no weight decay;
 - ``QuantizationRange``: per tensor, ``log2(absmax / RMS)``, the bits of a per-tensor
@@ -36,10 +36,10 @@ from typing import Any
 import torch
 
 from trainvitals.audit.sources import Checkpoint, TensorRef
-from trainvitals.hooks.signals.adam_moments import bias_factors
-from trainvitals.hooks.signals.param_drift import drift_log2, judged_scales, sign_consistency
-from trainvitals.hooks.signals.state_resets import reset_between
-from trainvitals.hooks.signals.weight_decay_audit import decays, weight_decay_message
+from trainvitals.hooks.signals.optimizer.adam_moments import bias_factors
+from trainvitals.hooks.signals.optimizer.resets import reset_between
+from trainvitals.hooks.signals.params.drift import drift_log2, judged_scales, sign_consistency
+from trainvitals.hooks.signals.params.weight_decay import decays, weight_decay_message
 
 INT8_LEVELS = 127
 """A symmetric per-tensor INT8 scale maps absmax to 127."""

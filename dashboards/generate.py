@@ -68,6 +68,7 @@ from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from trainvitals.alerts import SilenceRule, ThresholdRule, load_rules
 from trainvitals.wire import METRICS, PREFIX
+from trainvitals.wire.signals import OVERVIEW_DASHBOARD, spec_of
 
 HERE = Path(__file__).resolve().parent
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -365,13 +366,16 @@ def build_dashboard(
 
 # -- metrics no curated panel shows ----------------------------------------------------------
 AUTO_ROW = "More signals (one panel per metric, generated from the catalogue)"
-# Which dashboard a catalogue group belongs on; other groups go on the overview.
-GROUP_HOME = {
-    "loss": "trainvitals-loss.json",
-    "params": "trainvitals-params.json",
-    "adam": "trainvitals-params.json",
-    "softmax": "trainvitals-softmax.json",
-}
+
+
+def group_home(group: str) -> str:
+    """The dashboard a catalogue group belongs on: its signal's spec says
+    (:class:`~trainvitals.wire.signals.SignalSpec`'s ``dashboard``); other groups go on
+    the overview."""
+    spec = spec_of(group)
+    return spec.dashboard if spec is not None and spec.group == group else OVERVIEW_DASHBOARD
+
+
 # A dashboard variable narrows the metrics that carry its label.
 VARIABLE_MATCHERS = {"modality": MODALITY, "param": PARAM, "task": TASK}
 _SHOWN = re.compile(rf"\b{PREFIX}(\w+)")
@@ -975,7 +979,7 @@ def boards() -> dict[str, Board]:
     }
     for metric, spec in METRICS.items():
         if metric not in shown and metric not in NOT_ON_DASHBOARDS:
-            board = out[GROUP_HOME.get(spec.group, "trainvitals-overview.json")]
+            board = out[group_home(spec.group)]
             board.auto.append(auto_panel(metric, board))
     return out
 

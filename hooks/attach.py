@@ -42,7 +42,7 @@ def _media_modalities(model: nn.Module) -> tuple[str, ...]:
     """("text", "image"[, "video"]) for a model whose config names an image (video) token
     id: zero-code accounting then classes each sample by its input ids."""
     from trainvitals.hooks.naming import unwrap
-    from trainvitals.hooks.signals.loss_modality import model_media_tokens
+    from trainvitals.hooks.signals.loss.modality import model_media_tokens
 
     tokens = model_media_tokens(unwrap(model))
     if not tokens:
@@ -78,7 +78,7 @@ def _framework_defaults(model: nn.Module, options: dict[str, Any], env_options: 
     ``calculate_per_token_loss`` the loss is a sum over tokens that Megatron divides by
     the step's tokens over all ranks after the backward (``loss_reduction="sum"``).
     (Without it, loss accounting takes per-sample weighting as the intent on steps whose
-    micro-batches each hold one sample: :mod:`~trainvitals.hooks.signals.loss_accounting`.)"""
+    micro-batches each hold one sample: :mod:`~trainvitals.hooks.signals.loss.signal`.)"""
     from trainvitals.hooks.naming import unwrap
 
     inner = unwrap(model)

@@ -1,8 +1,8 @@
 """Coverage on the training side: what each built-in signal covers, said in every report.
 
-Every report carries one entry per built-in signal (:data:`trainvitals.wire.coverage.SIGNALS`):
+Every report carries one entry per registered signal (:data:`trainvitals.wire.coverage.SIGNALS`):
 active, or inactive with a reason from :data:`trainvitals.wire.coverage.REASONS`. A
-monitor has one :class:`Coverage` (``monitor.coverage``); this is how signals (and
+monitor has one :class:`CoverageTracker` (``monitor.coverage``); this is how signals (and
 code that sets them up, such as zero-code attach) declare their state::
 
     cov = monitor.coverage
@@ -15,10 +15,10 @@ A declared state lasts until it is changed. At each report the monitor writes ea
 signal's entry, first match wins:
 
 1. the signal failed (``Signal.turn_off``): ``failed``;
-2. a state declared with :meth:`Coverage.set_inactive`: that one;
+2. a state declared with :meth:`CoverageTracker.set_inactive`: that one;
 3. no optimizer step has run (the report ``Monitor.close()`` sends after 0 steps):
    ``no_optimizer_step``;
-4. declared active with :meth:`Coverage.set_active`: active;
+4. declared active with :meth:`CoverageTracker.set_active`: active;
 5. the signal runs and emitted figures in this report: active; it runs and emitted
    none: ``no_input``;
 6. the signal does not run: ``not_requested`` (the detail says how to ask for it).
@@ -29,7 +29,7 @@ when only the device knows (a flag tensor, read without a host sync),
 ``ctx.inactive_when("loss", flag, "not_cross_entropy", detail)``: the entry is inactive
 for that report when ``flag > 0`` (unless 1 or 2 holds). The first verdict wins.
 
-:meth:`Coverage.note` and :meth:`Coverage.settle` tally what the reports said, for
+:meth:`CoverageTracker.note` and :meth:`CoverageTracker.settle` tally what the reports said, for
 the summary ``Monitor.close()`` logs (a report the device's verdicts never reached the
 host for, still queued at close, counts as the training thread made it). No tensor work here; thread-safe.
 """
@@ -41,25 +41,25 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL, NOT_BLIND, REASONS, SIGNALS
+from trainvitals.wire.signals import spec_of
 
-__all__ = ["Coverage"]
-
-_HOW_TO_ASK = {
-    "optimizer": "signals= leaves out 'optimizer'",
-    "params": "signals= leaves out 'params'",
-    "adam": "signals= leaves out 'adam'",
-    "loss": "no track_loss() call and no attach(loss_from_logits=...)",
-    "probe": "attach(probe_every=N) is off",
-    "softmax": "no observe_logits() or observe_distillation() call",
-}
+__all__ = ["CoverageTracker"]
 
 
-_FIRST_CALL = {"loss": "track_loss()", "softmax": "observe_logits()"}
-"""Signals a job's own call starts: at attach they are not requested *yet*."""
+def _how_to_ask(name: str) -> str:
+    spec = spec_of(name)
+    return spec.how_to_ask if spec is not None else "not registered"
 
 
-class Coverage:
-    """Per built-in signal: declared states, and the tally of what the reports said."""
+def _first_call(name: str) -> str | None:
+    """The job's own call that starts a signal: at attach it is not requested *yet*."""
+    spec = spec_of(name)
+    return spec.first_call if spec is not None else None
+
+
+class CoverageTracker:
+    """Per registered signal: declared states, and the tally of what the reports said.
+    (Named apart from the wire's :class:`trainvitals.wire.schema.Coverage`, one entry.)"""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -136,7 +136,7 @@ class Coverage:
                 else:
                     out.append(_entry(name, False, "no_input", "it emitted nothing for this report"))
             else:
-                out.append(_entry(name, False, "not_requested", _HOW_TO_ASK[name]))
+                out.append(_entry(name, False, "not_requested", _how_to_ask(name)))
         return out, final
 
     def note(self, entries: Iterable[Mapping[str, Any]]) -> None:
@@ -145,7 +145,7 @@ class Coverage:
             self._reports += 1
             for e in entries:
                 if e["active"]:
-                    self._active_reports[e["signal"]] += 1
+                    self._active_reports[e["signal"]] = self._active_reports.get(e["signal"], 0) + 1
                 else:
                     self._last[e["signal"]] = (e["reason"], e["detail"])
 
@@ -156,7 +156,7 @@ class Coverage:
         with self._lock:
             for e in final:
                 if not e["active"] and was.get(e["signal"]):
-                    self._active_reports[e["signal"]] -= 1
+                    self._active_reports[e["signal"]] = self._active_reports.get(e["signal"], 0) - 1
                     self._last[e["signal"]] = (e["reason"], e["detail"])
 
     def summary(self) -> tuple[dict[str, int], dict[str, tuple[str | None, str]]]:
@@ -186,10 +186,10 @@ class Coverage:
         if moot:
             parts.append("does not apply: " + "; ".join(moot))
         skipped = [e["signal"] for e in off if e["reason"] == "not_requested"]
-        first_call = [f"{name} (from the first {_FIRST_CALL[name]} call)" for name in skipped if name in _FIRST_CALL]
+        first_call = [f"{name} (from the first {_first_call(name)} call)" for name in skipped if _first_call(name)]
         if first_call:
             parts.append("not requested yet: " + ", ".join(first_call))
-        unasked = [name for name in skipped if name not in _FIRST_CALL]
+        unasked = [name for name in skipped if not _first_call(name)]
         if unasked:
             parts.append("not requested: " + ", ".join(unasked))
         return "; ".join(parts)

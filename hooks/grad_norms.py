@@ -8,7 +8,7 @@ It is taken once per step, by whichever comes first:
 1. a signal that measured it already (:meth:`Signal.measured_grad_norms`): the
    optimizer signal takes it at the end of the backward that completes the step's
    gradient, before any clipping and unscaled by a GradScaler
-   (:mod:`~trainvitals.hooks.signals.backward_grad_norm`);
+   (:mod:`~trainvitals.hooks.signals.grad_norm.backward`);
 2. otherwise one foreach norm of the gradients the optimizer is about to apply.
 
 The step lifecycle (:mod:`~trainvitals.hooks.lifecycle`) makes the object before

@@ -24,7 +24,7 @@ from torch import nn
 from trainvitals.hooks import distributed
 from trainvitals.hooks import pack as packing
 from trainvitals.hooks.config import Config
-from trainvitals.hooks.coverage import Coverage
+from trainvitals.hooks.coverage import CoverageTracker
 from trainvitals.hooks.lifecycle import StepLifecycle
 from trainvitals.hooks.live_settings import LiveSettings
 from trainvitals.hooks.logits_finder import AUTO, find_head, find_logits_module
@@ -35,12 +35,14 @@ from trainvitals.hooks.report_observer import ReportObserver
 from trainvitals.hooks.running_signals import PendingEvents, RunningSignals
 from trainvitals.hooks.sender import Sender
 from trainvitals.hooks.signals.base import Signal
-from trainvitals.hooks.signals.loss_accounting import LossAccounting
-from trainvitals.hooks.signals.softmax import Softmax
+from trainvitals.hooks.signals.loss.signal import LossAccounting
+from trainvitals.hooks.signals.registry import builtin_signal_classes
+from trainvitals.hooks.signals.softmax.signal import Softmax
 from trainvitals.hooks.sinks import FileSink, HttpSink, Sink
 from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.summary import log_summary, start_line, visible_logs
 from trainvitals.wire.schema import RUN_END_EVENT
+from trainvitals.wire.signals import SignalNames
 
 __all__ = ["STATE_FORMAT", "Monitor", "builtin_signal_classes", "monitor_of", "visible_logs"]
 
@@ -93,7 +95,7 @@ class Monitor:
         self.param_names = self._placement.param_names
         self.device = self._placement.device
         self.sharded = self._placement.sharded
-        self.coverage = Coverage()
+        self.coverage = CoverageTracker()
         """What each built-in signal covers; signals declare their state here."""
         self.layout_problem = self._placement.layout_problem
         """A parameter layout whose per-rank sums cannot be combined (named), or None."""
@@ -470,17 +472,9 @@ def _spill_for(sink: Sink, run: str) -> Sink | None:
     return FileSink(f"trainvitals-{run.replace('/', '_')}.jsonl")
 
 
-def builtin_signal_classes() -> dict[str, type[Signal]]:
-    """The built-in signals by their ``signals=`` name, in the order they run."""
-    from trainvitals.hooks.signals.adam_state import AdamState
-    from trainvitals.hooks.signals.optimizer_stats import OptimizerStats
-    from trainvitals.hooks.signals.param_health import ParamHealth
-
-    return {"optimizer": OptimizerStats, "params": ParamHealth, "adam": AdamState}
-
-
-_PLACED = ("optimizer", "params", "adam")
-"""The signals whose figures sum per-parameter pieces over ranks."""
+_PLACED = SignalNames(lambda spec: spec.per_parameter_sums)
+"""The signals whose figures sum per-parameter pieces over ranks (the registry's
+``per_parameter_sums``)."""
 
 
 def _default_signals(names: tuple[str, ...] | None) -> list[Signal]:

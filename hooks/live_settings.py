@@ -40,6 +40,7 @@ from trainvitals.hooks.running_signals import PendingEvents, RunningSignals
 from trainvitals.hooks.signals.base import REBINDING, MonitorView, Signal
 from trainvitals.hooks.step import StepContext
 from trainvitals.wire.live_settings import BUILTIN_SIGNALS, LIVE_FIELDS, MAX_INTERVAL, parse_entry
+from trainvitals.wire.signals import SignalNames
 
 __all__ = ["LIVE_FIELDS", "MAX_EVERY", "LiveSettings", "parse_entry"]
 
@@ -228,9 +229,11 @@ class LiveSettings:
         classes = self._builtin
         want = set(BUILTIN_SIGNALS if new.signals is None else new.signals)
         # Per-parameter series are chosen when these signals bind: rebuild them.
-        rebuild = {"params", "adam"} if old.per_param != new.per_param else set()
+        rebuild = set(SignalNames(lambda s: s.per_param_series)) if old.per_param != new.per_param else set()
         for name in BUILTIN_SIGNALS:
-            cls = classes[name]
+            cls = classes.get(name)
+            if cls is None:
+                continue  # declared (a spec) but no class registered on this side
             current = next((s for s in self._signals_running.items if type(s) is cls), None)
             if current is not None and current.broken:
                 continue  # failed once: stays off

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-from trainvitals.hooks.coverage import Coverage
+from trainvitals.hooks.coverage import CoverageTracker
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
 from trainvitals.hooks.step import StepContext
 
@@ -100,7 +100,7 @@ class RunningSignals:
 
     def coverage_entries(
         self,
-        coverage: Coverage,
+        coverage: CoverageTracker,
         emitted: dict[str, bool],
         *,
         stepped: bool,

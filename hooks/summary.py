@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from trainvitals.hooks.config import Config
-from trainvitals.hooks.coverage import Coverage
+from trainvitals.hooks.coverage import CoverageTracker
 from trainvitals.hooks.sender import Sender
 from trainvitals.wire.coverage import NOT_BLIND
 
@@ -40,7 +40,7 @@ class Watched(Protocol):
     model: nn.Module
     optimizer: torch.optim.Optimizer
     config: Config
-    coverage: Coverage
+    coverage: CoverageTracker
     step: int
 
 

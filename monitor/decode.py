@@ -35,7 +35,7 @@ import msgspec
 from msgspec import UNSET, Meta, Raw, UnsetType
 
 from trainvitals.monitor.series import Labels
-from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL, SIGNALS, ReasonName, SignalName, coverage_problem
+from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL, MAX_COVERAGE_ENTRIES, ReasonName, coverage_problem
 from trainvitals.wire.errors import Refused
 from trainvitals.wire.runs import MAX_RUN, RUN_REGEX, SENDER_REGEX
 from trainvitals.wire.schema import (
@@ -83,7 +83,7 @@ class WireEvent(msgspec.Struct, forbid_unknown_fields=True, gc=False):
 class WireCoverage(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     """A coverage entry (attributes as :class:`trainvitals.wire.Coverage`)."""
 
-    signal: SignalName
+    signal: str  # a registered signal: coverage_problem checks it against the registry
     active: bool
     reason: ReasonName | None = None
     detail: Annotated[str, Meta(max_length=MAX_COVERAGE_DETAIL)] = ""
@@ -96,7 +96,7 @@ class WireReport(msgspec.Struct, forbid_unknown_fields=True):
     rank: Annotated[int, Meta(ge=0, le=MAX_RANK)] = 0
     samples: Annotated[list[WireSample], Meta(max_length=MAX_SAMPLES)] = []
     events: Annotated[list[WireEvent], Meta(max_length=MAX_EVENTS)] = []
-    coverage: Annotated[list[WireCoverage], Meta(max_length=len(SIGNALS))] = []
+    coverage: Annotated[list[WireCoverage], Meta(max_length=MAX_COVERAGE_ENTRIES)] = []
     sender: Annotated[str, Meta(pattern=SENDER_REGEX)] | None = None
     seq: Annotated[int, Meta(ge=0, le=MAX_SEQ)] | None = None
 

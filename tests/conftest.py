@@ -101,7 +101,7 @@ def loss_emission(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     sender thread (the default) and as tensor ops on the training thread (the path of
     several ranks and of the probe's steps). A module takes it with
     ``pytestmark = pytest.mark.usefixtures("loss_emission")``."""
-    from trainvitals.hooks.signals.loss_report import LossReport
+    from trainvitals.hooks.signals.loss.report import LossReport
 
     monkeypatch.setattr(LossReport, "on_host", request.param == "on_host")
     return str(request.param)

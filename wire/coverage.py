@@ -1,6 +1,7 @@
 """Coverage: which built-in signals a report's figures come from, and why the others are missing.
 
-Every report carries one entry per built-in signal (:data:`SIGNALS`): active (it
+Every report carries one entry per registered signal (:data:`SIGNALS`, derived from
+the registry in :mod:`trainvitals.wire.signals`): active (it
 produced figures for this report), or inactive with a reason from the closed list
 :data:`REASONS` and a free-text ``detail``. A report without figures from a signal
 therefore still says whether that signal is healthy-and-quiet or blind, and why.
@@ -17,9 +18,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal, NamedTuple, get_args
 
+from trainvitals.wire.signals import SIGNALS as _SIGNALS
+
 __all__ = [
     "ACTIVE_METRIC",
     "MAX_COVERAGE_DETAIL",
+    "MAX_COVERAGE_ENTRIES",
     "NOT_BLIND",
     "REASONS",
     "SIGNALS",
@@ -33,7 +37,9 @@ __all__ = [
 ACTIVE_METRIC = "signal_active"
 """Wire name of the per-run, per-signal gauge the collector derives from coverage."""
 
-SignalName = Literal["optimizer", "params", "adam", "loss", "probe", "softmax"]
+SignalName = str
+"""A registered signal's name (:data:`SIGNALS`); checked by :func:`coverage_problem`
+against the registry, so a signal registered after import is known."""
 ReasonName = Literal[
     "not_requested",
     "no_optimizer_step",
@@ -49,12 +55,14 @@ ReasonName = Literal[
     "no_parameters",
 ]
 
-SIGNALS: tuple[str, ...] = get_args(SignalName)
-"""The built-in signals coverage speaks for: ``optimizer`` (gradient/parameter norms,
-update ratios), ``params`` (1D parameter drift, I4), ``adam`` (Adam moments, I4),
-``loss`` (loss accounting, I1-I3: ``track_loss`` or zero-code from the logits),
-``probe`` (the per-modality gradient probe, ``probe_every``), ``softmax``
-(saturation and distillation, I5)."""
+SIGNALS = _SIGNALS
+"""The signals coverage speaks for, in order: every :class:`~trainvitals.wire.signals.SignalSpec`
+registered (each spec's ``covers`` says what it measures): built in, ``optimizer``,
+``params``, ``adam``, ``loss``, ``probe``, ``softmax``. A live view of the registry."""
+
+MAX_COVERAGE_ENTRIES = 64
+"""Entries a report's coverage may carry at most (a bound for the decoders; the check
+against the signals registered is :func:`coverage_problem`'s)."""
 
 REASONS: Mapping[str, str] = {
     "not_requested": "the job did not ask for it (signals=, no track_loss/loss_from_logits, no observe_logits, "
@@ -99,8 +107,13 @@ def coverage_problem(entries: Iterable[Any]) -> str | None:
     """What is wrong with a report's coverage (entries with ``signal``, ``active``,
     ``reason``), as ``coverage.i.field: message``; None if nothing. Types and the closed
     lists are the schemas'; this checks what ties fields together. A signal given twice
-    is not an error: the last entry counts."""
+    is not an error: the last entry counts, but more entries than signals are."""
+    entries = list(entries)
+    if len(entries) > len(SIGNALS):
+        return f"coverage: at most {len(SIGNALS)} entries (one per signal), got {len(entries)}"
     for i, e in enumerate(entries):
+        if e.signal not in SIGNALS:
+            return f"coverage.{i}.signal: {e.signal!r} is not a signal, one of {', '.join(SIGNALS)}"
         if e.active and e.reason is not None:
             return f"coverage.{i}.reason: an active signal has no reason (got {e.reason!r})"
         if not e.active and e.reason is None:

@@ -11,7 +11,8 @@ accepted and one that is not is refused:
 - label names and values: Prometheus label names, not reserved, printable values;
 - event kinds and the labels each may carry (a closed set);
 - ``time`` within 0..1e11, and ``sender``/``seq`` given together;
-- a coverage entry has a reason exactly when it is inactive.
+- a coverage entry has a reason exactly when it is inactive, and names a registered
+  signal (the registry as it is when the schema is first written), one entry each at most.
 
 What a schema cannot say: a gauge ``x`` and a counter ``x_total`` are refused together
 (they would be one family), across bodies too, and the collector's series budgets.
@@ -23,6 +24,7 @@ import sys
 from functools import lru_cache
 from typing import Any
 
+from trainvitals.wire.coverage import SIGNALS
 from trainvitals.wire.metrics import PREFIX, RESERVED_NAMES
 from trainvitals.wire.schema import (
     EVENT_KINDS,
@@ -132,6 +134,7 @@ def _refine_report(report: dict[str, Any]) -> None:
     report["properties"]["time"].update(
         minimum=0, maximum=MAX_TIME, description="Unix seconds, the reporting process's clock."
     )
+    report["properties"]["coverage"]["maxItems"] = len(SIGNALS)
     report["anyOf"] = [
         {"required": ["sender", "seq"], "properties": {"sender": {"type": "string"}, "seq": {"type": "integer"}}},
         {"properties": {"sender": {"type": "null"}, "seq": {"type": "null"}}},
@@ -139,6 +142,7 @@ def _refine_report(report: dict[str, Any]) -> None:
 
 
 def _refine_coverage(coverage: dict[str, Any]) -> None:
+    coverage["properties"]["signal"]["enum"] = list(SIGNALS)
     coverage["anyOf"] = [
         {"properties": {"active": {"const": True}, "reason": {"type": "null"}}},
         {"properties": {"active": {"const": False}, "reason": {"type": "string"}}, "required": ["reason"]},

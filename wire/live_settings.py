@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from trainvitals.wire.signals import SELECTABLE
 
 __all__ = [
     "BUILTIN_SIGNALS",
@@ -30,9 +32,33 @@ __all__ = [
 LIVE_FIELDS = ("every", "signals", "per_param", "probe_every")
 """What may be set: the hooks' options of the same names (``trainvitals.hooks.config.Config``)."""
 
-SignalName = Literal["optimizer", "params", "adam"]
-BUILTIN_SIGNALS: tuple[str, ...] = get_args(SignalName)
-"""The hooks' built-in signals, in their order (``signals=`` names some of them)."""
+BUILTIN_SIGNALS = SELECTABLE
+"""The signals that run from attach, in their order (``signals=`` names some of them):
+the registered :class:`~trainvitals.wire.signals.SignalSpec` with ``selectable`` (a live
+view of the registry, :mod:`trainvitals.wire.signals`). Coverage speaks for more
+(:data:`trainvitals.wire.coverage.SIGNALS`): those a job's call or option starts too."""
+
+
+def _selectable(name: str) -> str:
+    if name not in BUILTIN_SIGNALS:
+        # pydantic's words for a Literal, which this field was before the registry
+        names = [repr(s) for s in BUILTIN_SIGNALS]
+        listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+        raise ValueError(f"Input should be {listed}")
+    return name
+
+
+SignalName = Annotated[str, AfterValidator(_selectable)]
+"""A selectable signal's name (:data:`BUILTIN_SIGNALS`), checked against the registry
+when a request is validated (a signal registered after import is known)."""
+
+
+def _selectable_enum(schema: dict[str, Any]) -> None:
+    """The selectable signals registered when the schema is written."""
+    items = next((a["items"] for a in schema.get("anyOf", ()) if a.get("type") == "array"), None)
+    if items is not None:
+        items["enum"] = list(BUILTIN_SIGNALS)
+
 
 MAX_INTERVAL = 1_000_000
 """Largest report or probe interval (steps): the collector refuses larger, the hooks too."""
@@ -53,7 +79,9 @@ class SettingsRequest(BaseModel):
         le=MAX_INTERVAL,  # type: ignore[assignment]
         description="Report every N optimizer steps.",
     )
-    signals: list[SignalName] | None = Field(None, description="Built-in signals to run; null: all.")
+    signals: list[SignalName] | None = Field(
+        None, description="Built-in signals to run; null: all.", json_schema_extra=lambda s: _selectable_enum(s)
+    )
     per_param: bool = Field(
         None,  # type: ignore[assignment]
         description="Per-parameter series for parameters with ndim >= 2.",

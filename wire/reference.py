@@ -5,20 +5,22 @@ Regenerate: ``python -m trainvitals.wire.reference > docs/metrics.md``.
 
 from __future__ import annotations
 
-from trainvitals.wire.metrics import _SPECS, PREFIX
+from trainvitals.wire.metrics import METRICS, PREFIX
+from trainvitals.wire.signals import metric_groups
 
 __all__ = ["reference_markdown"]
 
-_GROUP_TITLES = {
-    "run": "Per run (set by the collector)",
-    "optimizer": "Optimizer step",
-    "loss": "Loss accounting (I1-I3)",
-    "params": "1D parameters (I4)",
-    "adam": "Adam state (I4)",
-    "softmax": "Softmax saturation and distillation (I5)",
-    "client": "The hooks' own health",
-    "collector": "The collector's own metrics",
-}
+
+def _group_titles() -> dict[str, str]:
+    """Section titles in order: the collector's per-run metrics, each signal's group (its
+    spec's ``title``, in the catalogue's order), the hooks' and the collector's own."""
+    signals = {s.group: s.title or s.name for s in metric_groups() if s.group is not None}
+    return {
+        "run": "Per run (set by the collector)",
+        **signals,
+        "client": "The hooks' own health",
+        "collector": "The collector's own metrics",
+    }
 
 
 def reference_markdown() -> str:
@@ -37,8 +39,8 @@ def reference_markdown() -> str:
         "healthy values: [signals.md](signals.md).",
         "",
     ]
-    for group, title in _GROUP_TITLES.items():
-        specs = [s for s in _SPECS if s.group == group]
+    for group, title in _group_titles().items():
+        specs = [s for s in METRICS.values() if s.group == group]
         if not specs:
             continue
         lines += [f"## {title}", "", "| metric | type | unit | labels | meaning |", "|---|---|---|---|---|"]

@@ -19,7 +19,12 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StringConstraints, model_validator
 
-from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL, SIGNALS, ReasonName, SignalName, coverage_problem
+from trainvitals.wire.coverage import (
+    MAX_COVERAGE_DETAIL,
+    MAX_COVERAGE_ENTRIES,
+    ReasonName,
+    coverage_problem,
+)
 from trainvitals.wire.metrics import PREFIX, RESERVED_NAMES
 from trainvitals.wire.runs import MAX_RUN, RUN_PATTERN, RUN_RULE, SENDER_PATTERN
 
@@ -380,7 +385,9 @@ class Coverage(_Strict):
     """One built-in signal's state in a report (:mod:`trainvitals.wire.coverage`): active,
     or inactive with a reason from the closed list and a detail in words."""
 
-    signal: SignalName
+    signal: str
+    """A registered signal (:mod:`trainvitals.wire.signals`; ``coverage_problem`` checks it
+    against the registry, so a signal registered after import is known)."""
     active: Annotated[bool, Strict()]
     reason: ReasonName | None = None
     detail: Annotated[str, Field(max_length=MAX_COVERAGE_DETAIL)] = ""
@@ -401,7 +408,7 @@ class Report(_Strict):
     rank: Annotated[int, Strict(), Field(ge=0, le=MAX_RANK)] = 0
     samples: Annotated[list[Sample], Field(max_length=MAX_SAMPLES)] = Field(default_factory=list)
     events: Annotated[list[Event], Field(max_length=MAX_EVENTS)] = Field(default_factory=list)
-    coverage: Annotated[list[Coverage], Field(max_length=len(SIGNALS))] = Field(default_factory=list)
+    coverage: Annotated[list[Coverage], Field(max_length=MAX_COVERAGE_ENTRIES)] = Field(default_factory=list)
     sender: Annotated[str, Field(pattern=SENDER_PATTERN)] | None = None
     seq: Annotated[int, Strict(), Field(ge=0, le=MAX_SEQ)] | None = None
 

@@ -20,17 +20,18 @@ import contextlib
 import contextvars
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from trainvitals.hooks.step import StepContext
+from trainvitals.wire.signals import SignalSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from trainvitals.hooks.config import Config
-    from trainvitals.hooks.coverage import Coverage
+    from trainvitals.hooks.coverage import CoverageTracker
     from trainvitals.hooks.grad_norms import GradNorms
 
 __all__ = ["REBINDING", "MonitorView", "Removable", "Signal"]
@@ -63,7 +64,7 @@ class MonitorView(Protocol):
     """Some parameter is split across ranks: per-parameter sums are combined over ranks."""
     weighted: bool
     """Combined, and some parameter's per-rank sums count for less than 1 (replicated)."""
-    coverage: Coverage
+    coverage: CoverageTracker
     """Where signals declare their coverage state (:mod:`trainvitals.hooks.coverage`)."""
 
     @property
@@ -99,7 +100,11 @@ class Signal:
     failure: str = ""
     """Why :meth:`turn_off` turned it off (where, and the error), for the coverage detail."""
     covers: str | None = None
-    """The built-in signal name its coverage entry has (:mod:`trainvitals.hooks.coverage`)."""
+    """The signal name its coverage entry has (:mod:`trainvitals.hooks.coverage`): its
+    spec's name, set by :func:`~trainvitals.hooks.signals.registry.register`."""
+    spec: ClassVar[SignalSpec | None] = None
+    """Its declaration (:class:`~trainvitals.wire.signals.SignalSpec`): a signal that is
+    not built in gives it here; a built-in one names its spec by ``covers``."""
     _failed_later: tuple[str, BaseException] | None = None
     """A failure off the training thread (:meth:`fail_later`), not yet acted on."""
     uses_grad_norms: bool = False

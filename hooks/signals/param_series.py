@@ -16,6 +16,7 @@ own is named after its group and position.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ class Series:
     group: int  # index into optimizer.param_groups
 
 
-def groups_key(monitor: MonitorView) -> tuple:
+def groups_key(monitor: MonitorView) -> tuple[Any, ...]:
     """Which parameters each param group holds, by identity (host only).
 
     Changes when a group is added or removed or its parameters change; not when

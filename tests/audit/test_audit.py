@@ -18,7 +18,7 @@ from tests.browser import browser
 from tests.support import needs_tools
 from trainvitals.audit.analysis import E4M3_BITS, INT8_BITS
 from trainvitals.audit.sources import CHUNK
-from trainvitals.hooks.signals.state_resets import reset_between
+from trainvitals.hooks.signals.optimizer.resets import reset_between
 from trainvitals.monitor.cli import main
 
 
@@ -352,7 +352,7 @@ def test_host_drift_maths_is_the_devices():
     """judged_scales and drift_log2 (what the audit and the sender thread use) against
     the device's own steps in DriftTracker.drift_bits: nanmedian of the scales that are
     not 0, times 1e-2, as a floor; log2(1 + moved / judged)."""
-    from trainvitals.hooks.signals.param_drift import NEIGHBOUR_FLOOR, drift_log2, judged_scales
+    from trainvitals.hooks.signals.params.drift import NEIGHBOUR_FLOOR, drift_log2, judged_scales
 
     scales = torch.tensor([0.0, 1e-8, 1.0, 2.0, 3.0])
     known = torch.where(scales > 0, scales, float("nan"))

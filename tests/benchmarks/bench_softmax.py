@@ -38,7 +38,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainvitals.hooks import attach
-from trainvitals.hooks.signals import softmax_math as sm
+from trainvitals.hooks.signals.softmax import maths as sm
 
 # (name, shape, dtype): the reference decoder's logits first (4 x 128 positions,
 # 8192 classes; the cap keeps 171 of them, stride 3), then a plain [256, V] block

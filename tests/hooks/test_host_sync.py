@@ -192,7 +192,7 @@ def test_at_most_one_host_transfer_per_report(monkeypatch, every):
 
 def test_the_spy_sees_a_host_read_in_hooks_code(monkeypatch):
     """The spy works: an .item() in a signal's collect is caught."""
-    from trainvitals.hooks.signals.optimizer_stats import OptimizerStats
+    from trainvitals.hooks.signals.optimizer.stats import OptimizerStats
 
     orig = OptimizerStats.collect
 

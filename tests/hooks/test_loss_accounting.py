@@ -497,9 +497,9 @@ def test_a_tracked_loss_that_gets_no_gradient_is_logged(caplog):
 
 # -- kept buffers ----------------------------------------------------------------
 def test_step_buffers_alternate_so_a_step_awaiting_its_report_keeps_its_sums():
-    from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES
-    from trainvitals.hooks.signals.loss_binning import SumsLayout
-    from trainvitals.hooks.signals.loss_step import LossStep, StepBuffers
+    from trainvitals.hooks.signals.loss.arguments import MAX_OBJECTIVES
+    from trainvitals.hooks.signals.loss.binning import SumsLayout
+    from trainvitals.hooks.signals.loss.step import LossStep, StepBuffers
 
     layout = SumsLayout(len(MODALITIES), MAX_OBJECTIVES)
     buffers = StepBuffers(layout)

@@ -1,5 +1,5 @@
 """On one rank a reported step's loss hooks keep their per-sample results for the
-report (hooks/signals/loss_deferred.py) instead of adding them into the step's sums:
+report (hooks/signals/loss/deferred.py) instead of adding them into the step's sums:
 the sender thread finishes and adds them. What a step keeps is bounded; past the
 bound, and when the figures end up made on the training thread after all, the sums
 are the same as when every hook adds its own."""
@@ -20,11 +20,11 @@ import torch
 import trainvitals.hooks.pack as pack_module
 from tests.hooks._loss_models import MODALITIES, TokenModel, masked_steps, padded, per_token_loss, samples
 from trainvitals.hooks import attach
-from trainvitals.hooks.signals import loss_deferred
-from trainvitals.hooks.signals.loss_binning import SumsLayout
-from trainvitals.hooks.signals.loss_deferred import MAX_ENTRIES, Deferred
-from trainvitals.hooks.signals.loss_report import LossReport
-from trainvitals.hooks.signals.loss_step import LossStep, StepBook
+from trainvitals.hooks.signals.loss import deferred as loss_deferred
+from trainvitals.hooks.signals.loss.binning import SumsLayout
+from trainvitals.hooks.signals.loss.deferred import MAX_ENTRIES, Deferred
+from trainvitals.hooks.signals.loss.report import LossReport
+from trainvitals.hooks.signals.loss.step import LossStep, StepBook
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 

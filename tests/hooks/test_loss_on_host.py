@@ -32,7 +32,7 @@ from tests.hooks._loss_models import (
 )
 from trainvitals.hooks import attach
 from trainvitals.hooks.pack import pack
-from trainvitals.hooks.signals.loss_report import LossReport
+from trainvitals.hooks.signals.loss.report import LossReport
 from trainvitals.hooks.step import StepContext
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py

@@ -136,7 +136,7 @@ def test_non_negative_per_token_weights_are_active_and_exact(model_cls, caplog, 
 
 
 def test_the_sign_check_flags_a_negative_weight_and_not_rounding():
-    from trainvitals.hooks.signals.loss_zero_code import signed
+    from trainvitals.hooks.signals.loss.zero_code import signed
 
     tiny = torch.finfo(torch.float32).tiny
     cases = [

@@ -17,7 +17,7 @@ from tests.support import one_torch_thread
 from trainvitals.alerts import Engine, resolve_rules
 from trainvitals.alerts.state import AlertState
 from trainvitals.hooks import attach
-from trainvitals.hooks.signals.param_drift import NEIGHBOUR_FLOOR
+from trainvitals.hooks.signals.params.drift import NEIGHBOUR_FLOOR
 from trainvitals.wire.schema import Report
 
 V, D, STEPS = 64, 32, 80

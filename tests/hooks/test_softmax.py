@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainvitals.hooks import attach
-from trainvitals.hooks.signals import softmax_math as sm
+from trainvitals.hooks.signals.softmax import maths as sm
 
 SATURATION = (
     "softmax_top1_prob_mean",

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from trainvitals.hooks.signals import softmax_math as sm
+from trainvitals.hooks.signals.softmax import maths as sm
 
 
 # -- the write-up's table (docs/incidents.md, I5) -------------------------------------

@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from trainvitals.hooks.signals import softmax_math as sm
+from trainvitals.hooks.signals.softmax import maths as sm
 
 MIB = 1 << 20
 V = 131072

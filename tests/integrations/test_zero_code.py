@@ -21,7 +21,7 @@ from tests.integrations._alerts import read_reports
 from tests.integrations._plain import loss_figures, micro_batches, run_job
 from tests.support import HostSyncSpy, one_torch_thread, run_ranks
 from trainvitals.hooks import attach
-from trainvitals.hooks.signals.logits_accounting import recover
+from trainvitals.hooks.signals.loss.logits import recover
 
 pytestmark = pytest.mark.usefixtures("loss_emission")  # both emission paths: tests/conftest.py
 

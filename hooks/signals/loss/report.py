@@ -1,8 +1,8 @@
 """Loss accounting's report: a reported step's sums turned into samples and events.
 
-During the step, capture (:mod:`~trainvitals.hooks.signals.loss_accounting`) adds
+During the step, capture (:mod:`~trainvitals.hooks.signals.loss.signal`) adds
 everything it learns into one sums vector laid out by
-:class:`~trainvitals.hooks.signals.loss_binning.SumsLayout`, plus each objective's
+:class:`~trainvitals.hooks.signals.loss.binning.SumsLayout`, plus each objective's
 largest and smallest label-token weight. At a report, :class:`LossReport` combines
 them across ranks (sum, max, min: one packed collective with the rest of the
 report) and derives every figure below from them with batched tensor arithmetic;
@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,11 +97,11 @@ from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.late_warnings import LateWarnings
 from trainvitals.hooks.optimizer_family import FAMILY_VALUE, optimizer_family
 from trainvitals.hooks.signals.base import MonitorView
-from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES
-from trainvitals.hooks.signals.loss_binning import SumsLayout
-from trainvitals.hooks.signals.loss_deferred import Deferred
-from trainvitals.hooks.signals.loss_plan import ROWS, Plan
-from trainvitals.hooks.signals.loss_probe import ModalityProbe
+from trainvitals.hooks.signals.loss.arguments import MAX_OBJECTIVES
+from trainvitals.hooks.signals.loss.binning import SumsLayout
+from trainvitals.hooks.signals.loss.deferred import Deferred
+from trainvitals.hooks.signals.loss.plan import ROWS, Plan
+from trainvitals.hooks.signals.loss.probe import ModalityProbe
 from trainvitals.hooks.step import StepContext
 from trainvitals.hooks.tensors import float_dtype
 
@@ -358,11 +359,9 @@ class LossReport:
         Every ratio of one kind is one division over index-gathered numerators and
         denominators, every threshold test one comparison (``Plan``), so a report costs
         a few dozen tensor ops whatever the number of modalities and objectives."""
-        lay = self._layout
         names = list(monitor.modalities)
         m = len(names)
         labels = self._labels(names)
-        mod_labels = labels.modality
         config = monitor.config
         calls = acc.calls
         full = acc.fired or monitor.world_size > 1  # weights arrived: the figures about them
@@ -385,6 +384,47 @@ class LossReport:
             torch.float32,  # the figures' dtype, on one rank as on several (their sums come float32)
             sums.dtype,
         )
+        first, verdicts, verdict = self._ratios(monitor, ctx, plan, sums, extremes, acc, zero_code)
+
+        if counting_nonfinite or monitor.world_size > 1:
+            ctx.emit("nonfinite_total", first[plan.nonfinite], {"what": "loss"})
+        gate = self._zero_code_gate(ctx, plan, first, verdict) if zero_code else None
+
+        def gated(present: torch.Tensor) -> torch.Tensor:
+            return present if gate is None else present * gate
+
+        ctx.emit("microbatches", self._indices.get([float(max(calls))], ctx.device, sums.dtype), present=gate)
+        if acc.fired:
+            ctx.inactive_when("loss", verdict[plan.no_input], "no_input", "no label token in the reported step")
+        ctx.emit("loss", first[plan.loss], present=gated(first[plan.present_loss]))
+        ctx.emit_block(
+            labels.rows,
+            first[plan.rows],
+            present=gated(first[plan.present_rows]),
+            gated=range(3 * m),
+        )
+        self._emit_events(monitor, ctx, plan, first, verdicts, verdict, labels, zero_code)
+        if not full:
+            return  # no weights arrived on this step: nothing honest to say about them
+
+        self._emit_weights(
+            monitor, ctx, plan, first, verdict, acc, labels, active, declared, gated, gate, scale, probe, gram, names
+        )
+
+    def _ratios(
+        self,
+        monitor: MonitorView | _Snapshot,
+        ctx: StepContext,
+        plan: Plan,
+        sums: torch.Tensor,
+        extremes: torch.Tensor,
+        acc: Accumulated,
+        zero_code: bool,
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Every first-stage ratio (one gathered division over the plan's pool) and every
+        threshold test (one comparison): ``(first, verdicts, verdict)``, split as the plan
+        lays them out."""
+        lay = self._layout
         # The pool every ratio reads from: the sums, their square roots, the per-bin
         # totals, the weight extremes, host-known constants, the exponent fit's products
         # and its numerator and denominator (``Plan``).
@@ -410,44 +450,45 @@ class LossReport:
         torch.gt(first[plan.tests], plan.bounds, out=plan.tested)
         verdicts = plan.tested_rows.all(1)
         verdict = verdicts.split_with_sizes(plan.verdict_sizes)
+        return first, verdicts, verdict
 
-        if counting_nonfinite or monitor.world_size > 1:
-            ctx.emit("nonfinite_total", first[plan.nonfinite], {"what": "loss"})
-        gate: torch.Tensor | None = None  # zero-code: every figure present only where the weights are sound
-        if zero_code:
-            # Weights read from a gradient that is not a plain cross-entropy one are wrong:
-            # say so (_warn_late's log line, the coverage) and leave the step's figures out.
-            ctx.inactive_when(
-                "loss",
-                first[plan.overwritten],
-                "logits_overwritten",
-                "the logits were overwritten in place between the forward and the backward (a fused "
-                "cross-entropy reusing their memory); the step's figures are left out",
-            )
-            ctx.inactive_when(
-                "loss",
-                first[plan.not_ce],
-                "not_cross_entropy",
-                "the loss is not a plain cross-entropy: signed per-token weights (a policy gradient's "
-                "advantages, a preference loss) at the per-token log-probabilities or losses, or a logits "
-                "gradient with label smoothing, a distillation or z-loss term, soft-capping after the head; "
-                "the step's figures are left out",
-            )
-            gate = verdict[plan.gate]
-
-        def gated(present: torch.Tensor) -> torch.Tensor:
-            return present if gate is None else present * gate
-
-        ctx.emit("microbatches", self._indices.get([float(max(calls))], ctx.device, sums.dtype), present=gate)
-        if acc.fired:
-            ctx.inactive_when("loss", verdict[plan.no_input], "no_input", "no label token in the reported step")
-        ctx.emit("loss", first[plan.loss], present=gated(first[plan.present_loss]))
-        ctx.emit_block(
-            labels.rows,
-            first[plan.rows],
-            present=gated(first[plan.present_rows]),
-            gated=range(3 * m),
+    def _zero_code_gate(
+        self, ctx: StepContext, plan: Plan, first: tuple[torch.Tensor, ...], verdict: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
+        """Zero-code accounting: the coverage verdicts on the gradient read, and the gate
+        every figure is present under (only where the weights are sound)."""
+        # Weights read from a gradient that is not a plain cross-entropy one are wrong:
+        # say so (_warn_late's log line, the coverage) and leave the step's figures out.
+        ctx.inactive_when(
+            "loss",
+            first[plan.overwritten],
+            "logits_overwritten",
+            "the logits were overwritten in place between the forward and the backward (a fused "
+            "cross-entropy reusing their memory); the step's figures are left out",
         )
+        ctx.inactive_when(
+            "loss",
+            first[plan.not_ce],
+            "not_cross_entropy",
+            "the loss is not a plain cross-entropy: signed per-token weights (a policy gradient's "
+            "advantages, a preference loss) at the per-token log-probabilities or losses, or a logits "
+            "gradient with label smoothing, a distillation or z-loss term, soft-capping after the head; "
+            "the step's figures are left out",
+        )
+        return verdict[plan.gate]
+
+    def _emit_events(
+        self,
+        monitor: MonitorView | _Snapshot,
+        ctx: StepContext,
+        plan: Plan,
+        first: tuple[torch.Tensor, ...],
+        verdicts: torch.Tensor,
+        verdict: tuple[torch.Tensor, ...],
+        labels: _ModalityLabels,
+        zero_code: bool,
+    ) -> None:
+        """The step's events and late warnings about the modality codes and the loss."""
         # Mixed and unknown codes, a gradient that is not cross-entropy (their counts);
         # then a declared modality that marks positions only of samples without label
         # tokens (positions where its label tokens are 0): no sample of it carries loss,
@@ -494,9 +535,30 @@ class LossReport:
             monitor.warn_once,
             positive_from=plan.flags_at,
         )
-        if not full:
-            return  # no weights arrived on this step: nothing honest to say about them
 
+    def _emit_weights(
+        self,
+        monitor: MonitorView | _Snapshot,
+        ctx: StepContext,
+        plan: Plan,
+        first: tuple[torch.Tensor, ...],
+        verdict: tuple[torch.Tensor, ...],
+        acc: Accumulated,
+        labels: _ModalityLabels,
+        active: list[tuple[str, int]],
+        declared: str | None,
+        gated: Callable[[torch.Tensor], torch.Tensor],
+        gate: torch.Tensor | None,
+        scale: float | None,
+        probe: ModalityProbe | None,
+        gram: torch.Tensor | None,
+        names: list[str],
+    ) -> None:
+        """The figures about the step's loss weights (a step whose weights arrived): the
+        dilution, the exponent, the objectives' mass, the optimizer family, the per-modality
+        gradient norms and the probe."""
+        mod_labels = labels.modality
+        calls = acc.calls
         second = (first[plan.num2] / first[plan.den2]).split_with_sizes(plan.second_sizes)
         dilution, intended, mass, grad_norm, spread = second
         weighted = first[plan.weight_total] != 0  # the weight's total: it may be negative

@@ -29,8 +29,8 @@ capped by :mod:`~trainvitals.hooks.signals.param_series`), label ``param``:
   Adam, not the loss, moves the parameter; absent when it has no gradient. With
   ``per_param=True`` also for the parameters with ndim >= 2 that have a series.
 
-A weight-decay audit runs at attach (:mod:`~trainvitals.hooks.signals.weight_decay_audit`).
-The drift state lives in :mod:`~trainvitals.hooks.signals.param_drift`.
+A weight-decay audit runs at attach (:mod:`~trainvitals.hooks.signals.params.weight_decay`).
+The drift state lives in :mod:`~trainvitals.hooks.signals.params.drift`.
 
 Sharded parameters (FSDP2, tensor-parallel DTensors): every rank reduces its local
 piece; minima, maxima and sums (gradient sums of squares, consistency sums and
@@ -50,9 +50,9 @@ from trainvitals.hooks.grad_norms import GradNorms
 from trainvitals.hooks.host_finish import GradRmsFinish
 from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.signals.base import REBINDING, MonitorView, Removable, Signal
-from trainvitals.hooks.signals.param_drift import DriftTracker, Reference
 from trainvitals.hooks.signals.param_series import choose, groups_key
-from trainvitals.hooks.signals.weight_decay_audit import audit_weight_decay
+from trainvitals.hooks.signals.params.drift import DriftTracker, Reference
+from trainvitals.hooks.signals.params.weight_decay import audit_weight_decay
 from trainvitals.hooks.step import ReduceOp, StepContext
 
 log = logging.getLogger("trainvitals")
@@ -79,12 +79,12 @@ class ParamHealth(Signal):
     def __init__(self) -> None:
         self._refs: dict[int, Reference] = {}
         self._restore: dict[str, Any] | None = None  # a loaded state waiting for its tracker
-        self._key: tuple | None = None
+        self._key: tuple[Any, ...] | None = None
         self._drift: DriftTracker | None = None
         self._fresh = False  # tracker rebuilt at this report: no change to record yet
         self._indices = IndexCache()
         self._series: tuple[Any, ...] = (None,)
-        self._grad_key: tuple | None = None
+        self._grad_key: tuple[Any, ...] | None = None
         self._grad_layout: tuple[list[dict[str, str]], GradRmsFinish] | None = None
 
     # -- attach ----------------------------------------------------------------

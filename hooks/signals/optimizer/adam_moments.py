@@ -37,7 +37,7 @@ from trainvitals.hooks.host_finish import AdamFinish
 from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.sampling import BlockSample, owner_index
 from trainvitals.hooks.signals.base import MonitorView
-from trainvitals.hooks.signals.optimizer_state import (
+from trainvitals.hooks.signals.optimizer.state import (
     AdamEntry,
     StateWalk,
     is_adam_group,
@@ -171,7 +171,7 @@ class MomentPlan:
         self._reduction(entry_bins, sizes, dev)
         # The state tensors the batches' source views are of: (m list, v list, both, all
         # contiguous, their data_ptrs), as AdamMoments._sources last saw them.
-        self.sources_seen: tuple[list, list, list, bool, list[int]] | None = None
+        self.sources_seen: tuple[list[Any], list[Any], list[Any], bool, list[int]] | None = None
         # The squared norms z when one foreach call gives them all (stacked straight into
         # float64, no cast op), and the kept output of ``matrix`` with its ratio rows' view.
         self.z: torch.Tensor | None = None
@@ -287,19 +287,21 @@ class AdamMoments:
     """Emits the moment statistics of the Adam-family entries of one state walk."""
 
     def __init__(self) -> None:
-        self._plan_key: tuple | None = None
+        self._plan_key: tuple[Any, ...] | None = None
         self._plan: MomentPlan | None = None
         self._norm_plan: list[Any] = [None]  # NormPlan.cached's slot, for the moments' norms
-        self._series_key: tuple | None = None
+        self._series_key: tuple[Any, ...] | None = None
         self._series: tuple[dict[int, tuple[int, bool]], list[dict[str, str]]] = ({}, [])
         self._indices = IndexCache()
-        self._hp_table: tuple[list[AdamEntry], list, torch.device, torch.Tensor] | None = None
+        self._hp_table: tuple[list[AdamEntry], list[Any], torch.device, torch.Tensor] | None = None
         self._hp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (cached, [b1; b2; b2], eps)
         # The last state walk and what was read from it (its moment tensors, the plan's key).
         self._walk_seen: StateWalk | None = None
         self._walk_lists: tuple[Any, ...] = ()
 
-    def _series_map(self, monitor: MonitorView, key: tuple) -> tuple[dict[int, tuple[int, bool]], list[dict[str, str]]]:
+    def _series_map(
+        self, monitor: MonitorView, key: tuple[Any, ...]
+    ) -> tuple[dict[int, tuple[int, bool]], list[dict[str, str]]]:
         if key != self._series_key:
             self._series_key = key
             series = choose(monitor)
@@ -343,7 +345,9 @@ class AdamMoments:
         self._hp_table = (entries, per_group, dev, table)
         return table
 
-    def collect(self, monitor: MonitorView, ctx: StepContext, key: tuple, walk: StateWalk, now: torch.Tensor) -> None:
+    def collect(
+        self, monitor: MonitorView, ctx: StepContext, key: tuple[Any, ...], walk: StateWalk, now: torch.Tensor
+    ) -> None:
         dev = monitor.device
         entries = walk.entries
         sharded = monitor.sharded

@@ -49,7 +49,7 @@ def _queue_callback() -> Any:
 class BackwardGradNorms:
     """Squared global gradient norm at the end of every backward, kept per step.
 
-    Owned by :class:`~trainvitals.hooks.signals.optimizer_stats.OptimizerStats`,
+    Owned by :class:`~trainvitals.hooks.signals.optimizer.stats.OptimizerStats`,
     which calls :meth:`bind`, :meth:`end_step` and :meth:`take`.
     """
 
@@ -61,8 +61,8 @@ class BackwardGradNorms:
         self._plain = True  # see _hook_params
         # NormPlan.cached's slot; its key: the params with a grad (None: all of them)
         self._plan: list[Any] = [None]
-        self._weight_of: tuple[tuple | None, list[torch.Tensor], torch.Tensor] | None = None
-        self._key: tuple | None = None
+        self._weight_of: tuple[tuple[Any, ...] | None, list[torch.Tensor], torch.Tensor] | None = None
+        self._key: tuple[Any, ...] | None = None
         self._queued = False
         self._monitor: MonitorView | None = None
         self._current: torch.Tensor | None = None  # this step's squared norm so far
@@ -146,7 +146,7 @@ class BackwardGradNorms:
             self._per_param = (params, norms, weights)
             self._current = self._squared(norms, max(1, monitor.config.every), weights)
 
-    def _weights(self, monitor: MonitorView, params: list[torch.Tensor], key: tuple | None) -> torch.Tensor:
+    def _weights(self, monitor: MonitorView, params: list[torch.Tensor], key: tuple[Any, ...] | None) -> torch.Tensor:
         """Each parameter's share of the sums over ranks (replicated pieces count 1 / k),
         kept while the parameters with a gradient stay the same."""
         kept = self._weight_of

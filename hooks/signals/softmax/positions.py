@@ -4,8 +4,8 @@
 At most ``softmax_max_positions`` positions per call, with a fixed stride over all
 positions (``ceil(N / cap)``, coprime with T for [B, T] logits), handed out by row
 chunks: a strided view when the positions merge, else gathered into one reused
-buffer. The statistics over them are :mod:`~trainvitals.hooks.signals.softmax`'s,
-their arithmetic :mod:`~trainvitals.hooks.signals.softmax_math`'s.
+buffer. The statistics over them are :mod:`~trainvitals.hooks.signals.softmax.signal`'s,
+their arithmetic :mod:`~trainvitals.hooks.signals.softmax.maths`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from trainvitals.hooks.signals import softmax_math as sm
+from trainvitals.hooks.signals.softmax import maths as sm
 
 __all__ = ["Positions", "check_logits", "check_mask", "check_name", "check_temperature"]
 

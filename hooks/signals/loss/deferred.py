@@ -1,12 +1,12 @@
 """Loss accounting: the per-micro-batch sums a reported step leaves to its report.
 
 On one rank a reported step's figures are made on the sender thread from the host
-copy of the step's sums (:mod:`~trainvitals.hooks.signals.loss_report`). The tensor
+copy of the step's sums (:mod:`~trainvitals.hooks.signals.loss.report`). The tensor
 hooks then need not finish their per-sample sums on the training thread either: a
 hook makes the reduction over its tokens (the pass only it can make, on the
 gradient it is handed) and keeps the small per-sample results here
-(:func:`~trainvitals.hooks.signals.loss_binning.weight_rows`,
-:func:`~trainvitals.hooks.signals.loss_binning.output_norms`); the report hands them
+(:func:`~trainvitals.hooks.signals.loss.binning.weight_rows`,
+:func:`~trainvitals.hooks.signals.loss.binning.output_norms`); the report hands them
 to the sender thread with the sums, where the same functions finish them and add
 them in the order the hooks ran. The figures are the same: these entries of the sums
 (the weights per bin, the exponent fit, the masses, the output norms) are written by
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from trainvitals.hooks.signals.loss_binning import SumsLayout, output_finish, weight_finish
+from trainvitals.hooks.signals.loss.binning import SumsLayout, output_finish, weight_finish
 
 __all__ = ["MAX_ENTRIES", "MAX_NUMEL", "Deferred", "Entries", "add_weights"]
 

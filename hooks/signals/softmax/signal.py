@@ -70,9 +70,9 @@ from typing import Any
 
 import torch
 
-from trainvitals.hooks.signals import softmax_math as sm
 from trainvitals.hooks.signals.base import MonitorView, Signal
-from trainvitals.hooks.signals.softmax_positions import (
+from trainvitals.hooks.signals.softmax import maths as sm
+from trainvitals.hooks.signals.softmax.positions import (
     Positions,
     check_logits,
     check_mask,

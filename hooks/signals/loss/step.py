@@ -4,7 +4,7 @@ accumulated has gathered, and the helpers every capture path shares.
 :class:`StepBook` is the base of :class:`~trainvitals.hooks.signals.loss_accounting.
 LossAccounting`: it keeps the step in progress (a new one when the optimizer step
 count moves, or when a ``GradScaler`` skipped the step), its sums vector on the
-loss's device (laid out by :class:`~trainvitals.hooks.signals.loss_binning.SumsLayout`),
+loss's device (laid out by :class:`~trainvitals.hooks.signals.loss.binning.SumsLayout`),
 the objectives' slots, the cumulative count of micro-batches with a non-finite
 loss, the scaler's inverse scale read at hook time, and the wrapper that makes a
 tensor hook skip the probe's own backward and never raise into the user's.
@@ -19,8 +19,8 @@ import torch
 
 from trainvitals.hooks.late_warnings import LateWarnings
 from trainvitals.hooks.signals.base import MonitorView, Signal
-from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES
-from trainvitals.hooks.signals.loss_binning import (
+from trainvitals.hooks.signals.loss.arguments import MAX_OBJECTIVES
+from trainvitals.hooks.signals.loss.binning import (
     UNIFORM_RTOL,
     Batch,
     SumsLayout,
@@ -29,10 +29,10 @@ from trainvitals.hooks.signals.loss_binning import (
     weight_finish,
     weight_rows,
 )
-from trainvitals.hooks.signals.loss_deferred import Deferred, add_weights
-from trainvitals.hooks.signals.loss_plan import ROWS
-from trainvitals.hooks.signals.loss_probe import ModalityProbe
-from trainvitals.hooks.signals.loss_report import LossReport
+from trainvitals.hooks.signals.loss.deferred import Deferred, add_weights
+from trainvitals.hooks.signals.loss.plan import ROWS
+from trainvitals.hooks.signals.loss.probe import ModalityProbe
+from trainvitals.hooks.signals.loss.report import LossReport
 from trainvitals.hooks.tensors import float_dtype
 
 __all__ = ["LossStep", "StepBook"]

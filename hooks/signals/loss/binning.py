@@ -1,7 +1,7 @@
 """The arithmetic of loss accounting: samples, modality bins and the per-step sums.
 
 Pure tensor functions and one layout; no monitor, no state, no host sync. The
-signal (:mod:`~trainvitals.hooks.signals.loss_accounting`) calls :func:`bin_batch`
+signal (:mod:`~trainvitals.hooks.signals.loss.signal`) calls :func:`bin_batch`
 in ``track_loss`` (before the backward) and :func:`weight_rows` /
 :func:`output_norms` from its tensor hooks (during the backward), then
 :func:`weight_finish` / :func:`output_finish` on what they return. Everything a step
@@ -457,7 +457,7 @@ def weight_rows(
     -smallest]]`` with one. ``per_row``: without a mask, the extremes of each row ([R]
     each, one op and no reshape: what is kept for the report, which takes their
     extremes). :func:`weight_finish` makes the sums from them, on the training thread
-    or, for a step that keeps its results (:mod:`~trainvitals.hooks.signals.loss_deferred`),
+    or, for a step that keeps its results (:mod:`~trainvitals.hooks.signals.loss.deferred`),
     on the sender thread."""
     fdt, dev = b.fdt, w.device
     lab = b.lab

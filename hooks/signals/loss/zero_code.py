@@ -4,7 +4,7 @@ outputs, per framework, without a ``track_loss`` call (``attach(loss_from_logits
 - Any LM head (Hugging Face Trainer, plain cross-entropy loops): a forward hook on
   the head places, on report steps only, a tensor hook on its output, the logits;
   during the backward that hook recovers every position's weight, loss and label
-  flag from the gradient (:mod:`~trainvitals.hooks.signals.logits_accounting`) and
+  flag from the gradient (:mod:`~trainvitals.hooks.signals.loss.logits`) and
   checks that it is a plain cross-entropy's.
 - Megatron-core's ``GPTModel`` with labels returns its per-token losses [B, S]: the
   weights are read there (exact), the logits' gradient only checks them; its
@@ -19,7 +19,7 @@ policy gradient (GRPO's weight x advantage, zero-mean per group), a preference o
 distillation loss on the same per-token log-probabilities is never read as weights.
 
 Micro-batches are tagged with ``Monitor.tag_batch`` or from the input ids
-(:mod:`~trainvitals.hooks.signals.loss_modality`). When the gradient is not a plain
+(:mod:`~trainvitals.hooks.signals.loss.modality`). When the gradient is not a plain
 cross-entropy one the step's figures are left out and a log line says so.
 """
 
@@ -32,16 +32,16 @@ import torch
 
 from trainvitals.hooks.logits_finder import expected_vocab, logits_of
 from trainvitals.hooks.signals.base import MonitorView, Removable
-from trainvitals.hooks.signals.logits_accounting import (
+from trainvitals.hooks.signals.loss.arguments import _modality_codes
+from trainvitals.hooks.signals.loss.binning import UNIFORM_RTOL, Batch, bin_batch
+from trainvitals.hooks.signals.loss.logits import (
     cross_entropy_residual,
     recover,
     residual_tolerance,
     uniform_tolerance,
 )
-from trainvitals.hooks.signals.loss_arguments import _modality_codes
-from trainvitals.hooks.signals.loss_binning import UNIFORM_RTOL, Batch, bin_batch
-from trainvitals.hooks.signals.loss_modality import input_ids, media_codes, sample_codes
-from trainvitals.hooks.signals.loss_step import LossStep, StepBook
+from trainvitals.hooks.signals.loss.modality import input_ids, media_codes, sample_codes
+from trainvitals.hooks.signals.loss.step import LossStep, StepBook
 
 __all__ = ["ZeroCodeSeams"]
 

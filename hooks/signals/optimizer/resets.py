@@ -24,7 +24,7 @@ import torch
 
 from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.signals.base import MonitorView
-from trainvitals.hooks.signals.optimizer_state import StateWalk
+from trainvitals.hooks.signals.optimizer.state import StateWalk
 from trainvitals.hooks.signals.param_series import groups_key
 from trainvitals.hooks.step import StepContext
 

@@ -1,6 +1,6 @@
 """Loss accounting's report plan: which entries of the step's sums each figure divides.
 
-:class:`~trainvitals.hooks.signals.loss_report.LossReport` turns a reported step's
+:class:`~trainvitals.hooks.signals.loss.report.LossReport` turns a reported step's
 sums into some thirty figures over modalities and objectives. Made one by one they
 cost a tensor op each (a slice, a division, a comparison: ~120 ops per report);
 instead the report concatenates everything it reads into one pool vector, and each
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from trainvitals.hooks.signals.loss_arguments import NORMALIZATIONS
-from trainvitals.hooks.signals.loss_binning import SumsLayout
+from trainvitals.hooks.signals.loss.arguments import NORMALIZATIONS
+from trainvitals.hooks.signals.loss.binning import SumsLayout
 
 __all__ = ["MIN_LOG_LENGTH_VAR", "ROWS", "SHARES", "SQRT_TOLERANCE", "TESTS_PER_ROW", "Plan"]
 

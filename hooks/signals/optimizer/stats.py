@@ -2,7 +2,7 @@
 update-to-weight ratio, non-finite gradients (docs/signals.md, "Optimizer step").
 
 ``grad_norm`` is the global gradient L2 norm before clipping, taken at the end of
-every backward (:mod:`~trainvitals.hooks.signals.backward_grad_norm`), with
+every backward (:mod:`~trainvitals.hooks.signals.grad_norm.backward`), with
 ``grad_norm_max`` / ``grad_norm_mean`` over the steps since the previous report, and
 ``nonfinite_total{what="grad"}`` the steps whose gradient was not finite.
 ``group_grad_norm{group}`` is the L2 norm of one param group's gradients, from the
@@ -29,8 +29,8 @@ import torch
 from trainvitals.hooks.grad_norms import GradNorms
 from trainvitals.hooks.host_finish import RatioRootFinish
 from trainvitals.hooks.sampling import TensorsSample
-from trainvitals.hooks.signals.backward_grad_norm import BackwardGradNorms
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
+from trainvitals.hooks.signals.grad_norm.backward import BackwardGradNorms
 from trainvitals.hooks.step import Labels, ReduceOp, StepContext
 from trainvitals.hooks.tensors import NormPlan, RepeatedSum, flat, foreach_norm32, local
 
@@ -68,12 +68,12 @@ class _Layout:
         # Small tensors of one shape normed together (NormPlan) when the model has them.
         plan = NormPlan(self.tensors, dev)
         self.param_plan = plan if plan.groups else None
-        self.matrices: dict[tuple, _Matrix] = {}
+        self.matrices: dict[tuple[Any, ...], _Matrix] = {}
         # Replicated pieces (tensor parallel): each parameter's share of the sums over
         # ranks, folded in before the one collective (None: every piece counts once).
         self.weights: list[float] | None = None
         self.sample_weight: torch.Tensor | None = None
-        self.column_weights: dict[tuple, torch.Tensor] = {}
+        self.column_weights: dict[tuple[Any, ...], torch.Tensor] = {}
         if monitor.weighted:
             self.weights = [monitor.weight_of(p) for p in params]
             roots = torch.tensor([math.sqrt(w) for w in self.weights], dtype=torch.float32)
@@ -171,12 +171,12 @@ class OptimizerStats(Signal):
     uses_grad_norms = True
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
+        self._key: tuple[Any, ...] | None = None
         self._layout: _Layout | None = None
         self._before: _Layout | None = None  # the layout whose before buffer holds this step's sample
         self._nonfinite: torch.Tensor | None = None  # [1]
         self._history = BackwardGradNorms(self)
-        self._series_key: tuple | None = None
+        self._series_key: tuple[Any, ...] | None = None
         self._series_of: list[tuple[str, list[Labels]]] = []
         self._flags: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 

@@ -1,8 +1,8 @@
 """The optimizer-state signal (docs/incidents.md, I4): one walk over the optimizer's
 state per report feeds the reset detector
-(:mod:`~trainvitals.hooks.signals.state_resets`) and Adam's moment statistics
-(:mod:`~trainvitals.hooks.signals.adam_moments`). Host checks compare object
-identities only (:mod:`~trainvitals.hooks.signals.optimizer_state`), so a reset that
+(:mod:`~trainvitals.hooks.signals.optimizer.resets`) and Adam's moment statistics
+(:mod:`~trainvitals.hooks.signals.optimizer.adam_moments`). Host checks compare object
+identities only (:mod:`~trainvitals.hooks.signals.optimizer.state`), so a reset that
 happened between reports is seen and nothing here needs every step.
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainvitals.hooks.signals.adam_moments import AdamMoments
 from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
-from trainvitals.hooks.signals.optimizer_state import Anchors, StateWalk, stack_steps
+from trainvitals.hooks.signals.optimizer.adam_moments import AdamMoments
+from trainvitals.hooks.signals.optimizer.resets import ResetDetector
+from trainvitals.hooks.signals.optimizer.state import Anchors, StateWalk, stack_steps
 from trainvitals.hooks.signals.param_series import groups_key
-from trainvitals.hooks.signals.state_resets import ResetDetector
 from trainvitals.hooks.step import StepContext
 
 
@@ -26,9 +26,9 @@ class AdamState(Signal):
         self._resets: ResetDetector | None = None
         self._moments = AdamMoments()
         self._last: StateWalk | None = None
-        self._last_key: tuple | None = None
+        self._last_key: tuple[Any, ...] | None = None
 
-    def _walk(self, monitor: MonitorView, key: tuple | None = None) -> StateWalk:
+    def _walk(self, monitor: MonitorView, key: tuple[Any, ...] | None = None) -> StateWalk:
         """The state walk; the previous one again when, by identities, a new walk
         would see the same (the usual report: a walk is a Python loop over every
         parameter's state)."""

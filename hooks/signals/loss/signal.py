@@ -9,12 +9,12 @@ report. On steps that are not reported no hook is placed; only non-finite label
 losses are counted (a few small reductions per micro-batch).
 
 This module places the hooks and accumulates, per reported step and on the device:
-the sums of :mod:`~trainvitals.hooks.signals.loss_binning` (per modality bin:
+the sums of :mod:`~trainvitals.hooks.signals.loss.binning` (per modality bin:
 samples, label tokens, loss, weight and the like; the exponent fit's moments; per
 objective its weight mass), each objective's largest and smallest label-token
 weight and micro-batch count, and the declared ``weight`` and ``normalization``;
 every step, the micro-batches with a non-finite label loss. ``collect`` hands them
-to :class:`~trainvitals.hooks.signals.loss_report.LossReport`, which combines them
+to :class:`~trainvitals.hooks.signals.loss.report.LossReport`, which combines them
 across ranks and emits the figures; the definitions (label tokens, samples,
 modalities, objectives, and each figure's math) are in that module.
 
@@ -26,17 +26,17 @@ step whose ``optimizer.step`` the job skips is merged into the next one.
 
 Zero-code accounting (``attach(loss_from_logits=True)``) reads the same weights from
 the model's own outputs instead (the logits' gradient, Megatron's per-token losses,
-TRL's fused head): :mod:`~trainvitals.hooks.signals.loss_zero_code`, with samples
-tagged from a VLM's input ids by :mod:`~trainvitals.hooks.signals.loss_modality`.
+TRL's fused head): :mod:`~trainvitals.hooks.signals.loss.zero_code`, with samples
+tagged from a VLM's input ids by :mod:`~trainvitals.hooks.signals.loss.modality`.
 
 The modules, in data-flow order: the argument checks
-(:mod:`~trainvitals.hooks.signals.loss_arguments`), the step's bookkeeping
-(:mod:`~trainvitals.hooks.signals.loss_step`), the binning arithmetic
-(:mod:`~trainvitals.hooks.signals.loss_binning`), this signal (``track_loss`` and its
-hooks, coverage, collect), the figures (:mod:`~trainvitals.hooks.signals.loss_report`,
-whose index plan is :mod:`~trainvitals.hooks.signals.loss_plan`); the opt-in
+(:mod:`~trainvitals.hooks.signals.loss.arguments`), the step's bookkeeping
+(:mod:`~trainvitals.hooks.signals.loss.step`), the binning arithmetic
+(:mod:`~trainvitals.hooks.signals.loss.binning`), this signal (``track_loss`` and its
+hooks, coverage, collect), the figures (:mod:`~trainvitals.hooks.signals.loss.report`,
+whose index plan is :mod:`~trainvitals.hooks.signals.loss.plan`); the opt-in
 parameter-space probe (``attach(probe_every=N)``) is
-:mod:`~trainvitals.hooks.signals.loss_probe`.
+:mod:`~trainvitals.hooks.signals.loss.probe`.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ import torch
 
 from trainvitals.hooks.config import Config
 from trainvitals.hooks.signals.base import MonitorView, Removable
-from trainvitals.hooks.signals.loss_arguments import MAX_OBJECTIVES, UNTAGGED, TrackChecks
-from trainvitals.hooks.signals.loss_binning import Batch, SumsLayout, bin_batch
-from trainvitals.hooks.signals.loss_probe import ModalityProbe
-from trainvitals.hooks.signals.loss_report import Accumulated, LossReport
-from trainvitals.hooks.signals.loss_step import LossStep
-from trainvitals.hooks.signals.loss_zero_code import ZeroCodeSeams
+from trainvitals.hooks.signals.loss.arguments import MAX_OBJECTIVES, UNTAGGED, TrackChecks
+from trainvitals.hooks.signals.loss.binning import Batch, SumsLayout, bin_batch
+from trainvitals.hooks.signals.loss.probe import ModalityProbe
+from trainvitals.hooks.signals.loss.report import Accumulated, LossReport
+from trainvitals.hooks.signals.loss.step import LossStep
+from trainvitals.hooks.signals.loss.zero_code import ZeroCodeSeams
 from trainvitals.hooks.step import StepContext
 
 __all__ = ["HEAD_BYPASS_REPORTS", "LossAccounting"]
@@ -65,8 +65,8 @@ zero-code accounting reads ``head_bypassed`` (before: ``no_input``)."""
 
 class LossAccounting(ZeroCodeSeams):
     """Loss weights per sample, modality and micro-batch; see the module docstring.
-    The per-step bookkeeping is :class:`~trainvitals.hooks.signals.loss_step.StepBook`,
-    the zero-code capture paths :class:`~trainvitals.hooks.signals.loss_zero_code.ZeroCodeSeams`."""
+    The per-step bookkeeping is :class:`~trainvitals.hooks.signals.loss.step.StepBook`,
+    the zero-code capture paths :class:`~trainvitals.hooks.signals.loss.zero_code.ZeroCodeSeams`."""
 
     covers = "loss"
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainvitals.hooks.signals.softmax_math import subsample_stride
+from trainvitals.hooks.signals.softmax.maths import subsample_stride
 
 __all__ = ["CE_RTOL", "Recovered", "cross_entropy_residual", "recover", "residual_tolerance", "uniform_tolerance"]
 

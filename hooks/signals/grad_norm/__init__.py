@@ -1,0 +1,1 @@
+"""Gradient norms measured during the backward pass."""

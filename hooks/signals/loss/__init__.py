@@ -1,0 +1,1 @@
+"""Loss accounting: the weight each sample, modality and micro-batch gets in the loss."""

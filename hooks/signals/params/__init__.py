@@ -1,0 +1,1 @@
+"""Parameter health: drift of parameters from their reference, weight decay, gradients."""

@@ -1,0 +1,1 @@
+"""Softmax saturation at the logits: confidence, its gradient shrink, temperature."""
