@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -142,7 +143,7 @@ def find_trainer(depth: int = 40) -> Any | None:
         from transformers import Trainer
     except ImportError:
         return None
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
             return None
