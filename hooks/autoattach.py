@@ -255,7 +255,8 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
         options["step_boundary"] = "manual"
     # A TRL RL or preference trainer stepping this optimizer: its objective is read for
     # what it is (integrations_rl), never from the head's gradient as a cross-entropy.
-    trainer = integrations_rl.find_trainer()
+    off = os.environ.get(env_name("loss_from_logits"), "").strip().lower() in ("0", "false", "no", "off")
+    trainer = None if off else integrations_rl.find_trainer()
     objective = integrations_rl.identify(trainer) if trainer is not None else None
     if objective is not None:
         options["loss_from_logits"] = False

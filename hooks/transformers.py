@@ -125,7 +125,7 @@ class TrainvitalsCallback(TrainerCallback):
         opts = dict(self.options)
         # TRL's RL and preference trainers: the objective is read for what it is (their
         # policy loss, or withheld), never from the head's gradient as a cross-entropy.
-        trainer = integrations_rl.find_trainer()
+        trainer = integrations_rl.find_trainer() if self.loss_from_logits else None  # False: no loss accounting
         objective = integrations_rl.identify(trainer) if trainer is not None else None
         from_logits = self.loss_from_logits if objective is None else False
         if from_logits or objective is not None:
