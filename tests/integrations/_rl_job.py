@@ -13,7 +13,7 @@ number per completion, so no advantage is zero. Per optimizer step: the weight m
 each micro-batch's smallest and largest per-token weight and its per-sequence weights.
 
 Run as a script: ``python _rl_job.py OUT.json trainer=grpo loss_type=dapo variant=stock
-steps=N accum=4 every=K callback=1 [collector=URL]``; ``callback=0`` runs without
+steps=N accum=4 every=K callback=1 [collector=URL] [reward=flat]``; ``callback=0`` runs without
 ``TrainvitalsCallback`` (for ``trainvitals run`` / ``check``).
 """
 
@@ -75,6 +75,11 @@ def random_reward(completions: list[str], **kwargs) -> list[float]:
 
 
 random_reward.calls = 0  # type: ignore[attr-defined]
+
+
+def flat_reward(completions: list[str], **kwargs) -> list[float]:
+    """The same reward for every completion: every advantage is zero, none negative."""
+    return [1.0] * len(completions)
 
 
 class Truth(TrainerCallback):
@@ -143,6 +148,7 @@ def train(
     every: int = 4,
     callback: int = 1,
     collector: str = "",
+    reward: str = "random",
 ) -> dict:
     torch.set_num_threads(1)
     os.makedirs(out_dir, exist_ok=True)  # the reports go to the working folder (trainvitals check reads them there)
@@ -167,7 +173,7 @@ def train(
         cls = {"stock": GRPOTrainer, "bug": WriteupDAPO, "fixed": FixedDAPO}[variant]
     job = cls(
         model=net,
-        reward_funcs=random_reward,
+        reward_funcs=flat_reward if reward == "flat" else random_reward,
         args=args,
         train_dataset=prompts(steps * accum * 4),
         processing_class=tokenizer(),

@@ -93,6 +93,21 @@ def test_stock_objectives_read_exactly_or_withheld_and_silent(tmp_path: Path, ki
     assert not fired & (LOSS_RULES | {"SignalInactive"}), fired
 
 
+def test_a_step_without_a_negative_advantage_is_still_read_as_a_policy_gradient(tmp_path: Path):
+    """Every reward equal: every advantage zero, so the gradient at the log-probabilities
+    is zero and no "weight" is negative: the sign alone would take it for a cross-entropy
+    of weight mass 0. The trainer says what it is: GRPO's weights (each sequence averaged
+    over its own tokens, 4 sequences, divided by 4 micro-batches) sum to 1."""
+    job = run_script(JOB, tmp_path, "steps=6", f"accum={ACCUM}", "every=2", "loss_type=grpo", "reward=flat")
+    assert job["min_abs_advantage"] == 0.0
+    reports = read_reports(job["reports"])
+    mass = figures(reports, "loss_weight_mass", objective="main")
+    assert sorted(mass) == [1, 2, 4, 6] and all(v == pytest.approx(1.0, rel=1e-3) for v in mass.values()), mass
+    for r in reports:
+        assert _loss_coverage(r)["active"] is True
+        assert "loss_not_cross_entropy" not in {e["kind"] for e in r.get("events", [])}
+
+
 def test_writeup_dapo_flagged_through_the_callback_and_its_fix_silent(tmp_path: Path):
     """Through a collector (its alerts and /metrics) and through the local file."""
     with running_collector() as collector:
