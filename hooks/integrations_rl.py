@@ -268,7 +268,7 @@ class PolicyLossSeam:
                     "no tensor computed from the advantages was reduced by sum() or mean() with a gradient"
                     if loss is None
                     else f"the policy loss has shape {tuple(loss.shape)}, not the completions' "
-                    f"{tuple(inputs['completion_mask'].shape)}"
+                    f"{tuple(getattr(inputs.get('completion_mask'), 'shape', ()))}"
                 )
                 monitor.coverage.set_inactive(
                     "loss", "no_input", f"{self.objective.describe()}: its policy loss was not found ({why})"

@@ -96,3 +96,57 @@ def test_each_trl_trainer_is_identified_with_its_loss_types_intent():
 
     o = identify(_bare(OwnLoss, loss_type="dr_grpo"))  # a subclass's own loss: read, no intent assumed
     assert o is not None and o.own_loss and o.withheld is None and o.normalization is None
+
+
+class StandInTrainer:
+    """A trainer's shape as the seam sees it (``model``, ``compute_loss(model, inputs)``)
+    around a real model: a policy loss over ``inputs["advantages"]``, reduced with a sum
+    (found) or through a boolean index (not found: nothing to read per token)."""
+
+    def __init__(self, model: torch.nn.Module, indexed: bool) -> None:
+        self.model = model
+        self.indexed = indexed
+
+    def compute_loss(self, model, inputs):
+        logps = torch.log_softmax(model(inputs["x"]), dim=-1)[..., 0]  # [B, T]
+        per_token_loss = -inputs["advantages"].unsqueeze(1) * logps
+        mask = inputs["completion_mask"]
+        if self.indexed:
+            return per_token_loss[mask.bool()].mean() / 2
+        return (per_token_loss * mask).sum() / mask.sum() / 2
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_the_seam_reads_the_found_policy_loss_or_says_why_not(tmp_path, indexed: bool):
+    import json
+
+    from trainvitals.hooks import attach
+    from trainvitals.hooks.integrations_rl import Objective, PolicyLossSeam
+    from trainvitals.hooks.sinks import FileSink
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = tmp_path / "r.jsonl"
+    mon = attach(model, opt, run="seam", sink=FileSink(path), every=1)
+    trainer = StandInTrainer(model, indexed)
+    seam = PolicyLossSeam(trainer, mon, Objective("StandIn", "policy", own_loss=True))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    for _ in range(3):
+        for _ in range(2):  # two micro-batches, each a token mean / 2: mass 1
+            inputs = {"x": torch.randn(2, 3, 3), "advantages": torch.randn(2), "completion_mask": mask}
+            trainer.compute_loss(model, inputs).backward()
+        opt.step()
+        opt.zero_grad()
+    seam.remove()
+    assert "compute_loss" not in vars(trainer)  # the class's method is back
+    mon.close()
+    reports = [json.loads(line) for line in path.read_text().splitlines()]
+    mass = [s["value"] for r in reports for s in r.get("samples", []) if s["name"] == "loss_weight_mass"]
+    loss = [c for r in reports for c in r["coverage"] if c["signal"] == "loss"]
+    if indexed:
+        assert mass == []
+        assert loss and all(c["reason"] == "no_input" and "its policy loss was not found" in c["detail"] for c in loss)
+    else:
+        assert len(mass) == 3 and all(abs(m - 1.0) < 1e-6 for m in mass), mass
+        assert all(c["active"] for c in loss[:3])
