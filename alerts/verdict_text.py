@@ -54,6 +54,7 @@ _WHY_NOT = {
     "logits_layout": "logits layout not understood",
     "not_cross_entropy": "not a plain cross-entropy loss",
     "logits_overwritten": "logits overwritten in place",
+    "objective_scaled": "the objective scales its loss on purpose",
     "sharded": "sharded layout not handled",
     "failed": "failed",
     "not_adam": "no Adam moments",

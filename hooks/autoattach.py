@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainvitals.hooks import distributed
+from trainvitals.hooks import distributed, integrations_rl
 from trainvitals.hooks.attach import build_monitor
 from trainvitals.hooks.config import ATTACH_ENV, default_run_name, env_name
 from trainvitals.hooks.job_monitor import Monitor, monitor_of
@@ -253,10 +253,19 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
     options: dict[str, Any] = {}
     if closure and not os.environ.get(env_name("step_boundary"), "").strip():
         options["step_boundary"] = "manual"
-    if not os.environ.get(env_name("loss_from_logits"), "").strip():
+    # A TRL RL or preference trainer stepping this optimizer: its objective is read for
+    # what it is (integrations_rl), never from the head's gradient as a cross-entropy.
+    off = os.environ.get(env_name("loss_from_logits"), "").strip().lower() in ("0", "false", "no", "off")
+    trainer = None if off else integrations_rl.find_trainer()
+    objective = integrations_rl.identify(trainer) if trainer is not None else None
+    if objective is not None:
+        options["loss_from_logits"] = False
+    elif not os.environ.get(env_name("loss_from_logits"), "").strip():
         head = find_head(unwrap(model)).head  # none: the monitor says why loss accounting is off
         options["loss_from_logits"] = head if head is not None else AUTO
     monitor = build_monitor(model, optimizer, run=run, scaler=scaler, **options)
+    if objective is not None:
+        integrations_rl.install(monitor, trainer, objective)
     monitor.automatic = True
     where = ""
     if distributed.world_size() > 1:

@@ -32,6 +32,7 @@ except ImportError as exc:
         "pip install 'trainvitals[integrations]' (or pip install transformers accelerate)"
     ) from exc
 
+from trainvitals.hooks import integrations_rl
 from trainvitals.hooks.attach import attach
 from trainvitals.hooks.integration_support import (
     run_name,
@@ -108,6 +109,7 @@ class TrainvitalsCallback(TrainerCallback):
         self.options = options
         self.monitor: Monitor | None = None
         self._pre_hook: Any = None
+        self._objective_seam: integrations_rl.PolicyLossSeam | None = None
 
     # -- Trainer events ---------------------------------------------------------------
     def on_train_begin(
@@ -121,8 +123,13 @@ class TrainvitalsCallback(TrainerCallback):
             self.run, args.run_name, os.path.basename(os.path.normpath(str(args.output_dir))), default="hf-trainer"
         )
         opts = dict(self.options)
-        if self.loss_from_logits:
-            opts["loss_from_logits"] = self.loss_from_logits
+        # TRL's RL and preference trainers: the objective is read for what it is (their
+        # policy loss, or withheld), never from the head's gradient as a cross-entropy.
+        trainer = integrations_rl.find_trainer() if self.loss_from_logits else None  # False: no loss accounting
+        objective = integrations_rl.identify(trainer) if trainer is not None else None
+        from_logits = self.loss_from_logits if objective is None else False
+        if from_logits or objective is not None:
+            opts["loss_from_logits"] = from_logits
         self.monitor = attach(
             model,
             torch_optimizer(optimizer),
@@ -133,7 +140,9 @@ class TrainvitalsCallback(TrainerCallback):
             scaler=getattr(optimizer, "scaler", None),
             **opts,
         )
-        if self.loss_from_logits:
+        if objective is not None:
+            self._objective_seam = integrations_rl.install(self.monitor, trainer, objective)
+        if from_logits:
             self._pre_hook = unwrap(model).register_forward_pre_hook(self._tag_inputs, with_kwargs=True)
         if state.global_step > 0:
             self._restore(args, state)
@@ -189,6 +198,9 @@ class TrainvitalsCallback(TrainerCallback):
         self.monitor.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
 
     def _close(self) -> None:
+        if self._objective_seam is not None:
+            self._objective_seam.remove()
+            self._objective_seam = None
         if self._pre_hook is not None:
             self._pre_hook.remove()
             self._pre_hook = None

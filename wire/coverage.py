@@ -49,6 +49,7 @@ ReasonName = Literal[
     "logits_layout",
     "not_cross_entropy",
     "logits_overwritten",
+    "objective_scaled",
     "sharded",
     "failed",
     "not_adam",
@@ -79,6 +80,8 @@ REASONS: Mapping[str, str] = {
     "soft-capping, a loss that overwrites the logits in place",
     "logits_overwritten": "the logits were overwritten in place between the forward and the backward (a fused "
     "cross-entropy that reuses their memory): their gradient cannot be read",
+    "objective_scaled": "the objective scales its loss on purpose (TRL's luspo by the completion length, Dr. GRPO "
+    "by a constant length), or its normalization is not known: its weight mass is not a normalization check",
     "sharded": "not supported with sharded parameters (FSDP, DTensor)",
     "failed": "it failed and was turned off (the job's log has the error)",
     "not_adam": "the optimizer keeps no Adam moments (exp_avg/exp_avg_sq)",
@@ -87,7 +90,7 @@ REASONS: Mapping[str, str] = {
 """Why a signal is inactive: the closed list (a reason is a label value on /metrics)."""
 assert tuple(REASONS) == get_args(ReasonName), "REASONS and ReasonName list the same reasons"
 
-NOT_BLIND: frozenset[str] = frozenset({"not_requested", "not_adam", "no_parameters"})
+NOT_BLIND: frozenset[str] = frozenset({"not_requested", "not_adam", "no_parameters", "objective_scaled"})
 """Reasons that say the signal does not apply to the job (nothing asked for, nothing to
 watch): not a blind spot. The close summary and ``SignalInactive`` leave them out."""
 
