@@ -32,13 +32,14 @@ except ImportError as exc:
         "pip install 'trainvitals[integrations]' (or pip install transformers accelerate)"
     ) from exc
 
-from trainvitals.hooks.attach import attach
+from trainvitals.hooks.attach import build_monitor
 from trainvitals.hooks.integration_support import (
     run_name,
     segments_from_positions,
     state_file,
     torch_optimizer,
 )
+from trainvitals.hooks.integrations_distill import distillation_watch, find_trainer
 from trainvitals.hooks.logits_finder import AUTO
 from trainvitals.hooks.monitor import Monitor
 from trainvitals.hooks.naming import unwrap
@@ -108,6 +109,7 @@ class TrainvitalsCallback(TrainerCallback):
         self.options = options
         self.monitor: Monitor | None = None
         self._pre_hook: Any = None
+        self._distill: Any = None
 
     # -- Trainer events ---------------------------------------------------------------
     def on_train_begin(
@@ -123,7 +125,10 @@ class TrainvitalsCallback(TrainerCallback):
         opts = dict(self.options)
         if self.loss_from_logits:
             opts["loss_from_logits"] = self.loss_from_logits
-        self.monitor = attach(
+        self._distill = distillation_watch(find_trainer(model))  # TRL's distillation trainers
+        if self._distill is not None:
+            opts["loss_from_logits"] = False  # a divergence, not a cross-entropy: withheld, said why
+        self.monitor = build_monitor(
             model,
             torch_optimizer(optimizer),
             run=name,
@@ -133,7 +138,10 @@ class TrainvitalsCallback(TrainerCallback):
             scaler=getattr(optimizer, "scaler", None),
             **opts,
         )
-        if self.loss_from_logits:
+        if self._distill is not None:
+            self._distill.install(self.monitor)
+        log.info("trainvitals: %s", self.monitor.start_line())
+        if self.loss_from_logits and self._distill is None:
             self._pre_hook = unwrap(model).register_forward_pre_hook(self._tag_inputs, with_kwargs=True)
         if state.global_step > 0:
             self._restore(args, state)
@@ -189,6 +197,8 @@ class TrainvitalsCallback(TrainerCallback):
         self.monitor.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
 
     def _close(self) -> None:
+        if self._distill is not None:
+            self._distill.remove()
         if self._pre_hook is not None:
             self._pre_hook.remove()
             self._pre_hook = None
