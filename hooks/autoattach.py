@@ -61,6 +61,7 @@ from torch import nn
 from trainvitals.hooks import distributed
 from trainvitals.hooks.attach import build_monitor
 from trainvitals.hooks.config import ATTACH_ENV, default_run_name, env_name
+from trainvitals.hooks.integrations_distill import distillation_watch, find_trainer
 from trainvitals.hooks.logits_finder import AUTO, find_head
 from trainvitals.hooks.monitor import Monitor, monitor_of
 from trainvitals.hooks.naming import unwrap
@@ -253,10 +254,15 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
     options: dict[str, Any] = {}
     if closure and not os.environ.get(env_name("step_boundary"), "").strip():
         options["step_boundary"] = "manual"
-    if not os.environ.get(env_name("loss_from_logits"), "").strip():
+    distill = distillation_watch(find_trainer(model, depth=32))  # TRL's distillation trainers
+    if distill is not None:
+        options["loss_from_logits"] = False  # a divergence, not a cross-entropy: withheld, said why
+    elif not os.environ.get(env_name("loss_from_logits"), "").strip():
         head = find_head(unwrap(model)).head  # none: the monitor says why loss accounting is off
         options["loss_from_logits"] = head if head is not None else AUTO
     monitor = build_monitor(model, optimizer, run=run, scaler=scaler, **options)
+    if distill is not None:
+        distill.install(monitor)
     monitor.automatic = True
     where = ""
     if distributed.world_size() > 1:

@@ -2,8 +2,9 @@
 ``TrainvitalsCallback`` and no other trainvitals code, on tiny Llamas built here (no
 download): a student, and a teacher whose ``lm_head`` is made sharp (``teacher=sharp``:
 near one-hot at temperature 1, I5) or left as built (``teacher=soft``). Run as a script:
-``python _distill_job.py OUT.json trainer=distill teacher=sharp tau=1 steps=N every=K
-[collector=URL]``.
+``python _distill_job.py OUT.json jobs=TRAINER:TEACHER:TAU,... steps=N every=K
+[collector=URL] [callback=0]`` (``callback=0``: no trainvitals code at all, for
+``trainvitals run`` / ``check -- CMD``).
 
 The truth, independent of the monitor's rows, projections and gradient masks: per
 micro-batch of a reported step, the full logits of both models over the positions the
@@ -221,6 +222,7 @@ def train(
     accum: int = 2,
     collector: str | None = None,
     run: str | None = None,
+    callback: int = 1,
 ) -> dict:
     torch.set_num_threads(1)
     os.makedirs(out_dir, exist_ok=True)
@@ -257,10 +259,14 @@ def train(
         job.keep_outputs()
     loss_tau = float(tau) if trainer == "distill" else 1.0  # GKDTrainer's loss ignores its temperature
     job.truth = Truth(every, loss_tau)
-    callback = TrainvitalsCallback(run=run, every=every, collector=collector)
-    job.add_callback(callback)
-    job.train()
-    watch = callback._distill
+    watcher = TrainvitalsCallback(run=run, every=every, collector=collector) if callback else None
+    if watcher is not None:  # callback=0: nothing of trainvitals in the job (trainvitals run / check -- CMD)
+        job.add_callback(watcher)
+    try:
+        job.train()
+    finally:
+        logging.getLogger("trainvitals").removeHandler(lines)
+    watch = watcher._distill if watcher is not None else None
     return {
         "truth": job.truth.figures(),
         "loss_tau": loss_tau,
