@@ -46,6 +46,7 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -70,7 +71,7 @@ def find_trainer(model: nn.Module, depth: int = 16) -> Any:
     Trainer's training loop calls the callbacks and the optimizer's step); None when
     there is none."""
     target = unwrap(model)
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
             break
@@ -159,14 +160,14 @@ def distillation_watch(trainer: Any) -> DistillationWatch | None:
     return watch
 
 
-def _peft_inner(model: nn.Module) -> nn.Module:
+def _peft_inner(model: Any) -> Any:
     """The transformers model inside a PEFT wrapper, as TRL's ``_get_last_hidden_state`` takes it."""
     if hasattr(model, "peft_config") and hasattr(model, "base_model"):
-        return model.base_model.model  # type: ignore[no-any-return]
+        return model.base_model.model
     return model
 
 
-def _backbone(trainer: Any, model: nn.Module) -> nn.Module:
+def _backbone(trainer: Any, model: nn.Module) -> Any:
     """The module whose ``last_hidden_state`` ``DistillationTrainer`` projects (its
     ``_get_last_hidden_state``: ``base_model``; ``.model`` for a VLM before transformers 5)."""
     inner = _peft_inner(model)
@@ -175,14 +176,14 @@ def _backbone(trainer: Any, model: nn.Module) -> nn.Module:
         from packaging.version import Version
 
         if Version(transformers.__version__) < Version("5.0.0"):
-            return inner.model  # type: ignore[no-any-return]
+            return inner.model
     backbone = inner.base_model
     if not isinstance(backbone, nn.Module) or backbone is inner:
         raise TypeError(f"{type(inner).__name__} has no separate base_model")
     return backbone
 
 
-def _projection(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+def _projection(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """Rows of last hidden states -> the logits ``DistillationTrainer``'s kernel forms from
     them: ``lm_head`` weight and bias, then the config's logit scale (read in TRL's order:
     ``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``, ``logits_scaling``),
