@@ -202,6 +202,25 @@ class RecordedGKD(GKDTrainer):
         return loss
 
 
+class OwnTemperatureGKD(RecordedGKD):
+    """A user's GKD trainer whose ``compute_loss`` passes ``GKDConfig.temperature`` to the
+    loss (what TRL 1.16's does not): the loss's temperature is then the job's code's."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        student = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        with torch.no_grad():
+            teacher = self.teacher_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        loss = self.generalized_jsd_loss(
+            student_logits=student.logits[:, :-1],
+            teacher_logits=teacher.logits[:, :-1],
+            labels=inputs["labels"][:, 1:],
+            beta=self.beta,
+            temperature=self.temperature,
+            num_items_in_batch=num_items_in_batch,
+        )
+        return (loss, student) if return_outputs else loss
+
+
 class Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -249,7 +268,7 @@ def train(
         args = trainer_arguments(
             GKDConfig, out_dir, steps=steps, accum=accum, max_new_tokens=6, max_length=32, **common
         )
-        job = RecordedGKD(
+        job = (OwnTemperatureGKD if trainer == "gkd-own" else RecordedGKD)(
             model=student,
             teacher_model=master,
             args=args,

@@ -137,6 +137,23 @@ def test_gkd_config_temperature_is_not_the_loss_temperature_and_is_said(jobs):
     assert any("GKDConfig(temperature=8) sets the sampling temperature only" in line for line in result["log"])
 
 
+def test_a_gkd_subclass_with_its_own_loss_temperature_is_not_observed_and_says_why(tmp_path):
+    """A ``compute_loss`` of the job's own sets the loss's temperature: it cannot be read,
+    so the distributions are not observed (never at a guessed temperature), and the
+    coverage and the log say why; the loss stays withheld."""
+    result = run_script(HERE / "_distill_job.py", tmp_path, "jobs=gkd-own:sharp:8", "steps=6", f"every={EVERY}")
+    job = result["gkd-own:sharp:8"]
+    assert job["observed"] == 0
+    reports = read_reports(job["reports"])
+    for r in reports:
+        softmax = next(c for c in r["coverage"] if c["signal"] == "softmax")
+        assert softmax["active"] is False and "overrides GKDTrainer.compute_loss" in softmax["detail"], softmax
+        loss = next(c for c in r["coverage"] if c["signal"] == "loss")
+        assert loss["reason"] == "not_cross_entropy", loss
+    assert not {s["name"] for r in reports for s in r.get("samples", [])} & {"softmax_top1_prob_mean"}
+    assert any("the distillation's distributions are not observed" in line for line in job["log"]), job["log"]
+
+
 def _check(*args: str) -> tuple[int, str]:
     done = CliRunner().invoke(main, ["check", *args])
     return done.exit_code, done.output
