@@ -285,7 +285,7 @@ def train(
         job.train()
     finally:
         logging.getLogger("trainvitals").removeHandler(lines)
-    watch = watcher._distill if watcher is not None else None
+    watch = getattr(watcher, "_distill", None)
     return {
         "truth": job.truth.figures(),
         "loss_tau": loss_tau,
