@@ -61,6 +61,7 @@ from torch import nn
 from trainvitals.hooks import distributed, integrations_rl
 from trainvitals.hooks.attach import build_monitor
 from trainvitals.hooks.config import ATTACH_ENV, default_run_name, env_name
+from trainvitals.hooks.integrations_distill import distillation_watch, find_trainer
 from trainvitals.hooks.job_monitor import Monitor, monitor_of
 from trainvitals.hooks.logits_finder import AUTO, find_head
 from trainvitals.hooks.naming import unwrap
@@ -258,7 +259,9 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
     off = os.environ.get(env_name("loss_from_logits"), "").strip().lower() in ("0", "false", "no", "off")
     trainer = None if off else integrations_rl.find_trainer()
     objective = integrations_rl.identify(trainer) if trainer is not None else None
-    if objective is not None:
+    # TRL's distillation trainers: a divergence, not a cross-entropy (withheld, said why).
+    distill = distillation_watch(find_trainer(model, depth=32)) if objective is None else None
+    if objective is not None or distill is not None:
         options["loss_from_logits"] = False
     elif not os.environ.get(env_name("loss_from_logits"), "").strip():
         head = find_head(unwrap(model)).head  # none: the monitor says why loss accounting is off
@@ -266,6 +269,8 @@ def _attach(optimizer: Any, params: list[torch.Tensor], index: int, closure: boo
     monitor = build_monitor(model, optimizer, run=run, scaler=scaler, **options)
     if objective is not None:
         integrations_rl.install(monitor, trainer, objective)
+    if distill is not None:
+        distill.install(monitor)
     monitor.automatic = True
     where = ""
     if distributed.world_size() > 1:

@@ -33,13 +33,14 @@ except ImportError as exc:
     ) from exc
 
 from trainvitals.hooks import integrations_rl
-from trainvitals.hooks.attach import attach
+from trainvitals.hooks.attach import build_monitor
 from trainvitals.hooks.integration_support import (
     run_name,
     segments_from_positions,
     state_file,
     torch_optimizer,
 )
+from trainvitals.hooks.integrations_distill import distillation_watch, find_trainer
 from trainvitals.hooks.job_monitor import Monitor
 from trainvitals.hooks.logits_finder import AUTO
 from trainvitals.hooks.naming import unwrap
@@ -110,6 +111,7 @@ class TrainvitalsCallback(TrainerCallback):
         self.monitor: Monitor | None = None
         self._pre_hook: Any = None
         self._objective_seam: integrations_rl.PolicyLossSeam | None = None
+        self._distill: Any = None
 
     # -- Trainer events ---------------------------------------------------------------
     def on_train_begin(
@@ -127,10 +129,13 @@ class TrainvitalsCallback(TrainerCallback):
         # policy loss, or withheld), never from the head's gradient as a cross-entropy.
         trainer = integrations_rl.find_trainer() if self.loss_from_logits else None  # False: no loss accounting
         objective = integrations_rl.identify(trainer) if trainer is not None else None
-        from_logits = self.loss_from_logits if objective is None else False
-        if from_logits or objective is not None:
+        # TRL's distillation trainers: a divergence, not a cross-entropy (withheld, said
+        # why); both models' distributions are observed at the loss's temperature.
+        self._distill = distillation_watch(find_trainer(model)) if objective is None else None
+        from_logits = self.loss_from_logits if objective is None and self._distill is None else False
+        if from_logits or objective is not None or self._distill is not None:
             opts["loss_from_logits"] = from_logits
-        self.monitor = attach(
+        self.monitor = build_monitor(
             model,
             torch_optimizer(optimizer),
             run=name,
@@ -142,6 +147,9 @@ class TrainvitalsCallback(TrainerCallback):
         )
         if objective is not None:
             self._objective_seam = integrations_rl.install(self.monitor, trainer, objective)
+        if self._distill is not None:
+            self._distill.install(self.monitor)
+        log.info("trainvitals: %s", self.monitor.start_line())
         if from_logits:
             self._pre_hook = unwrap(model).register_forward_pre_hook(self._tag_inputs, with_kwargs=True)
         if state.global_step > 0:
@@ -201,6 +209,9 @@ class TrainvitalsCallback(TrainerCallback):
         if self._objective_seam is not None:
             self._objective_seam.remove()
             self._objective_seam = None
+        if self._distill is not None:
+            self._distill.remove()
+            self._distill = None
         if self._pre_hook is not None:
             self._pre_hook.remove()
             self._pre_hook = None

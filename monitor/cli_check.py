@@ -251,8 +251,9 @@ def _preflight(
     env = job_environment(run_name, None, every, None, settings, command)
     run = env[config.ATTACH_ENV["run"]]
     path = Path(f"trainvitals-check-{run.replace('/', '_')}.jsonl")
-    env[config.ATTACH_ENV["collector"]] = f"file:{path}"
-    env[config.CHECK_ENV] = f"file:{path}"  # a monitor the job attaches itself reports here too
+    # the job's own path: absolute, as a job may change its working folder before it attaches
+    env[config.ATTACH_ENV["collector"]] = f"file:{path.resolve()}"
+    env[config.CHECK_ENV] = f"file:{path.resolve()}"  # a monitor the job attaches itself reports here too
     env[config.ATTACH_ENV["rules"]] = "off"  # judged here, from the file
     if steps is not None:
         env["TRAINVITALS_CHECK_STEPS"] = str(steps)

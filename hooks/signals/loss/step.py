@@ -1,8 +1,8 @@
 """Loss accounting, per-step bookkeeping: what the optimizer step now being
 accumulated has gathered, and the helpers every capture path shares.
 
-:class:`StepBook` is the base of :class:`~trainvitals.hooks.signals.loss_accounting.
-LossAccounting`: it keeps the step in progress (a new one when the optimizer step
+:class:`StepBook` is the base of
+:class:`~trainvitals.hooks.signals.loss.signal.LossAccounting`: it keeps the step in progress (a new one when the optimizer step
 count moves, or when a ``GradScaler`` skipped the step), its sums vector on the
 loss's device (laid out by :class:`~trainvitals.hooks.signals.loss.binning.SumsLayout`),
 the objectives' slots, the cumulative count of micro-batches with a non-finite

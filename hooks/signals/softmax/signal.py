@@ -9,7 +9,7 @@ temperature that brings the mean top-1 down to ``softmax_target``.
 Statistics are taken at the observed ``temperature`` (the logits divided by it);
 the recommended temperature is absolute, a property of the raw logits: the
 ``tau`` to distill at, 1.0 when the mean top-1 at ``T = 1`` is already at or below
-the target (the search and its accuracy: ``softmax_math``).
+the target (the search and its accuracy: ``maths``).
 
 ``observe_distillation`` adds both roles at ``tau`` and, per task:
 
@@ -37,7 +37,7 @@ Cost, bounded for 150k-class vocabularies and paid only on reported steps:
   host, so a sparse mask leaves about ``cap * density`` effective positions.
   Masked-out positions never reach a sum, even when their logits are NaN. The
   recommended temperature's knots are computed on every ``sub``-th kept position
-  (at least 32; ``softmax_math``), the others counting through their tangents.
+  (at least 32; ``maths``), the others counting through their tangents.
 - Per logit, one CPU thread: the statistics ~2 ns (one ``exp2`` and eight cheap
   passes), the knots ~5 ns on the sub-sample. Measured (``tests/benchmarks/
   bench_softmax.py``, this machine, 2 calls per step): 2.9-4.3 ms per call for
@@ -208,7 +208,7 @@ class Softmax(Signal):
 
     def _add_saturation(self, key: tuple[str, str], positions: Positions, tau: float, config: Any) -> None:
         """The passes over the logits: the statistics' sums on every kept position,
-        then the knots on every ``sub``-th (softmax_math). Turning them into
+        then the knots on every ``sub``-th (``maths``). Turning them into
         statistics and top-1 curves waits for the report (``_compact``): it is a few
         dozen small tensor ops, paid once per step instead of once per call."""
         device, count = positions.logits.device, positions.count
