@@ -285,7 +285,7 @@ _SPECS: tuple[MetricSpec, ...] = (
         "gauge",
         "bits",
         ("param",),
-        "params",
+        "run",
         "param_drift_log2 over the run's whole life, set by the collector: a job resumed without the "
         "monitor's state measures drift from its own attach; this judges it from the run's first reference "
         "(at least log2(1 + |absmax(x) - a0| / s0)). The figure the collector's alerts judge.",

@@ -61,3 +61,28 @@ def test_the_first_scale_is_the_one_judged_against():
     life.apply(batch, now=1.0)
     assert _drift(batch) == pytest.approx(math.log2(1 + (2e-3 - 1e-4) / 0.1))
     assert _drift(batch) < 0.05
+
+
+def test_the_drift_is_kept_as_sent_and_the_rules_judge_the_lifetime_figure():
+    from trainvitals.monitor.lifetime import judged
+
+    life = LifetimeDrift()
+    life.apply(_report(10, 0.5, absmax=2**0.5, ref=1.0, scale=1.0), now=0.0)
+    own = math.log2(1 + (2.6 - 1.8) / 1.8)
+    batch = _report(40, own, absmax=2.6, ref=1.8, scale=1.8)
+    life.apply(batch, now=1.0)
+    (report,) = batch.reports
+    sent = [s.value for s in report.samples if s.name == "param_drift_log2"]
+    assert sent == [own]  # the job's figure, untouched
+    view = judged(report)
+    assert [s.value for s in view.samples if s.name == "param_drift_log2"] == [
+        pytest.approx(math.log2(1 + (2.6 - 1.0) / 1.0))
+    ]
+    assert [s.value for s in report.samples if s.name == "param_drift_log2"] == [own]  # a view, not a rewrite
+
+
+def test_an_unusable_reference_gets_no_lifetime_figure():
+    life = LifetimeDrift()
+    batch = _report(10, 0.5, absmax=1.0, ref=0.0, scale=1.0)
+    life.apply(batch, now=0.0)
+    assert [s.name for s in batch.reports[0].samples if s.name == "param_drift_lifetime_log2"] == []
