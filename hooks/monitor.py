@@ -23,6 +23,7 @@ from trainvitals.hooks.coverage import Coverage
 from trainvitals.hooks.lifecycle import StepLifecycle
 from trainvitals.hooks.live_settings import LiveSettings
 from trainvitals.hooks.logits_finder import AUTO, find_head, find_logits_module
+from trainvitals.hooks.megatron import MegatronLayout, megatron_layout
 from trainvitals.hooks.naming import clean_name, unwrap
 from trainvitals.hooks.pack import PendingReport
 from trainvitals.hooks.sender import Sender
@@ -84,6 +85,7 @@ class Monitor:
         """What each built-in signal covers; signals declare their state here."""
         self._weights: dict[int, float] = {}
         self._grad_checked: tuple[tuple[int, ...], str | None] | None = None
+        self._megatron: MegatronLayout | None = None
         self.layout_problem = self._placements()
         """A parameter layout whose per-rank sums cannot be combined (named), or None."""
         self.weighted = self.sharded and any(w != 1.0 for w in self._weights.values())
@@ -170,12 +172,27 @@ class Monitor:
             if id(p) not in listed
         ]
         if not any(is_dtensor(p) for _, p in named):
-            return None
+            return self._megatron_placements(named)
         for name, p in named:
             weight = rank_weight(p, self.world_size)
             if isinstance(weight, str):
                 return f"{clean_name(name)}: {weight}; optimizer, parameter and Adam figures withheld"
             self._weights[id(p)] = weight
+        return None
+
+    def _megatron_placements(self, named: list[tuple[str, torch.Tensor]]) -> str | None:
+        """Megatron's tensor-parallel shards (plain tensors marked by Megatron): each
+        parameter's share from the job's Megatron groups (:mod:`trainvitals.hooks.megatron`)."""
+        layout = megatron_layout(self.world_size)
+        if layout is None:
+            return None
+        self.sharded = True  # combined over the job by each parameter's share
+        self._megatron = layout
+        problem = layout.problem()
+        weights = layout.weigh(named, clean_name) if problem is None else problem
+        if isinstance(weights, str):
+            return f"{weights}; optimizer, parameter and Adam figures withheld"
+        self._weights.update(weights)
         return None
 
     def grad_layout_problem(self, params: list[torch.Tensor]) -> str | None:
@@ -207,12 +224,17 @@ class Monitor:
             return 1.0
         weight = self._weights.get(id(p))
         if weight is None:  # a parameter added to the optimizer after attach
-            found = rank_weight(p, self.world_size)
+            found = self._megatron.weight(p) if self._megatron is not None else rank_weight(p, self.world_size)
             if isinstance(found, str):  # cannot be combined: told, and counted as one piece
                 self.warn_once(f"layout:{id(p)}", "%s: %s; its figures may be wrong", self.name_of(p), found)
                 found = 1.0
             weight = self._weights[id(p)] = found
         return weight
+
+    def numel_of(self, p: torch.Tensor) -> int:
+        """The element count of the whole of ``p``: a DTensor's is global already; a
+        Megatron tensor-parallel split's is its piece's times the group's size."""
+        return self._megatron.numel(p) if self._megatron is not None else p.numel()
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str:
         return self.param_names.get(id(p), fallback)
