@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MegatronLayout", "megatron_layout"]
+__all__ = ["MegatronLayout", "megatron_layout", "vocab_shard_group"]
 
 
 class MegatronLayout:
@@ -95,3 +95,18 @@ def megatron_layout(world: int) -> MegatronLayout | None:
     if tp == 1 and pp == 1:
         return None
     return MegatronLayout(tp, pp, dp, world)
+
+
+def vocab_shard_group(head: torch.nn.Module) -> Any:
+    """The tensor-parallel group over which ``head``'s outputs are split along the
+    vocabulary (Megatron's ``ColumnParallelLinear`` output layer with ``tensor_model_parallel``
+    rows), or None: a head whose logits are whole."""
+    weight = getattr(head, "weight", None)
+    if not (getattr(weight, "tensor_model_parallel", False) and getattr(weight, "partition_dim", -1) == 0):
+        return None
+    module: Any = sys.modules.get("megatron.core.parallel_state")
+    if module is None or not module.model_parallel_is_initialized():
+        return None
+    if module.get_tensor_model_parallel_world_size() <= 1:
+        return None
+    return module.get_tensor_model_parallel_group()

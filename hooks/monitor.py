@@ -86,6 +86,7 @@ class Monitor:
         self._weights: dict[int, float] = {}
         self._grad_checked: tuple[tuple[int, ...], str | None] | None = None
         self._megatron: MegatronLayout | None = None
+        self.data_parallel_size = self.world_size
         self.layout_problem = self._placements()
         """A parameter layout whose per-rank sums cannot be combined (named), or None."""
         self.weighted = self.sharded and any(w != 1.0 for w in self._weights.values())
@@ -188,6 +189,8 @@ class Monitor:
             return None
         self.sharded = True  # combined over the job by each parameter's share
         self._megatron = layout
+        if layout.tp * layout.pp * layout.dp == self.world_size and layout.pp == 1:
+            self.data_parallel_size = layout.dp
         problem = layout.problem()
         weights = layout.weigh(named, clean_name) if problem is None else problem
         if isinstance(weights, str):

@@ -59,6 +59,8 @@ class MonitorView(Protocol):
     """Optimizer steps completed since attach (plus those restored by load_state_dict)."""
     rank: int
     world_size: int
+    data_parallel_size: int
+    """The ranks that see different data (the world less a Megatron tensor-parallel split)."""
     sharded: bool
     """Some parameter is split across ranks: per-parameter sums are combined over ranks."""
     weighted: bool

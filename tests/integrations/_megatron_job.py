@@ -99,7 +99,7 @@ def main(
     mbs: int = 1,
     tp: int = 1,
     figures: int = 0,
-    logits: int = 1,
+    logits: int | str = 1,
 ):
     torch.set_num_threads(1)
     cpu_only()
@@ -156,7 +156,7 @@ def main(
             sink=f"file:{Path(out).with_suffix('.jsonl')}",
             every=every,
             modalities=("text", "image"),
-            loss_from_logits=bool(logits),
+            loss_from_logits=logits if isinstance(logits, str) else bool(logits),  # or the head's name
         )
 
     truth: list[dict] = []
