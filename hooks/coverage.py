@@ -42,7 +42,7 @@ from typing import Any
 
 from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL, NOT_BLIND, REASONS, SIGNALS
 
-__all__ = ["Coverage"]
+__all__ = ["Coverage", "without_figures"]
 
 _HOW_TO_ASK = {
     "optimizer": "signals= leaves out 'optimizer'",
@@ -209,3 +209,23 @@ def _short(text: str) -> str:
 def _check(signal: str) -> None:
     if signal not in SIGNALS:
         raise ValueError(f"coverage: {signal!r} is not a built-in signal ({', '.join(SIGNALS)})")
+
+
+_GROUP_OF: dict[str, str] | None = None
+
+
+def without_figures(coverage: list[dict[str, Any]], samples: Iterable[Mapping[str, Any]]) -> None:
+    """Never active without a figure: an entry still active whose signal carries no
+    sample in the report as sent (every figure it emitted was withheld by its presence
+    flags, decided on the host) turns inactive, ``no_input``, in place. A signal's
+    samples are known by their metric's group (:mod:`trainvitals.wire.metrics`)."""
+    global _GROUP_OF
+    if _GROUP_OF is None:
+        from trainvitals.wire.metrics import METRICS
+
+        _GROUP_OF = {m.name: m.group for m in METRICS.values() if m.owner == "hooks"}
+    groups = set(_GROUP_OF.values())
+    present = {_GROUP_OF.get(s["name"]) for s in samples}
+    for e in coverage:
+        if e.get("active") and e["signal"] in groups and e["signal"] not in present:
+            e.update(active=False, reason="no_input", detail="its figures were all withheld in this report")
