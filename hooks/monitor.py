@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -181,7 +182,7 @@ class Monitor:
             self._weights[id(p)] = weight
         return None
 
-    def _megatron_placements(self, named: list[tuple[str, torch.Tensor]]) -> str | None:
+    def _megatron_placements(self, named: Sequence[tuple[str, torch.Tensor]]) -> str | None:
         """Megatron's tensor-parallel shards (plain tensors marked by Megatron): each
         parameter's share from the job's Megatron groups (:mod:`trainvitals.hooks.megatron`)."""
         layout = megatron_layout(self.world_size)
