@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.integrations._alerts import LOSS_RULES, figures, firing, read_reports
-from tests.run_configure._helpers import job_env
+from tests.run_configure._helpers import job_env, trainvitals
 
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "_megatron_job.py"
@@ -110,3 +110,25 @@ def test_per_sample_default_at_tp2_named_head_is_silent(tmp_path):
     kinds = {e["kind"] for r in reports for e in r.get("events", [])}
     assert "loss_not_cross_entropy" not in kinds
     assert not firing(reports) & LOSS_RULES
+
+
+def test_trainvitals_run_at_tp2_reads_the_vocab_parallel_head(tmp_path):
+    """Zero-code: a job that knows nothing of trainvitals, under ``trainvitals run``."""
+    out = tmp_path / "result.json"
+    reports_file = tmp_path / "reports.jsonl"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    job = [*launcher, str(JOB), str(out), "per_token=1", "mode=plain", "steps=4", "tp=2"]
+    run = ["run", "--run", "megatron", "--collector", f"file:{reports_file}", "--every", "1", "--", *job]
+    proc = trainvitals(*run, env=job_env(), cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "loss accounting from the logits of 'output_layer'" in proc.stderr
+    truth = _loss_truth(json.loads(out.read_text()), True)
+    reports = read_reports(reports_file)
+    mass = figures(reports, "loss_weight_mass", objective="main")
+    grad_norm = figures(reports, "grad_norm")
+    assert sorted(mass) == [2, 3, 4]  # attached at the first step's pre-step hook
+    for s in (2, 3, 4):
+        assert mass[s] == pytest.approx(truth[s]["mass"], rel=1e-5) == pytest.approx(1.0), s
+    assert sorted(grad_norm) == [1, 2, 3, 4]
+    kinds = {e["kind"] for r in reports for e in r.get("events", [])}
+    assert "loss_not_cross_entropy" not in kinds
