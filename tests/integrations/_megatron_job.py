@@ -49,6 +49,7 @@ TEXT_TOKENS, IMAGE_ANSWER = 40, 3
 def cpu_only() -> None:
     """Megatron asks CUDA for devices and makes a few tensors on "cuda": map them to the CPU."""
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # the pipeline's p2p exchanges wait on it
     for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like"):
         original = getattr(torch, name)
 
@@ -98,6 +99,7 @@ def main(
     micro: int = 4,
     mbs: int = 1,
     tp: int = 1,
+    pp: int = 1,
     figures: int = 0,
     logits: int | str = 1,
 ):
@@ -117,12 +119,15 @@ def main(
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    parallel_state.initialize_model_parallel(tp, 1)
+    parallel_state.initialize_model_parallel(tp, pp)
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     data_rank, data_world = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     torch.manual_seed(0)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # its no-op tracker: dropout 0
     config = TransformerConfig(
-        num_layers=1,
+        num_layers=pp,  # one layer per pipeline stage
+        pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp,
         hidden_size=32,
         num_attention_heads=2,
         use_cpu_initialization=True,
@@ -136,6 +141,8 @@ def main(
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
+        pre_process=first,
+        post_process=last,
     )
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
@@ -182,7 +189,8 @@ def main(
                 }
             )
 
-        output.register_hook(grab)
+        if last:  # the per-token losses: on the last pipeline stage (others pass hidden states on)
+            output.register_hook(grab)
 
         def loss_func(loss_mask, output_tensor):
             losses = output_tensor.float()
@@ -226,10 +234,12 @@ def main(
         coverage = {e["signal"]: e for e in mon.latest_coverage()}
         mon.close()
     everyone = [None] * world
-    dist.all_gather_object(everyone, (parallel_state.get_tensor_model_parallel_rank(), truth))
+    recorded = parallel_state.get_tensor_model_parallel_rank() == 0 and last
+    dist.all_gather_object(everyone, (recorded, truth))
     if rank == 0:
         result = {
-            "truth": [t for tp_rank, t in everyone if tp_rank == 0],  # a tensor-parallel group's ranks saw the same
+            # one rank per data-parallel rank: a tensor-parallel group's saw the same, the last stage the losses
+            "truth": [t for recorded, t in everyone if recorded],
             "params": sorted(names.values()),
             "world": data_world,
             "reports": reports,
