@@ -97,16 +97,35 @@ def megatron_layout(world: int) -> MegatronLayout | None:
     return MegatronLayout(tp, pp, dp, world)
 
 
+_PRIVATE: dict[tuple[int, ...], Any] = {}
+"""This process's own copy of its tensor-parallel group, by the group's ranks (made once)."""
+
+
 def vocab_shard_group(head: torch.nn.Module) -> Any:
-    """The tensor-parallel group over which ``head``'s outputs are split along the
+    """A process group over the ranks among which ``head``'s outputs are split along the
     vocabulary (Megatron's ``ColumnParallelLinear`` output layer with ``tensor_model_parallel``
-    rows), or None: a head whose logits are whole."""
+    rows), or None: a head whose logits are whole.
+
+    The group is the monitor's own, not Megatron's: should the ranks ever disagree on one
+    of the monitor's collectives, it can never pair with one of Megatron's and corrupt its
+    tensors. It is made at attach, on every rank (``new_group`` is collective), for a
+    layout without pipeline stages (where every rank holds the head)."""
     weight = getattr(head, "weight", None)
     if not (getattr(weight, "tensor_model_parallel", False) and getattr(weight, "partition_dim", -1) == 0):
         return None
     module: Any = sys.modules.get("megatron.core.parallel_state")
     if module is None or not module.model_parallel_is_initialized():
         return None
-    if module.get_tensor_model_parallel_world_size() <= 1:
+    if module.get_tensor_model_parallel_world_size() <= 1 or module.get_pipeline_model_parallel_world_size() > 1:
         return None
-    return module.get_tensor_model_parallel_group()
+    import torch.distributed as dist
+
+    mine = tuple(dist.get_process_group_ranks(module.get_tensor_model_parallel_group()))
+    if mine not in _PRIVATE:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        for ranks in sorted({tuple(r) for r in everyone}):  # the same order on every rank
+            group = dist.new_group(list(ranks))
+            if ranks == mine:
+                _PRIVATE[mine] = group
+    return _PRIVATE[mine]
