@@ -31,9 +31,9 @@ JOB = HERE / "_megatron_job.py"
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore")]  # Megatron, ranks, a launcher
 
 
-def _run(tmp_path: Path, *options: str) -> tuple[dict, list[dict]]:
+def _run(tmp_path: Path, *options: str, world: int = 2) -> tuple[dict, list[dict]]:
     out = tmp_path / "result.json"
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
     cmd = [*launcher, str(JOB), str(out), "mode=attach", "tp=2", *options]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=job_env(), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -157,3 +157,19 @@ def test_pipeline_parallel_is_withheld_naming_the_layout(tmp_path):
     assert f"blind: optimizer (sharded: {layout}" in proc.stderr  # the start line
     closing = [line for line in proc.stderr.splitlines() if "closed after 3 optimizer step(s)" in line]
     assert closing and all(f"optimizer (sharded: {layout}" in line for line in closing), closing
+
+
+def test_tp2_by_dp2_on_four_ranks_every_figure_exact(tmp_path):
+    """Four ranks: two data-parallel copies of a TP=2 model. A split counts 1/2 (two
+    data-parallel copies), a replicated tensor 1/4; Megatron's default loss is averaged
+    over the data-parallel ranks, so the weight mass divides by 2, not by the world's 4."""
+    got, reports = _run(tmp_path, "per_token=0", "steps=3", "figures=1", "logits=1", world=4)
+    assert got["world"] == 2  # the job writes the data-parallel size
+    _check_figures(got)
+    truth = _loss_truth(got, False)
+    mass = figures(reports, "loss_weight_mass", objective="main")
+    share = figures(reports, "modality_grad_share_ratio", modality="image")
+    assert sorted(mass) == [1, 2, 3]
+    for s in (1, 2, 3):
+        assert mass[s] == pytest.approx(truth[s]["mass"], rel=1e-5) == pytest.approx(1.0), s
+        assert share[s] == pytest.approx(truth[s]["image_grad_share"], rel=1e-5), s
