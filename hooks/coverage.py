@@ -20,7 +20,8 @@ signal's entry, first match wins:
    ``no_optimizer_step``;
 4. declared active with :meth:`Coverage.set_active`: active;
 5. the signal runs and emitted figures in this report: active; it runs and emitted
-   none: ``no_input``;
+   none: ``no_input`` (also when every figure it emitted was withheld by its presence
+   flags, judged as the report is materialized: :func:`without_figures`);
 6. the signal does not run: ``not_requested`` (the detail says how to ask for it).
 
 A verdict about one report goes on that report's context instead, from ``collect``:
