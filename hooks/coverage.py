@@ -20,7 +20,8 @@ signal's entry, first match wins:
    ``no_optimizer_step``;
 4. declared active with :meth:`CoverageTracker.set_active`: active;
 5. the signal runs and emitted figures in this report: active; it runs and emitted
-   none: ``no_input``;
+   none: ``no_input`` (also when every figure it emitted was withheld by its presence
+   flags, judged as the report is materialized: :func:`without_figures`);
 6. the signal does not run: ``not_requested`` (the detail says how to ask for it).
 
 A verdict about one report goes on that report's context instead, from ``collect``:
@@ -43,7 +44,7 @@ from typing import Any
 from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL, NOT_BLIND, REASONS, SIGNALS
 from trainvitals.wire.signals import spec_of
 
-__all__ = ["CoverageTracker"]
+__all__ = ["CoverageTracker", "without_figures"]
 
 
 def _how_to_ask(name: str) -> str:
@@ -209,3 +210,23 @@ def _short(text: str) -> str:
 def _check(signal: str) -> None:
     if signal not in SIGNALS:
         raise ValueError(f"coverage: {signal!r} is not a built-in signal ({', '.join(SIGNALS)})")
+
+
+_GROUP_OF: dict[str, str] | None = None
+
+
+def without_figures(coverage: list[dict[str, Any]], samples: Iterable[Mapping[str, Any]]) -> None:
+    """Never active without a figure: an entry still active whose signal carries no
+    sample in the report as sent (every figure it emitted was withheld by its presence
+    flags, decided on the host) turns inactive, ``no_input``, in place. A signal's
+    samples are known by their metric's group (:mod:`trainvitals.wire.metrics`)."""
+    global _GROUP_OF
+    if _GROUP_OF is None:
+        from trainvitals.wire.metrics import METRICS
+
+        _GROUP_OF = {m.name: m.group for m in METRICS.values() if m.owner == "hooks"}
+    groups = set(_GROUP_OF.values())
+    present = {_GROUP_OF.get(s["name"]) for s in samples}
+    for e in coverage:
+        if e.get("active") and e["signal"] in groups and e["signal"] not in present:
+            e.update(active=False, reason="no_input", detail="its figures were all withheld in this report")

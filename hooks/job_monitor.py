@@ -95,6 +95,8 @@ class Monitor:
         self.param_names = self._placement.param_names
         self.device = self._placement.device
         self.sharded = self._placement.sharded
+        self.data_parallel_size = self._placement.data_parallel_size
+        """The ranks that see different data for the same parameters (Megatron's data-parallel group)."""
         self.coverage = CoverageTracker()
         """What each built-in signal covers; signals declare their state here."""
         self.layout_problem = self._placement.layout_problem
@@ -175,6 +177,11 @@ class Monitor:
         """What this rank's partial sums of ``p`` count for in the sum over ranks
         (:meth:`Placement.weight_of`)."""
         return self._placement.weight_of(p)
+
+    def numel_of(self, p: torch.Tensor) -> int:
+        """The element count of the whole of ``p``: a DTensor's is global already; a
+        Megatron tensor-parallel split's is its piece's times the group's size."""
+        return self._placement.numel_of(p)
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str:
         return self._placement.name_of(p, fallback)

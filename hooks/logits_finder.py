@@ -118,6 +118,7 @@ def find_logits_module(model: nn.Module, spec: Any) -> nn.Module:
         return spec
     named: dict[str, nn.Module] = dict(model.named_modules())
     if isinstance(spec, str):
+        spec = _as_named(spec, named)
         if spec not in named:
             heads = [n for n, m in named.items() if isinstance(m, nn.Linear)][-5:]
             raise ValueError(
@@ -143,12 +144,38 @@ def find_logits_module(model: nn.Module, spec: Any) -> nn.Module:
             w = _weight(m)
             if w is not None and not _embedding_like(m) and tuple(w.shape) == (vocab, width):
                 sized.append(m)
+            elif w is not None and ew is not None and not _embedding_like(m) and _vocab_shards(w, ew):
+                sized.append(m)  # Megatron's vocab-parallel output layer beside its vocab-parallel embedding
         if sized:
             return sized[-1]
     raise ValueError(
         "loss_from_logits=True: cannot find the module that outputs the logits (no "
         "get_output_embeddings(), no module tied to or sized like the token embedding); pass "
         "its name, loss_from_logits='lm_head' (a name from model.named_modules())"
+    )
+
+
+def _as_named(spec: str, named: dict[str, nn.Module]) -> str:
+    """``spec`` as ``named`` spells it: the name as the user's wrapped model has it
+    (DDP's ``module.``, Megatron's DDP and Float16Module ``module.``, FSDP's and
+    ``torch.compile``'s parts) read on the unwrapped model."""
+    if spec in named:
+        return spec
+    name = spec
+    for part in ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(part, "")
+    while name not in named and name.startswith("module."):
+        name = name[len("module.") :]
+    return name if name in named else spec
+
+
+def _vocab_shards(w: torch.Tensor, ew: torch.Tensor) -> bool:
+    """A head weight split over the vocabulary like the token embedding's (both Megatron
+    tensor-parallel splits along their rows, of one shape)."""
+    return (
+        tuple(w.shape) == tuple(ew.shape)
+        and all(getattr(t, "tensor_model_parallel", False) for t in (w, ew))
+        and all(getattr(t, "partition_dim", -1) == 0 for t in (w, ew))
     )
 
 

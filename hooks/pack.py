@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from trainvitals.hooks.coverage import without_figures
 from trainvitals.hooks.step import StepContext
 from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL
 
@@ -74,6 +75,7 @@ class PendingReport:
                         for e in coverage:
                             if e["signal"] == signal:
                                 e.update(active=False, reason=reason, detail=detail)
+                without_figures(coverage, samples)
                 self._done = {
                     "run": self.run,
                     "step": self.step,

@@ -8,12 +8,13 @@ with that reason, never sent wrong.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from trainvitals.hooks.megatron import MegatronLayout, megatron_layout
 from trainvitals.hooks.naming import clean_name
 from trainvitals.hooks.tensors import is_dtensor, is_sharded, rank_weight
 
@@ -38,6 +39,10 @@ class Placement:
         self.sharded = any(is_sharded(p) for p in model.parameters())
         self._weights: dict[int, float] = {}
         self._grad_checked: tuple[tuple[int, ...], str | None] | None = None
+        self._megatron: MegatronLayout | None = None
+        self.data_parallel_size = world_size
+        """The ranks that hold the same parameters and see different data (Megatron's
+        data-parallel group; the world otherwise)."""
         self.layout_problem = self._placements(model, optimizer)
         """A parameter layout whose per-rank sums cannot be combined (named), or None."""
         self.weighted = self.sharded and any(w != 1.0 for w in self._weights.values())
@@ -55,12 +60,29 @@ class Placement:
             if id(p) not in listed
         ]
         if not any(is_dtensor(p) for _, p in named):
-            return None
+            return self._megatron_placements(named)
         for name, p in named:
             weight = rank_weight(p, self.world_size)
             if isinstance(weight, str):
                 return f"{clean_name(name)}: {weight}; optimizer, parameter and Adam figures withheld"
             self._weights[id(p)] = weight
+        return None
+
+    def _megatron_placements(self, named: Sequence[tuple[str, torch.Tensor]]) -> str | None:
+        """Megatron's tensor-parallel shards (plain tensors marked by Megatron): each
+        parameter's share from the job's Megatron groups (:mod:`trainvitals.hooks.megatron`)."""
+        layout = megatron_layout(self.world_size)
+        if layout is None:
+            return None
+        self.sharded = True  # combined over the job by each parameter's share
+        self._megatron = layout
+        if layout.tp * layout.pp * layout.dp == self.world_size and layout.pp == 1:
+            self.data_parallel_size = layout.dp
+        problem = layout.problem()
+        weights = layout.weigh(named, clean_name) if problem is None else problem
+        if isinstance(weights, str):
+            return f"{weights}; optimizer, parameter and Adam figures withheld"
+        self._weights.update(weights)
         return None
 
     def grad_layout_problem(self, params: list[torch.Tensor]) -> str | None:
@@ -93,12 +115,17 @@ class Placement:
             return 1.0
         weight = self._weights.get(id(p))
         if weight is None:  # a parameter added to the optimizer after attach
-            found = rank_weight(p, self.world_size)
+            found = self._megatron.weight(p) if self._megatron is not None else rank_weight(p, self.world_size)
             if isinstance(found, str):  # cannot be combined: told, and counted as one piece
                 self._warn_once(f"layout:{id(p)}", "%s: %s; its figures may be wrong", self.name_of(p), found)
                 found = 1.0
             weight = self._weights[id(p)] = found
         return weight
+
+    def numel_of(self, p: torch.Tensor) -> int:
+        """The element count of the whole of ``p``: a DTensor's is global already; a
+        Megatron tensor-parallel split's is its piece's times the group's size."""
+        return self._megatron.numel(p) if self._megatron is not None else p.numel()
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str:
         return self.param_names.get(id(p), fallback)

@@ -60,6 +60,8 @@ class MonitorView(Protocol):
     """Optimizer steps completed since attach (plus those restored by load_state_dict)."""
     rank: int
     world_size: int
+    data_parallel_size: int
+    """The ranks that see different data (the world less a Megatron tensor-parallel split)."""
     sharded: bool
     """Some parameter is split across ranks: per-parameter sums are combined over ranks."""
     weighted: bool
@@ -82,6 +84,10 @@ class MonitorView(Protocol):
 
     def weight_of(self, p: torch.Tensor) -> float:
         """What this rank's partial sums of ``p`` count for in the sum over ranks."""
+        ...
+
+    def numel_of(self, p: torch.Tensor) -> int:
+        """The element count of the whole of ``p`` (all its shards)."""
         ...
 
     def groups(self) -> list[tuple[str, dict[str, Any]]]: ...

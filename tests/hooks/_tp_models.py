@@ -116,7 +116,7 @@ def truth(
     def norm(ts: list[torch.Tensor]) -> float:
         return math.sqrt(sum(float(t.square().sum()) for t in ts))
 
-    groups = [(g["name"], [names[id(p)] for p in g["params"]]) for g in opt.param_groups]
+    groups = [(str(g.get("name", i)), [names[id(p)] for p in g["params"]]) for i, g in enumerate(opt.param_groups)]
     out["grad_norm|"] = norm(list(grads.values()))
     out["param_norm|"] = norm(list(after.values()))
     out["update_ratio|"] = norm([after[n] - before[n] for n in after]) / norm(list(after.values()))
@@ -133,7 +133,8 @@ def truth(
         out[f"param_min|param={n}"] = float(x.min())
         out[f"param_max|param={n}"] = float(x.max())
         out[f"param_absmax|param={n}"] = float(x.abs().max())
-        out[f"param_drift_log2|param={n}"] = math.log2(1 + float((x - ref).abs().max()) / float(ref.abs().max()))
+        if float(ref.abs().max()) > 0:  # a zero reference (a bias): its scale is taken later
+            out[f"param_drift_log2|param={n}"] = math.log2(1 + float((x - ref).abs().max()) / float(ref.abs().max()))
         out[f"param_grad_relative_rms|param={n}"] = rms[n] / median
     group_of = {n: g for g in opt.param_groups for n in [names[id(p)] for p in g["params"]]}
 

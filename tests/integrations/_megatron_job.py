@@ -49,6 +49,7 @@ TEXT_TOKENS, IMAGE_ANSWER = 40, 3
 def cpu_only() -> None:
     """Megatron asks CUDA for devices and makes a few tensors on "cuda": map them to the CPU."""
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # the pipeline's p2p exchanges wait on it
     for name in ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like"):
         original = getattr(torch, name)
 
@@ -89,7 +90,18 @@ def samples(rank: int, count: int, mbs: int = 1) -> list[dict]:
 
 
 def main(
-    out: str, *, per_token: int = 0, mode: str = "attach", steps: int = 24, every: int = 1, micro: int = 4, mbs: int = 1
+    out: str,
+    *,
+    per_token: int = 0,
+    mode: str = "attach",
+    steps: int = 24,
+    every: int = 1,
+    micro: int = 4,
+    mbs: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    figures: int = 0,
+    logits: int | str = 1,
 ):
     torch.set_num_threads(1)
     cpu_only()
@@ -107,11 +119,15 @@ def main(
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(tp, pp)
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    data_rank, data_world = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     torch.manual_seed(0)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)  # its no-op tracker: dropout 0
     config = TransformerConfig(
-        num_layers=1,
+        num_layers=pp,  # one layer per pipeline stage
+        pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp,
         hidden_size=32,
         num_attention_heads=2,
         use_cpu_initialization=True,
@@ -125,6 +141,8 @@ def main(
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
+        pre_process=first,
+        post_process=last,
     )
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
@@ -145,7 +163,7 @@ def main(
             sink=f"file:{Path(out).with_suffix('.jsonl')}",
             every=every,
             modalities=("text", "image"),
-            loss_from_logits=True,
+            loss_from_logits=logits if isinstance(logits, str) else bool(logits),  # or the head's name
         )
 
     truth: list[dict] = []
@@ -153,7 +171,7 @@ def main(
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        if mon is not None:
+        if mon is not None and logits:
             mon.tag_batch(modality=batch["modality"])
         output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
         image = bool(batch["modality"][0])
@@ -171,7 +189,8 @@ def main(
                 }
             )
 
-        output.register_hook(grab)
+        if last:  # the per-token losses: on the last pipeline stage (others pass hidden states on)
+            output.register_hook(grab)
 
         def loss_func(loss_mask, output_tensor):
             losses = output_tensor.float()
@@ -183,7 +202,11 @@ def main(
         return output, partial(loss_func, batch["loss_mask"])
 
     forward_backward = get_forward_backward_func()
-    data = samples(rank, steps * micro, mbs)
+    data = samples(data_rank, steps * micro, mbs)  # the same batches on the ranks of a tensor-parallel group
+    inner = optimizer.chained_optimizers[0].optimizer
+    names = {id(p): n for n, p in gpt.named_parameters()}
+    attached = {n: full(p, p) for n, p in gpt.named_parameters()} if figures else {}
+    reports, truths = [], []
     for step in range(steps):
         optimizer.zero_grad()
         model.zero_grad_buffer()
@@ -197,17 +220,70 @@ def main(
             decoder_seq_length=SEQ,
             forward_only=False,
         )
+        reporting = figures and mon is not None and mon.reporting_next
+        if reporting:
+            grads = {n: full(p.main_grad, p) for n, p in gpt.named_parameters()}
+            before = {n: full(p, p) for n, p in gpt.named_parameters()}
         optimizer.step()
+        if reporting:
+            truths.append(step_truth(gpt, inner, names, grads, before, attached))
+            reports.append(flat_report(mon.latest()))
         truth.append({"step": step + 1, "micro": current.pop("micro", [])})
+    coverage = {}
     if mon is not None:
+        coverage = {e["signal"]: e for e in mon.latest_coverage()}
         mon.close()
     everyone = [None] * world
-    dist.all_gather_object(everyone, truth)
+    recorded = parallel_state.get_tensor_model_parallel_rank() == 0 and last
+    dist.all_gather_object(everyone, (recorded, truth))
     if rank == 0:
-        names = sorted({n for n, _ in gpt.named_parameters()})
-        Path(out).write_text(json.dumps({"truth": everyone, "params": names, "world": world}))
+        result = {
+            # one rank per data-parallel rank: a tensor-parallel group's saw the same, the last stage the losses
+            "truth": [t for recorded, t in everyone if recorded],
+            "params": sorted(names.values()),
+            "world": data_world,
+            "reports": reports,
+            "truths": truths,
+            "coverage": coverage,
+        }
+        Path(out).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def full(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a parameter's piece ``t`` (the parameter, its gradient or an Adam
+    moment): a tensor-parallel split gathered over its group along ``partition_dim``."""
+    from megatron.core import parallel_state
+
+    t = t.detach()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp > 1 and getattr(param, "tensor_model_parallel", False):
+        parts = [torch.empty_like(t) for _ in range(tp)]
+        dist.all_gather(parts, t.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        return torch.cat(parts, dim=param.partition_dim).double()
+    return t.clone().double()
+
+
+def step_truth(gpt, inner, names, grads, before, attached) -> dict[str, float]:
+    """Every optimizer/params/adam figure of the step from the gathered full tensors."""
+    from tests.hooks._tp_models import truth
+
+    by_name = dict(gpt.named_parameters())
+    after = {n: full(p, p) for n, p in by_name.items()}
+    states = {
+        names[id(p)]: {
+            "step": st["step"],
+            "exp_avg": full(st["exp_avg"], p),
+            "exp_avg_sq": full(st["exp_avg_sq"], p),
+        }
+        for p, st in inner.state.items()
+    }
+    return truth(gpt, inner, names, grads, before, after, attached, states)
+
+
+def flat_report(samples: list[dict]) -> dict[str, float]:
+    return {s["name"] + "|" + ",".join(f"{k}={v}" for k, v in sorted(s["labels"].items())): s["value"] for s in samples}
 
 
 if __name__ == "__main__":

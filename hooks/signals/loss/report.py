@@ -157,6 +157,7 @@ class _Snapshot:
     world_size: int
     warn_once: Any
     optimizer: Any
+    data_parallel_size: int = 1  # made on one rank only
 
 
 class LossReport:
@@ -267,6 +268,8 @@ class LossReport:
         # in their own dtype (no copy): nothing writes them before the next step's first
         # micro-batch.
         objectives = self._objectives
+        if monitor.data_parallel_size != monitor.world_size:  # a tensor-parallel group's ranks hold the same sums
+            sums = sums * (monitor.data_parallel_size / monitor.world_size)
         ctx.combine(
             [(sums, "sum"), (extremes, "max")],
             lambda s, ext: self._emit(monitor, ctx, s, ext, acc, counting, zero_code, probe, gram, objectives),
@@ -372,7 +375,7 @@ class LossReport:
         if config.loss_reduction == "sum":
             scale = float(config.loss_scale) if config.loss_scale is not None else None
         else:
-            scale = float(monitor.world_size)
+            scale = float(monitor.data_parallel_size)  # the loss is averaged over the data-parallel ranks
         plan = self._plan(
             m,
             tuple(k for _, k in active) if full else (),

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.logits_finder import expected_vocab, logits_of
+from trainvitals.hooks.megatron import vocab_shard_group
 from trainvitals.hooks.signals.base import MonitorView, Removable
 from trainvitals.hooks.signals.loss.arguments import _modality_codes
 from trainvitals.hooks.signals.loss.binning import UNIFORM_RTOL, Batch, bin_batch
@@ -77,6 +78,7 @@ class ZeroCodeSeams(StepBook):
         self._per_sample = False  # Megatron's default loss: per-sample intent on one-sample micro-batches
         self._logits_handles: list[Removable] = []
         self._auto_head = False
+        self._vocab_group: Any = None  # the logits are a vocabulary shard over this group (Megatron TP)
 
     @property
     def reads_logits(self) -> bool:
@@ -110,6 +112,7 @@ class ZeroCodeSeams(StepBook):
         self._per_sample = _megatron_per_sample(root) and monitor.config.loss_normalization is None
         vocab = expected_vocab(root, module)
         megatron = type(module).__module__.startswith("megatron.")
+        self._vocab_group = vocab_shard_group(module) if megatron else None
         fired = [False]  # the head ran in the model's current forward
         media = media_codes(root, monitor.modalities)
 
@@ -374,6 +377,12 @@ class ZeroCodeSeams(StepBook):
                 self._check_per_token(step, seam, g)
                 return
             step.fired += 1
+            if self._vocab_group is not None:  # a shard's gradient alone gives no token's weight
+                step.layout = (
+                    f"the output of {self._head!r} is a vocabulary shard (Megatron tensor parallel) and the "
+                    "model returned no per-token losses: call the model with labels, or Monitor.track_loss"
+                )
+                return
             if logits._version != version:
                 step.sums[layout.overwritten].add_(1.0)
                 return
@@ -405,7 +414,10 @@ class ZeroCodeSeams(StepBook):
         if seam.weight is None or seam.loss is None:
             return  # the per-token loss got no gradient: nothing was read
         fdt = step.sums.dtype
-        l1 = g.abs().sum(dim=1, dtype=torch.float32).to(fdt)
+        if self._vocab_group is not None:  # a vocabulary shard: each token's sums over the group's shards
+            l1, g = _over_shards(g, self._vocab_group, fdt)
+        else:
+            l1 = g.abs().sum(dim=1, dtype=torch.float32).to(fdt)
         expected = 2 * seam.weight * -torch.expm1(-seam.loss)
         residual = (l1 - expected).abs().sum()
         bad = (residual > l1.sum() * residual_tolerance(g.dtype)) | (signed(seam.weight) > 0)
@@ -413,6 +425,18 @@ class ZeroCodeSeams(StepBook):
         if seam.batch is not None and layout.bins > 1:
             step.outputs += 1
             self._outputs(step, seam.batch, g, 1, seam.inv)
+
+
+def _over_shards(g: torch.Tensor, group: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's L1 norm of the logits' gradient over the whole vocabulary, from the
+    shards of the tensor-parallel ``group`` (one all-reduce of [N, 2] per micro-batch on
+    report steps, as Megatron's own vocab-parallel cross entropy does three), and its L2
+    norm as a [N, 1] stand-in for the gradient (the per-modality output-gradient norms)."""
+    import torch.distributed as dist
+
+    sums = torch.stack([g.abs().sum(dim=1, dtype=torch.float32), g.square().sum(dim=1, dtype=torch.float32)], 1)
+    dist.all_reduce(sums, group=group)
+    return sums[:, 0].to(dtype), sums[:, 1:].sqrt()
 
 
 def signed(weights: torch.Tensor) -> torch.Tensor:

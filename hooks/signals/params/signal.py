@@ -153,7 +153,7 @@ class ParamHealth(Signal):
         if key == self._grad_key and self._grad_layout is not None:
             return self._grad_layout
         # the root of each global element count (DTensor.numel is global): RMS = norm / root
-        roots = [math.sqrt(p.numel()) for p in step_norms.params]
+        roots = [math.sqrt(monitor.numel_of(p)) for p in step_norms.params]
         grad_series = [(s.name, j) for s in drift.series if (j := step_norms.position(s.param)) is not None]
         labels = [{"param": name} for name, _ in grad_series]
         # across shards the squared norms were summed: their roots are the norms

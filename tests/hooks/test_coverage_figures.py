@@ -1,0 +1,29 @@
+"""Never active without a figure: a coverage entry still active whose signal carries no
+sample in the report as sent (its figures all withheld by their presence flags) reads
+inactive, ``no_input``, in that report."""
+
+from __future__ import annotations
+
+from trainvitals.hooks.coverage import without_figures
+
+
+def _entry(signal: str) -> dict:
+    return {"signal": signal, "active": True, "reason": None, "detail": ""}
+
+
+def test_an_active_signal_without_a_sample_turns_inactive():
+    coverage = [_entry("loss"), _entry("optimizer"), _entry("probe")]
+    samples = [{"name": "grad_norm", "labels": {}, "value": 1.0}]
+    without_figures(coverage, samples)
+    loss, optimizer, probe = coverage
+    assert (loss["active"], loss["reason"]) == (False, "no_input")
+    assert "withheld" in loss["detail"]
+    assert optimizer["active"] and optimizer["reason"] is None
+    assert probe["active"]  # no metric group of its own: judged by what it emitted, as before
+
+
+def test_a_signal_with_one_figure_stays_active_and_inactive_entries_keep_their_reason():
+    coverage = [_entry("loss"), {"signal": "adam", "active": False, "reason": "sharded", "detail": "why"}]
+    without_figures(coverage, [{"name": "loss_weight_mass", "labels": {"objective": "main"}, "value": 1.0}])
+    assert coverage[0]["active"]
+    assert (coverage[1]["reason"], coverage[1]["detail"]) == ("sharded", "why")
