@@ -3,8 +3,9 @@ accumulated has gathered, and the helpers every capture path shares.
 
 :class:`StepBook` is the base of
 :class:`~trainvitals.hooks.signals.loss.signal.LossAccounting`: it keeps the step
-in progress (a new one when the optimizer step count moves, or when a ``GradScaler`` skipped the step), its sums vector on the
-loss's device (laid out by :class:`~trainvitals.hooks.signals.loss.binning.SumsLayout`),
+in progress (a new one when the optimizer step count moves, or when a
+``GradScaler`` skipped the step), its sums vector on the loss's device (laid out
+by :class:`~trainvitals.hooks.signals.loss.binning.SumsLayout`),
 the objectives' slots, the cumulative count of micro-batches with a non-finite
 loss, the scaler's inverse scale read at hook time, and the wrapper that makes a
 tensor hook skip the probe's own backward and never raise into the user's.
