@@ -557,9 +557,10 @@ def builtin_signal_classes() -> dict[str, type[Signal]]:
     """The built-in signals by their ``signals=`` name, in the order they run."""
     from trainvitals.hooks.signals.adam_state import AdamState
     from trainvitals.hooks.signals.optimizer_stats import OptimizerStats
+    from trainvitals.hooks.signals.packing.leak import PackingLeak
     from trainvitals.hooks.signals.param_health import ParamHealth
 
-    return {"optimizer": OptimizerStats, "params": ParamHealth, "adam": AdamState}
+    return {"optimizer": OptimizerStats, "params": ParamHealth, "adam": AdamState, "packing": PackingLeak}
 
 
 _PLACED = ("optimizer", "params", "adam")

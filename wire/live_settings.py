@@ -30,7 +30,7 @@ __all__ = [
 LIVE_FIELDS = ("every", "signals", "per_param", "probe_every")
 """What may be set: the hooks' options of the same names (``trainvitals.hooks.config.Config``)."""
 
-SignalName = Literal["optimizer", "params", "adam"]
+SignalName = Literal["optimizer", "params", "adam", "packing"]
 BUILTIN_SIGNALS: tuple[str, ...] = get_args(SignalName)
 """The hooks' built-in signals, in their order (``signals=`` names some of them)."""
 

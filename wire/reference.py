@@ -16,6 +16,7 @@ _GROUP_TITLES = {
     "params": "1D parameters (I4)",
     "adam": "Adam state (I4)",
     "softmax": "Softmax saturation and distillation (I5)",
+    "packing": "Packed sequences: samples leaking into each other",
     "client": "The hooks' own health",
     "collector": "The collector's own metrics",
 }

@@ -23,8 +23,9 @@ The truth (float64): each label token's weight from the logits' gradient
 (``label_token_weights``), summed per true sample (the collator's own lengths), the
 per-step shares, dilution and exponent; and the leak: the first micro-batch of the
 step forwarded again in eval mode with the row's first sample's token ids replaced by
-``(id + 1) % vocab``, the largest change of the logits at the positions of the row's
-other samples (before the optimizer step: the weights the forward saw).
+``(id + 1) % vocab`` (``+ 2`` where that is the image token; image tokens kept), the
+largest change of the logits at the positions of the row's other samples (before the
+optimizer step: the weights the forward saw).
 """
 
 from __future__ import annotations
@@ -165,7 +166,9 @@ class Truth:
         ids = kw["input_ids"]
         sid = self._first_sid
         first = sid == 0
-        changed = torch.where(first, (ids + 1) % VOCAB, ids)
+        new = (ids + 1) % VOCAB
+        new = torch.where(new == IMAGE, (ids + 2) % VOCAB, new)  # never makes an image token
+        changed = torch.where(first & (ids != IMAGE), new, ids)
         was = self.model.training
         self.model.eval()
         with torch.no_grad():
