@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
                 arms[arm].append(timer.spent / args.steps)
         print(f"block {block}: " + ", ".join(f"{k} {1000 * v[-1]:.2f} ms" for k, v in arms.items()), file=sys.stderr)
     med = {k: statistics.median(v) for k, v in arms.items()}
-    print(f"Llama {args.layers} layers, width {args.width}, one packed row of ~{tokens:.0f} tokens ({args.samples} samples)")
+    print(f"Llama {args.layers} layers, width {args.width}, one packed row of ~{tokens:.0f} tokens")
     print(f"{'arm':<8} {'median ms':>10} {'min':>8} {'max':>8}")
     for k, v in arms.items():
         print(f"{k:<8} {1000 * med[k]:>10.2f} {1000 * min(v):>8.2f} {1000 * max(v):>8.2f}")
