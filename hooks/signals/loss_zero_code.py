@@ -331,12 +331,21 @@ class ZeroCodeSeams(StepBook):
         modality, segments = tags if tags is not None else (None, None)
         shape = tuple(log_probs.shape)
         rows, cols = shape if len(shape) == 2 else (1, shape[0])
+        bounds, self._bounds = self._bounds, None
+        if segments is None and bounds is not None:  # packed rows: the samples read in the forward
+            found = bounds.segments
+            if found is not None and found.dim() == 2 and found.shape[0] == rows and found.shape[1] in (cols, cols + 1):
+                segments = found
+            else:
+                step.withheld = step.withheld or packed_segments(bounds, (rows, cols))[1]
         if segments is not None and tuple(segments.shape) != shape and segments.dim() == 2:
             segments = segments[:, -cols:]  # labels shifted by one: the fused head scores positions 1..T-1
         if modality is not None and isinstance(modality, torch.Tensor) and modality.dim() == 2:
             if tuple(modality.shape) != shape:
                 modality = modality[:, -cols:]
         codes = self._codes(monitor, modality, log_probs.detach(), rows, cols)
+        if isinstance(codes, torch.Tensor) and codes.dim() == 2 and codes.shape[1] == cols + 1:
+            codes = codes[:, -cols:]  # per-token codes read from the input ids: positions 1..T-1
         seg = self._segments(segments, shape, rows, cols, log_probs.device)
         self._ensure_sums(step, log_probs.device)
         loss = (-log_probs.detach()).reshape(rows, cols)

@@ -28,7 +28,7 @@ host (no sync); the ids come back on the tensors' device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -61,7 +61,7 @@ class Boundaries:
     withheld: str = ""
 
 
-def _integer(t: Any) -> bool:
+def _integer(t: Any) -> TypeGuard[torch.Tensor]:
     return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
 

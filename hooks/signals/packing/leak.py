@@ -168,12 +168,13 @@ class PackingLeak(Signal):
         causes = static_causes(module, kwargs, bounds.source)
         self._signs = [(c, packed) for c in causes] or [("", packed)]
         every = mon.config.packing_probe_every
-        if every is None or mon.step + 1 < self._next_probe or ids is None:
+        if ids is None or every is None or mon.step + 1 < self._next_probe:
             return
+        kept_ids: torch.Tensor = ids
         where: int | str = "input_ids"
-        if kwargs.get("input_ids") is not ids:
-            where = next(i for i, a in enumerate(args) if a is ids)
-        self._kept = _Kept(tuple(args), dict(kwargs), where, ids, starts, causes)
+        if kwargs.get("input_ids") is not kept_ids:
+            where = next(i for i, a in enumerate(args) if a is kept_ids)
+        self._kept = _Kept(tuple(args), dict(kwargs), where, kept_ids, starts, causes)
 
     # -- the probe, before the optimizer step --------------------------------------------
     def before_step(self, monitor: MonitorView, reporting: bool) -> None:
@@ -220,6 +221,11 @@ class PackingLeak(Signal):
             kw[kept.where] = changed
         other = self._forward(monitor, args, kw)
         if plain is None or other is None:
+            monitor.warn_once(
+                "packing_probe_no_logits",
+                "packing: the boundary-leak probe got no logits [B, T, V] from the model's forward (a fused "
+                "head that never calls the LM head); only the static signs are reported",
+            )
             return None
         a, b = plain[row], other[row]
         later = ~first
