@@ -264,21 +264,24 @@ def _trainer(out_dir: str, layout: str, tagged: bool, norm: str, steps: int, eve
     return {"truth": truth.steps, "reports": str(Path(out_dir) / "trainvitals-packed.jsonl")}
 
 
-def _loop(out_dir: str, layout: str, tagged: bool, norm: str, steps: int, every: int) -> dict:
-    from trainvitals.hooks import attach
-    from trainvitals.hooks.sinks import FileSink
-
+def _loop(out_dir: str, layout: str, tagged: bool, norm: str, steps: int, every: int, own: bool = True) -> dict:
+    """The plain loop; ``own=False``: no attach of its own (``trainvitals run`` attaches)."""
     model = tiny_llama()
     truth = Truth(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     reports = Path(out_dir) / "trainvitals-packed.jsonl"
-    mon = attach(model, opt, run="packed", sink=FileSink(str(reports)), every=every, modalities=("text", "image"))
+    mon = None
+    if own:
+        from trainvitals.hooks import attach
+        from trainvitals.hooks.sinks import FileSink
+
+        mon = attach(model, opt, run="packed", sink=FileSink(str(reports)), every=every, modalities=("text", "image"))
     collate = Collate("positions", tagged)
     for step in range(1, steps + 1):
         batch = collate(samples(step - 1))
         sid = batch.pop("truth_sid")
         truth.sid, truth.mod, truth._first_sid = sid, batch.pop("truth_mod"), sid
-        if tagged:
+        if tagged and mon is not None:
             mon.tag_batch(modality=batch.pop("modality"))
         labels = truth.labels = batch.pop("labels")
         out = model(**batch, labels=labels if norm == "token" else None, use_cache=layout == "loop")
@@ -288,18 +291,27 @@ def _loop(out_dir: str, layout: str, tagged: bool, norm: str, steps: int, every:
         opt.step()
         opt.zero_grad()
         truth.step_end(step)
-    mon.close()
+    if mon is not None:
+        mon.close()
     return {"truth": truth.steps, "reports": str(reports)}
 
 
 def train(
-    out_dir: str, *, layout: str = "positions", tagged: int = 0, norm: str = "token", steps: int = 22, every: int = 1
+    out_dir: str,
+    *,
+    layout: str = "positions",
+    tagged: int = 0,
+    norm: str = "token",
+    steps: int = 22,
+    every: int = 1,
+    own: int = 1,
 ) -> dict:
     torch.set_num_threads(1)
     os.makedirs(out_dir, exist_ok=True)
     os.chdir(out_dir)
-    run = _loop if layout.startswith("loop") else _trainer
-    return run(out_dir, layout, bool(tagged), norm, steps, every)
+    if layout.startswith("loop"):
+        return _loop(out_dir, layout, bool(tagged), norm, steps, every, bool(own))
+    return _trainer(out_dir, layout, bool(tagged), norm, steps, every)
 
 
 if __name__ == "__main__":

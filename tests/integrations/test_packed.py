@@ -9,6 +9,7 @@ layouts silent."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,41 @@ def test_the_per_sample_twin_is_silent(tmp_path, layout):
     assert all(t["dilution"] == pytest.approx(1.0, rel=1e-3) for t in result["truth"])
     assert figures(reports, "packing_leak_logit_change", cause="unknown") == {1: 0.0}
     assert not firing(reports) & {"GradientDilution", "PackedSamplesLeak", "LossNormalizationDilutes"}
+
+
+def test_trainvitals_run_reads_the_packed_samples_and_probes_the_leak(tmp_path):
+    """The plain loop with use_cache=True, attaching nothing itself, under ``trainvitals
+    run``: per-true-sample figures from its position ids, image samples by the image
+    token, the leak measured at the first report step it attached for."""
+    import sys
+
+    from tests.run_configure._helpers import job_env, trainvitals
+
+    out = tmp_path / "reports.jsonl"
+    proc = trainvitals(
+        "run",
+        "--run",
+        "packed",
+        "--collector",
+        f"file:{out}",
+        "--every",
+        "1",
+        "--",
+        sys.executable,
+        str(JOB),
+        str(tmp_path / "result.json"),
+        f"out_dir={tmp_path / 'run'}",
+        "layout=loop",
+        "own=0",
+        env=job_env(HF_HUB_OFFLINE="1"),
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    reports = read_reports(out)
+    check_figures({"truth": [t for t in result["truth"] if t["step"] >= 2]}, reports)
+    leak = figures(reports, "packing_leak_logit_change", cause="cache_in_training")
+    assert list(leak) == [2]  # attached at step 1's optimizer step: step 2 is its first report
+    assert leak[2] == pytest.approx(result["truth"][1]["leak"], rel=0.01)
+    assert firing(reports) >= {"GradientDilution", "PackedSamplesLeak"}
