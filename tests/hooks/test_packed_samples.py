@@ -77,11 +77,25 @@ def test_plain_rows_and_left_padding_are_one_sample_each():
     assert read_boundaries({"attention_mask": torch.ones(2, 6)}, (2, 6)) is None  # nothing says
 
 
+def test_boundaries_from_multimodal_rotary_positions():
+    """Qwen2-VL's [3, B, T]: temporal positions, constant over an image's tokens, never
+    decreasing within a sample; [4, B, T] leads with the text positions."""
+    temporal = torch.tensor([0, 1, 2, 0, 1, 1, 1, 2, 0, 1])  # samples of 3, 5 (an image at 1), 2
+    mrope = read_boundaries({"position_ids": temporal.expand(3, 1, 10)}, (1, 10))
+    assert mrope is not None and same_samples(mrope.segments, truth_ids(LENGTHS))
+    text = torch.cat([torch.arange(n) for n in LENGTHS])
+    four = torch.stack([text, temporal, temporal, temporal])[:, None]
+    found = read_boundaries({"position_ids": four}, (1, 10))
+    assert found is not None and same_samples(found.segments, truth_ids(LENGTHS))
+    plain = read_boundaries({"position_ids": torch.tensor([0, 1, 1, 1, 2, 3]).expand(3, 2, 6)}, (2, 6))
+    assert plain is not None and same_samples(plain.segments, torch.tensor([[0] * 6, [1] * 6]))
+
+
 def test_boundaries_that_cannot_be_read_are_withheld_with_a_reason():
-    mrope = read_boundaries({"position_ids": torch.zeros(3, 1, 10, dtype=torch.long)}, (1, 10))
-    assert mrope is not None and mrope.segments is None and "multimodal rotary" in mrope.withheld
     rows = read_boundaries({"cu_seq_lens_q": torch.tensor([0, 3, 8, 10])}, (2, 5))
     assert rows is not None and rows.segments is None and "over 2 rows" in rows.withheld
+    odd = read_boundaries({"position_ids": torch.zeros(2, 1, 10, dtype=torch.long)}, (1, 10))
+    assert odd is not None and odd.segments is None and "(2, 1, 10)" in odd.withheld
 
 
 def test_image_tokens_class_each_sample_of_a_row():
@@ -121,27 +135,28 @@ class PositionsLM(nn.Module):
         self.embed = nn.Embedding(64, 16)
         self.head = nn.Linear(16, 64)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, **kwargs: object) -> torch.Tensor:
         return self.head(self.embed(input_ids))
 
 
 def test_per_sample_figures_are_withheld_where_boundaries_cannot_be_read(caplog):
-    """3-D (multimodal rotary) position ids: the samples are not read, so no per-sample or
-    per-modality figure is made per row; the weight mass (no samples needed) still is."""
+    """Cumulative lengths over two rows: which row a sample lies in is not said, so no
+    per-sample or per-modality figure is made per row; the weight mass (no samples
+    needed) still is."""
     model = PositionsLM()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ids = torch.randint(0, 64, (1, 10))
+    ids = torch.randint(0, 64, (2, 5))
     with attach(model, opt, run="mrope", sink="null", every=1, modalities=("text",), loss_from_logits="head") as mon:
         for _ in range(2):
-            logits = model(ids, position_ids=torch.zeros(3, 1, 10, dtype=torch.long))
-            F.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+            logits = model(ids, cu_seq_lens_q=torch.tensor([0, 3, 8, 10], dtype=torch.int32))
+            F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
             opt.step()
             opt.zero_grad()
             names = {s["name"] for s in mon.latest()}
             assert "loss_weight_mass" in names and mon.value("loss_weight_mass", objective="main") == pytest.approx(1.0)
             assert not {n for n in names if n.startswith("modality_")} and "loss_norm_exponent" not in names
             (event,) = [e for e in mon.latest_events() if e["kind"] == "loss_samples_withheld"]
-            assert "multimodal rotary" in event["detail"]
+            assert "cumulative lengths over 2 rows" in event["detail"]
     assert any("figures withheld" in r.getMessage() for r in caplog.records)
 
 

@@ -15,11 +15,14 @@ they are in one of these ways, and the first found wins:
    not its predecessor's plus one, the rule transformers uses to build its
    block-diagonal mask (``find_packed_sequence_indices``); a row of plain
    ``0..T-1`` positions is one sample, pads that repeat a position are samples
-   without label tokens (they count nowhere).
+   without label tokens (they count nowhere). Multimodal rotary positions (Qwen2-VL):
+   [4, B, T] lead with the text positions (the same rule); [3, B, T] with the
+   temporal ones, which never decrease within a sample: a sample starts where they
+   drop.
 
-What cannot be read is said, never guessed: 3-D (multimodal rotary) position ids, or
-cumulative lengths over a batch of several rows, give a reason the per-sample figures
-are withheld for, instead of figures per row.
+What cannot be read is said, never guessed: cumulative lengths over a batch of several
+rows, or position ids of another shape, give a reason the per-sample figures are
+withheld for, instead of figures per row.
 
 Pure tensor functions of the forward's arguments: nothing here reads a value on the
 host (no sync); the ids come back on the tensors' device.
@@ -111,12 +114,21 @@ def read_boundaries(kwargs: dict[str, Any], shape: tuple[int, int] | None) -> Bo
         return Boundaries(segments_from_cu(cu, cols), name)
     pos = kwargs.get("position_ids")
     if _integer(pos) and shape is not None:
+        if pos.dim() == 3 and pos.shape[0] in (3, 4) and tuple(pos.shape[1:]) in ((1, shape[1]), shape):
+            # multimodal rotary positions: [4, B, T] leads with the text positions (the
+            # restart rule); [3, B, T] with the temporal ones, which never decrease within
+            # a sample (an image's tokens share one): a sample starts where they drop
+            first = pos[0].expand(shape[0], -1)
+            if pos.shape[0] == 4:
+                return Boundaries(segments_from_positions(first), "position_ids")
+            drop = torch.diff(first.long(), dim=-1, prepend=first[:, :1].long()) < 0
+            return Boundaries(drop.cumsum(-1), "position_ids")
         if pos.dim() == 3:
             return Boundaries(
                 None,
                 "position_ids",
-                f"position_ids of shape {tuple(pos.shape)} (multimodal rotary positions): where one sample "
-                "ends is not read from them",
+                f"position_ids of shape {tuple(pos.shape)} for input ids {shape}: where one sample ends is "
+                "not read from them",
             )
         if pos.dim() == 1:
             pos = pos[None]
