@@ -59,6 +59,7 @@ _WHY_NOT = {
     "failed": "failed",
     "not_adam": "no Adam moments",
     "no_parameters": "nothing to watch",
+    "not_packed": "no packed rows",
 }
 """A coverage reason in a few words, for the verdict's headline (the full detail is in
 the coverage lines)."""

@@ -142,13 +142,22 @@ class Config:
     gradient is a plain cross-entropy one (a softmax over the vocabulary at each: the
     cost is linear in it). Weights are read at every position regardless."""
 
+    packing_probe_every: int | None = 1000
+    """The boundary-leak probe of packed rows (signal ``packing``): at the first report
+    step whose micro-batch holds packed rows, then at the first report step at least N
+    optimizer steps after the last try, one micro-batch is forwarded twice more, without
+    gradients, in eval mode, its row's first sample's tokens changed the second time; the
+    largest change of the row's other samples' logits is the leak (0 with a proper mask).
+    Costs two forward passes of one micro-batch per probe (docs/benchmarks.md). None: off
+    (the static signs stay)."""
+
     step_boundary: Literal["pre_step_hook", "manual"] = "pre_step_hook"
     """When a step's gradients are final: at the optimizer's pre-step hook, or
     ``"manual"``: when the job calls ``Monitor.gradients_ready()`` (an optimizer stepped
     with a closure that runs the last backward inside ``step()``, as Lightning does)."""
 
     signals: tuple[str, ...] | None = None
-    """Which built-in signals run: any of "optimizer", "params", "adam" (the loss and
+    """Which built-in signals run: any of "optimizer", "params", "adam", "packing" (the loss and
     softmax signals start with the first track_loss / observe call). None: all."""
 
     flush_timeout: float = 5.0
@@ -177,6 +186,7 @@ class Config:
         ):
             positive_int(name)
         positive_int("probe_every", allow_none=True)
+        positive_int("packing_probe_every", allow_none=True)
         if self.loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
         if self.loss_normalization not in (None, "token", "sqrt", "sample"):

@@ -10,7 +10,7 @@ import torch
 
 from trainvitals.wire.runs import MAX_RUN, RUN_CHARS, is_run
 
-__all__ = ["STATE_FILE", "batch_value", "run_name", "segments_from_positions", "state_file", "torch_optimizer"]
+__all__ = ["STATE_FILE", "batch_value", "run_name", "state_file", "torch_optimizer"]
 
 STATE_FILE = "trainvitals-rank{rank}.pt"
 """The monitor's state in a checkpoint folder, one file per rank (Monitor.state_dict())."""
@@ -72,14 +72,6 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"trainvitals: cannot find the torch optimizer inside {type(optimizer).__name__}")
     return optimizer
-
-
-def segments_from_positions(position_ids: Any) -> torch.Tensor | None:
-    """Sample ids of packed rows from their position ids [B, T] (each sample restarts
-    at 0, as DataCollatorWithFlattening makes them); None for other shapes."""
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
-        return None
-    return (position_ids == 0).cumsum(dim=1)
 
 
 def batch_value(batch: Any, field: str | Callable[[Any], Any] | None) -> Any:

@@ -12,7 +12,8 @@ Modality tags come from a batch field (``modality_field``), removed from the inp
 before the model's forward; keep it through the Trainer's column pruning with
 ``TrainingArguments(label_names=["labels", "modality"])`` (or
 ``remove_unused_columns=False``). Packed rows (``DataCollatorWithFlattening``) are
-split into their samples by their ``position_ids``.
+split into their samples by what the model is passed: restarting ``position_ids``,
+the flash kwargs' ``cu_seq_lens_q``, or ``seq_idx``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from trainvitals.hooks import integrations_rl
 from trainvitals.hooks.attach import build_monitor
 from trainvitals.hooks.integration_support import (
     run_name,
-    segments_from_positions,
     state_file,
     torch_optimizer,
 )
@@ -186,9 +186,10 @@ class TrainvitalsCallback(TrainerCallback):
         if self.modality_field is not None and self.modality_field in kwargs:
             kwargs = dict(kwargs)
             modality = kwargs.pop(self.modality_field)  # never reaches the model's forward
-        segments = segments_from_positions(kwargs.get("position_ids"))
-        if (modality is not None or segments is not None) and monitor.reads_logits:
-            monitor.tag_batch(modality=modality, segments=segments)
+        # Packed rows' samples are read by zero-code accounting from the forward's own
+        # arguments (position ids, cu_seq_lens, seq_idx: trainvitals.hooks.signals.packing).
+        if modality is not None and monitor.reads_logits:
+            monitor.tag_batch(modality=modality)
         return args, kwargs
 
     def _restore(self, args: Any, state: Any) -> None:

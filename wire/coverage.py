@@ -54,6 +54,7 @@ ReasonName = Literal[
     "failed",
     "not_adam",
     "no_parameters",
+    "not_packed",
 ]
 
 SIGNALS = _SIGNALS
@@ -86,11 +87,12 @@ REASONS: Mapping[str, str] = {
     "failed": "it failed and was turned off (the job's log has the error)",
     "not_adam": "the optimizer keeps no Adam moments (exp_avg/exp_avg_sq)",
     "no_parameters": "nothing it watches is in the model or the optimizer (no 1D parameter, no gradient)",
+    "not_packed": "no row of the reported step's micro-batch holds several samples: no packing to check",
 }
 """Why a signal is inactive: the closed list (a reason is a label value on /metrics)."""
 assert tuple(REASONS) == get_args(ReasonName), "REASONS and ReasonName list the same reasons"
 
-NOT_BLIND: frozenset[str] = frozenset({"not_requested", "not_adam", "no_parameters", "objective_scaled"})
+NOT_BLIND: frozenset[str] = frozenset({"not_requested", "not_adam", "no_parameters", "objective_scaled", "not_packed"})
 """Reasons that say the signal does not apply to the job (nothing asked for, nothing to
 watch): not a blind spot. The close summary and ``SignalInactive`` leave them out."""
 

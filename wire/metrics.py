@@ -388,6 +388,31 @@ _SPECS: tuple[MetricSpec, ...] = (
         "softmax",
         "Mean teacher probability outside its top-1.",
     ),
+    # -- packed sequences: samples of one row that see each other
+    _m(
+        "packing_leak_logit_change",
+        "gauge",
+        "value",
+        ("cause",),
+        "packing",
+        "Largest change of a packed row's other samples' logits when its first sample's tokens change (0: no leak).",
+    ),
+    _m(
+        "packing_samples_per_row",
+        "gauge",
+        "ratio",
+        (),
+        "packing",
+        "Mean number of samples packed into one row of the checked micro-batch (reported where rows hold several).",
+    ),
+    _m(
+        "packing_leak_sign",
+        "gauge",
+        "count",
+        ("cause",),
+        "packing",
+        "1 when a packed micro-batch reaches the model in a way its attention ignores the sample boundaries of.",
+    ),
     # -- the hooks' own health
     _m(
         "client_dropped_reports_total",

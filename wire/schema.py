@@ -108,6 +108,8 @@ EVENT_KINDS: Mapping[str, frozenset[str]] = {
     "loss_unknown_modality_code": frozenset(),
     "modality_without_label_tokens": frozenset({"modality"}),
     "loss_not_cross_entropy": frozenset(),
+    "loss_samples_withheld": frozenset(),
+    "packing_leak_sign": frozenset({"cause"}),
 }
 """The event kinds a report may carry, each with the label names it may have.
 

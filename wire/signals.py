@@ -147,6 +147,14 @@ BUILTIN_SPECS: tuple[SignalSpec, ...] = (
         dashboard="trainvitals-softmax.json",
         first_call="observe_logits()",
     ),
+    SignalSpec(
+        "packing",
+        "packed sequences: samples of one row that see each other",
+        "signals= leaves out 'packing'",
+        group="packing",
+        title="Packed sequences: samples leaking into each other",
+        selectable=True,
+    ),
 )
 """The built-in signals, in the order coverage lists them."""
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from trainvitals.hooks.signals.optimizer.adam import AdamState
 from trainvitals.hooks.signals.optimizer.stats import OptimizerStats
+from trainvitals.hooks.signals.packing.leak import PackingLeak
 from trainvitals.hooks.signals.params.signal import ParamHealth
 from trainvitals.hooks.signals.registry import register
 
 register(OptimizerStats)
 register(ParamHealth)
 register(AdamState)
+register(PackingLeak)

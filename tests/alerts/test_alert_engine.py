@@ -418,6 +418,10 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
         ],
         "NonFiniteLoss": lambda s: [("nonfinite_total", {"what": "loss"}, float(s >= 150))],
         "GradNormSpike": lambda s: [("grad_norm_max", {}, 500.0 if s == 250 else 1.0 + 0.3 * math.sin(s))],
+        # The probe's measurement once (every packing_probe_every steps): 0.04 on a tiny Llama.
+        "PackedSamplesLeak": lambda s: (
+            [("packing_leak_logit_change", {"cause": "varlen_ignored"}, 0.04)] if s == 0 else []
+        ),
     }
     healthy = {
         "GradientDilution": lambda s: [
@@ -462,6 +466,8 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
             ("nonfinite_total", {"what": "grad"}, float(s)),
         ],
         "GradNormSpike": lambda s: [("grad_norm_max", {}, 1.0 + 0.5 * math.sin(s))],
+        # A proper block-diagonal mask: the later samples' logits do not move at all.
+        "PackedSamplesLeak": lambda s: [("packing_leak_logit_change", {"cause": "unknown"}, 0.0)] if s == 0 else [],
     }
     # SignalInactive reads coverage, not samples: tests/hooks/test_coverage.py.
     assert set(incident) | {"OptimizerStateReset", "RunSilent", "SignalInactive"} == {

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from trainvitals.hooks.signals.loss_zero_code import _over_shards
+from trainvitals.hooks.signals.loss.zero_code import _over_shards
 
 
 def _median_ms(fn, repeats: int) -> float:

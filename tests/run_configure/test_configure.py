@@ -136,7 +136,11 @@ def test_settings_ride_in_the_answers_of_their_run_until_they_expire():
         ({"every": 0}, 422, "every: Input should be greater than or equal to 1"),
         ({"every": "1"}, 422, "every: Input should be a valid integer"),
         ({"every": None}, 422, "every: null is not a value here; leave the field out to keep the job's own"),
-        ({"signals": ["params", "grads"]}, 422, "signals.1: Input should be 'optimizer', 'params' or 'adam'"),
+        (
+            {"signals": ["params", "grads"]},
+            422,
+            "signals.1: Input should be 'optimizer', 'params', 'adam' or 'packing'",
+        ),
         ({"per_param": 1}, 422, "per_param: Input should be a valid boolean"),
         ({"every": 2, "ttl_seconds": 30 * 86400}, 422, "ttl_seconds: Input should be less than or equal to 604800"),
         ({"every": 2, "colour": "red"}, 422, "colour: Extra inputs are not permitted"),

@@ -40,6 +40,7 @@ SAMPLES = {
     "softmax_chunk_bytes": ("1048576", 1048576),
     "loss_from_logits": ("lm_head", "lm_head"),
     "logits_max_positions": ("64", 64),
+    "packing_probe_every": ("none", None),
     "step_boundary": ("manual", "manual"),
     "signals": ("params, adam", ("params", "adam")),
     "flush_timeout": ("2.5", 2.5),

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "LABELLED_POSITION",
     "UNIFORM_RTOL",
     "Batch",
     "SumsLayout",
@@ -27,6 +28,12 @@ __all__ = [
     "weight_finish",
     "weight_rows",
 ]
+
+LABELLED_POSITION = float(2**24)
+"""What a position counts for in the per-bin positions row when its sample has label
+tokens (a position of a sample without any counts 1): one such position outweighs
+every position of samples without label tokens a step can hold, so the row is > 0
+exactly when the code marks positions of label-less samples only."""
 
 UNIFORM_RTOL = 1e-3
 """Token weights of a micro-batch within this relative spread count as uniform
@@ -64,7 +71,10 @@ class SumsLayout:
         # track_loss (before the backward), samples with label tokens, label tokens,
         # the sum of sqrt(label tokens) over samples, the loss over label tokens; by
         # the per-token loss hook, the weight; in track_loss again, positions (label
-        # or not) carrying the bin's code
+        # or not) carrying the bin's code: +1 each in a sample without label tokens,
+        # -LABELLED_POSITION in a sample with some (> 0 only when every position of the
+        # code lies in samples without label tokens: then, and only then, none of the
+        # modality's samples carries loss)
         self.samples = slice(0, b)
         self.tokens = slice(b, 2 * b)
         self.sqrt_tokens = slice(2 * b, 3 * b)
@@ -208,7 +218,8 @@ class SumsLayout:
             positions = self.constant_rows(rows, float(cols), dtype, device)
             one = self.constant_rows(rows, 1.0, dtype, device)
             root = self.constant_sqrt_rows(rows, cols, dtype, device)
-            features = torch.stack([one, positions, root, torch.zeros_like(one), positions, positions])
+            labelled = self.constant_rows(rows, -LABELLED_POSITION * cols, dtype, device)
+            features = torch.stack([one, positions, root, torch.zeros_like(one), labelled, positions])
             fit_rows, log_n = self.constant_fit_rows(rows, cols, dtype, device)
             found = RowConstants(
                 positions=positions,
@@ -355,7 +366,7 @@ def bin_batch(
                 zeros.index_add(0, s_bin, n_s),
                 zeros.index_add(0, s_bin, n_s.sqrt()),
                 zeros.index_add(0, tok_bin, loss_lab),
-                zeros.index_add(0, pos_code, torch.ones_like(pos_code, dtype=fdt)),
+                zeros.index_add(0, pos_code, torch.where(has, -LABELLED_POSITION, 1.0).to(fdt)[sid]),
                 mixed.to(fdt).reshape(1),
                 unknown.to(fdt).reshape(1),
             ]
@@ -410,7 +421,8 @@ def _bin_rows(
         n_s = label.sum(1, dtype=fdt)
         one, root = n_s.clamp(max=1.0), n_s.sqrt()
         loss_s = torch.where(label, loss, layout.constant(0.0, loss.dtype, dev)).sum(1, dtype=fdt)
-        features = torch.stack([one, n_s, root, loss_s, c.positions, n_s])
+        spots = torch.where(n_s > 0, layout.constant(-LABELLED_POSITION, fdt, dev), 1.0) * c.positions
+        features = torch.stack([one, n_s, root, loss_s, spots, n_s])
     if isinstance(codes, int):
         binned = torch.full((rows,), codes if 0 <= codes < m else m, dtype=torch.long, device=dev)
     else:

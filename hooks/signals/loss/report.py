@@ -126,6 +126,7 @@ class Accumulated:
     fired: bool = False  # weights arrived (a per-token loss or logits hook ran)
     output: bool = False  # an output (or logits) gradient was summed
     later: Deferred | None = None  # micro-batch results the hooks left to the report (loss_deferred)
+    withheld: str = ""  # why the samples cannot be known (packed rows): the per-sample figures are left out
 
 
 class _ModalityLabels:
@@ -247,6 +248,7 @@ class LossReport:
                 normalization=acc.normalization,
                 fired=acc.fired,
                 output=acc.output,
+                withheld=acc.withheld,
             )
 
             def run(sub: StepContext, parts: list[torch.Tensor]) -> None:
@@ -400,13 +402,23 @@ class LossReport:
         if acc.fired:
             ctx.inactive_when("loss", verdict[plan.no_input], "no_input", "no label token in the reported step")
         ctx.emit("loss", first[plan.loss], present=gated(first[plan.present_loss]))
-        ctx.emit_block(
-            labels.rows,
-            first[plan.rows],
-            present=gated(first[plan.present_rows]),
-            gated=range(3 * m),
-        )
-        self._emit_events(monitor, ctx, plan, first, verdicts, verdict, labels, zero_code)
+        withheld = acc.withheld  # the samples of packed rows cannot be known: no per-sample figure
+        if withheld:
+            ctx.event("loss_samples_withheld", f"per-sample and per-modality figures withheld: {withheld}")
+            monitor.warn_once(
+                "loss_samples_withheld",
+                "loss accounting: per-sample and per-modality figures withheld: %s (docs/signals.md, "
+                "'Packed sequences')",
+                withheld,
+            )
+        else:
+            ctx.emit_block(
+                labels.rows,
+                first[plan.rows],
+                present=gated(first[plan.present_rows]),
+                gated=range(3 * m),
+            )
+        self._emit_events(monitor, ctx, plan, first, verdicts, verdict, labels, zero_code, withheld)
         if not full:
             return  # no weights arrived on this step: nothing honest to say about them
 
@@ -490,8 +502,10 @@ class LossReport:
         verdict: tuple[torch.Tensor, ...],
         labels: _ModalityLabels,
         zero_code: bool,
+        withheld: str,
     ) -> None:
-        """The step's events and late warnings about the modality codes and the loss."""
+        """The step's events and late warnings about the modality codes and the loss
+        (``withheld``: the samples are not known, so nothing is said about them)."""
         # Mixed and unknown codes, a gradient that is not cross-entropy (their counts);
         # then a declared modality that marks positions only of samples without label
         # tokens (positions where its label tokens are 0): no sample of it carries loss,
@@ -521,11 +535,15 @@ class LossReport:
                     first[plan.not_ce],
                 )
             )
-        events.extend(
-            (kind, detail, labs, verdict[plan.flags + i]) for i, (kind, detail, labs) in enumerate(labels.unlabelled)
-        )
+        if not withheld:
+            events.extend(
+                (kind, detail, labs, verdict[plan.flags + i])
+                for i, (kind, detail, labs) in enumerate(labels.unlabelled)
+            )
         for kind, detail, labs, flag in events:
             ctx.event(kind, detail, labs, when=flag)
+        if withheld:
+            return
         ctx.warn_when(
             [
                 (
@@ -562,6 +580,7 @@ class LossReport:
         gradient norms and the probe."""
         mod_labels = labels.modality
         calls = acc.calls
+        withheld = acc.withheld
         second = (first[plan.num2] / first[plan.den2]).split_with_sizes(plan.second_sizes)
         dilution, intended, mass, grad_norm, spread = second
         weighted = first[plan.weight_total] != 0  # the weight's total: it may be negative
@@ -571,10 +590,11 @@ class LossReport:
         else:
             # undeclared: sqrt when the fitted exponent is 0.5 (a deliberate choice), else per sample
             excess = torch.where(verdict[plan.sqrt_ok], intended, dilution)
-        ctx.emit("modality_grad_share_ratio", first[plan.share], mod_labels, present=gated(weighted))
-        ctx.emit("modality_dilution_ratio", dilution, mod_labels, present=p_weighted)
-        ctx.emit("loss_norm_exponent", first[plan.exponent], present=gated(verdict[plan.fit_ok]))
-        ctx.emit("modality_excess_dilution_ratio", excess, mod_labels, present=p_weighted)
+        if not withheld:  # the weight mass and the token-weight spread need no samples
+            ctx.emit("modality_grad_share_ratio", first[plan.share], mod_labels, present=gated(weighted))
+            ctx.emit("modality_dilution_ratio", dilution, mod_labels, present=p_weighted)
+            ctx.emit("loss_norm_exponent", first[plan.exponent], present=gated(verdict[plan.fit_ok]))
+            ctx.emit("modality_excess_dilution_ratio", excess, mod_labels, present=p_weighted)
         if active:
             self._emit_objectives(
                 ctx,
@@ -591,7 +611,7 @@ class LossReport:
         if self._family is None:
             self._family = torch.tensor([FAMILY_VALUE[optimizer_family(monitor.optimizer)]], device=ctx.device)
         ctx.emit("optimizer_scale_invariant", self._family, present=gate)
-        if acc.output:
+        if acc.output and not withheld:
             ctx.emit(
                 "modality_grad_norm",
                 grad_norm,

@@ -327,6 +327,7 @@ class LossAccounting(ZeroCodeSeams):
                 fired=step.fired > 0,
                 output=step.outputs > 0,
                 later=step.later,
+                withheld=step.withheld,
             )
         )
         report.report(

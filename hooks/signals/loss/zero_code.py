@@ -43,6 +43,12 @@ from trainvitals.hooks.signals.loss.logits import (
 )
 from trainvitals.hooks.signals.loss.modality import input_ids, media_codes, sample_codes
 from trainvitals.hooks.signals.loss.step import LossStep, StepBook
+from trainvitals.hooks.signals.packing.boundaries import (
+    Boundaries,
+    media_codes_per_sample,
+    packed_segments,
+    read_boundaries,
+)
 
 __all__ = ["ZeroCodeSeams"]
 
@@ -73,6 +79,7 @@ class ZeroCodeSeams(StepBook):
         self._tags: tuple[Any, Any] | None = None  # (modality, segments) for the next logits
         self._inputs: tuple[int, int] | None = None  # the model's current input ids' [B, S]
         self._auto: torch.Tensor | None = None  # per-sample codes from the input ids' image/video tokens
+        self._bounds: Boundaries | None = None  # the samples of packed rows, read from the forward's arguments
         self._seam: _Seam | None = None  # the head's logits in the model's current forward
         self._head = ""  # the hooked LM head's name
         self._per_sample = False  # Megatron's default loss: per-sample intent on one-sample micro-batches
@@ -121,9 +128,12 @@ class ZeroCodeSeams(StepBook):
             self._seam = None
             ids = input_ids(args, kwargs)
             self._inputs = None if ids is None else (int(ids.shape[0]), int(ids.shape[1]))
-            self._auto = None
-            if media and ids is not None and monitor.reporting_next and torch.is_grad_enabled():
-                self._auto = sample_codes(ids, media)
+            self._auto = self._bounds = None
+            if monitor.reporting_next and torch.is_grad_enabled():
+                self._bounds = read_boundaries(kwargs, self._inputs)  # packed rows: their samples
+                seg = self._bounds.segments if self._bounds is not None else None
+                if media and ids is not None:
+                    self._auto = sample_codes(ids, media) if seg is None else media_codes_per_sample(ids, media, seg)
 
         def forward(mod: Any, args: Any, output: Any) -> None:
             fired[0] = True
@@ -246,6 +256,10 @@ class ZeroCodeSeams(StepBook):
         modality, segments = tags if tags is not None else (None, None)
         view = logits.detach().transpose(0, 1) if seq_first else logits.detach()
         shape = tuple(view.shape[:-1])
+        bounds, self._bounds = self._bounds, None
+        if segments is None:
+            segments, withheld = packed_segments(bounds, shape)
+            step.withheld = step.withheld or withheld
         if len(shape) == 2:
             rows, cols = shape
         else:
@@ -320,12 +334,21 @@ class ZeroCodeSeams(StepBook):
         modality, segments = tags if tags is not None else (None, None)
         shape = tuple(log_probs.shape)
         rows, cols = shape if len(shape) == 2 else (1, shape[0])
+        bounds, self._bounds = self._bounds, None
+        if segments is None and bounds is not None:  # packed rows: the samples read in the forward
+            found = bounds.segments
+            if found is not None and found.dim() == 2 and found.shape[0] == rows and found.shape[1] in (cols, cols + 1):
+                segments = found
+            else:
+                step.withheld = step.withheld or packed_segments(bounds, (rows, cols))[1]
         if segments is not None and tuple(segments.shape) != shape and segments.dim() == 2:
             segments = segments[:, -cols:]  # labels shifted by one: the fused head scores positions 1..T-1
         if modality is not None and isinstance(modality, torch.Tensor) and modality.dim() == 2:
             if tuple(modality.shape) != shape:
                 modality = modality[:, -cols:]
         codes = self._codes(monitor, modality, log_probs.detach(), rows, cols)
+        if isinstance(codes, torch.Tensor) and codes.dim() == 2 and codes.shape[1] == cols + 1:
+            codes = codes[:, -cols:]  # per-token codes read from the input ids: positions 1..T-1
         seg = self._segments(segments, shape, rows, cols, log_probs.device)
         self._ensure_sums(step, log_probs.device)
         loss = (-log_probs.detach()).reshape(rows, cols)
