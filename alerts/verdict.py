@@ -34,7 +34,7 @@ from trainvitals.alerts.model import Rule, SilenceRule, ThresholdRule
 from trainvitals.alerts.state import Alert, AlertState, Transition
 from trainvitals.alerts.templates import render_template
 from trainvitals.wire import METRICS, Report, ends_run
-from trainvitals.wire.coverage import NOT_BLIND, REASONS, SIGNALS
+from trainvitals.wire.coverage import NOT_APPLICABLE, NOT_BLIND, REASONS, SIGNALS
 from trainvitals.wire.signals import SignalNames, metric_groups
 
 __all__ = ["Incident", "RunVerdict", "VerdictBuilder", "action_for", "runbook_fix"]
@@ -195,6 +195,8 @@ class RunVerdict:
                     continue
                 if sig["active"]:
                     checked.append(name)
+                elif sig["reason"] in NOT_APPLICABLE:
+                    continue  # nothing of its kind in the job (no packed rows): no check to speak of
                 else:
                     missing.append((name, sig["reason"] or "no_input"))
             return checked, missing

@@ -6,8 +6,11 @@ Importing this package imports torch, never the collector stack (fastapi, uvicor
 from __future__ import annotations
 
 from trainvitals.hooks.attach import attach
-from trainvitals.hooks.job_monitor import Monitor, monitor_of
-from trainvitals.hooks.sinks import TensorBoardSink
+from trainvitals.hooks.job_monitor import Monitor
+from trainvitals.hooks.job_monitor import monitor_of as monitor_of
+from trainvitals.hooks.sinks import TensorBoardSink as TensorBoardSink
 from trainvitals.wire.schema import SCHEMA_VERSION
 
-__all__ = ["SCHEMA_VERSION", "Monitor", "TensorBoardSink", "attach", "monitor_of"]
+# monitor_of and TensorBoardSink import from here too (their modules moved), outside
+# the star-import surface, which stays the three names it always was.
+__all__ = ["SCHEMA_VERSION", "Monitor", "attach"]

@@ -24,6 +24,7 @@ __all__ = [
     "ACTIVE_METRIC",
     "MAX_COVERAGE_DETAIL",
     "MAX_COVERAGE_ENTRIES",
+    "NOT_APPLICABLE",
     "NOT_BLIND",
     "REASONS",
     "SIGNALS",
@@ -95,6 +96,11 @@ assert tuple(REASONS) == get_args(ReasonName), "REASONS and ReasonName list the 
 NOT_BLIND: frozenset[str] = frozenset({"not_requested", "not_adam", "no_parameters", "objective_scaled", "not_packed"})
 """Reasons that say the signal does not apply to the job (nothing asked for, nothing to
 watch): not a blind spot. The close summary and ``SignalInactive`` leave them out."""
+
+NOT_APPLICABLE: frozenset[str] = frozenset({"not_packed"})
+"""Reasons that say the job has nothing of the kind the signal checks (no packed rows
+for the boundary-leak check): a verdict lists such a signal neither as checked nor as
+not checked (the coverage entries, ``/metrics`` and the close summary still say it)."""
 
 MAX_COVERAGE_DETAIL = 512
 """Characters of an entry's ``detail``."""

@@ -123,6 +123,7 @@ def test_coverage_travels_to_metrics_as_a_per_signal_gauge_with_the_reason():
         "loss": (None, 1.0),  # read from the LM head by default
         "probe": ("not_requested", 0.0),
         "softmax": ("not_requested", 0.0),
+        "packing": ("not_packed", 0.0),
     }
 
 
@@ -148,7 +149,7 @@ def test_zero_code_on_a_head_the_loss_bypasses_says_head_bypassed_and_warns(capl
                 assert [a for a in c.alerts(run) if a["alertname"] == "SignalInactive"] == []
             mon.close()
     lines = [r.getMessage() for r in caplog.records if "run 'fused'" in r.getMessage()]
-    assert "watching optimizer, params, adam, loss (from the first optimizer step)" in lines[0]
+    assert "watching optimizer, params, adam, loss, packing (from the first optimizer step)" in lines[0]
     close = [m for m in lines if "closed after 30 optimizer step(s)" in m]
     assert len(close) == 1 and "never engaged: loss (head_bypassed: no gradient reached" in close[0]
     assert f"to HttpSink('{c.url}/v1/reports'), 0 not delivered" in close[0]

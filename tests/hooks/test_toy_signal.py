@@ -134,7 +134,7 @@ def test_live_settings_choose_the_toy_signal_like_a_built_in_one(toy):
     live settings change through the collector turns it on; a name never registered is
     still refused."""
     assert parse_request({"signals": ["toy_rms"]}).values() == {"signals": ["toy_rms"]}
-    refusal = "signals.0: Input should be 'optimizer', 'params', 'adam' or 'toy_rms'"
+    refusal = "signals.0: Input should be 'optimizer', 'params', 'adam', 'packing' or 'toy_rms'"
     with pytest.raises(ValueError, match=re.escape(refusal)):
         parse_request({"signals": ["toy"]})
     model, opt = _model()

@@ -23,10 +23,10 @@ def _snapshot() -> tuple[object, ...]:
 
 
 def test_the_built_in_declarations_give_the_lists_the_wire_spelled_out():
-    assert list(SIGNALS) == ["optimizer", "params", "adam", "loss", "probe", "softmax"]
-    assert SIGNALS == ("optimizer", "params", "adam", "loss", "probe", "softmax")
-    assert list(BUILTIN_SIGNALS) == ["optimizer", "params", "adam"]
-    assert [s.name for s in metric_groups()] == ["optimizer", "loss", "params", "adam", "softmax"]
+    assert list(SIGNALS) == ["optimizer", "params", "adam", "loss", "probe", "softmax", "packing"]
+    assert SIGNALS == ("optimizer", "params", "adam", "loss", "probe", "softmax", "packing")
+    assert list(BUILTIN_SIGNALS) == ["optimizer", "params", "adam", "packing"]
+    assert [s.name for s in metric_groups()] == ["optimizer", "loss", "params", "adam", "softmax", "packing"]
     # every signal group has metrics in the catalogue, and every catalogue group is a signal or the rest
     groups = {m.group for m in METRICS.values()}
     assert {s.group for s in metric_groups()} <= groups
