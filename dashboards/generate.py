@@ -592,6 +592,36 @@ def overview() -> Board:
                 ),
             ],
         ),
+        (
+            "Packed sequences: samples leaking into each other",
+            [
+                P(
+                    "Boundary leak (probe)",
+                    [(m("packing_leak_logit_change", RUN), "{{run}} {{cause}}")],
+                    "Largest change of a packed row's later samples' logits when its first sample's tokens "
+                    "change (0 with a proper mask); PackedSamplesLeak pages past the line.",
+                    metric="packing_leak_logit_change",
+                    lines=["PackedSamplesLeak"],
+                    min=0,
+                ),
+                P(
+                    "Leak signs",
+                    [(m("packing_leak_sign", RUN), "{{run}} {{cause}}")],
+                    "1 on report steps whose packed micro-batch reaches the model in a way its attention "
+                    "ignores the sample boundaries of (the cause names which).",
+                    metric="packing_leak_sign",
+                    min=0,
+                    max=1,
+                ),
+                P(
+                    "Samples per packed row",
+                    [(m("packing_samples_per_row", RUN), "{{run}}")],
+                    "Mean number of samples in one row of the checked micro-batch (where rows hold several).",
+                    metric="packing_samples_per_row",
+                    min=0,
+                ),
+            ],
+        ),
     ]
     return build_dashboard(
         "trainvitals-overview",
