@@ -58,6 +58,7 @@ def _truth(result: dict, per_token: bool) -> dict[int, dict]:
 def _check(reports: list[dict], truth: dict[int, dict], per_token: bool, steps: list[int], tagged: bool) -> None:
     mass = figures(reports, "loss_weight_mass", objective="main")
     spread = figures(reports, "token_weight_spread_ratio", objective="main")
+    intended = figures(reports, "token_weight_spread_ratio", objective="main", normalization="sample")
     micro = figures(reports, "microbatches")
     share = figures(reports, "modality_grad_share_ratio", modality="image")
     assert sorted(mass) == steps
@@ -67,8 +68,9 @@ def _check(reports: list[dict], truth: dict[int, dict], per_token: bool, steps: 
         assert micro[s] == 4, s
         if per_token:
             assert spread[s] == pytest.approx(truth[s]["spread"], rel=1e-5) == 1.0, s
-        else:
-            assert s not in spread  # per-sample weighting: unequal token weights are the intent
+        else:  # per-sample weighting: unequal token weights are the intent, reported as such
+            assert s not in spread
+            assert intended[s] == pytest.approx(truth[s]["spread"], rel=1e-5), s
         if tagged:
             assert share[s] == pytest.approx(truth[s]["image_grad_share"], rel=1e-5), s
 

@@ -95,8 +95,8 @@ def test_stock_objectives_read_exactly_or_withheld_and_silent(tmp_path: Path, ki
                 assert intended[step] == pytest.approx(_truth_spread(t, per_sample=True), rel=0.01), step
             else:
                 assert step not in intended, (step, intended.get(step))
-        if kind in PER_SAMPLE:
-            assert max(intended.values()) > 1.25, intended
+        if kind in PER_SAMPLE:  # grpo/sapo: completions 1-8 tokens long; bnpo: micro-batch token counts
+            assert max(intended.values()) > (1.0 if kind == "bnpo" else 1.25), intended
         assert mass and all(abs(v - 1) < 0.01 for v in mass.values())  # TRL's stock types normalize: 1
     fired = {a.rule.alert for a in firing_alerts(reports)}
     assert not fired & (LOSS_RULES | {"SignalInactive"}), fired
