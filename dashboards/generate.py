@@ -749,7 +749,8 @@ def loss_accounting() -> Board:
                     "Token weight spread",
                     [(m("token_weight_spread_ratio", RUN), lg("token_weight_spread_ratio"))],
                     "Max/min per-token weight across the step's micro-batches: 1 for a global "
-                    "per-token normalization; above the line, a mean of means (MeanOfMeansLoss).",
+                    "per-token normalization; above the line, a mean of means (MeanOfMeansLoss). A series "
+                    'labelled normalization="sample" is a declared per-sample intent: not judged.',
                     metric="token_weight_spread_ratio",
                     lines=["MeanOfMeansLoss"],
                 ),

@@ -263,9 +263,10 @@ _SPECS: tuple[MetricSpec, ...] = (
         "token_weight_spread_ratio",
         "gauge",
         "x",
-        ("objective",),
+        ("objective", "normalization"),
         "loss",
-        "Max/min per-token weight across the step's micro-batches (I3).",
+        "Max/min per-token weight across the step's micro-batches (I3); "
+        'normalization="sample" only where per-sample weighting is declared (the spread is then the intent).',
     ),
     # -- 1D parameters (I4)
     _m("param_min", "gauge", "value", ("param",), "params", "Minimum element of a 1D parameter."),

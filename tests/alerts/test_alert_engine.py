@@ -445,6 +445,10 @@ def test_default_rules_fire_on_incident_values_and_not_on_healthy_twins():
             ("loss_accumulation_exponent", obj, -3.32),
         ],
         "MeanOfMeansLoss": lambda s: [("token_weight_spread_ratio", obj, 1.0)],
+        # Per-sample weighting declared (GRPO's per-sequence mean): the same spread is the intent.
+        "MeanOfMeansLoss-per-sample": lambda s: [
+            ("token_weight_spread_ratio", {**obj, "normalization": "sample"}, 1.8 + 0.3 * math.sin(s))
+        ],
         # A norm gain that grows with its gradient and is decayed: not Adam drift.
         "ParamDrift": lambda s: [
             ("param_drift_log2", p, 1.5),

@@ -164,11 +164,12 @@ def test_sqrt_with_short_answers_dilutes_12x_with_an_exponent_of_one_half():
         assert 11 < mon.value("modality_dilution_ratio", modality="image") < 13
 
 
-def test_declared_per_sample_weighting_reports_no_token_weight_spread():
+def test_declared_per_sample_weighting_reports_its_spread_as_the_intent():
     """One sample per micro-batch, each averaged over its own tokens: a mean of means by
     design. Undeclared, the spread is the token-count ratio 8 / 2 (MeanOfMeansLoss);
-    declared per sample, there is nothing to report."""
-    for declared, spread in ((None, 8 / 2), ("sample", None)):
+    declared per sample, the same ratio is the intent: reported labelled
+    normalization="sample", which MeanOfMeansLoss does not judge."""
+    for declared in (None, "sample"):
         model, opt = model_and_opt()
         with attach(
             model, opt, run="mom", sink="null", every=1, modalities=("text",), loss_normalization=declared
@@ -179,8 +180,39 @@ def test_declared_per_sample_weighting_reports_no_token_weight_spread():
                 mon.track_loss(pt, modality="text", mask=mask)
                 ((pt * mask).sum() / mask.sum() / 2).backward()
             opt.step()
-            got = mon.value("token_weight_spread_ratio", objective="main")
-            assert got == (None if spread is None else pytest.approx(spread, rel=1e-9))
+            plain = mon.value("token_weight_spread_ratio", objective="main")
+            intended = mon.value("token_weight_spread_ratio", objective="main", normalization="sample")
+            if declared is None:
+                assert plain == pytest.approx(8 / 2, rel=1e-9) and intended is None
+            else:
+                assert intended == pytest.approx(8 / 2, rel=1e-9) and plain is None
+
+
+def test_per_sample_spread_covers_micro_batches_of_several_samples():
+    """GRPO's per-sequence mean: each micro-batch holds sequences of different lengths,
+    each averaged over its own tokens. Declared per sample, the spread is the step's
+    largest token weight over its smallest, read off the gradient here (no micro-batch
+    is uniform, which the undeclared figure needs: there it is absent)."""
+    for declared in (None, "sample"):
+        model, opt = model_and_opt()
+        grads: list[torch.Tensor] = []
+        with attach(model, opt, run="grpo", sink="null", every=1, loss_normalization=declared) as mon:
+            for k, lengths in enumerate(([8, 3], [5, 2, 6])):
+                ids, labels, mask = batch(lengths, seed=k)
+                pt = per_token(model, ids, labels)
+                mon.track_loss(pt, mask=mask)
+                pt.register_hook(lambda g, m=mask, out=grads: out.append(g[m].detach().clone()))
+                per_seq = (pt * mask).sum(1) / mask.sum(1)
+                (per_seq.mean() / 2).backward()
+            opt.step()
+            w = torch.cat(grads).double()
+            truth = float(w.max() / w.min())
+            assert truth == pytest.approx(18 / 6, rel=1e-6)  # by hand: 1 / (3 x 2 or 2 x 3) over 1 / (6 x 3)
+            got = mon.value("token_weight_spread_ratio", objective="main", normalization="sample")
+            if declared is None:
+                assert got is None and mon.value("token_weight_spread_ratio", objective="main") is None
+            else:
+                assert got == pytest.approx(truth, rel=1e-5)
 
 
 def test_a_per_token_map_classes_a_sample_by_any_of_its_positions(caplog):

@@ -3,9 +3,10 @@
 ``get_megatron_optimizer`` (a ``ChainedOptimizer`` around ``FP32Optimizer`` around AdamW),
 the loss function returning ``(loss_sum, num_tokens, report)``.
 
-``python _megatron_job.py OUT.json per_token=0|1 mode=attach|plain steps=N every=N``
+``python _megatron_job.py OUT.json per_token=0|1 mode=attach|plain steps=N every=N [track=1]``
 under ``torchrun`` (any world size) or alone. ``mode=attach``: the job attaches trainvitals
-itself (``attach(loss_from_logits=True)``, tagging each micro-batch's modality);
+itself (``attach(loss_from_logits=True)``, tagging each micro-batch's modality; ``track=1``:
+``track_loss`` in the loss function instead, on the per-token losses [B, S] it gets);
 ``mode=plain``: it knows nothing of trainvitals (for ``trainvitals run``).
 
 Each micro-batch is one sample (``mbs=N``: N samples of one kind): a text sample of 40
@@ -102,6 +103,7 @@ def main(
     pp: int = 1,
     figures: int = 0,
     logits: int | str = 1,
+    track: int = 0,
 ):
     torch.set_num_threads(1)
     cpu_only()
@@ -163,7 +165,7 @@ def main(
             sink=f"file:{Path(out).with_suffix('.jsonl')}",
             every=every,
             modalities=("text", "image"),
-            loss_from_logits=logits if isinstance(logits, str) else bool(logits),  # or the head's name
+            loss_from_logits=False if track else logits if isinstance(logits, str) else bool(logits),
         )
 
     truth: list[dict] = []
@@ -171,7 +173,7 @@ def main(
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        if mon is not None and logits:
+        if mon is not None and logits and not track:
             mon.tag_batch(modality=batch["modality"])
         output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
         image = bool(batch["modality"][0])
@@ -193,6 +195,8 @@ def main(
             output.register_hook(grab)
 
         def loss_func(loss_mask, output_tensor):
+            if mon is not None and track:  # as a job adds it: the per-token losses [B, S] with their mask
+                mon.track_loss(output_tensor, mask=loss_mask.bool(), modality=batch["modality"])
             losses = output_tensor.float()
             mask = loss_mask.view(-1).float()
             loss = torch.sum(losses.view(-1) * mask)

@@ -58,6 +58,7 @@ def _truth(result: dict, per_token: bool) -> dict[int, dict]:
 def _check(reports: list[dict], truth: dict[int, dict], per_token: bool, steps: list[int], tagged: bool) -> None:
     mass = figures(reports, "loss_weight_mass", objective="main")
     spread = figures(reports, "token_weight_spread_ratio", objective="main")
+    intended = figures(reports, "token_weight_spread_ratio", objective="main", normalization="sample")
     micro = figures(reports, "microbatches")
     share = figures(reports, "modality_grad_share_ratio", modality="image")
     assert sorted(mass) == steps
@@ -67,8 +68,9 @@ def _check(reports: list[dict], truth: dict[int, dict], per_token: bool, steps: 
         assert micro[s] == 4, s
         if per_token:
             assert spread[s] == pytest.approx(truth[s]["spread"], rel=1e-5) == 1.0, s
-        else:
-            assert s not in spread  # per-sample weighting: unequal token weights are the intent
+        else:  # per-sample weighting: unequal token weights are the intent, reported as such
+            assert s not in spread
+            assert intended[s] == pytest.approx(truth[s]["spread"], rel=1e-5), s
         if tagged:
             assert share[s] == pytest.approx(truth[s]["image_grad_share"], rel=1e-5), s
 
@@ -143,3 +145,33 @@ def test_megatron_default_with_several_samples_per_micro_batch_is_a_mean_of_mean
     for s in range(1, 53):
         assert spread[s] == pytest.approx(truth[s]["spread"], rel=1e-5) == pytest.approx(80 / 6), s
     assert firing(reports) & LOSS_RULES == {"MeanOfMeansLoss"}
+
+
+@pytest.mark.parametrize("per_token", [0, 1], ids=["per-sample-default", "calculate_per_token_loss"])
+def test_megatron_track_loss_in_the_loss_function_reads_the_same_intent(tmp_path, per_token):
+    """``track_loss`` called in Megatron's loss function on its per-token losses [1, S]
+    (``attach`` without ``loss_from_logits``): the default path (one sample per micro-batch,
+    each averaged over its own tokens) is per-sample weighting, as the zero-code path reads
+    it: its spread (40 text against 3 image label tokens) is reported as that intent and
+    MeanOfMeansLoss stays silent past its 50 steps; with ``calculate_per_token_loss`` the
+    spread is 1 and GradientDilution still fires on the short image answers."""
+    steps = 24 if per_token else 52
+    out = tmp_path / "result.json"
+    trainvitals_free(_launch(1, out, f"per_token={per_token}", "mode=attach", f"steps={steps}", "track=1"), tmp_path)
+    result = json.loads(out.read_text())
+    reports = read_reports(out.with_suffix(".jsonl"))
+    truth = _truth(result, bool(per_token))
+    mass = figures(reports, "loss_weight_mass", objective="main")
+    plain = figures(reports, "token_weight_spread_ratio", objective="main")
+    intended = figures(reports, "token_weight_spread_ratio", objective="main", normalization="sample")
+    share = figures(reports, "modality_grad_share_ratio", modality="image")
+    assert sorted(mass) == list(range(1, steps + 1))
+    for s in range(1, steps + 1):
+        assert mass[s] == pytest.approx(truth[s]["mass"], rel=1e-5) == pytest.approx(1.0, rel=1e-5), s
+        assert share[s] == pytest.approx(truth[s]["image_grad_share"], rel=1e-5), s
+        if per_token:
+            assert plain[s] == pytest.approx(truth[s]["spread"], rel=1e-5) == 1.0 and s not in intended, s
+        else:
+            assert intended[s] == pytest.approx(truth[s]["spread"], rel=1e-5) == pytest.approx(40 / 3), s
+            assert s not in plain, s
+    assert firing(reports) & LOSS_RULES == ({"GradientDilution"} if per_token else set())

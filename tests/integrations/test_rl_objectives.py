@@ -40,11 +40,12 @@ def _loss_coverage(report: dict) -> dict:
     return next(c for c in report["coverage"] if c["signal"] == "loss")
 
 
-def _truth_spread(step: dict) -> float | None:
+def _truth_spread(step: dict, per_sample: bool = False) -> float | None:
     """Max over min per-token weight across the step's micro-batches, when each micro-batch
-    weighs its label tokens equally (else there is no spread to report)."""
+    weighs its label tokens equally (else there is no spread to report); under a declared
+    per-sample intent, whether they do or not."""
     micro = step["micro"]
-    if not all(m["wmax"] <= m["wmin"] * (1 + 1e-3) for m in micro):
+    if not per_sample and not all(m["wmax"] <= m["wmin"] * (1 + 1e-3) for m in micro):
         return None
     return max(m["wmax"] for m in micro) / min(m["wmin"] for m in micro)
 
@@ -68,6 +69,8 @@ def test_stock_objectives_read_exactly_or_withheld_and_silent(tmp_path: Path, ki
     mass = figures(reports, "loss_weight_mass", objective="main")
     exponent = figures(reports, "loss_accumulation_exponent", objective="main")
     spread = figures(reports, "token_weight_spread_ratio", objective="main")
+    # per-sample intent: the spread reported as that intent, which MeanOfMeansLoss skips
+    intended = figures(reports, "token_weight_spread_ratio", objective="main", normalization="sample")
     if kind in WITHHELD:
         emitted = {s["name"] for r in reports for s in r.get("samples", [])}
         assert not emitted & LOSS_FIGURES, emitted & LOSS_FIGURES
@@ -88,6 +91,12 @@ def test_stock_objectives_read_exactly_or_withheld_and_silent(tmp_path: Path, ki
                 assert step not in spread, (step, spread.get(step))
             else:
                 assert spread[step] == pytest.approx(expected, rel=0.01), step
+            if kind in PER_SAMPLE:  # completions of different lengths: a spread above MeanOfMeansLoss's line
+                assert intended[step] == pytest.approx(_truth_spread(t, per_sample=True), rel=0.01), step
+            else:
+                assert step not in intended, (step, intended.get(step))
+        if kind in PER_SAMPLE:  # grpo/sapo: completions 1-8 tokens long; bnpo: micro-batch token counts
+            assert max(intended.values()) > (1.0 if kind == "bnpo" else 1.25), intended
         assert mass and all(abs(v - 1) < 0.01 for v in mass.values())  # TRL's stock types normalize: 1
     fired = {a.rule.alert for a in firing_alerts(reports)}
     assert not fired & (LOSS_RULES | {"SignalInactive"}), fired

@@ -33,7 +33,7 @@ from trainvitals.wire import METRICS, PREFIX
 pytestmark = [pytest.mark.integration, needs_tools("prometheus")]
 
 RUN = "it-every-signal"
-OPTIONAL_LABELS = {"signal_active": {"reason"}}
+OPTIONAL_LABELS = {"signal_active": {"reason"}, "token_weight_spread_ratio": {"normalization"}}
 STEPS = 12
 # Labels Prometheus or the series contract add to a catalogue metric's own labels.
 SCRAPE_LABELS = {"__name__", "job", "instance"}

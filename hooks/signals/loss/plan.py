@@ -69,7 +69,8 @@ class Plan:
     at once, then folded per verdict: ``verdict_sizes`` splits the verdicts into the
     fit (n >= 2 samples and var(log n) > MIN_LOG_LENGTH_VAR), the fit being sqrt-like,
     no label token, zero-code's gate (nothing blind), per objective its spread (every
-    micro-batch uniform, the smallest weight > 0, the largest finite), per modality
+    micro-batch uniform, unless per-sample weighting is declared; the smallest weight
+    > 0, the largest finite), per modality
     its positions without label tokens."""
 
     def __init__(
@@ -182,10 +183,12 @@ class Plan:
             blind = [(lay.not_ce, minus_one, -0.5), (lay.overwritten, minus_one, -0.5)]
             tests.append(blind * 2)
         for s in slots:
-            # uniform: -nonuniform > -0.5; 0 < wmin (-wmin / -1); -inf < wmax < inf (then wmin < inf too)
+            # uniform: -nonuniform > -0.5; 0 < wmin (-wmin / -1); -inf < wmax < inf (then wmin < inf too).
+            # Per-sample weighting declared: unequal token weights within a micro-batch are the
+            # intent, so the spread is the step's max/min token weight (no uniformity test).
             tests.append(
                 [
-                    (nonuniform0 + s, minus_one, -0.5),
+                    (negmin0 + s, minus_one, 0.0) if declared == "sample" else (nonuniform0 + s, minus_one, -0.5),
                     (negmin0 + s, minus_one, 0.0),
                     (wmax0 + s, one, float("-inf")),
                     (wmax0 + s, minus_one, float("-inf")),
@@ -212,7 +215,6 @@ class Plan:
         consts = [1.0, -1.0, 1.0 if scale is None else scale, *declared_weights]
         self.consts = torch.tensor(consts, dtype=sums_dtype).to(device)
         self.num1, self.den1 = tensor(num1), tensor(den1)
-        self.none_k = torch.zeros(k, dtype=torch.bool).to(device)
         # Kept buffers the report writes with out= (their views made once, here): the
         # fit's gathered pairs and their products, the tests' outcomes. Only the report
         # reads them, at once (the pool's cat and the verdicts' all() copy them out).

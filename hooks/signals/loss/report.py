@@ -64,9 +64,13 @@ Definitions (per optimizer step, over all its ``track_loss`` calls and all ranks
   ranks) of the objective's per-token weight over the min (I3): 1 for a globally
   normalized per-token loss, the token-count ratio for a mean of per-micro-batch
   means. Present only when every micro-batch is per-token normalized, i.e. its label
-  tokens' weights are equal within a relative 1e-3, and the job has not declared
-  per-sample weighting (one sample per micro-batch, each averaged over its own
-  tokens, is then the intent).
+  tokens' weights are equal within a relative 1e-3. Where the job declares per-sample
+  weighting (each sample averaged over its own tokens: GRPO's per-sequence mean, one
+  sample per micro-batch in Megatron's default) unequal token weights are the intent:
+  the series carries ``normalization="sample"`` and is the step's largest per-token
+  weight over its smallest, every micro-batch uniform or not (the longest sample's
+  label tokens over the shortest's when every sample weighs the same); no rule
+  judges it a mean of means.
 - ``modality_grad_norm{scope="output"}``: with ``output`` (logits or last hidden
   states), the gradient of the step's loss w.r.t. that tensor restricted to the
   modality's samples: sqrt of the sum over the modality's samples (and the step's
@@ -661,10 +665,13 @@ class LossReport:
             gated=range(len(labels)),
             host=LogRatioFinish([math.log(max(c, 2)) for _, c in objectives]),
         )
-        # per-sample weighting declared: unequal token weights are the intent; else every
-        # micro-batch's token weights uniform, the smallest weight > 0, the largest finite
-        spread_ok = plan.none_k if declared == "sample" else uniform
-        ctx.emit("token_weight_spread_ratio", spread, labels, present=gated(spread_ok))
+        # every micro-batch's token weights uniform (per-sample weighting declared: not
+        # asked, unequal token weights are its intent), the smallest weight > 0, the largest
+        # finite. Under per-sample intent the spread is a figure of that intent, labelled
+        # normalization="sample": MeanOfMeansLoss leaves such series alone.
+        if declared == "sample":
+            labels = [{"objective": name, "normalization": "sample"} for name, _ in objectives]
+        ctx.emit("token_weight_spread_ratio", spread, labels, present=gated(uniform))
 
     def _plan(
         self,

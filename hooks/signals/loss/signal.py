@@ -195,7 +195,9 @@ class LossAccounting(ZeroCodeSeams):
         if weight is not None:
             step.weights[slot] = float(weight)
         if normalization is not None:
-            step.normalization = normalization
+            step.normalization, step.declared = normalization, True
+        elif not step.declared:
+            self._imply_tracked_intent(monitor, step, rows if segments is None else 2)
         if per_token.numel() == 0:
             return
         loss = per_token if tuple(per_token.shape) == (rows, cols) else per_token.reshape(rows, cols)

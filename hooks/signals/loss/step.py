@@ -63,6 +63,7 @@ class LossStep:
     probe_grads: torch.Tensor | None = None  # [M, P] per-modality parameter gradients
     layout: str = ""  # zero-code: why the head's output was not read as logits (the last such)
     several: bool = False  # a micro-batch held several samples (Megatron's per-sample intent then fails)
+    declared: bool = False  # a track_loss call of the step declared its normalization (nothing implied then)
     withheld: str = ""  # why the samples of a packed micro-batch cannot be known (per-sample figures withheld)
     # the micro-batch results its hooks leave to the report (one rank, figures made on
     # the host, no probe): None when the hooks add their sums themselves

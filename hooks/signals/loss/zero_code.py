@@ -83,6 +83,7 @@ class ZeroCodeSeams(StepBook):
         self._seam: _Seam | None = None  # the head's logits in the model's current forward
         self._head = ""  # the hooked LM head's name
         self._per_sample = False  # Megatron's default loss: per-sample intent on one-sample micro-batches
+        self._megatron_default: bool | None = None  # track_loss on such a model (read at its first call)
         self._logits_handles: list[Removable] = []
         self._auto_head = False
         self._vocab_group: Any = None  # the logits are a vocabulary shard over this group (Megatron TP)
@@ -282,6 +283,17 @@ class ZeroCodeSeams(StepBook):
         if samples > 1:
             step.several = True
         step.normalization = None if step.several else "sample"
+
+    def _imply_tracked_intent(self, monitor: MonitorView, step: LossStep, samples: int) -> None:
+        """``track_loss`` without a declared normalization on Megatron's default loss reads
+        the intent the zero-code path reads (:meth:`_imply_intent`): per-sample weighting on
+        steps whose micro-batches each hold one sample (a per-token loss [1, S]), a mean of
+        means otherwise. ``attach(loss_normalization=...)`` overrides it."""
+        if self._megatron_default is None:
+            self._megatron_default = _megatron_per_sample(monitor.model)
+        if self._megatron_default and monitor.config.loss_normalization is None:
+            self._per_sample = True  # track_loss and the zero-code seams never run together
+            self._imply_intent(step, samples)
 
     def _watch_per_token(self, monitor: MonitorView, output: torch.Tensor, seam: _Seam, slot: int) -> None:
         """The model returned its per-token losses [B, S] (or [S, B]): read the weights
