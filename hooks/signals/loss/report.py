@@ -98,8 +98,8 @@ from trainvitals.hooks.late_warnings import LateWarnings
 from trainvitals.hooks.optimizer_family import FAMILY_VALUE, optimizer_family
 from trainvitals.hooks.signals.base import MonitorView
 from trainvitals.hooks.signals.loss.arguments import MAX_OBJECTIVES
-from trainvitals.hooks.signals.loss.binning import SumsLayout
 from trainvitals.hooks.signals.loss.deferred import Deferred
+from trainvitals.hooks.signals.loss.layout import SumsLayout
 from trainvitals.hooks.signals.loss.plan import ROWS, Plan
 from trainvitals.hooks.signals.loss.probe import ModalityProbe
 from trainvitals.hooks.step import StepContext

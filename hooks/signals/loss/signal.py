@@ -49,7 +49,8 @@ import torch
 from trainvitals.hooks.config import Config
 from trainvitals.hooks.signals.base import MonitorView, Removable
 from trainvitals.hooks.signals.loss.arguments import MAX_OBJECTIVES, UNTAGGED, TrackChecks
-from trainvitals.hooks.signals.loss.binning import Batch, SumsLayout, bin_batch
+from trainvitals.hooks.signals.loss.binning import Batch, bin_batch
+from trainvitals.hooks.signals.loss.layout import SumsLayout
 from trainvitals.hooks.signals.loss.probe import ModalityProbe
 from trainvitals.hooks.signals.loss.report import Accumulated, LossReport
 from trainvitals.hooks.signals.loss.step import LossStep
