@@ -9,9 +9,11 @@ no torch: the collector, the alert engine and the generators read it; the traini
 side's :mod:`trainvitals.hooks.signals.registry` pairs it with the ``Signal`` class
 that measures it.
 
-The built-in signals are declared here (:data:`BUILTIN_SPECS`), in the order
-coverage lists them, so that a collector knows them without importing the hooks
-(nor torch). A signal defined elsewhere (a plugin, a test) is added with
+A built-in signal declares its spec on its ``Signal`` class, in its family's package
+under ``trainvitals.hooks.signals``; the collector knows them without importing the
+hooks (nor torch) from :data:`BUILTIN_SPECS`, generated from those classes into
+:mod:`trainvitals.wire.builtin_signals` in the order coverage lists them (with the
+metrics a spec declares, which join the catalogue here). A signal defined elsewhere (a plugin, a test) is added with
 :func:`register_spec`, which the hooks' ``register(SignalClass)`` calls; what is
 derived from the registry (:data:`SIGNALS`, :data:`SELECTABLE`, the metric
 catalogue's groups, the reference, the dashboards' homes) follows at once.
@@ -19,13 +21,14 @@ catalogue's groups, the reference, the dashboards' homes) follows at once.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import overload
 
-from trainvitals.wire.metrics import METRICS, MetricSpec
+from trainvitals.wire.builtin_signals import BUILTIN_SPECS
+from trainvitals.wire.metrics import METRICS
+from trainvitals.wire.signal_spec import OVERVIEW_DASHBOARD, SignalSpec
 
 __all__ = [
     "BUILTIN_SPECS",
@@ -41,125 +44,34 @@ __all__ = [
     "unregister_spec",
 ]
 
-OVERVIEW_DASHBOARD = "trainvitals-overview.json"
-"""The dashboard a signal's uncurated metrics go on unless its spec names another."""
-
-_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
-
-
-@dataclass(frozen=True)
-class SignalSpec:
-    """One signal, as everything but its own measuring code sees it."""
-
-    name: str
-    """Its coverage name (``trainvitals_signal_active{signal=...}``) and, when
-    :attr:`selectable`, its ``signals=`` name: lower case, digits, ``_``; 32 at most."""
-    covers: str
-    """What it measures, in a few words (the coverage documentation)."""
-    how_to_ask: str
-    """The coverage detail while it does not run (reason ``not_requested``): what would start it."""
-    group: str | None = None
-    """Its group in the metric catalogue, its own name or None (:data:`trainvitals.wire.metrics.METRICS`), the
-    figures whose arrival the verdict counts for it in reports from before coverage;
-    None: it reports under another signal's group (``probe`` under ``loss``)."""
-    title: str = ""
-    """The heading of its group in the metric reference (``docs/metrics.md``)."""
-    dashboard: str = OVERVIEW_DASHBOARD
-    """The dashboard file its group's metrics without a curated panel go on."""
-    selectable: bool = False
-    """It runs from attach unless ``signals=`` (or a live settings change) leaves it out;
-    False: a call of the job's starts it (``first_call``) or an option does."""
-    first_call: str | None = None
-    """The job's call that starts it (``track_loss()``): at attach it is "not requested yet"."""
-    per_parameter_sums: bool = False
-    """Its figures sum per-parameter pieces over ranks: it is withheld (coverage
-    ``sharded``) when the parameters' layout over ranks is not understood."""
-    per_param_series: bool = False
-    """It chooses its per-parameter series when it binds (``per_param=``): a live settings
-    change of ``per_param`` binds it again."""
-    metrics: tuple[MetricSpec, ...] = field(default=())
-    """Metrics it adds to the catalogue (their group is set to :attr:`group`). The
-    built-in signals' metrics are in the catalogue itself, under their group."""
-
-    def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
-            raise ValueError(
-                f"signal name {self.name!r}: lower case letters, digits and _ (a letter first), 32 at most"
-            )
-        if self.group not in (None, self.name):
-            raise ValueError(f"signal {self.name!r}: its metric group is its name, or None (got {self.group!r})")
-        if self.metrics and self.group is None:
-            raise ValueError(f"signal {self.name!r}: metrics need a group to be listed under")
-
-
-BUILTIN_SPECS: tuple[SignalSpec, ...] = (
-    SignalSpec(
-        "optimizer",
-        "gradient and parameter norms, update ratios",
-        "signals= leaves out 'optimizer'",
-        group="optimizer",
-        title="Optimizer step",
-        selectable=True,
-        per_parameter_sums=True,
-    ),
-    SignalSpec(
-        "params",
-        "1D parameter drift (I4)",
-        "signals= leaves out 'params'",
-        group="params",
-        title="1D parameters (I4)",
-        dashboard="trainvitals-params.json",
-        selectable=True,
-        per_parameter_sums=True,
-        per_param_series=True,
-    ),
-    SignalSpec(
-        "adam",
-        "Adam moments (I4)",
-        "signals= leaves out 'adam'",
-        group="adam",
-        title="Adam state (I4)",
-        dashboard="trainvitals-params.json",
-        selectable=True,
-        per_parameter_sums=True,
-        per_param_series=True,
-    ),
-    SignalSpec(
-        "loss",
-        "loss accounting, I1-I3: track_loss or zero-code from the logits",
-        "no track_loss() call and no attach(loss_from_logits=...)",
-        group="loss",
-        title="Loss accounting (I1-I3)",
-        dashboard="trainvitals-loss.json",
-        first_call="track_loss()",
-    ),
-    SignalSpec(
-        "probe",
-        "the per-modality gradient probe, probe_every",
-        "attach(probe_every=N) is off",
-    ),
-    SignalSpec(
-        "softmax",
-        "saturation and distillation (I5)",
-        "no observe_logits() or observe_distillation() call",
-        group="softmax",
-        title="Softmax saturation and distillation (I5)",
-        dashboard="trainvitals-softmax.json",
-        first_call="observe_logits()",
-    ),
-    SignalSpec(
-        "packing",
-        "packed sequences: samples of one row that see each other",
-        "signals= leaves out 'packing'",
-        group="packing",
-        title="Packed sequences: samples leaking into each other",
-        selectable=True,
-    ),
-)
-"""The built-in signals, in the order coverage lists them."""
-
 _lock = threading.Lock()
-_registry: dict[str, SignalSpec] = {s.name: s for s in BUILTIN_SPECS}
+_registry: dict[str, SignalSpec] = {}
+
+
+def _add(spec: SignalSpec) -> SignalSpec:
+    """Check ``spec`` against the registry and the catalogue, then add it and its
+    metrics (their group set to its own); the caller holds the lock. ValueError,
+    changing nothing, for a clash."""
+    metrics = tuple(replace(m, group=spec.group or "") for m in spec.metrics)
+    spec = replace(spec, metrics=metrics)
+    known = _registry.get(spec.name)
+    if known == spec:
+        return known
+    if known is not None:
+        raise ValueError(f"signal {spec.name!r} is registered already, declared otherwise")
+    for m in metrics:
+        if m.name in METRICS:
+            raise ValueError(f"signal {spec.name!r}: metric {m.name!r} is in the catalogue already")
+    if len({m.name for m in metrics}) != len(metrics):
+        raise ValueError(f"signal {spec.name!r}: a metric is declared twice")
+    for m in metrics:
+        METRICS[m.name] = m
+    _registry[spec.name] = spec
+    return spec
+
+
+for _spec in BUILTIN_SPECS:  # the generated catalogue, and the metrics its specs declare
+    _add(_spec)
 
 
 def signal_specs() -> tuple[SignalSpec, ...]:
@@ -178,23 +90,8 @@ def register_spec(spec: SignalSpec) -> SignalSpec:
     registered (its metrics' group set to its own). Registering an equal spec again is
     a no-op. ValueError, changing nothing, for a name taken by another spec or a metric
     name the catalogue has."""
-    metrics = tuple(replace(m, group=spec.group or "") for m in spec.metrics)
-    spec = replace(spec, metrics=metrics)
     with _lock:
-        known = _registry.get(spec.name)
-        if known == spec:
-            return known
-        if known is not None:
-            raise ValueError(f"signal {spec.name!r} is registered already, declared otherwise")
-        for m in metrics:
-            if m.name in METRICS:
-                raise ValueError(f"signal {spec.name!r}: metric {m.name!r} is in the catalogue already")
-        if len({m.name for m in metrics}) != len(metrics):
-            raise ValueError(f"signal {spec.name!r}: a metric is declared twice")
-        for m in metrics:
-            METRICS[m.name] = m
-        _registry[spec.name] = spec
-    return spec
+        return _add(spec)
 
 
 def unregister_spec(name: str) -> None:

@@ -109,8 +109,9 @@ class Signal:
     """The signal name its coverage entry has (:mod:`trainvitals.hooks.coverage`): its
     spec's name, set by :func:`~trainvitals.hooks.signals.registry.register`."""
     spec: ClassVar[SignalSpec | None] = None
-    """Its declaration (:class:`~trainvitals.wire.signals.SignalSpec`): a signal that is
-    not built in gives it here; a built-in one names its spec by ``covers``."""
+    """Its declaration (:class:`~trainvitals.wire.signals.SignalSpec`). A built-in one's
+    is also written into ``wire/builtin_signals.py`` (``python -m
+    trainvitals.hooks.signals.catalogue --write``), for the collector."""
     _failed_later: tuple[str, BaseException] | None = None
     """A failure off the training thread (:meth:`fail_later`), not yet acted on."""
     uses_grad_norms: bool = False

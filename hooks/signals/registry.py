@@ -6,7 +6,8 @@ spec (``SignalClass.spec``, or the built-in spec named by its ``covers``) with
 :func:`trainvitals.wire.signals.register_spec`, so coverage, live settings, the
 collector's catalogue, the reference and the dashboards know it, and lists the class
 among those a monitor runs from attach (:func:`builtin_signal_classes`). The built-in
-signals' lines are in :mod:`trainvitals.hooks.signals.builtin`.
+signals are listed in :mod:`trainvitals.hooks.signals.builtin` and registered here,
+once, the first time a monitor asks for them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ S = TypeVar("S", bound=type[Signal])
 _lock = threading.Lock()
 _classes: dict[str, type[Signal]] = {}
 _BUILTIN = "trainvitals.hooks.signals.builtin"
+_builtin_done = False
+_REGENERATE = "python -m trainvitals.hooks.signals.catalogue --write"
 
 
 def register(cls: S) -> S:
@@ -56,6 +59,14 @@ def unregister(cls: type[Signal]) -> None:
 def builtin_signal_classes() -> dict[str, type[Signal]]:
     """The signals a monitor runs from attach, by their ``signals=`` name, in the order
     they run (the registry's): the built-in ones and any registered since."""
-    importlib.import_module(_BUILTIN)  # their register lines, once
+    global _builtin_done
+    if not _builtin_done:
+        for cls in importlib.import_module(_BUILTIN).BUILTIN:
+            if issubclass(cls, Signal):
+                try:
+                    register(cls)
+                except ValueError as e:  # its class says otherwise than the generated catalogue
+                    raise ValueError(f"{e}: wire/builtin_signals.py is stale; run {_REGENERATE}") from e
+        _builtin_done = True
     with _lock:
         return {name: _classes[name] for name in SELECTABLE if name in _classes}

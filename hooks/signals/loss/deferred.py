@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from trainvitals.hooks.signals.loss.binning import SumsLayout, output_finish, weight_finish
+from trainvitals.hooks.signals.loss.binning import output_finish, weight_finish
+from trainvitals.hooks.signals.loss.layout import SumsLayout
 
 __all__ = ["MAX_ENTRIES", "MAX_NUMEL", "Deferred", "Entries", "add_weights"]
 

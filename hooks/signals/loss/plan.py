@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.signals.loss.arguments import NORMALIZATIONS
-from trainvitals.hooks.signals.loss.binning import SumsLayout
+from trainvitals.hooks.signals.loss.layout import SumsLayout
 
 __all__ = ["MIN_LOG_LENGTH_VAR", "ROWS", "SHARES", "SQRT_TOLERANCE", "TESTS_PER_ROW", "Plan"]
 

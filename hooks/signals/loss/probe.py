@@ -32,14 +32,24 @@ FSDP's own reduce-scatter. Not tested with activation checkpointing or with DDP'
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from trainvitals.hooks import distributed
 from trainvitals.hooks.signals.base import MonitorView
 from trainvitals.hooks.step import StepContext
+from trainvitals.wire.signals import SignalSpec
 
 
 class ModalityProbe:
+    spec: ClassVar[SignalSpec] = SignalSpec(
+        name="probe",
+        covers="the per-modality gradient probe, probe_every",
+        how_to_ask="attach(probe_every=N) is off",
+    )
+    """Its declaration: the probe runs inside the loss accounting, not as a signal of its own."""
+
     def __init__(self, monitor: MonitorView) -> None:
         every = monitor.config.probe_every
         assert every is not None  # a probe is only built when probe_every is set

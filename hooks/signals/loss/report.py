@@ -2,7 +2,7 @@
 
 During the step, capture (:mod:`~trainvitals.hooks.signals.loss.signal`) adds
 everything it learns into one sums vector laid out by
-:class:`~trainvitals.hooks.signals.loss.binning.SumsLayout`, plus each objective's
+:class:`~trainvitals.hooks.signals.loss.layout.SumsLayout`, plus each objective's
 largest and smallest label-token weight. At a report, :class:`LossReport` combines
 them across ranks (sum, max, min: one packed collective with the rest of the
 report) and derives every figure below from them with batched tensor arithmetic;
@@ -11,7 +11,9 @@ sums packed with the report (``StepContext.on_host``), so the training thread pa
 no op for it. The log-once warnings about values (mixed or unknown modality codes,
 a declared modality on no label token, a non-finite loss, a gradient that is not a
 plain cross-entropy one) are said from the report's values on the sender thread
-(across ranks: read a step later, once their host copy has landed).
+(across ranks: read a step later, once their host copy has landed): they are in
+:mod:`~trainvitals.hooks.signals.loss.events`; what capture hands over is
+:class:`~trainvitals.hooks.signals.loss.accumulated.Accumulated`.
 
 Definitions (per optimizer step, over all its ``track_loss`` calls and all ranks):
 
@@ -91,7 +93,6 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -101,9 +102,11 @@ from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.late_warnings import LateWarnings
 from trainvitals.hooks.optimizer_family import FAMILY_VALUE, optimizer_family
 from trainvitals.hooks.signals.base import MonitorView
-from trainvitals.hooks.signals.loss.arguments import MAX_OBJECTIVES
-from trainvitals.hooks.signals.loss.binning import SumsLayout
+from trainvitals.hooks.signals.loss.accumulated import Accumulated, Snapshot
 from trainvitals.hooks.signals.loss.deferred import Deferred
+from trainvitals.hooks.signals.loss.events import LossEvents
+from trainvitals.hooks.signals.loss.labels import ModalityLabels
+from trainvitals.hooks.signals.loss.layout import SumsLayout
 from trainvitals.hooks.signals.loss.plan import ROWS, Plan
 from trainvitals.hooks.signals.loss.probe import ModalityProbe
 from trainvitals.hooks.step import StepContext
@@ -111,61 +114,8 @@ from trainvitals.hooks.tensors import float_dtype
 
 __all__ = ["Accumulated", "LossReport"]
 
-ROW_FIGURES = ("modality_loss", "modality_sample_share_ratio", "modality_token_share_ratio")
-"""The per-modality figures that lie end to end in one part of the report's ratios."""
 
-
-@dataclass(frozen=True)
-class Accumulated:
-    """What capture gathered over a reported step; the defaults are a step without
-    any (a rank that tracked nothing still joins the cross-rank sum)."""
-
-    sums: torch.Tensor | None = None  # [layout.size]; None when no hook was placed
-    extremes: torch.Tensor | None = None  # [layout.extremes]: per objective wmax, -wmin, non-uniform
-    counter: torch.Tensor | None = None  # sums[layout.nonfinite] as a view made once (0-d)
-    rows: torch.Tensor | None = None  # sums' ROWS as [len(ROWS), bins], a view made once
-    calls: list[int] = field(default_factory=lambda: [0] * MAX_OBJECTIVES)  # micro-batches per objective
-    weights: dict[int, float] = field(default_factory=dict)  # declared weight per objective slot
-    normalization: str | None = None  # declared by a track_loss call of the step
-    fired: bool = False  # weights arrived (a per-token loss or logits hook ran)
-    output: bool = False  # an output (or logits) gradient was summed
-    later: Deferred | None = None  # micro-batch results the hooks left to the report (loss_deferred)
-    withheld: str = ""  # why the samples cannot be known (packed rows): the per-sample figures are left out
-
-
-class _ModalityLabels:
-    """The labels and event texts of a report's per-modality figures, made once per
-    modality names (never written: the report's samples and events refer to them)."""
-
-    def __init__(self, names: list[str]) -> None:
-        self.modality: list[dict[str, str]] = [{"modality": n} for n in names]
-        self.rows = [(name, self.modality) for name in ROW_FIGURES]
-        self.output = [{"modality": n, "scope": "output"} for n in names]
-        self.unlabelled = [
-            (
-                "modality_without_label_tokens",
-                f"modality {name!r} marks positions only of samples without label tokens: none of its "
-                "samples carries loss (docs/signals.md, 'Loss accounting')",
-                {"modality": name},
-            )
-            for name in names
-        ]
-
-
-@dataclass(frozen=True, slots=True)
-class _Snapshot:
-    """What the emission reads of the monitor, taken on the training thread for an
-    emission on the sender thread (a live setting replaces ``config``, never writes it)."""
-
-    modalities: tuple[str, ...]
-    config: Any
-    world_size: int
-    warn_once: Any
-    optimizer: Any
-    data_parallel_size: int = 1  # made on one rank only
-
-
-class LossReport:
+class LossReport(LossEvents):
     """Emits a reported step's loss-accounting figures; see the module docstring.
 
     ``objectives`` is capture's name -> slot table, shared (capture adds to it);
@@ -189,7 +139,7 @@ class LossReport:
         self._indices = IndexCache()
         self._family: torch.Tensor | None = None  # optimizer_scale_invariant, made once
         self._plans: dict[tuple[Any, ...], Plan] = {}  # per report layout
-        self._modality_labels: dict[tuple[str, ...], _ModalityLabels] = {}  # per modality names
+        self._modality_labels: dict[tuple[str, ...], ModalityLabels] = {}  # per modality names
         self._warnings: dict[tuple[Any, ...], tuple[tuple[tuple[str, str], ...], list[int]]] = {}
 
     def report(
@@ -242,7 +192,7 @@ class LossReport:
             if host is None:
                 # its own layout too: the layout's caches are never shared across the threads
                 host = self._host = LossReport(SumsLayout(lay.bins - 1, lay.objectives), self._objectives, self._late)
-            view = _Snapshot(
+            view = Snapshot(
                 monitor.modalities, monitor.config, monitor.world_size, monitor.warn_once, monitor.optimizer
             )
             objectives = dict(self._objectives)
@@ -283,76 +233,9 @@ class LossReport:
             as_is=True,
         )
 
-    def _late_warnings(
-        self, monitor: MonitorView | _Snapshot, nonfinite: bool, zero_code: bool
-    ) -> tuple[tuple[tuple[str, str], ...], list[int]]:
-        """The log-once warnings about this rank's values (read a step later, no host
-        sync): (key, message) pairs and where each count lies in the sums, in the order
-        of ``Plan.warn_counts``; made once per set of modalities and flags."""
-        key = (tuple(monitor.modalities), nonfinite, zero_code)
-        found = self._warnings.get(key)
-        if found is None:
-            if len(self._warnings) >= 16:
-                self._warnings.clear()
-            warnings = self._warning_list(monitor, nonfinite, zero_code)
-            found = self._warnings[key] = (tuple((k, msg) for k, msg, _ in warnings), [at for _, _, at in warnings])
-        return found
-
-    def _warning_list(
-        self, monitor: MonitorView | _Snapshot, nonfinite: bool, zero_code: bool
-    ) -> list[tuple[str, str, int]]:
-        lay = self._layout
-        warnings = [
-            (
-                "loss_mixed_modality",
-                "%d sample(s) mix modalities among their label tokens; each counts under the "
-                "highest code. Pass one modality per sample (or per label token of it).",
-                lay.mixed,
-            ),
-            (
-                "loss_unknown_modality",
-                f"%d label token(s) carry a modality code outside 0..{lay.bins - 2} "
-                f"(attach(modalities={list(monitor.modalities)})); they count toward totals only",
-                lay.unknown,
-            ),
-        ]
-        if zero_code:
-            warnings.append(
-                (
-                    "loss_not_cross_entropy",
-                    "loss_from_logits: %d micro-batch(es) of a reported step had a loss that is not a "
-                    "plain cross-entropy (signed per-token weights: a policy gradient's advantages or a "
-                    "preference loss; or, at the logits, label smoothing, a distillation or z-loss term, "
-                    "logit soft-capping after the hooked module); their token weights cannot be read from "
-                    "the gradient, so that step's loss-accounting figures are left out. Use track_loss "
-                    "with the per-token cross-entropy (docs/integrations.md)",
-                    lay.not_ce,
-                )
-            )
-            warnings.append(
-                (
-                    "loss_logits_overwritten",
-                    "loss_from_logits: %d micro-batch(es) of a reported step had their logits overwritten "
-                    "in place between the forward and the backward (a fused cross-entropy that reuses the "
-                    "logits' memory, as Megatron's on float32 logits); the logits' values are gone, so the "
-                    "token weights cannot be read from their gradient and that step's loss-accounting "
-                    "figures are left out",
-                    lay.overwritten,
-                )
-            )
-        if nonfinite:
-            warnings.append(
-                (
-                    "loss_nonfinite",
-                    "%d micro-batch(es) had a non-finite per-token loss on a label token",
-                    lay.nonfinite,
-                )
-            )
-        return warnings
-
     def _emit(
         self,
-        monitor: MonitorView | _Snapshot,
+        monitor: MonitorView | Snapshot,
         ctx: StepContext,
         sums: torch.Tensor,
         extremes: torch.Tensor,
@@ -432,7 +315,7 @@ class LossReport:
 
     def _ratios(
         self,
-        monitor: MonitorView | _Snapshot,
+        monitor: MonitorView | Snapshot,
         ctx: StepContext,
         plan: Plan,
         sums: torch.Tensor,
@@ -471,105 +354,15 @@ class LossReport:
         verdict = verdicts.split_with_sizes(plan.verdict_sizes)
         return first, verdicts, verdict
 
-    def _zero_code_gate(
-        self, ctx: StepContext, plan: Plan, first: tuple[torch.Tensor, ...], verdict: tuple[torch.Tensor, ...]
-    ) -> torch.Tensor:
-        """Zero-code accounting: the coverage verdicts on the gradient read, and the gate
-        every figure is present under (only where the weights are sound)."""
-        # Weights read from a gradient that is not a plain cross-entropy one are wrong:
-        # say so (_warn_late's log line, the coverage) and leave the step's figures out.
-        ctx.inactive_when(
-            "loss",
-            first[plan.overwritten],
-            "logits_overwritten",
-            "the logits were overwritten in place between the forward and the backward (a fused "
-            "cross-entropy reusing their memory); the step's figures are left out",
-        )
-        ctx.inactive_when(
-            "loss",
-            first[plan.not_ce],
-            "not_cross_entropy",
-            "the loss is not a plain cross-entropy: signed per-token weights (a policy gradient's "
-            "advantages, a preference loss) at the per-token log-probabilities or losses, or a logits "
-            "gradient with label smoothing, a distillation or z-loss term, soft-capping after the head; "
-            "the step's figures are left out",
-        )
-        return verdict[plan.gate]
-
-    def _emit_events(
-        self,
-        monitor: MonitorView | _Snapshot,
-        ctx: StepContext,
-        plan: Plan,
-        first: tuple[torch.Tensor, ...],
-        verdicts: torch.Tensor,
-        verdict: tuple[torch.Tensor, ...],
-        labels: _ModalityLabels,
-        zero_code: bool,
-        withheld: str,
-    ) -> None:
-        """The step's events and late warnings about the modality codes and the loss
-        (``withheld``: the samples are not known, so nothing is said about them)."""
-        # Mixed and unknown codes, a gradient that is not cross-entropy (their counts);
-        # then a declared modality that marks positions only of samples without label
-        # tokens (positions where its label tokens are 0): no sample of it carries loss,
-        # so it reads as absent.
-        events: list[tuple[str, str, dict[str, str] | None, torch.Tensor]] = [
-            (
-                "loss_sample_mixed_modality",
-                "samples whose label tokens mix modalities (counted under the highest code)",
-                None,
-                first[plan.mixed],
-            ),
-            (
-                "loss_unknown_modality_code",
-                "label tokens with a modality code outside attach(modalities=...)",
-                None,
-                first[plan.unknown],
-            ),
-        ]
-        if zero_code:
-            events.append(
-                (
-                    "loss_not_cross_entropy",
-                    "loss_from_logits: a micro-batch's loss is not a plain cross-entropy (signed per-token "
-                    "weights, or a logits gradient of another loss); "
-                    "this step's loss-accounting figures are left out (docs/integrations.md)",
-                    None,
-                    first[plan.not_ce],
-                )
-            )
-        if not withheld:
-            events.extend(
-                (kind, detail, labs, verdict[plan.flags + i])
-                for i, (kind, detail, labs) in enumerate(labels.unlabelled)
-            )
-        for kind, detail, labs, flag in events:
-            ctx.event(kind, detail, labs, when=flag)
-        if withheld:
-            return
-        ctx.warn_when(
-            [
-                (
-                    "loss_modality_without_labels",
-                    "%d declared modality(ies) mark positions only of samples without label tokens, so they "
-                    "read as absent from the shares (docs/signals.md, 'Loss accounting')",
-                )
-            ],
-            verdicts,
-            monitor.warn_once,
-            positive_from=plan.flags_at,
-        )
-
     def _emit_weights(
         self,
-        monitor: MonitorView | _Snapshot,
+        monitor: MonitorView | Snapshot,
         ctx: StepContext,
         plan: Plan,
         first: tuple[torch.Tensor, ...],
         verdict: tuple[torch.Tensor, ...],
         acc: Accumulated,
-        labels: _ModalityLabels,
+        labels: ModalityLabels,
         active: list[tuple[str, int]],
         declared: str | None,
         gated: Callable[[torch.Tensor], torch.Tensor],
@@ -626,13 +419,13 @@ class LossReport:
             assert probe is not None
             probe.emit(ctx, gram, names, first[plan.scale].reshape(()) if scale is None else scale)
 
-    def _labels(self, names: list[str]) -> _ModalityLabels:
+    def _labels(self, names: list[str]) -> ModalityLabels:
         key = tuple(names)
         found = self._modality_labels.get(key)
         if found is None:
             if len(self._modality_labels) >= 16:
                 self._modality_labels.clear()
-            found = self._modality_labels[key] = _ModalityLabels(names)
+            found = self._modality_labels[key] = ModalityLabels(names)
         return found
 
     def _emit_objectives(

@@ -49,12 +49,14 @@ import torch
 from trainvitals.hooks.config import Config
 from trainvitals.hooks.signals.base import MonitorView, Removable
 from trainvitals.hooks.signals.loss.arguments import MAX_OBJECTIVES, UNTAGGED, TrackChecks
-from trainvitals.hooks.signals.loss.binning import Batch, SumsLayout, bin_batch
+from trainvitals.hooks.signals.loss.binning import Batch, bin_batch
+from trainvitals.hooks.signals.loss.layout import SumsLayout
 from trainvitals.hooks.signals.loss.probe import ModalityProbe
 from trainvitals.hooks.signals.loss.report import Accumulated, LossReport
 from trainvitals.hooks.signals.loss.step import LossStep
 from trainvitals.hooks.signals.loss.zero_code import ZeroCodeSeams
 from trainvitals.hooks.step import StepContext
+from trainvitals.wire.signals import SignalSpec
 
 __all__ = ["HEAD_BYPASS_REPORTS", "LossAccounting"]
 
@@ -68,7 +70,16 @@ class LossAccounting(ZeroCodeSeams):
     The per-step bookkeeping is :class:`~trainvitals.hooks.signals.loss.step.StepBook`,
     the zero-code capture paths :class:`~trainvitals.hooks.signals.loss.zero_code.ZeroCodeSeams`."""
 
-    covers = "loss"
+    spec = SignalSpec(
+        name="loss",
+        covers="loss accounting, I1-I3: track_loss or zero-code from the logits",
+        how_to_ask="no track_loss() call and no attach(loss_from_logits=...)",
+        group="loss",
+        title="Loss accounting (I1-I3)",
+        dashboard="trainvitals-loss.json",
+        first_call="track_loss()",
+    )
+    covers = spec.name
 
     def __init__(self) -> None:
         super().__init__()

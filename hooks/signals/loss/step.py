@@ -24,13 +24,13 @@ from trainvitals.hooks.signals.loss.arguments import MAX_OBJECTIVES
 from trainvitals.hooks.signals.loss.binning import (
     UNIFORM_RTOL,
     Batch,
-    SumsLayout,
     output_finish,
     output_norms,
     weight_finish,
     weight_rows,
 )
 from trainvitals.hooks.signals.loss.deferred import Deferred, add_weights
+from trainvitals.hooks.signals.loss.layout import SumsLayout
 from trainvitals.hooks.signals.loss.plan import ROWS
 from trainvitals.hooks.signals.loss.probe import ModalityProbe
 from trainvitals.hooks.signals.loss.report import LossReport

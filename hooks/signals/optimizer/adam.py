@@ -16,10 +16,22 @@ from trainvitals.hooks.signals.optimizer.resets import ResetDetector
 from trainvitals.hooks.signals.optimizer.state import Anchors, StateWalk, stack_steps
 from trainvitals.hooks.signals.param_series import groups_key
 from trainvitals.hooks.step import StepContext
+from trainvitals.wire.signals import SignalSpec
 
 
 class AdamState(Signal):
-    covers = "adam"
+    spec = SignalSpec(
+        name="adam",
+        covers="Adam moments (I4)",
+        how_to_ask="signals= leaves out 'adam'",
+        group="adam",
+        title="Adam state (I4)",
+        dashboard="trainvitals-params.json",
+        selectable=True,
+        per_parameter_sums=True,
+        per_param_series=True,
+    )
+    covers = spec.name
 
     def __init__(self) -> None:
         self._anchors: Anchors = {}

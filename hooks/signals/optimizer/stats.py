@@ -33,6 +33,7 @@ from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
 from trainvitals.hooks.signals.grad_norm.backward import BackwardGradNorms
 from trainvitals.hooks.step import Labels, ReduceOp, StepContext
 from trainvitals.hooks.tensors import NormPlan, RepeatedSum, flat, foreach_norm32, local
+from trainvitals.wire.signals import SignalSpec
 
 
 class _Layout:
@@ -167,7 +168,16 @@ class _Matrix:
 
 
 class OptimizerStats(Signal):
-    covers = "optimizer"
+    spec = SignalSpec(
+        name="optimizer",
+        covers="gradient and parameter norms, update ratios",
+        how_to_ask="signals= leaves out 'optimizer'",
+        group="optimizer",
+        title="Optimizer step",
+        selectable=True,
+        per_parameter_sums=True,
+    )
+    covers = spec.name
     uses_grad_norms = True
 
     def __init__(self) -> None:

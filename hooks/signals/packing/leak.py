@@ -52,6 +52,7 @@ from trainvitals.hooks.signals.base import MonitorView, Removable, Signal
 from trainvitals.hooks.signals.loss.modality import input_ids, model_media_tokens
 from trainvitals.hooks.signals.packing.boundaries import read_boundaries
 from trainvitals.hooks.step import StepContext
+from trainvitals.wire.signals import SignalSpec
 
 __all__ = ["CAUSES", "PackingLeak", "packed_starts", "static_causes"]
 
@@ -126,7 +127,15 @@ class _Kept:
 class PackingLeak(Signal):
     """See the module docstring."""
 
-    covers = "packing"
+    spec = SignalSpec(
+        name="packing",
+        covers="packed sequences: samples of one row that see each other",
+        how_to_ask="signals= leaves out 'packing'",
+        group="packing",
+        title="Packed sequences: samples leaking into each other",
+        selectable=True,
+    )
+    covers = spec.name
 
     def __init__(self) -> None:
         self._monitor: MonitorView | None = None

@@ -54,6 +54,7 @@ from trainvitals.hooks.signals.param_series import choose, groups_key
 from trainvitals.hooks.signals.params.drift import DriftTracker, Reference
 from trainvitals.hooks.signals.params.weight_decay import audit_weight_decay
 from trainvitals.hooks.step import ReduceOp, StepContext
+from trainvitals.wire.signals import SignalSpec
 
 log = logging.getLogger("trainvitals")
 
@@ -73,7 +74,18 @@ _ROWS = (
 
 
 class ParamHealth(Signal):
-    covers = "params"
+    spec = SignalSpec(
+        name="params",
+        covers="1D parameter drift (I4)",
+        how_to_ask="signals= leaves out 'params'",
+        group="params",
+        title="1D parameters (I4)",
+        dashboard="trainvitals-params.json",
+        selectable=True,
+        per_parameter_sums=True,
+        per_param_series=True,
+    )
+    covers = spec.name
     uses_grad_norms = True
 
     def __init__(self) -> None:

@@ -80,6 +80,7 @@ from trainvitals.hooks.signals.softmax.positions import (
     check_temperature,
 )
 from trainvitals.hooks.step import StepContext
+from trainvitals.wire.signals import SignalSpec
 
 # Accumulator layout per (task, role): weight, STATS (weighted sums), then the sums
 # of the mean top-1 estimate on the temperature grid: the covariate x over every kept
@@ -138,7 +139,16 @@ def _weighted_sum(weight: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 class Softmax(Signal):
     """Saturation per (task, role) and distillation per task, summed over a reported step."""
 
-    covers = "softmax"
+    spec = SignalSpec(
+        name="softmax",
+        covers="saturation and distillation (I5)",
+        how_to_ask="no observe_logits() or observe_distillation() call",
+        group="softmax",
+        title="Softmax saturation and distillation (I5)",
+        dashboard="trainvitals-softmax.json",
+        first_call="observe_logits()",
+    )
+    covers = spec.name
 
     def __init__(self) -> None:
         self._saturation: dict[tuple[str, str], torch.Tensor] = {}
