@@ -497,6 +497,73 @@ class HealthyJob(Job):
         self.finish_step()
 
 
+# -- packed rows -------------------------------------------------------------------------
+class PackedLeakJob(Job):
+    """Samples packed into one row that see each other: a one-layer Llama of width 32
+    (sdpa, built from a config, no download, no cache in training) gets one row of
+    ``LENGTHS`` samples per step with restarting ``position_ids``.
+
+    Bug: an all-ones 2-D ``attention_mask`` beside the position ids (what a collator
+    padding to a fixed shape does): transformers takes the mask as given and builds no
+    block-diagonal mask, so each sample attends to those before it in the row. The
+    packing signal shows the static sign (``cause="mask_beside_positions"``) and its
+    probe (on the first report step) measures the leak: PackedSamplesLeak pages.
+    Fix: no ``attention_mask``: the model builds the block-diagonal mask from the
+    position ids; the probe measures 0.
+
+    ``leak``: the truth, measured on the first step's micro-batch before its optimizer
+    step (the weights the forward saw): the same row forwarded again in eval mode with
+    the first sample's token ids ``t`` replaced by ``(t + 1) % vocab``, the largest
+    absolute change of the logits at the other samples' positions.
+    """
+
+    LENGTHS = (12, 9, 14, 7)
+
+    def __init__(self, *, fixed: bool = False, seed: int = 0):
+        super().__init__(fixed=fixed, seed=seed)
+        self.leak: float | None = None
+
+    def make_model(self, seed: int) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        from tests.integrations._hf_models import tiny_llama_config
+
+        torch.manual_seed(seed)
+        config = tiny_llama_config(attn_implementation="sdpa", use_cache=False)
+        return AutoModelForCausalLM.from_config(config)
+
+    def make_optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.01)
+
+    def batch(self) -> dict[str, torch.Tensor]:
+        vocab = self.model.config.vocab_size
+        ids = torch.randint(0, vocab, (1, sum(self.LENGTHS)), generator=self.gen)
+        positions = torch.cat([torch.arange(n) for n in self.LENGTHS])[None]
+        labels = torch.where(positions == 0, -100, ids)  # no label across a boundary
+        batch = {"input_ids": ids, "position_ids": positions, "labels": labels}
+        if not self.fixed:
+            batch["attention_mask"] = torch.ones_like(ids)
+        return batch
+
+    def measure_leak(self, batch: dict[str, torch.Tensor]) -> float:
+        kwargs = {k: v for k, v in batch.items() if k != "labels"}
+        ids, first = kwargs["input_ids"], torch.arange(kwargs["input_ids"].shape[1]) < self.LENGTHS[0]
+        changed = torch.where(first, (ids + 1) % self.model.config.vocab_size, ids)
+        self.model.eval()
+        with torch.no_grad():
+            a = self.model(**kwargs).logits.double()
+            b = self.model(**{**kwargs, "input_ids": changed}).logits.double()
+        self.model.train()
+        return float((a - b).abs().amax(-1)[0, ~first].max())
+
+    def step(self, mon: Monitor) -> None:
+        batch = self.batch()
+        self.model(**batch).loss.backward()
+        if self.steps == 0:
+            self.leak = self.measure_leak(batch)
+        self.finish_step()
+
+
 # -- coverage ----------------------------------------------------------------------------
 class BlindLossJob(Job):
     """Zero-code loss accounting (``loss_from_logits=True``) on a loss it cannot read: a

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -42,6 +43,7 @@ from tests.e2e._jobs import (
     Job,
     MeanOfMeansJob,
     NonFiniteLossJob,
+    PackedLeakJob,
     SpikeJob,
     SqrtDilutionJob,
     StateResetJob,
@@ -80,6 +82,7 @@ class Case:
     steps: int  # optimizer steps: enough to fire (reported every step) with a margin
     labels: dict[str, str]  # the alert's labels besides `run`
     value: float | None = None  # the alert's value at the end, when it is fixed by the job
+    truth: Callable[[Any], float | None] | None = None  # or measured by the bug's job, after it ran
     also: frozenset[str] = field(default_factory=frozenset)  # other alerts the incident fires
     quiet: tuple[dict[str, str], ...] = ()  # other series of the rule's metric, reported, not firing
 
@@ -183,6 +186,15 @@ CASES = [
     Case("SignalInactive", "SignalInactive", BlindLossJob, 26, {"signal": "loss", "reason": "not_cross_entropy"}),
     Case("GradNormSpike", "GradNormSpike", SpikeJob, 30, {}),
     Case("GradNormSpike-clipped-between-reports", "GradNormSpike", ClippedSpikeJob, 30, {}),
+    # No for_steps: the probe's first report step (step 1) fires it.
+    Case(
+        "PackedSamplesLeak",
+        "PackedSamplesLeak",
+        PackedLeakJob,
+        3,
+        {"cause": "mask_beside_positions"},
+        truth=lambda job: job.leak,
+    ),
 ]
 
 
@@ -195,7 +207,8 @@ def test_every_default_rule_has_a_case():
 def test_default_rule_fires_on_its_incident_and_not_on_the_fix(case: Case):
     bug, fix = f"{case.id}-bug".lower(), f"{case.id}-fix".lower()
     with running_collector() as collector:
-        last = run_job(case.job(fixed=False), collector.url, bug, case.steps)
+        job = case.job(fixed=False)
+        last = run_job(job, collector.url, bug, case.steps)
         # run_job closes the monitor: the run's end resolves what fired, saying so.
         alert = collector.wait_for(case.alert, bug, state="resolved")
         assert alert["resolved_reason"] == f"run {bug} ended at step {case.steps}"
@@ -204,6 +217,9 @@ def test_default_rule_fires_on_its_incident_and_not_on_the_fix(case: Case):
         assert alert["fired_at"] is not None and alert["summary"].startswith(f"Resolved: {case.alert} in run {bug}")
         if case.value is not None:
             assert alert["value"] == pytest.approx(case.value, rel=1e-3)
+        if case.truth is not None:
+            truth = case.truth(job)
+            assert truth is not None and alert["value"] == pytest.approx(truth, rel=1e-3)
         fired = [a for a in collector.alerts(bug) if a["fired_at"] is not None]
         assert {a["alertname"] for a in fired} == {case.alert, *case.also}, fired
         assert [a["labels"] for a in fired if a["alertname"] == case.alert] == [alert["labels"]]

@@ -18,14 +18,19 @@ real data. Per optimizer step (reported every step):
   gradient is ~1e-4 of the others' (the norm divides it out).
 
 Once per run, at fixed steps: a micro-batch with an infinite logit (a non-finite
-loss, skipped as a GradScaler would: ``nonfinite_total{what="loss"}`` counts it)
-and a cleared optimizer state (``optimizer_state_resets_total``).
+loss, skipped as a GradScaler would: ``nonfinite_total{what="loss"}`` counts it),
+a cleared optimizer state (``optimizer_state_resets_total``), and a first
+micro-batch of samples packed into one row with restarting ``position_ids`` beside
+an all-ones ``attention_mask``, which the model mixes over as given: the samples
+see each other (``packing_samples_per_row``, ``packing_leak_sign`` and the probe's
+``packing_leak_logit_change``, all ``cause="mask_beside_positions"``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -37,21 +42,39 @@ from trainvitals.hooks import Monitor, attach
 VOCAB, DIM = 32, 16
 NONFINITE_AT = 3  # optimizer step (0-based) whose first micro-batch has an inf logit
 RESET_AT = 5  # optimizer step (0-based) before which the optimizer state is cleared
+PACKED_AT = 1  # optimizer step (0-based) whose first micro-batch is a leaking packed row
+PACKED = [6, 5, 4]  # its samples' lengths
 
 
 class TinyLM(nn.Module):
-    """Embedding -> x scale -> RMSNorm -> Linear with bias."""
+    """Embedding -> x scale -> RMSNorm -> Linear with bias.
+
+    Given an ``attention_mask``, the embeddings first get a causal mean over the
+    positions the mask keeps, taken as given whatever ``position_ids`` say (what a
+    Hugging Face model does with a 2-D mask beside packed position ids): a packed row's
+    samples see those before them. ``config``: a model config's fields the packing
+    signal reads (no cache in training)."""
 
     def __init__(self, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
+        self.config = SimpleNamespace(use_cache=False)
         self.embed = nn.Embedding(VOCAB, DIM)
         self.scale = nn.Parameter(torch.tensor(0.25))
         self.norm = nn.RMSNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.embed(ids) * self.scale))
+    def forward(
+        self,
+        ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = self.embed(ids) * self.scale
+        if attention_mask is not None:
+            keep = attention_mask[..., None].to(h.dtype)
+            h = h + (h * keep).cumsum(1) / keep.cumsum(1).clamp_min(1.0)
+        return self.head(self.norm(h))
 
 
 def _micro_batch(
@@ -67,6 +90,18 @@ def _micro_batch(
     mask = torch.arange(width) < torch.tensor(lengths)[:, None]
     modality = torch.tensor([0] * len(text) + [1] * len(image))
     return ids, labels, mask, modality
+
+
+def _packed_row(model: nn.Module, gen: torch.Generator, mon: Monitor) -> None:
+    """One micro-batch of ``PACKED`` text samples in one row, restarting position ids
+    beside an all-ones attention mask (the leak), trained on like the others."""
+    ids, labels, mask, _ = _micro_batch(gen, [sum(PACKED)], [])
+    positions = torch.cat([torch.arange(n) for n in PACKED])[None]
+    mask = mask & (positions != 0)  # no label across a boundary
+    logits = model(ids, position_ids=positions, attention_mask=torch.ones_like(ids))
+    per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+    mon.track_loss(per_token, modality=torch.tensor([0]), mask=mask, output=logits)
+    ((per_token * mask).sum() / mask.sum() / 3).backward()
 
 
 def train(
@@ -86,6 +121,8 @@ def train(
             before_step(mon, step)
         if step == RESET_AT:
             opt.state.clear()  # as a rebuilt optimizer does
+        if step == PACKED_AT:
+            _packed_row(model, gen, mon)
         for i, (text, image) in enumerate(micro):
             ids, labels, mask, modality = _micro_batch(gen, text, image)
             logits = model(ids)
