@@ -404,6 +404,7 @@ class Monitor:
             end.event(RUN_END_EVENT, f"Monitor.close() after {self.step} optimizer steps")
             try:
                 end.coverage = self._end_coverage()
+                end.coverage_settled = True  # judged with the figures of the report it comes from
                 self._sender.put(packing.pack(end, run=self.run, rank=self.rank))
             except Exception as exc:  # noqa: BLE001
                 self.warn_once("run_end", "could not queue the run_end report: %s", exc)

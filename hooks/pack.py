@@ -45,6 +45,7 @@ class PendingReport:
     coverage: list[dict[str, Any]] = field(default_factory=list)
     unless: list[tuple[str, str, str]] = field(default_factory=list)  # (signal, reason, detail), values after flags
     final: frozenset[str] = frozenset()  # signals whose entry the flags do not change
+    settled: bool = False  # coverage judged against another report's figures (run_end): kept
     settle: Any = None  # called once with (coverage as made, coverage after the flags)
     layout: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # per sample, when materialized
     gated: list[int] = field(default_factory=list)  # layout indices with a presence value, after the flags
@@ -75,7 +76,8 @@ class PendingReport:
                         for e in coverage:
                             if e["signal"] == signal:
                                 e.update(active=False, reason=reason, detail=detail)
-                without_figures(coverage, samples)
+                if not self.settled:
+                    without_figures(coverage, samples)
                 self._done = {
                     "run": self.run,
                     "step": self.step,
@@ -322,6 +324,7 @@ def _report_fields(
         "coverage": list(ctx.coverage),
         "unless": [(u.signal, u.reason, u.detail) for u in unless],
         "final": frozenset(ctx.final) | frozenset(ctx.verdicts()),
+        "settled": ctx.coverage_settled,
         "finishes": finishes,
         "raw": raw,
         "warns": [(w.warnings, w.values.numel(), w.positive_from, w.warn) for w in ctx.warns],

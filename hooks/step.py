@@ -119,6 +119,10 @@ class StepContext:
     """The report's coverage entries (the monitor writes them after the signals' collect)."""
     final: set[str] = field(default_factory=set)
     """Signals whose entry no verdict of this report changes (failed, declared inactive)."""
+    coverage_settled: bool = False
+    """The coverage was judged already, against the figures of the report it was taken
+    from (the run_end report carries the last report's as sent): not judged again against
+    this report's samples (:func:`trainvitals.hooks.coverage.without_figures`)."""
     unless: list[_Unless] = field(default_factory=list)
     warns: list[_Warn] = field(default_factory=list)
     sections: list[_Section] = field(default_factory=list)

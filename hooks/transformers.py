@@ -211,8 +211,7 @@ class TrainvitalsCallback(TrainerCallback):
             self._objective_seam.remove()
             self._objective_seam = None
         if self._distill is not None:
-            self._distill.remove()
-            self._distill = None
+            self._distill.remove()  # kept, like the monitor: what it observed stays readable
         if self._pre_hook is not None:
             self._pre_hook.remove()
             self._pre_hook = None

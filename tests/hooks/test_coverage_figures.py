@@ -4,6 +4,13 @@ inactive, ``no_input``, in that report."""
 
 from __future__ import annotations
 
+import json
+
+import torch
+
+from tests.hooks.test_coverage import TinyLM, train
+from tests.support import one_torch_thread
+from trainvitals.hooks import attach
 from trainvitals.hooks.coverage import without_figures
 
 
@@ -27,3 +34,22 @@ def test_a_signal_with_one_figure_stays_active_and_inactive_entries_keep_their_r
     without_figures(coverage, [{"name": "loss_weight_mass", "labels": {"objective": "main"}, "value": 1.0}])
     assert coverage[0]["active"]
     assert (coverage[1]["reason"], coverage[1]["detail"]) == ("sharded", "why")
+
+
+def test_the_run_end_report_keeps_the_last_reports_coverage_as_sent(tmp_path):
+    """The run_end report carries no figure; its coverage is the last report's, judged
+    against that report's figures: not turned ``no_input`` for its own empty samples."""
+    path = tmp_path / "r.jsonl"
+    with one_torch_thread():
+        model = TinyLM()
+        opt = torch.optim.AdamW(model.parameters())
+        mon = attach(model, opt, run="end", sink=f"file:{path}", every=1)
+        train(model, opt, 3)
+        mon.close()
+    reports = [json.loads(line) for line in path.read_text().splitlines()]
+    last, end = reports[-2], reports[-1]
+    assert [e["kind"] for e in end["events"]] == ["run_end"]
+    assert not [s for s in end["samples"] if s["name"] != "client_dropped_reports_total"]
+    active = {e["signal"] for e in last["coverage"] if e["active"]}
+    assert {"optimizer", "loss"} <= active
+    assert end["coverage"] == last["coverage"]
