@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any
 
 import torch
+from torch import nn
 
+from trainvitals.hooks.naming import unwrap
 from trainvitals.wire.runs import MAX_RUN, RUN_CHARS, is_run
 
-__all__ = ["STATE_FILE", "batch_value", "run_name", "state_file", "torch_optimizer"]
+__all__ = ["STATE_FILE", "batch_value", "find_trainer", "run_name", "state_file", "torch_optimizer"]
 
 STATE_FILE = "trainvitals-rank{rank}.pt"
 """The monitor's state in a checkpoint folder, one file per rank (Monitor.state_dict())."""
@@ -83,3 +87,26 @@ def batch_value(batch: Any, field: str | Callable[[Any], Any] | None) -> Any:
     if isinstance(batch, Mapping):
         return batch.get(field)
     return getattr(batch, field, None)
+
+
+def find_trainer(model: nn.Module | None = None, depth: int = 40) -> Any | None:
+    """The ``transformers.Trainer`` whose code is on the caller's stack (it calls the
+    callback events and ``optimizer.step()``), training ``model`` when one is given;
+    None when there is none. Known by its class's name and module, so transformers is
+    never imported here."""
+    target = unwrap(model) if model is not None else None
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if obj is not None and _is_trainer(obj):
+            trained = getattr(obj, "model", None)
+            if target is None or (isinstance(trained, nn.Module) and unwrap(trained) is target):
+                return obj
+        frame = frame.f_back
+    return None
+
+
+def _is_trainer(obj: Any) -> bool:
+    return any(c.__name__ == "Trainer" and c.__module__.startswith("transformers.") for c in type(obj).__mro__)

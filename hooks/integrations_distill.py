@@ -43,15 +43,14 @@ observation stops).
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
 
+from trainvitals.hooks.integration_support import find_trainer
 from trainvitals.hooks.naming import unwrap
 from trainvitals.hooks.signals.softmax import maths as sm
 
@@ -64,28 +63,6 @@ GKD_LOSS_TEMPERATURE = 1.0
 """``GKDTrainer.compute_loss`` (TRL 1.16) calls ``generalized_jsd_loss`` without ``temperature=``."""
 _LOSS_METHODS = {"DistillationTrainer": ("_compute_loss",), "GKDTrainer": ("compute_loss", "generalized_jsd_loss")}
 """The methods whose override leaves the loss's temperature unknown."""
-
-
-def find_trainer(model: nn.Module, depth: int = 16) -> Any:
-    """The ``transformers.Trainer`` training ``model``, from the caller's frames (the
-    Trainer's training loop calls the callbacks and the optimizer's step); None when
-    there is none."""
-    target = unwrap(model)
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            break
-        obj = frame.f_locals.get("self")
-        if obj is not None and _is_trainer(obj):
-            trained = getattr(obj, "model", None)
-            if isinstance(trained, nn.Module) and unwrap(trained) is target:
-                return obj
-        frame = frame.f_back
-    return None
-
-
-def _is_trainer(obj: Any) -> bool:
-    return any(c.__name__ == "Trainer" and c.__module__.startswith("transformers.") for c in type(obj).__mro__)
 
 
 def _trl_base(trainer: Any) -> type | None:

@@ -38,13 +38,13 @@ Nothing here raises into the training loop: a failure is logged once and the ori
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from trainvitals.hooks.integration_support import find_trainer
 
 __all__ = ["INTENT", "Objective", "PolicyLossSeam", "find_trainer", "identify", "install"]
 
@@ -134,24 +134,6 @@ def identify(trainer: Any) -> Objective | None:
         )
         return Objective(base.__name__, "policy", loss_type, withheld=("objective_scaled", detail))
     return Objective(base.__name__, "policy", loss_type, normalization=INTENT[loss_type])
-
-
-def find_trainer(depth: int = 40) -> Any | None:
-    """The ``transformers.Trainer`` whose code is on the call stack (the caller of a
-    callback event or of ``optimizer.step()``), or None."""
-    try:
-        from transformers import Trainer
-    except ImportError:
-        return None
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
-            return candidate
-        frame = frame.f_back
-    return None
 
 
 class _FindPolicyLoss(TorchFunctionMode):
