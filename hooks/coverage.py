@@ -218,7 +218,9 @@ _GROUP_OF: dict[str, str] | None = None
 def without_figures(coverage: list[dict[str, Any]], samples: Iterable[Mapping[str, Any]]) -> None:
     """Never active without a figure: an entry still active whose signal carries no
     sample in the report as sent (every figure it emitted was withheld by its presence
-    flags, decided on the host) turns inactive, ``no_input``, in place. A signal's
+    flags, decided on the host) turns inactive, ``withheld``, in place: unlike ``no_input``
+    (nothing reached it, as between two ``observe_logits`` calls), a signal withheld
+    report after report is blind, and ``SignalInactive`` says so. A signal's
     samples are known by their metric's group (:mod:`trainvitals.wire.metrics`)."""
     global _GROUP_OF
     if _GROUP_OF is None:
@@ -229,4 +231,4 @@ def without_figures(coverage: list[dict[str, Any]], samples: Iterable[Mapping[st
     present = {_GROUP_OF.get(s["name"]) for s in samples}
     for e in coverage:
         if e.get("active") and e["signal"] in groups and e["signal"] not in present:
-            e.update(active=False, reason="no_input", detail="its figures were all withheld in this report")
+            e.update(active=False, reason="withheld", detail="its figures were all withheld in this report")

@@ -230,6 +230,11 @@ def test_the_default_rule_fires_on_blind_reasons_and_not_on_ones_that_do_not_app
     # Blind for one report only: quiet.
     once = [{"signal": "loss", "active": True}]
     assert fired(lambda s: blind if s == 30 else once) == set()
+    # Every figure withheld report after report (never active without a figure): blind,
+    # unlike no_input (nothing reached it); withheld once: quiet.
+    withheld = [{"signal": "loss", "active": False, "reason": "withheld", "detail": "its figures were all withheld"}]
+    assert fired(lambda s: withheld) == {("loss", "withheld")}
+    assert fired(lambda s: withheld if s == 30 else once) == set()
 
 
 # -- start and close lines; the silent paths --------------------------------------------

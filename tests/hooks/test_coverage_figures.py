@@ -1,6 +1,6 @@
 """Never active without a figure: a coverage entry still active whose signal carries no
 sample in the report as sent (its figures all withheld by their presence flags) reads
-inactive, ``no_input``, in that report."""
+inactive, ``withheld``, in that report."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_an_active_signal_without_a_sample_turns_inactive():
     samples = [{"name": "grad_norm", "labels": {}, "value": 1.0}]
     without_figures(coverage, samples)
     loss, optimizer, probe = coverage
-    assert (loss["active"], loss["reason"]) == (False, "no_input")
+    assert (loss["active"], loss["reason"]) == (False, "withheld")
     assert "withheld" in loss["detail"]
     assert optimizer["active"] and optimizer["reason"] is None
     assert probe["active"]  # no metric group of its own: judged by what it emitted, as before
@@ -38,7 +38,7 @@ def test_a_signal_with_one_figure_stays_active_and_inactive_entries_keep_their_r
 
 def test_the_run_end_report_keeps_the_last_reports_coverage_as_sent(tmp_path):
     """The run_end report carries no figure; its coverage is the last report's, judged
-    against that report's figures: not turned ``no_input`` for its own empty samples."""
+    against that report's figures: not turned ``withheld`` for its own empty samples."""
     path = tmp_path / "r.jsonl"
     with one_torch_thread():
         model = TinyLM()
