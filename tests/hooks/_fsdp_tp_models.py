@@ -18,7 +18,10 @@ samples whose answer is one token against the text samples' 20. ``MODE``:
   front of the final RMSNorm (true gradient zero, rounding noise injected, Adam with no
   weight decay on it): it drifts;
 - ``sample``: the twins: each sample averaged over its own tokens, the gain decayed;
-- ``logits``: as ``token`` through ``attach(loss_from_logits=True)`` and ``tag_batch``;
+- ``logits``: per-token through ``attach(loss_from_logits=True)`` and ``tag_batch``, the
+  loss a sum that FSDP2 divides by the job's tokens in its reduce-scatter
+  (``set_gradient_divide_factor``, as torchtitan's global per-token loss), declared with
+  ``attach(loss_reduction="sum", loss_scale=tokens)``;
 - ``plain``: as ``token``, knowing nothing of trainvitals (for ``trainvitals run``);
 - ``stage``: no tensor parallelism, ``fully_shard`` on the ``dp`` slice of a
   ``(stage, dp)`` mesh: no parameter spans the job, a layout not reasoned about.
@@ -48,8 +51,9 @@ from tests.hooks._tp_models import VOCAB, Decoder, flat_report, full, paralleliz
 
 SAMPLES, IMAGE_ROWS, SEQ = 25, (3, 9, 15, 21), 21
 TEXT_ANSWER, IMAGE_ANSWER = 20, 1
+TOKENS = len(IMAGE_ROWS) * IMAGE_ANSWER + (SAMPLES - len(IMAGE_ROWS)) * TEXT_ANSWER  # per rank: 424
 STEPS, EVERY = 24, 4
-SCALE_INIT, GAIN_LR, GAIN_EPS = 0.25, 0.2, 1e-8
+SCALE_INIT, GAIN_LR, GAIN_EPS = 0.25, 0.3, 1e-8
 NOISE, NEGATIVE_SHARE = 5e-9, 0.82  # I4's biased rounding noise (tests/e2e/_jobs.py's DriftJob)
 
 
@@ -134,7 +138,12 @@ def main(rank: int, world: int, port: str, out: str, mode: str, steps: int) -> N
     for block in model.blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
-    per_sample = mode == "sample"
+    per_sample, summed = mode == "sample", mode == "logits"
+    dp = world // 2
+    if summed:  # the gradients summed over dp and divided by the job's tokens
+        for module in (*model.blocks, model):
+            module.set_gradient_divide_factor(float(TOKENS * dp))
+            module.set_force_sum_reduction_for_comms(True)  # a sum, then the division (gloo has no PREMUL_SUM)
     opt = optimizer(model, gain_decay=0.1 if per_sample else 0.0)
     mon = None
     if mode != "plain":
@@ -147,8 +156,9 @@ def main(rank: int, world: int, port: str, out: str, mode: str, steps: int) -> N
             sink=f"file:{Path(out).with_suffix('.jsonl')}",
             every=EVERY,
             modalities=("text", "image"),
-            loss_from_logits=mode == "logits",
+            loss_from_logits=summed,
             update_sample=1 << 16,
+            **({"loss_reduction": "sum", "loss_scale": TOKENS * dp} if summed else {}),
         )
     names = {id(p): n for n, p in model.named_parameters()}
     attached = {n: full(p) for n, p in model.named_parameters()}
@@ -172,6 +182,8 @@ def main(rank: int, world: int, port: str, out: str, mode: str, steps: int) -> N
             mon.track_loss(per_token, mask=mask, modality=image)
         if per_sample:
             loss = (per_token.sum(1) / mask.sum(1)).mean()
+        elif summed:
+            loss = per_token.sum()
         else:
             loss = per_token.sum() / mask.sum()
         loss.backward()
@@ -202,7 +214,9 @@ def main(rank: int, world: int, port: str, out: str, mode: str, steps: int) -> N
     if rank == 0:
         result = {
             "weights": [w for first, w in everyone if first],  # one tp rank per data-parallel rank
-            "dp": world // 2,
+            "dp": dp,
+            # what autograd's weights at the per-token losses are divided by in the gradient
+            "divisor": TOKENS * dp if summed else dp,
             "reports": reports,
             "truths": truths,
             "coverage": coverage,

@@ -57,7 +57,8 @@ def check_figures(got: dict) -> None:
 
 def loss_truth(got: dict) -> dict[int, dict[str, float]]:
     """Per step, from autograd's weights at the per-token losses of each data-parallel
-    rank: the weight mass (FSDP2 averages the ranks' gradients: the sum over them / dp),
+    rank: the weight mass (FSDP2 averages the ranks' gradients: the sum over them / dp;
+    a summed loss's gradients the job divides by its tokens as well),
     the image share of the gradient weight and the dilution (sample share / that share)."""
     out = {}
     for records in zip(*got["weights"], strict=True):
@@ -65,7 +66,7 @@ def loss_truth(got: dict) -> dict[int, dict[str, float]]:
         image = sum(r["image_mass"] for r in records)
         samples = sum(r["image_samples"] for r in records) / sum(r["samples"] for r in records)
         out[records[0]["step"]] = {
-            "mass": total / got["dp"],
+            "mass": total / got["divisor"],
             "image_grad_share": image / total,
             "dilution": samples / (image / total),
         }
@@ -119,10 +120,12 @@ def test_per_sample_and_decayed_gain_twin_is_silent(tmp_path):
     assert not firing(reports) & (LOSS_RULES | {"ParamDrift"})
 
 
-def test_loss_from_logits_reads_the_plain_head(tmp_path):
+def test_loss_from_logits_and_a_summed_loss_over_the_dp_ranks(tmp_path):
     """``attach(loss_from_logits=True)`` and ``tag_batch``: the head is a plain tensor on
     the ``dp`` slice (the whole vocabulary on every rank), its logits' gradient gives
-    every token's weight; the two tp ranks' sums count once."""
+    every token's weight. The loss is a sum, divided by the job's tokens
+    (``loss_scale``): the two tp ranks' sums count once (the data-parallel size is the
+    ``dp`` mesh FSDP2 averages over, not the world), the mass is 1."""
     got, reports = run_ranks(tmp_path, "logits", steps=EVERY)
     check_figures(got)
     truth = check_loss(got, reports, [1, EVERY])
