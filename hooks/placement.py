@@ -150,13 +150,18 @@ def _fsdp_data_parallel_size(model: nn.Module) -> int | None:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2
         return None
-    sizes = []
+    sizes: list[int] = []
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        try:  # FSDP2 keeps its mesh in its state's param groups (no public accessor)
-            groups = getattr(getattr(module, "_get_fsdp_state")(), "_fsdp_param_groups")
-            sizes += [int(g.mesh_info.mesh.size()) for g in groups]
-        except AttributeError:  # a torch whose FSDP2 keeps it elsewhere
+        # FSDP2 keeps its mesh in its state's param groups (no public accessor)
+        get_state = getattr(module, "_get_fsdp_state", None)
+        groups = getattr(get_state(), "_fsdp_param_groups", None) if callable(get_state) else None
+        if groups is None:  # a torch that keeps it elsewhere
             return None
+        for group in groups:
+            mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
+            if mesh is None:
+                return None
+            sizes.append(int(mesh.size()))
     return max(sizes) if sizes else None

@@ -172,7 +172,7 @@ def main(rank: int, world: int, port: str, out: str, mode: str, steps: int) -> N
         per_token = per_token.view(SAMPLES, SEQ)
         record: dict = {"step": step, "samples": SAMPLES, "image_samples": int(image.sum())}
 
-        def grab(grad: torch.Tensor, record: dict = record) -> None:
+        def grab(grad: torch.Tensor, record: dict = record, mask=mask, image=image) -> None:
             w = grad.detach().double()
             record["mass"] = float(w[mask].sum())
             record["image_mass"] = float(w[mask & (image == 1)[:, None]].sum())

@@ -11,7 +11,6 @@ never on their twins."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
