@@ -16,7 +16,7 @@ from torch import nn
 
 from trainvitals.hooks.megatron import MegatronLayout, megatron_layout
 from trainvitals.hooks.naming import clean_name
-from trainvitals.hooks.tensors import is_dtensor, is_sharded, rank_weight
+from trainvitals.hooks.tensors import is_dtensor, is_sharded, rank_weight, spanning_meshes
 
 __all__ = ["Placement"]
 
@@ -40,9 +40,11 @@ class Placement:
         self._weights: dict[int, float] = {}
         self._grad_checked: tuple[tuple[int, ...], str | None] | None = None
         self._megatron: MegatronLayout | None = None
+        self._spanning: list[Any] = []  # the named meshes DTensor parameters span the job on
         self.data_parallel_size = world_size
         """The ranks that hold the same parameters and see different data (Megatron's
-        data-parallel group; the world otherwise)."""
+        data-parallel group; the mesh FSDP2 shards over, ``mesh["dp"]`` beside tensor
+        parallelism; the world otherwise)."""
         self.layout_problem = self._placements(model, optimizer)
         """A parameter layout whose per-rank sums cannot be combined (named), or None."""
         self.weighted = self.sharded and any(w != 1.0 for w in self._weights.values())
@@ -61,8 +63,12 @@ class Placement:
         ]
         if not any(is_dtensor(p) for _, p in named):
             return self._megatron_placements(named)
+        self._spanning = spanning_meshes((p for _, p in named), self.world_size)
+        fsdp = _fsdp_data_parallel_size(model)
+        if fsdp is not None:
+            self.data_parallel_size = fsdp
         for name, p in named:
-            weight = rank_weight(p, self.world_size)
+            weight = rank_weight(p, self.world_size, self._spanning)
             if isinstance(weight, str):
                 return f"{clean_name(name)}: {weight}; optimizer, parameter and Adam figures withheld"
             self._weights[id(p)] = weight
@@ -115,7 +121,11 @@ class Placement:
             return 1.0
         weight = self._weights.get(id(p))
         if weight is None:  # a parameter added to the optimizer after attach
-            found = self._megatron.weight(p) if self._megatron is not None else rank_weight(p, self.world_size)
+            found = (
+                self._megatron.weight(p)
+                if self._megatron is not None
+                else rank_weight(p, self.world_size, self._spanning)
+            )
             if isinstance(found, str):  # cannot be combined: told, and counted as one piece
                 self._warn_once(f"layout:{id(p)}", "%s: %s; its figures may be wrong", self.name_of(p), found)
                 found = 1.0
@@ -129,3 +139,29 @@ class Placement:
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str:
         return self.param_names.get(id(p), fallback)
+
+
+def _fsdp_data_parallel_size(model: nn.Module) -> int | None:
+    """The ranks FSDP2 (``fully_shard``) shards and averages the model's gradients over:
+    the size of the mesh it was given (``mesh["dp"]`` beside tensor parallelism; both
+    dims of an HSDP mesh), the largest over its modules; None where no module is
+    ``fully_shard``-ed or its mesh cannot be read (another torch)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return None
+    sizes: list[int] = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        # FSDP2 keeps its mesh in its state's param groups (no public accessor)
+        get_state = getattr(module, "_get_fsdp_state", None)
+        groups = getattr(get_state(), "_fsdp_param_groups", None) if callable(get_state) else None
+        if groups is None:  # a torch that keeps it elsewhere
+            return None
+        for group in groups:
+            mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
+            if mesh is None:
+                return None
+            sizes.append(int(mesh.size()))
+    return max(sizes) if sizes else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def is_sharded(t: torch.Tensor) -> bool:
     """True for a DTensor whose placements shard it across ranks."""
     placements = getattr(t, "placements", None) or ()
-    return any(p.is_shard() for p in placements)
+    return any(splits(p) for p in placements)
+
+
+def splits(placement: Any) -> bool:
+    """A DTensor placement that splits the tensor into distinct pieces over its mesh dim:
+    ``Shard``, and FSDP2's ``_StridedShard`` (a dim already split by tensor parallelism,
+    sharded again in strides: each rank still holds elements no other rank of that dim
+    does), which does not call itself ``is_shard()`` (torch 2.13)."""
+    if placement.is_shard():
+        return True
+    strided = getattr(placement, "split_factor", None) is not None and getattr(placement, "dim", None) is not None
+    return strided and not placement.is_replicate() and not placement.is_partial()
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
@@ -27,32 +38,76 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return getattr(t, "device_mesh", None) is not None and getattr(t, "placements", None) is not None
 
 
-def rank_weight(t: torch.Tensor, world_size: int) -> float | str:
+def rank_weight(t: torch.Tensor, world_size: int, spanning: Sequence[Any] = ()) -> float | str:
     """What one rank's partial sums of ``t`` (sums of squares, element counts) count for
     when every rank's are summed over the whole job (``world_size`` ranks): 1 for a
     piece no other rank holds, ``1 / k`` for a piece ``k`` ranks hold alike, so the sum
-    over ranks counts every element once. A DTensor: its mesh must span the job; each
-    ``Shard`` mesh dim splits it (its pieces add up), each ``Replicate`` one copies it
-    (divides by that dim's size). A plain tensor, in a job where others are DTensors,
-    is replicated on every rank (``1 / world_size``). A layout the sums cannot be
-    combined for (a ``Partial`` placement: the norm of a sum of pieces is not the sum
-    of their norms; a mesh not spanning the job) is returned as a sentence, not a weight."""
+    over ranks counts every element once. A DTensor: each ``Shard`` mesh dim splits it
+    (its pieces add up), each ``Replicate`` one copies it (divides by that dim's size).
+    A plain tensor, in a job where others are DTensors, is replicated on every rank
+    (``1 / world_size``).
+
+    A DTensor on a mesh smaller than the job: its pieces count ``size / world_size``
+    besides (each of the ``world_size / size`` meshes like it holds a copy) only where
+    that is known: its mesh is a slice, by dim names, of one of ``spanning`` (meshes the
+    model's other parameters span the job on, :func:`spanning_meshes`). The dims it
+    leaves out are then dims the model is laid out along, every rank along them holding
+    the same modules: FSDP2 puts a tensor-parallel model's plain tensors on the ``dp``
+    slice of its ``(dp, tp)`` mesh, and each ``tp`` rank holds a copy. A dim no
+    parameter spans (pipeline stages, holding different layers) or an unnamed mesh is
+    not reasoned about.
+
+    A layout the sums cannot be combined for (a ``Partial`` placement: the norm of a sum
+    of pieces is not the sum of their norms; a mesh not known to be copied over the
+    ranks outside it) is returned as a sentence, not a weight."""
     if not is_dtensor(t):
         return 1.0 / world_size
     mesh: Any = getattr(t, "device_mesh", None)
     placements: Any = getattr(t, "placements", ())
     size = mesh.size()
-    if size != world_size:
-        return f"a DTensor on a mesh of {size} ranks in a job of {world_size}"
     weight = 1.0
+    if size != world_size:
+        if not any(_is_slice(mesh, full) for full in spanning):
+            names = "/".join(getattr(mesh, "mesh_dim_names", None) or ()) or "unnamed"
+            return (
+                f"a DTensor on a mesh of {size} ranks in a job of {world_size} (dims {names}), "
+                "not a slice of a mesh the model's parameters span the job on"
+            )
+        weight = size / world_size
     for dim, placement in enumerate(placements):
-        if placement.is_shard():
+        if splits(placement):
             continue
         if placement.is_replicate():
             weight /= mesh.size(dim)
             continue
         return f"a DTensor placement {placement!r} on mesh dim {dim}"
     return weight
+
+
+def spanning_meshes(tensors: Iterable[torch.Tensor], world_size: int) -> list[Any]:
+    """The distinct device meshes with named dims that DTensors among ``tensors`` span
+    the job on (``world_size`` ranks): what :func:`rank_weight` reads smaller meshes as
+    slices of."""
+    found: dict[int, Any] = {}
+    for t in tensors:
+        mesh: Any = getattr(t, "device_mesh", None)
+        if is_dtensor(t) and mesh.size() == world_size and getattr(mesh, "mesh_dim_names", None):
+            found.setdefault(id(mesh), mesh)
+    return list(found.values())
+
+
+def _is_slice(mesh: Any, full: Any) -> bool:
+    """``mesh`` is ``full`` cut down to some of its named dims at this rank's coordinates
+    on the others (``full["dp"]`` of a ``(dp, tp)`` mesh): the same ranks, in order."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    full_names = tuple(getattr(full, "mesh_dim_names", None) or ())
+    coordinate = full.get_coordinate()
+    if not names or coordinate is None or not set(names) < set(full_names) or len(set(names)) != len(names):
+        return False
+    kept = [n for n in full_names if n in names]
+    index = tuple(slice(None) if n in names else coordinate[i] for i, n in enumerate(full_names))
+    ranks = full.mesh[index].permute([kept.index(n) for n in names])
+    return tuple(ranks.shape) == tuple(mesh.mesh.shape) and bool(torch.equal(ranks, mesh.mesh))
 
 
 def real(t: torch.Tensor) -> torch.Tensor:
