@@ -25,6 +25,7 @@ from trainvitals.hooks import distributed
 from trainvitals.hooks import pack as packing
 from trainvitals.hooks.config import Config
 from trainvitals.hooks.coverage import CoverageTracker
+from trainvitals.hooks.grad_norms import GradNorms
 from trainvitals.hooks.lifecycle import StepLifecycle
 from trainvitals.hooks.live_settings import LiveSettings
 from trainvitals.hooks.logits_finder import AUTO, find_head, find_logits_module
@@ -93,6 +94,8 @@ class Monitor:
         self._placement = Placement(self.model, optimizer, self.world_size, self.warn_once)
         """Where the parameters live: names, device, how per-rank sums combine."""
         self.param_names = self._placement.param_names
+        self.optimizer = self._placement.watched(optimizer)
+        """As the signals see it: on a pipeline-parallel job, every stage's parameters."""
         self.device = self._placement.device
         self.sharded = self._placement.sharded
         self.data_parallel_size = self._placement.data_parallel_size
@@ -177,6 +180,11 @@ class Monitor:
         """What this rank's partial sums of ``p`` count for in the sum over ranks
         (:meth:`Placement.weight_of`)."""
         return self._placement.weight_of(p)
+
+    def job_grad_norms(self, norms: GradNorms) -> GradNorms:
+        """The step's gradient norms over every parameter the signals watch
+        (:meth:`Placement.job_grad_norms`: a pipeline stage's, laid out job-wide)."""
+        return self._placement.job_grad_norms(norms)
 
     def numel_of(self, p: torch.Tensor) -> int:
         """The element count of the whole of ``p``: a DTensor's is global already; a

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainvitals.hooks.megatron import MegatronLayout, megatron_layout
+from trainvitals.hooks.grad_norms import GradNorms
+from trainvitals.hooks.megatron import MegatronLayout, PipelineTable, WatchedOptimizer, global_names, megatron_layout
 from trainvitals.hooks.naming import clean_name
 from trainvitals.hooks.tensors import is_dtensor, is_sharded, rank_weight
 
@@ -33,6 +34,8 @@ class Placement:
     ) -> None:
         self.world_size = world_size
         self._warn_once = warn_once
+        self._model, self._optimizer = model, optimizer
+        self._grad_index: tuple[tuple[int, ...], torch.Tensor] | None = None
         self.param_names: dict[int, str] = {id(p): clean_name(n) for n, p in model.named_parameters()}
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
@@ -40,6 +43,7 @@ class Placement:
         self._weights: dict[int, float] = {}
         self._grad_checked: tuple[tuple[int, ...], str | None] | None = None
         self._megatron: MegatronLayout | None = None
+        self._pipeline: PipelineTable | None = None
         self.data_parallel_size = world_size
         """The ranks that hold the same parameters and see different data (Megatron's
         data-parallel group; the world otherwise)."""
@@ -76,14 +80,42 @@ class Placement:
             return None
         self.sharded = True  # combined over the job by each parameter's share
         self._megatron = layout
-        if layout.tp * layout.pp * layout.dp == self.world_size and layout.pp == 1:
+        if layout.tp * layout.pp * layout.dp == self.world_size:
             self.data_parallel_size = layout.dp
         problem = layout.problem()
         weights = layout.weigh(named, clean_name) if problem is None else problem
         if isinstance(weights, str):
             return f"{weights}; optimizer, parameter and Adam figures withheld"
         self._weights.update(weights)
+        if layout.pp > 1:  # every stage's parameters, the others' as empty stand-ins
+            self.param_names.update(global_names(self._model, clean_name))
+            table = PipelineTable.make(self._optimizer, self.param_names, layout)
+            if isinstance(table, str):
+                return f"{table}; optimizer, parameter and Adam figures withheld"
+            self._pipeline = table
+            self.param_names.update(table.names)
         return None
+
+    def watched(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The optimizer as the signals see it: on a pipeline-parallel job every stage's
+        parameters (:class:`~trainvitals.hooks.megatron.WatchedOptimizer`), else itself."""
+        return WatchedOptimizer(optimizer, self._pipeline) if self._pipeline is not None else optimizer
+
+    def job_grad_norms(self, norms: GradNorms) -> GradNorms:
+        """``norms`` over the job's parameters on a pipeline-parallel job (0 for the other
+        stages' stand-ins and a parameter of this stage without a gradient), so that every
+        rank's per-parameter rows have the same layout; else ``norms`` itself."""
+        table = self._pipeline
+        if table is None:
+            return norms
+        key = tuple(map(id, norms.params))
+        if self._grad_index is None or self._grad_index[0] != key or self._grad_index[1].device != norms.norms.device:
+            position = {id(p): j for j, p in enumerate(table.everything)}
+            index = torch.tensor([position[id(p)] for p in norms.params], dtype=torch.long)
+            self._grad_index = (key, index.to(norms.norms.device))
+        out = norms.norms.new_zeros(len(table.everything))
+        out.index_copy_(0, self._grad_index[1], norms.norms)
+        return GradNorms(list(table.everything), out, norms.measured)
 
     def grad_layout_problem(self, params: list[torch.Tensor]) -> str | None:
         """A DTensor parameter among ``params`` whose gradient is placed otherwise than
@@ -125,6 +157,8 @@ class Placement:
     def numel_of(self, p: torch.Tensor) -> int:
         """The element count of the whole of ``p``: a DTensor's is global already; a
         Megatron tensor-parallel split's is its piece's times the group's size."""
+        if self._pipeline is not None and id(p) in self._pipeline.numels:
+            return self._pipeline.numels[id(p)]
         return self._megatron.numel(p) if self._megatron is not None else p.numel()
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str:

@@ -34,6 +34,7 @@ import os
 import sys
 import warnings
 from functools import partial
+from types import SimpleNamespace
 from pathlib import Path
 
 if __name__ == "__main__":
@@ -208,8 +209,8 @@ def main(
     forward_backward = get_forward_backward_func()
     data = samples(data_rank, steps * micro, mbs)  # the same batches on the ranks of a tensor-parallel group
     inner = optimizer.chained_optimizers[0].optimizer
-    names = {id(p): n for n, p in gpt.named_parameters()}
-    attached = {n: full(p, p) for n, p in gpt.named_parameters()} if figures else {}
+    names = job_names(gpt)
+    attached = {names[id(p)]: full(p, p) for p in gpt.parameters()} if figures else {}
     reports, truths = [], []
     for step in range(steps):
         optimizer.zero_grad()
@@ -226,12 +227,14 @@ def main(
         )
         reporting = figures and mon is not None and mon.reporting_next
         if reporting:
-            grads = {n: full(p.main_grad, p) for n, p in gpt.named_parameters()}
-            before = {n: full(p, p) for n, p in gpt.named_parameters()}
+            grads = {names[id(p)]: full(p.main_grad, p) for p in gpt.parameters()}
+            before = {names[id(p)]: full(p, p) for p in gpt.parameters()}
         optimizer.step()
         if reporting:
-            truths.append(step_truth(gpt, inner, names, grads, before, attached))
-            reports.append(flat_report(mon.latest()))
+            found = step_truth(gpt, inner, names, grads, before, attached)
+            if rank == 0:
+                truths.append(found)
+                reports.append(flat_report(mon.latest()))
         truth.append({"step": step + 1, "micro": current.pop("micro", [])})
     coverage = {}
     if mon is not None:
@@ -269,12 +272,31 @@ def full(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return t.clone().double()
 
 
-def step_truth(gpt, inner, names, grads, before, attached) -> dict[str, float]:
-    """Every optimizer/params/adam figure of the step from the gathered full tensors."""
+def job_names(gpt) -> dict[int, str]:
+    """Each parameter's name in the whole model: a pipeline stage numbers its layers from 0,
+    Megatron's ``layer_number`` (from 1) is the layer's place in the model."""
+    prefixes = {}
+    for name, module in gpt.named_modules():
+        if name.startswith("decoder.layers.") and name.count(".") == 2:
+            prefixes[name + "."] = f"decoder.layers.{module.layer_number - 1}."
+    out = {}
+    for name, p in gpt.named_parameters():
+        for old, new in prefixes.items():
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        out[id(p)] = name
+    return out
+
+
+def step_truth(gpt, inner, names, grads, before, attached) -> dict[str, float] | None:
+    """Every optimizer/params/adam figure of the step from the full tensors of every
+    pipeline stage, gathered to rank 0 (None elsewhere): each stage's tensors whole (a
+    tensor-parallel split gathered over its group), its param groups' members by name."""
+    from megatron.core import parallel_state
+
     from tests.hooks._tp_models import truth
 
-    by_name = dict(gpt.named_parameters())
-    after = {n: full(p, p) for n, p in by_name.items()}
+    after = {names[id(p)]: full(p, p) for p in gpt.parameters()}
     states = {
         names[id(p)]: {
             "step": st["step"],
@@ -283,7 +305,36 @@ def step_truth(gpt, inner, names, grads, before, attached) -> dict[str, float]:
         }
         for p, st in inner.state.items()
     }
-    return truth(gpt, inner, names, grads, before, after, attached, states)
+    groups = [
+        ([names[id(p)] for p in g["params"]], {"betas": g["betas"], "eps": g["eps"]}) for g in inner.param_groups
+    ]
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    mine = (stage, groups, grads, before, after, attached, states)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() != 0:
+        return None
+    per_stage = {}
+    for found in everyone:
+        per_stage.setdefault(found[0], found)
+    merged: list[dict] = [{}, {}, {}, {}, {}]
+    members: list[list[str]] = [[] for _ in groups]
+    for s in sorted(per_stage):
+        _, their_groups, *tensors = per_stage[s]
+        for gi, (group_names, _) in enumerate(their_groups):
+            members[gi] += group_names
+        for into, part in zip(merged, tensors, strict=True):
+            into.update(part)
+    grads, before, after, attached, states = merged
+    placeholders = {n: torch.zeros(0) for n in after}
+    opt = SimpleNamespace(
+        param_groups=[
+            {"params": [placeholders[n] for n in group], **hyper}
+            for group, (_, hyper) in zip(members, groups, strict=True)
+        ]
+    )
+    by_id = {id(t): n for n, t in placeholders.items()}
+    return truth(gpt, opt, by_id, grads, before, after, attached, states)
 
 
 def flat_report(samples: list[dict]) -> dict[str, float]:
