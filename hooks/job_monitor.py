@@ -100,6 +100,8 @@ class Monitor:
         self.sharded = self._placement.sharded
         self.data_parallel_size = self._placement.data_parallel_size
         """The ranks that see different data for the same parameters (Megatron's data-parallel group)."""
+        self.pipeline_stages = self._placement.pipeline_stages
+        """Megatron's pipeline stages: the loss and the LM head are on the last only."""
         self.coverage = CoverageTracker()
         """What each built-in signal covers; signals declare their state here."""
         self.layout_problem = self._placement.layout_problem
@@ -111,7 +113,9 @@ class Monitor:
         logits_module = None
         no_head = None
         self._loss_auto = config.loss_from_logits == AUTO
-        if self._loss_auto:
+        if not self._placement.pipeline_last:
+            pass  # a pipeline stage before the last reads no logits: its loss sums are zeros
+        elif self._loss_auto:
             logits_module, *no_head = find_head(self.model)
         elif config.loss_from_logits:
             logits_module = find_logits_module(self.model, config.loss_from_logits)
@@ -152,6 +156,8 @@ class Monitor:
             self._running.hold(optimizer.register_step_pre_hook(self._steps.before_step))
         for s in self.signals:
             self._running.bind(s, self)
+        if self.pipeline_stages > 1:  # on every stage, in the same place: the reports' vectors alike
+            self._loss_signal()
         if logits_module is not None:
             self._running.hold_all(self._loss_signal().watch_logits(self, logits_module, auto=self._loss_auto))
         elif no_head is not None:  # "auto" found no head: watched without loss accounting, said why

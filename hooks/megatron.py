@@ -44,9 +44,12 @@ __all__ = ["MegatronLayout", "PipelineTable", "global_names", "megatron_layout",
 class MegatronLayout:
     """The sizes of the job's Megatron groups, and each parameter's share from them."""
 
-    def __init__(self, tp: int, pp: int, dp: int, world: int, error: str | None = None) -> None:
+    def __init__(
+        self, tp: int, pp: int, dp: int, world: int, error: str | None = None, last_stage: bool = True
+    ) -> None:
         self.tp, self.pp, self.dp, self.world = tp, pp, dp, world
         self.error = error
+        self.last_stage = last_stage
 
     def describe(self) -> str:
         return f"Megatron tensor parallel {self.tp} x pipeline {self.pp} x data parallel {self.dp}"
@@ -98,11 +101,12 @@ def megatron_layout(world: int) -> MegatronLayout | None:
         tp = module.get_tensor_model_parallel_world_size()
         pp = module.get_pipeline_model_parallel_world_size()
         dp = module.get_data_parallel_world_size(with_context_parallel=True)
+        last = bool(module.is_pipeline_last_stage())
     except Exception as e:  # noqa: BLE001 - another Megatron version's API: withheld, said why
         return MegatronLayout(0, 0, 0, world, error=f"Megatron's parallel_state unreadable ({e!r})")
     if tp == 1 and pp == 1:
         return None
-    return MegatronLayout(tp, pp, dp, world)
+    return MegatronLayout(tp, pp, dp, world, last_stage=last)
 
 
 _PRIVATE: dict[tuple[int, ...], Any] = {}

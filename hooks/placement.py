@@ -45,6 +45,10 @@ class Placement:
         self._megatron: MegatronLayout | None = None
         self._pipeline: PipelineTable | None = None
         self.data_parallel_size = world_size
+        self.pipeline_stages = 1
+        """Megatron's pipeline-parallel size: the stages hold different parameters."""
+        self.pipeline_last = True
+        """This rank is on the last pipeline stage (the one with the LM head)."""
         """The ranks that hold the same parameters and see different data (Megatron's
         data-parallel group; the world otherwise)."""
         self.layout_problem = self._placements(model, optimizer)
@@ -88,6 +92,7 @@ class Placement:
             return f"{weights}; optimizer, parameter and Adam figures withheld"
         self._weights.update(weights)
         if layout.pp > 1:  # every stage's parameters, the others' as empty stand-ins
+            self.pipeline_stages, self.pipeline_last = layout.pp, layout.last_stage
             self.param_names.update(global_names(self._model, clean_name))
             table = PipelineTable.make(self._optimizer, self.param_names, layout)
             if isinstance(table, str):

@@ -62,6 +62,8 @@ class MonitorView(Protocol):
     world_size: int
     data_parallel_size: int
     """The ranks that see different data (the world less a Megatron tensor-parallel split)."""
+    pipeline_stages: int
+    """Megatron's pipeline-parallel size (1: none): only the last stage holds the loss."""
     sharded: bool
     """Some parameter is split across ranks: per-parameter sums are combined over ranks."""
     weighted: bool
