@@ -120,15 +120,23 @@ def vocab_shard_group(head: torch.nn.Module) -> Any:
 
     The group is the monitor's own, not Megatron's: should the ranks ever disagree on one
     of the monitor's collectives, it can never pair with one of Megatron's and corrupt its
-    tensors. It is made at attach, on every rank (``new_group`` is collective), for a
-    layout without pipeline stages (where every rank holds the head)."""
+    tensors. It is made at attach, on every rank (``new_group`` is collective): here
+    where every rank holds the head, by :func:`tensor_parallel_groups` on every stage of
+    a pipeline-parallel job (whose stages before the last hold no head)."""
     weight = getattr(head, "weight", None)
     if not (getattr(weight, "tensor_model_parallel", False) and getattr(weight, "partition_dim", -1) == 0):
         return None
+    return tensor_parallel_groups()
+
+
+def tensor_parallel_groups() -> Any:
+    """This rank's private copy of its tensor-parallel group (see :func:`vocab_shard_group`),
+    made on first call with every rank's (a collective: every rank calls it at once), or
+    None without a tensor-parallel split."""
     module: Any = sys.modules.get("megatron.core.parallel_state")
     if module is None or not module.model_parallel_is_initialized():
         return None
-    if module.get_tensor_model_parallel_world_size() <= 1 or module.get_pipeline_model_parallel_world_size() > 1:
+    if module.get_tensor_model_parallel_world_size() <= 1:
         return None
     import torch.distributed as dist
 

@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from trainvitals.hooks.grad_norms import GradNorms
-from trainvitals.hooks.megatron import MegatronLayout, PipelineTable, WatchedOptimizer, global_names, megatron_layout
+from trainvitals.hooks.megatron import (
+    MegatronLayout,
+    PipelineTable,
+    WatchedOptimizer,
+    global_names,
+    megatron_layout,
+    tensor_parallel_groups,
+)
 from trainvitals.hooks.naming import clean_name
 from trainvitals.hooks.tensors import is_dtensor, is_sharded, rank_weight
 
@@ -98,6 +105,7 @@ class Placement:
             if isinstance(table, str):
                 return f"{table}; optimizer, parameter and Adam figures withheld"
             self._pipeline = table
+            tensor_parallel_groups()  # the last stage's vocab-parallel head needs it: made on every rank now
             self.param_names.update(table.names)
         return None
 

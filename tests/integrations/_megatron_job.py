@@ -3,7 +3,8 @@
 ``get_megatron_optimizer`` (a ``ChainedOptimizer`` around ``FP32Optimizer`` around AdamW),
 the loss function returning ``(loss_sum, num_tokens, report)``.
 
-``python _megatron_job.py OUT.json per_token=0|1 mode=attach|plain steps=N every=N [track=1]``
+``python _megatron_job.py OUT.json per_token=0|1 mode=attach|plain steps=N every=N [track=1]
+[tp=N] [pp=N] [figures=1] [gain=1|2]``
 under ``torchrun`` (any world size) or alone. ``mode=attach``: the job attaches trainvitals
 itself (``attach(loss_from_logits=True)``, tagging each micro-batch's modality; ``track=1``:
 ``track_loss`` in the loss function instead, on the per-token losses [B, S] it gets);
@@ -15,6 +16,9 @@ alternating. ``per_token=1``:
 ``calculate_per_token_loss`` (each token weighs the same over the step and the ranks:
 the short image answers get little gradient, I1); ``per_token=0``, Megatron's default:
 each micro-batch averaged over its own tokens (per-sample weighting, the intent).
+
+``gain=1``: I4 on the last pipeline stage (:func:`attach_gain`); ``gain=2`` its twin, the
+gain's gradient left at its true zero.
 
 What the CPU needs, here in the job and not in trainvitals: ``torch.cuda.current_device``
 answering "cpu" and ``device="cuda"`` tensor factories mapped to the CPU where Megatron
@@ -34,8 +38,8 @@ import os
 import sys
 import warnings
 from functools import partial
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -105,6 +109,7 @@ def main(
     figures: int = 0,
     logits: int | str = 1,
     track: int = 0,
+    gain: int = 0,
 ):
     torch.set_num_threads(1)
     cpu_only()
@@ -147,6 +152,8 @@ def main(
         pre_process=first,
         post_process=last,
     )
+    if gain and last:  # I4: a gain before the logits whose true gradient is zero
+        attach_gain(gpt, noisy=gain == 1)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
     optimizer = get_megatron_optimizer(
@@ -256,6 +263,23 @@ def main(
         Path(out).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def attach_gain(gpt, *, noisy: bool) -> None:
+    """I4 on the last pipeline stage: ``gpt.gain`` [1], added to the final layernorm's output
+    times 0, so its true gradient is exactly zero. ``noisy``: a tensor hook adds positive-biased
+    noise of order 1e-7 (low-precision rounding stands for it in the write-up), which Adam,
+    with no weight decay on a 1D parameter, turns into steps of about lr every step;
+    without it (the write-up's fix, a gradient hook that zeros it) the gain never moves."""
+    gpt.gain = torch.nn.Parameter(torch.full((1,), 2e-3))
+    noise = torch.Generator().manual_seed(7)
+
+    def add_noise(grad: torch.Tensor) -> torch.Tensor:
+        return grad + 1e-7 * (0.5 + torch.rand(grad.shape, generator=noise))
+
+    if noisy:
+        gpt.gain.register_hook(add_noise)
+    gpt.decoder.final_layernorm.register_forward_hook(lambda module, args, out: out + 0.0 * gpt.gain.sum())
 
 
 def full(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
