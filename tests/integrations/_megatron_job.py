@@ -329,9 +329,7 @@ def step_truth(gpt, inner, names, grads, before, attached) -> dict[str, float] |
         }
         for p, st in inner.state.items()
     }
-    groups = [
-        ([names[id(p)] for p in g["params"]], {"betas": g["betas"], "eps": g["eps"]}) for g in inner.param_groups
-    ]
+    groups = [([names[id(p)] for p in g["params"]], {"betas": g["betas"], "eps": g["eps"]}) for g in inner.param_groups]
     stage = parallel_state.get_pipeline_model_parallel_rank()
     mine = (stage, groups, grads, before, after, attached, states)
     everyone = [None] * dist.get_world_size()
