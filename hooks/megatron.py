@@ -196,15 +196,15 @@ class _StateView(Mapping[Any, Any]):
         return None
 
     def get(self, p: Any, default: Any = None) -> Any:
-        shape = self._table.standins.get(id(p))
-        if shape is None:
+        standin = self._table.standins.get(id(p))
+        if standin is None:
             return self._optimizer.state.get(p, default)
         step = self._clock()
         if step is None:
             return default
         made = self._made.get(id(p))
         if made is None or made[0] is not step:
-            empty = torch.zeros(shape, dtype=torch.float32)
+            empty = torch.zeros_like(standin)
             made = self._made[id(p)] = (step, {"step": step, "exp_avg": empty, "exp_avg_sq": empty.clone()})
         return made[1]
 
@@ -247,13 +247,15 @@ class PipelineTable:
     def __init__(self) -> None:
         self.groups: list[list[torch.Tensor]] = []
         self.own: list[torch.Tensor] = []
-        self.standins: dict[int, tuple[int, ...]] = {}  # id -> the empty shape of its moments
+        self.standins: dict[int, torch.Tensor] = {}  # id -> the stand-in (its moments are like it)
         self.names: dict[int, str] = {}
         self.numels: dict[int, int] = {}
         self.everything: list[torch.Tensor] = []  # the job's parameters in group order
 
     @classmethod
-    def make(cls, optimizer: Any, names: dict[int, str], layout: MegatronLayout) -> PipelineTable | str:
+    def make(
+        cls, optimizer: Any, names: dict[int, str], layout: MegatronLayout, device: torch.device
+    ) -> PipelineTable | str:
         import torch.distributed as dist
 
         module: Any = sys.modules["megatron.core.parallel_state"]
@@ -290,8 +292,8 @@ class PipelineTable:
                     continue
                 for name, dim, tail, numel in stages[s][gi]:
                     shape = (0, *tail) if dim >= 1 else (0,)
-                    standin = torch.zeros(shape, dtype=torch.float32)
-                    table.standins[id(standin)] = shape
+                    standin = torch.zeros(shape, dtype=torch.float32, device=device)
+                    table.standins[id(standin)] = standin
                     table.names[id(standin)] = name
                     table.numels[id(standin)] = numel
                     members.append(standin)

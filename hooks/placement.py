@@ -101,7 +101,7 @@ class Placement:
         if layout.pp > 1:  # every stage's parameters, the others' as empty stand-ins
             self.pipeline_stages, self.pipeline_last = layout.pp, layout.last_stage
             self.param_names.update(global_names(self._model, clean_name))
-            table = PipelineTable.make(self._optimizer, self.param_names, layout)
+            table = PipelineTable.make(self._optimizer, self.param_names, layout, self.device)
             if isinstance(table, str):
                 return f"{table}; optimizer, parameter and Adam figures withheld"
             self._pipeline = table

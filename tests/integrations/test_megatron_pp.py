@@ -133,3 +133,12 @@ def test_tp2_by_pp2_on_four_ranks_every_figure_exact(tmp_path):
     got, reports, _ = _run(tmp_path, "tp=2", "per_token=1", "steps=3", "figures=1", "logits=1", world=4)
     _check_stages(got)
     _check_loss(reports, _loss_truth(got, True), [1, 2, 3], dilution=True)
+
+
+def test_pp2_by_dp2_on_four_ranks_every_figure_exact(tmp_path):
+    """Four ranks: two data-parallel copies of a PP=2 model. Each stage's parameters count
+    1/2 on each copy; Megatron's default loss is averaged over the data-parallel ranks."""
+    got, reports, _ = _run(tmp_path, "per_token=0", "steps=3", "figures=1", "logits=1", "gain=1", world=4)
+    assert got["world"] == 2  # the job writes the data-parallel size
+    _check_stages(got)
+    _check_loss(reports, _loss_truth(got, False), [1, 2, 3])

@@ -243,8 +243,7 @@ class LossReport(LossEvents):
             as_is=True,
         )
 
-    @staticmethod
-    def _stage_meta(acc: Accumulated, zero_code: bool, device: torch.device) -> torch.Tensor:
+    def _stage_meta(self, acc: Accumulated, zero_code: bool, device: torch.device) -> torch.Tensor:
         """What the emission reads of a step's host bookkeeping, as numbers combined by
         max over the ranks: on a pipeline-parallel job only the last stage tracks the loss,
         and rank 0, the sender, is on the first (:meth:`_pipeline_emit` reads them back).
@@ -253,7 +252,8 @@ class LossReport(LossEvents):
         code = 0.0 if acc.normalization is None else 1.0 + sorted(NORMALIZATIONS).index(acc.normalization)
         head = [float(acc.fired), float(acc.output), float(zero_code), float(bool(acc.withheld)), code]
         weights = [acc.weights.get(k, float("-inf")) for k in range(MAX_OBJECTIVES)]
-        return torch.tensor(head + [float(c) for c in acc.calls] + weights, dtype=torch.float32).to(device)
+        # the same numbers step after step: one kept tensor, no copy to the device per report
+        return self._indices.get(head + [float(c) for c in acc.calls] + weights, device, torch.float32)
 
     def _pipeline_emit(
         self,
