@@ -38,7 +38,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["MegatronLayout", "PipelineTable", "global_names", "megatron_layout", "vocab_shard_group"]
+__all__ = [
+    "MegatronLayout",
+    "PipelineTable",
+    "WatchedOptimizer",
+    "global_names",
+    "megatron_layout",
+    "tensor_parallel_groups",
+    "vocab_shard_group",
+]
 
 
 class MegatronLayout:

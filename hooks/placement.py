@@ -85,7 +85,9 @@ class Placement:
 
     def _megatron_placements(self, named: Sequence[tuple[str, torch.Tensor]]) -> str | None:
         """Megatron's tensor-parallel shards (plain tensors marked by Megatron): each
-        parameter's share from the job's Megatron groups (:mod:`trainvitals.hooks.megatron`)."""
+        parameter's share from the job's Megatron groups (:mod:`trainvitals.hooks.megatron`);
+        with pipeline stages, the job-wide parameter table the signals watch (collectives at
+        attach, made on every rank before any can return)."""
         layout = megatron_layout(self.world_size)
         if layout is None:
             return None
@@ -94,19 +96,22 @@ class Placement:
         if layout.tp * layout.pp * layout.dp == self.world_size:
             self.data_parallel_size = layout.dp
         problem = layout.problem()
+        if layout.pp > 1:  # the collectives first, on every rank alike (none returns before them)
+            self.pipeline_stages, self.pipeline_last = layout.pp, layout.last_stage
+            tensor_parallel_groups()  # the last stage's vocab-parallel head needs it; the others hold none
+            if problem is None:  # every stage's parameters, the others' as empty stand-ins
+                self.param_names.update(global_names(self._model, clean_name))
+                table = PipelineTable.make(self._optimizer, self.param_names, layout, self.device)
+                if isinstance(table, str):
+                    problem = table
+                else:
+                    self._pipeline = table
+                    self.param_names.update(table.names)
         weights = layout.weigh(named, clean_name) if problem is None else problem
         if isinstance(weights, str):
+            self._pipeline = None
             return f"{weights}; optimizer, parameter and Adam figures withheld"
         self._weights.update(weights)
-        if layout.pp > 1:  # every stage's parameters, the others' as empty stand-ins
-            self.pipeline_stages, self.pipeline_last = layout.pp, layout.last_stage
-            self.param_names.update(global_names(self._model, clean_name))
-            table = PipelineTable.make(self._optimizer, self.param_names, layout, self.device)
-            if isinstance(table, str):
-                return f"{table}; optimizer, parameter and Adam figures withheld"
-            self._pipeline = table
-            tensor_parallel_groups()  # the last stage's vocab-parallel head needs it: made on every rank now
-            self.param_names.update(table.names)
         return None
 
     def watched(self, optimizer: torch.optim.Optimizer) -> Any:
