@@ -142,3 +142,19 @@ def test_pp2_by_dp2_on_four_ranks_every_figure_exact(tmp_path):
     assert got["world"] == 2  # the job writes the data-parallel size
     _check_stages(got)
     _check_loss(reports, _loss_truth(got, False), [1, 2, 3])
+
+
+def test_pp2_without_loss_accounting_reads_not_requested(tmp_path):
+    """A pipeline job that asks for no loss accounting: every stage still lays out the loss
+    sums (the reports' vectors alike), and the loss reads ``not_requested``, no blind spot;
+    the optimizer, params and adam figures are active (no longer withheld)."""
+    _, reports, stderr = _run(tmp_path, "per_token=1", "steps=3", "logits=0")
+    assert [r["step"] for r in reports if r.get("samples") is not None][-1] == 3
+    for r in reports[:-1]:  # (the run_end report repeats the last one's)
+        coverage = {e["signal"]: e for e in r["coverage"]}
+        assert all(coverage[s]["active"] for s in ("optimizer", "params", "adam")), coverage
+        assert (coverage["loss"]["active"], coverage["loss"]["reason"]) == (False, "not_requested")
+        assert not any(s["name"].startswith("loss") for s in r.get("samples", []))
+    assert figures(reports, "grad_norm") and not firing(reports)
+    closing = [line for line in stderr.splitlines() if "closed after 3 optimizer step(s)" in line]
+    assert closing and all("not requested: loss" in line for line in closing), closing

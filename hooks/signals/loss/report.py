@@ -287,7 +287,11 @@ class LossReport(LossEvents):
             fired, output, zero_code, withheld, code = values[:5]
             calls = [int(c) for c in values[5 : 5 + MAX_OBJECTIVES]]
             weights = {k: w for k, w in enumerate(values[5 + MAX_OBJECTIVES :]) if w != float("-inf")}
-            if not fired:
+            if not fired and not any(calls):  # as a job without pipeline stages that never asked
+                sub.inactive_when(
+                    "loss", None, "not_requested", "no track_loss call and no LM head read on any pipeline stage"
+                )
+            elif not fired:
                 sub.inactive_when("loss", None, "no_input", "no loss got a gradient on any pipeline stage in the step")
             taken = Accumulated(
                 calls=calls,
