@@ -25,6 +25,7 @@ from trainvitals.hooks import distributed
 from trainvitals.hooks import pack as packing
 from trainvitals.hooks.config import Config
 from trainvitals.hooks.coverage import CoverageTracker
+from trainvitals.hooks.grad_norms import GradNorms
 from trainvitals.hooks.lifecycle import StepLifecycle
 from trainvitals.hooks.live_settings import LiveSettings
 from trainvitals.hooks.logits_finder import AUTO, find_head, find_logits_module
@@ -93,10 +94,14 @@ class Monitor:
         self._placement = Placement(self.model, optimizer, self.world_size, self.warn_once)
         """Where the parameters live: names, device, how per-rank sums combine."""
         self.param_names = self._placement.param_names
+        self.optimizer = self._placement.watched(optimizer)
+        """As the signals see it: on a pipeline-parallel job, every stage's parameters."""
         self.device = self._placement.device
         self.sharded = self._placement.sharded
         self.data_parallel_size = self._placement.data_parallel_size
         """The ranks that see different data for the same parameters (Megatron's data-parallel group)."""
+        self.pipeline_stages = self._placement.pipeline_stages
+        """Megatron's pipeline stages: the loss and the LM head are on the last only."""
         self.coverage = CoverageTracker()
         """What each built-in signal covers; signals declare their state here."""
         self.layout_problem = self._placement.layout_problem
@@ -108,7 +113,9 @@ class Monitor:
         logits_module = None
         no_head = None
         self._loss_auto = config.loss_from_logits == AUTO
-        if self._loss_auto:
+        if not self._placement.pipeline_last:
+            pass  # a pipeline stage before the last reads no logits: its loss sums are zeros
+        elif self._loss_auto:
             logits_module, *no_head = find_head(self.model)
         elif config.loss_from_logits:
             logits_module = find_logits_module(self.model, config.loss_from_logits)
@@ -149,6 +156,8 @@ class Monitor:
             self._running.hold(optimizer.register_step_pre_hook(self._steps.before_step))
         for s in self.signals:
             self._running.bind(s, self)
+        if self.pipeline_stages > 1:  # on every stage, in the same place: the reports' vectors alike
+            self._loss_signal()
         if logits_module is not None:
             self._running.hold_all(self._loss_signal().watch_logits(self, logits_module, auto=self._loss_auto))
         elif no_head is not None:  # "auto" found no head: watched without loss accounting, said why
@@ -177,6 +186,11 @@ class Monitor:
         """What this rank's partial sums of ``p`` count for in the sum over ranks
         (:meth:`Placement.weight_of`)."""
         return self._placement.weight_of(p)
+
+    def job_grad_norms(self, norms: GradNorms) -> GradNorms:
+        """The step's gradient norms over every parameter the signals watch
+        (:meth:`Placement.job_grad_norms`: a pipeline stage's, laid out job-wide)."""
+        return self._placement.job_grad_norms(norms)
 
     def numel_of(self, p: torch.Tensor) -> int:
         """The element count of the whole of ``p``: a DTensor's is global already; a

@@ -78,7 +78,8 @@ class StepLifecycle:
             for s in self.signals.items:
                 s.run_guarded("before_step", s.before_step, mon, self.reporting)
             if self.reporting:
-                self._grad_norms = self._take_grad_norms()
+                found = self._take_grad_norms()
+                self._grad_norms = mon.job_grad_norms(found) if found is not None else None
         finally:
             torch.set_grad_enabled(grad_was)
 

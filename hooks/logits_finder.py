@@ -9,6 +9,7 @@ model's output), or a tuple whose first tensor is the logits (Megatron's
 The head is found by what it is, not by its size:
 
 - Hugging Face's ``get_output_embeddings()`` where a module has it;
+- Megatron-core's ``output_layer`` (on the last pipeline stage, beside no embedding);
 - else the module whose weight *is* the token embedding's (a tied head, as in
   nanoGPT and GPT-2);
 - else the last module with a 2-D ``weight`` of ``[vocab, width]`` (an
@@ -131,6 +132,9 @@ def find_logits_module(model: nn.Module, spec: Any) -> nn.Module:
     head = _hf_output_embeddings(model)
     if head is not None:
         return head
+    head = _megatron_output_layer(model)
+    if head is not None:  # its last pipeline stage holds no token embedding to size it by
+        return head
     emb = token_embedding(model)
     if emb is not None:
         tied = [m for m in model.modules() if m is not emb and getattr(m, "weight", None) is emb.weight]
@@ -153,6 +157,15 @@ def find_logits_module(model: nn.Module, spec: Any) -> nn.Module:
         "get_output_embeddings(), no module tied to or sized like the token embedding); pass "
         "its name, loss_from_logits='lm_head' (a name from model.named_modules())"
     )
+
+
+def _megatron_output_layer(model: nn.Module) -> nn.Module | None:
+    """Megatron-core's language model's output layer (``GPTModel.output_layer``, present on
+    the last pipeline stage), or None."""
+    head = getattr(model, "output_layer", None)
+    if type(model).__module__.startswith("megatron.") and isinstance(head, nn.Module):
+        return head
+    return None
 
 
 def _as_named(spec: str, named: dict[str, nn.Module]) -> str:

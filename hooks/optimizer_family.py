@@ -40,6 +40,7 @@ _SGD_NAMES = ("sgd",)
 
 def optimizer_family(optimizer: Any) -> Family:
     """``"adam"``, ``"sgd"`` or ``"unknown"`` for ``optimizer`` (a torch optimizer)."""
+    optimizer = getattr(optimizer, "watched_from", optimizer)  # the monitor's view of a pipeline job's
     if isinstance(optimizer, _ADAM_LIKE):
         return "adam"
     if isinstance(optimizer, _SGD_LIKE):

@@ -14,7 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainvitals.hooks.megatron import MegatronLayout, megatron_layout
+from trainvitals.hooks.grad_norms import GradNorms
+from trainvitals.hooks.megatron import (
+    MegatronLayout,
+    PipelineTable,
+    WatchedOptimizer,
+    global_names,
+    megatron_layout,
+    tensor_parallel_groups,
+)
 from trainvitals.hooks.naming import clean_name
 from trainvitals.hooks.tensors import is_dtensor, is_sharded, rank_weight, spanning_meshes
 
@@ -33,6 +41,8 @@ class Placement:
     ) -> None:
         self.world_size = world_size
         self._warn_once = warn_once
+        self._model, self._optimizer = model, optimizer
+        self._grad_index: tuple[tuple[int, ...], torch.Tensor] | None = None
         self.param_names: dict[int, str] = {id(p): clean_name(n) for n, p in model.named_parameters()}
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
@@ -41,10 +51,15 @@ class Placement:
         self._grad_checked: tuple[tuple[int, ...], str | None] | None = None
         self._megatron: MegatronLayout | None = None
         self._spanning: list[Any] = []  # the named meshes DTensor parameters span the job on
+        self._pipeline: PipelineTable | None = None
         self.data_parallel_size = world_size
         """The ranks that hold the same parameters and see different data (Megatron's
         data-parallel group; the mesh FSDP2 shards over, ``mesh["dp"]`` beside tensor
         parallelism; the world otherwise)."""
+        self.pipeline_stages = 1
+        """Megatron's pipeline-parallel size: the stages hold different parameters."""
+        self.pipeline_last = True
+        """This rank is on the last pipeline stage (the one with the LM head)."""
         self.layout_problem = self._placements(model, optimizer)
         """A parameter layout whose per-rank sums cannot be combined (named), or None."""
         self.weighted = self.sharded and any(w != 1.0 for w in self._weights.values())
@@ -76,20 +91,55 @@ class Placement:
 
     def _megatron_placements(self, named: Sequence[tuple[str, torch.Tensor]]) -> str | None:
         """Megatron's tensor-parallel shards (plain tensors marked by Megatron): each
-        parameter's share from the job's Megatron groups (:mod:`trainvitals.hooks.megatron`)."""
+        parameter's share from the job's Megatron groups (:mod:`trainvitals.hooks.megatron`);
+        with pipeline stages, the job-wide parameter table the signals watch (collectives at
+        attach, made on every rank before any can return)."""
         layout = megatron_layout(self.world_size)
         if layout is None:
             return None
         self.sharded = True  # combined over the job by each parameter's share
         self._megatron = layout
-        if layout.tp * layout.pp * layout.dp == self.world_size and layout.pp == 1:
+        if layout.tp * layout.pp * layout.dp == self.world_size:
             self.data_parallel_size = layout.dp
         problem = layout.problem()
+        if layout.pp > 1:  # the collectives first, on every rank alike (none returns before them)
+            self.pipeline_stages, self.pipeline_last = layout.pp, layout.last_stage
+            tensor_parallel_groups()  # the last stage's vocab-parallel head needs it; the others hold none
+            if problem is None:  # every stage's parameters, the others' as empty stand-ins
+                self.param_names.update(global_names(self._model, clean_name))
+                table = PipelineTable.make(self._optimizer, self.param_names, layout, self.device)
+                if isinstance(table, str):
+                    problem = table
+                else:
+                    self._pipeline = table
+                    self.param_names.update(table.names)
         weights = layout.weigh(named, clean_name) if problem is None else problem
         if isinstance(weights, str):
+            self._pipeline = None
             return f"{weights}; optimizer, parameter and Adam figures withheld"
         self._weights.update(weights)
         return None
+
+    def watched(self, optimizer: torch.optim.Optimizer) -> Any:
+        """The optimizer as the signals see it: on a pipeline-parallel job every stage's
+        parameters (:class:`~trainvitals.hooks.megatron.WatchedOptimizer`), else itself."""
+        return WatchedOptimizer(optimizer, self._pipeline) if self._pipeline is not None else optimizer
+
+    def job_grad_norms(self, norms: GradNorms) -> GradNorms:
+        """``norms`` over the job's parameters on a pipeline-parallel job (0 for the other
+        stages' stand-ins and a parameter of this stage without a gradient), so that every
+        rank's per-parameter rows have the same layout; else ``norms`` itself."""
+        table = self._pipeline
+        if table is None:
+            return norms
+        key = tuple(map(id, norms.params))
+        if self._grad_index is None or self._grad_index[0] != key or self._grad_index[1].device != norms.norms.device:
+            position = {id(p): j for j, p in enumerate(table.everything)}
+            index = torch.tensor([position[id(p)] for p in norms.params], dtype=torch.long)
+            self._grad_index = (key, index.to(norms.norms.device))
+        out = norms.norms.new_zeros(len(table.everything))
+        out.index_copy_(0, self._grad_index[1], norms.norms)
+        return GradNorms(list(table.everything), out, norms.measured)
 
     def grad_layout_problem(self, params: list[torch.Tensor]) -> str | None:
         """A DTensor parameter among ``params`` whose gradient is placed otherwise than
@@ -135,6 +185,8 @@ class Placement:
     def numel_of(self, p: torch.Tensor) -> int:
         """The element count of the whole of ``p``: a DTensor's is global already; a
         Megatron tensor-parallel split's is its piece's times the group's size."""
+        if self._pipeline is not None and id(p) in self._pipeline.numels:
+            return self._pipeline.numels[id(p)]
         return self._megatron.numel(p) if self._megatron is not None else p.numel()
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str:

@@ -47,8 +47,9 @@ class Watched(Protocol):
 def start_line(monitor: Watched, entries: list[dict[str, Any]], sender: Sender) -> str:
     """What the monitor watches, in words (``attach`` logs it); ``entries``: the
     coverage each signal would have now."""
+    optimizer = getattr(monitor.optimizer, "watched_from", monitor.optimizer)  # a pipeline job's view: its own
     return (
-        f"run {monitor.run!r}, {type(monitor.optimizer).__name__} on {type(monitor.model).__name__}: "
+        f"run {monitor.run!r}, {type(optimizer).__name__} on {type(monitor.model).__name__}: "
         f"{monitor.coverage.describe(entries)}; reports every {monitor.config.every} "
         f"optimizer steps to {sender.sink!r}"
     )

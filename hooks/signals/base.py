@@ -62,6 +62,8 @@ class MonitorView(Protocol):
     world_size: int
     data_parallel_size: int
     """The ranks that see different data (the world less a Megatron tensor-parallel split)."""
+    pipeline_stages: int
+    """Megatron's pipeline-parallel size (1: none): only the last stage holds the loss."""
     sharded: bool
     """Some parameter is split across ranks: per-parameter sums are combined over ranks."""
     weighted: bool
@@ -88,6 +90,11 @@ class MonitorView(Protocol):
 
     def numel_of(self, p: torch.Tensor) -> int:
         """The element count of the whole of ``p`` (all its shards)."""
+        ...
+
+    def job_grad_norms(self, norms: GradNorms) -> GradNorms:
+        """The step's gradient norms over every parameter the signals watch (a pipeline
+        stage's laid out job-wide; else ``norms``)."""
         ...
 
     def groups(self) -> list[tuple[str, dict[str, Any]]]: ...

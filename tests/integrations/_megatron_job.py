@@ -3,7 +3,8 @@
 ``get_megatron_optimizer`` (a ``ChainedOptimizer`` around ``FP32Optimizer`` around AdamW),
 the loss function returning ``(loss_sum, num_tokens, report)``.
 
-``python _megatron_job.py OUT.json per_token=0|1 mode=attach|plain steps=N every=N [track=1]``
+``python _megatron_job.py OUT.json per_token=0|1 mode=attach|plain steps=N every=N [track=1]
+[tp=N] [pp=N] [figures=1] [gain=1|2]``
 under ``torchrun`` (any world size) or alone. ``mode=attach``: the job attaches trainvitals
 itself (``attach(loss_from_logits=True)``, tagging each micro-batch's modality; ``track=1``:
 ``track_loss`` in the loss function instead, on the per-token losses [B, S] it gets);
@@ -15,6 +16,9 @@ alternating. ``per_token=1``:
 ``calculate_per_token_loss`` (each token weighs the same over the step and the ranks:
 the short image answers get little gradient, I1); ``per_token=0``, Megatron's default:
 each micro-batch averaged over its own tokens (per-sample weighting, the intent).
+
+``gain=1``: I4 on the last pipeline stage (:func:`attach_gain`); ``gain=2`` its twin, the
+gain's gradient left at its true zero.
 
 What the CPU needs, here in the job and not in trainvitals: ``torch.cuda.current_device``
 answering "cpu" and ``device="cuda"`` tensor factories mapped to the CPU where Megatron
@@ -35,6 +39,7 @@ import sys
 import warnings
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -104,6 +109,7 @@ def main(
     figures: int = 0,
     logits: int | str = 1,
     track: int = 0,
+    gain: int = 0,
 ):
     torch.set_num_threads(1)
     cpu_only()
@@ -146,6 +152,8 @@ def main(
         pre_process=first,
         post_process=last,
     )
+    if gain and last:  # I4: a gain before the logits whose true gradient is zero
+        attach_gain(gpt, noisy=gain == 1)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
     optimizer = get_megatron_optimizer(
@@ -208,8 +216,8 @@ def main(
     forward_backward = get_forward_backward_func()
     data = samples(data_rank, steps * micro, mbs)  # the same batches on the ranks of a tensor-parallel group
     inner = optimizer.chained_optimizers[0].optimizer
-    names = {id(p): n for n, p in gpt.named_parameters()}
-    attached = {n: full(p, p) for n, p in gpt.named_parameters()} if figures else {}
+    names = job_names(gpt)
+    attached = {names[id(p)]: full(p, p) for p in gpt.parameters()} if figures else {}
     reports, truths = [], []
     for step in range(steps):
         optimizer.zero_grad()
@@ -226,12 +234,14 @@ def main(
         )
         reporting = figures and mon is not None and mon.reporting_next
         if reporting:
-            grads = {n: full(p.main_grad, p) for n, p in gpt.named_parameters()}
-            before = {n: full(p, p) for n, p in gpt.named_parameters()}
+            grads = {names[id(p)]: full(p.main_grad, p) for p in gpt.parameters()}
+            before = {names[id(p)]: full(p, p) for p in gpt.parameters()}
         optimizer.step()
         if reporting:
-            truths.append(step_truth(gpt, inner, names, grads, before, attached))
-            reports.append(flat_report(mon.latest()))
+            found = step_truth(gpt, inner, names, grads, before, attached)
+            if rank == 0:
+                truths.append(found)
+                reports.append(flat_report(mon.latest()))
         truth.append({"step": step + 1, "micro": current.pop("micro", [])})
     coverage = {}
     if mon is not None:
@@ -255,6 +265,23 @@ def main(
     dist.destroy_process_group()
 
 
+def attach_gain(gpt, *, noisy: bool) -> None:
+    """I4 on the last pipeline stage: ``gpt.gain`` [1], added to the final layernorm's output
+    times 0, so its true gradient is exactly zero. ``noisy``: a tensor hook adds positive-biased
+    noise of order 1e-7 (low-precision rounding stands for it in the write-up), which Adam,
+    with no weight decay on a 1D parameter, turns into steps of about lr every step;
+    without it (the write-up's fix, a gradient hook that zeros it) the gain never moves."""
+    gpt.gain = torch.nn.Parameter(torch.full((1,), 2e-3))
+    noise = torch.Generator().manual_seed(7)
+
+    def add_noise(grad: torch.Tensor) -> torch.Tensor:
+        return grad + 1e-7 * (0.5 + torch.rand(grad.shape, generator=noise))
+
+    if noisy:
+        gpt.gain.register_hook(add_noise)
+    gpt.decoder.final_layernorm.register_forward_hook(lambda module, args, out: out + 0.0 * gpt.gain.sum())
+
+
 def full(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a parameter's piece ``t`` (the parameter, its gradient or an Adam
     moment): a tensor-parallel split gathered over its group along ``partition_dim``."""
@@ -269,12 +296,31 @@ def full(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return t.clone().double()
 
 
-def step_truth(gpt, inner, names, grads, before, attached) -> dict[str, float]:
-    """Every optimizer/params/adam figure of the step from the gathered full tensors."""
+def job_names(gpt) -> dict[int, str]:
+    """Each parameter's name in the whole model: a pipeline stage numbers its layers from 0,
+    Megatron's ``layer_number`` (from 1) is the layer's place in the model."""
+    prefixes = {}
+    for name, module in gpt.named_modules():
+        if name.startswith("decoder.layers.") and name.count(".") == 2:
+            prefixes[name + "."] = f"decoder.layers.{module.layer_number - 1}."
+    out = {}
+    for name, p in gpt.named_parameters():
+        for old, new in prefixes.items():
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        out[id(p)] = name
+    return out
+
+
+def step_truth(gpt, inner, names, grads, before, attached) -> dict[str, float] | None:
+    """Every optimizer/params/adam figure of the step from the full tensors of every
+    pipeline stage, gathered to rank 0 (None elsewhere): each stage's tensors whole (a
+    tensor-parallel split gathered over its group), its param groups' members by name."""
+    from megatron.core import parallel_state
+
     from tests.hooks._tp_models import truth
 
-    by_name = dict(gpt.named_parameters())
-    after = {n: full(p, p) for n, p in by_name.items()}
+    after = {names[id(p)]: full(p, p) for p in gpt.parameters()}
     states = {
         names[id(p)]: {
             "step": st["step"],
@@ -283,7 +329,34 @@ def step_truth(gpt, inner, names, grads, before, attached) -> dict[str, float]:
         }
         for p, st in inner.state.items()
     }
-    return truth(gpt, inner, names, grads, before, after, attached, states)
+    groups = [([names[id(p)] for p in g["params"]], {"betas": g["betas"], "eps": g["eps"]}) for g in inner.param_groups]
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    mine = (stage, groups, grads, before, after, attached, states)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() != 0:
+        return None
+    per_stage = {}
+    for found in everyone:
+        per_stage.setdefault(found[0], found)
+    merged: list[dict] = [{}, {}, {}, {}, {}]
+    members: list[list[str]] = [[] for _ in groups]
+    for s in sorted(per_stage):
+        _, their_groups, *tensors = per_stage[s]
+        for gi, (group_names, _) in enumerate(their_groups):
+            members[gi] += group_names
+        for into, part in zip(merged, tensors, strict=True):
+            into.update(part)
+    grads, before, after, attached, states = merged
+    placeholders = {n: torch.zeros(0) for n in after}
+    opt = SimpleNamespace(
+        param_groups=[
+            {"params": [placeholders[n] for n in group], **hyper}
+            for group, (_, hyper) in zip(members, groups, strict=True)
+        ]
+    )
+    by_id = {id(t): n for n, t in placeholders.items()}
+    return truth(gpt, opt, by_id, grads, before, after, attached, states)
 
 
 def flat_report(samples: list[dict]) -> dict[str, float]:

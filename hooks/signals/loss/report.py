@@ -103,6 +103,7 @@ from trainvitals.hooks.late_warnings import LateWarnings
 from trainvitals.hooks.optimizer_family import FAMILY_VALUE, optimizer_family
 from trainvitals.hooks.signals.base import MonitorView
 from trainvitals.hooks.signals.loss.accumulated import Accumulated, Snapshot
+from trainvitals.hooks.signals.loss.arguments import MAX_OBJECTIVES, NORMALIZATIONS
 from trainvitals.hooks.signals.loss.deferred import Deferred
 from trainvitals.hooks.signals.loss.events import LossEvents
 from trainvitals.hooks.signals.loss.labels import ModalityLabels
@@ -224,14 +225,86 @@ class LossReport(LossEvents):
         # in their own dtype (no copy): nothing writes them before the next step's first
         # micro-batch.
         objectives = self._objectives
-        if monitor.data_parallel_size != monitor.world_size:  # a tensor-parallel group's ranks hold the same sums
-            sums = sums * (monitor.data_parallel_size / monitor.world_size)
+        copies = monitor.world_size / (monitor.data_parallel_size * monitor.pipeline_stages)
+        if copies != 1:  # a tensor-parallel group's ranks hold the same sums
+            sums = sums * (1 / copies)
+        if monitor.pipeline_stages > 1:  # what the last stage knows travels with the sums
+            meta = self._stage_meta(acc, zero_code, sums.device)
+            ctx.combine(
+                [(sums, "sum"), (extremes, "max"), (meta, "max")],
+                lambda s, ext, known: self._pipeline_emit(monitor, ctx, s, ext, known, counting, objectives),
+                across_ranks=True,
+            )
+            return
         ctx.combine(
             [(sums, "sum"), (extremes, "max")],
             lambda s, ext: self._emit(monitor, ctx, s, ext, acc, counting, zero_code, probe, gram, objectives),
             across_ranks=True,
             as_is=True,
         )
+
+    def _stage_meta(self, acc: Accumulated, zero_code: bool, device: torch.device) -> torch.Tensor:
+        """What the emission reads of a step's host bookkeeping, as numbers combined by
+        max over the ranks: on a pipeline-parallel job only the last stage tracks the loss,
+        and rank 0, the sender, is on the first (:meth:`_pipeline_emit` reads them back).
+        [fired, output, zero-code, withheld, normalization code, calls per objective slot,
+        declared weight per slot (-inf: none)]."""
+        code = 0.0 if acc.normalization is None else 1.0 + sorted(NORMALIZATIONS).index(acc.normalization)
+        head = [float(acc.fired), float(acc.output), float(zero_code), float(bool(acc.withheld)), code]
+        weights = [acc.weights.get(k, float("-inf")) for k in range(MAX_OBJECTIVES)]
+        # the same numbers step after step: one kept tensor, no copy to the device per report
+        return self._indices.get(head + [float(c) for c in acc.calls] + weights, device, torch.float32)
+
+    def _pipeline_emit(
+        self,
+        monitor: MonitorView,
+        ctx: StepContext,
+        sums: torch.Tensor,
+        extremes: torch.Tensor,
+        meta: torch.Tensor,
+        counting: bool,
+        objectives: dict[str, int],
+    ) -> None:
+        """The figures of a pipeline-parallel job's step, made on the sender thread from the
+        sums and the last stage's bookkeeping (:meth:`_stage_meta`) combined over every stage."""
+        lay = self._layout
+        host = self._host
+        if host is None:
+            host = self._host = LossReport(SumsLayout(lay.bins - 1, lay.objectives), self._objectives, self._late)
+        view = Snapshot(
+            monitor.modalities,
+            monitor.config,
+            monitor.world_size,
+            monitor.warn_once,
+            monitor.optimizer,
+            monitor.data_parallel_size,
+        )
+        names = dict(objectives)
+
+        def run(sub: StepContext, parts: list[torch.Tensor]) -> None:
+            s, ext, known = parts
+            values = [float(v) for v in known.tolist()]
+            fired, output, zero_code, withheld, code = values[:5]
+            calls = [int(c) for c in values[5 : 5 + MAX_OBJECTIVES]]
+            weights = {k: w for k, w in enumerate(values[5 + MAX_OBJECTIVES :]) if w != float("-inf")}
+            if not fired and not any(calls):  # as a job without pipeline stages that never asked
+                sub.inactive_when(
+                    "loss", None, "not_requested", "no track_loss call and no LM head read on any pipeline stage"
+                )
+            elif not fired:
+                sub.inactive_when("loss", None, "no_input", "no loss got a gradient on any pipeline stage in the step")
+            taken = Accumulated(
+                calls=calls,
+                weights=weights,
+                normalization=None if code == 0 else sorted(NORMALIZATIONS)[int(code) - 1],
+                fired=bool(fired),
+                output=bool(output),
+                withheld="the last pipeline stage's packed rows" if withheld else "",
+            )
+            with host._lock:
+                host._emit(view, sub, s, ext, taken, counting, bool(zero_code), None, None, names)
+
+        ctx.on_host([sums, extremes, meta], run)
 
     def _emit(
         self,

@@ -93,6 +93,8 @@ class LossAccounting(ZeroCodeSeams):
         if monitor.config.probe_every is not None:
             self._probe = ModalityProbe(monitor)
         self._report = LossReport(self._layout, self._objectives, self._late)
+        if monitor.pipeline_stages > 1:  # "main" in the same slot on the stage that reads no loss
+            self._slot("main")
         return []
 
     def settings_changed(self, monitor: MonitorView, old: Config, new: Config) -> None:
@@ -280,6 +282,8 @@ class LossAccounting(ZeroCodeSeams):
             monitor.coverage.set_active("probe")
         if step is not None and step.fired:
             self._unfed = 0
+            return
+        if monitor.pipeline_stages > 1:  # the loss is on the last stage: judged from every stage's (report)
             return
         if not self._zero_code:
             tracked = step is not None and step.tracked > 0

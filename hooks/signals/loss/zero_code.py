@@ -198,7 +198,7 @@ class ZeroCodeSeams(StepBook):
     def tag(self, monitor: MonitorView, modality: Any, segments: Any) -> None:
         """Modality codes and packed-row segment ids of the next logits (checked against
         their shape when the logits arrive)."""
-        if not self._zero_code:
+        if not self._zero_code and monitor.pipeline_stages == 1:  # (a stage before the last reads no logits)
             raise ValueError(
                 "tag_batch needs zero-code loss accounting: attach(..., loss_from_logits=True); "
                 "with track_loss pass modality= and segments= to it instead"
