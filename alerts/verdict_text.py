@@ -60,6 +60,7 @@ _WHY_NOT = {
     "not_adam": "no Adam moments",
     "no_parameters": "nothing to watch",
     "not_packed": "no packed rows",
+    "ranks_disagree": "data-parallel ranks disagreed",
 }
 """A coverage reason in a few words, for the verdict's headline (the full detail is in
 the coverage lines)."""

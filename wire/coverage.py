@@ -56,6 +56,7 @@ ReasonName = Literal[
     "not_adam",
     "no_parameters",
     "not_packed",
+    "ranks_disagree",
 ]
 
 SIGNALS = _SIGNALS
@@ -89,6 +90,8 @@ REASONS: Mapping[str, str] = {
     "not_adam": "the optimizer keeps no Adam moments (exp_avg/exp_avg_sq)",
     "no_parameters": "nothing it watches is in the model or the optimizer (no 1D parameter, no gradient)",
     "not_packed": "no row of the reported step's micro-batch holds several samples: no packing to check",
+    "ranks_disagree": "data-parallel ranks disagreed on this report (their steps, report intervals or the partials "
+    "they sent differ): its cross-rank figures are withheld, the ranks realigned for the next report",
 }
 """Why a signal is inactive: the closed list (a reason is a label value on /metrics)."""
 assert tuple(REASONS) == get_args(ReasonName), "REASONS and ReasonName list the same reasons"
