@@ -24,6 +24,7 @@ finalization), waits until the threads have let go of every tensor we handed the
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import weakref
@@ -91,6 +92,7 @@ HEADER = _HEAD + 4 * SLOTS
 RUNNING, OFF = 1.0, 2.0  # an entry's state
 
 
+@functools.lru_cache(maxsize=1024)
 def key_of(name: str) -> int:
     """A stable 31-bit key for a signal's name (the same on every rank and process)."""
     return zlib.crc32(name.encode()) & 0x7FFF_FFFF
@@ -163,6 +165,8 @@ class ReportCollective:
             for r in reduces:
                 r.then(r.tensor)
             return out
+        for m in members:
+            m.reduces = []
         mine = Member("trainvitals.monitor")
         by_owner = {id(m.owner): m for m in members if m.owner is not None}
         for r in reduces:
@@ -185,11 +189,11 @@ class ReportCollective:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         while True:
             cap = self.capacity
-            row = torch.zeros(HEADER + cap, dtype=torch.float64, device=device)
-            row[:HEADER] = header
-            if cap and length:
-                packed = torch.cat(payload_parts) if len(payload_parts) > 1 else payload_parts[0]
-                row[HEADER : HEADER + min(length, cap)] = packed[:cap]
+            if cap >= length:  # one op: the header, the partials, the padding
+                pad = torch.zeros(cap - length, dtype=torch.float64, device=device)
+                row = torch.cat([header, *payload_parts, pad])
+            else:  # outgrown: the header alone says so (the partials follow at the new capacity)
+                row = torch.cat([header, torch.zeros(cap, dtype=torch.float64, device=device)])
             gathered = torch.empty(world * row.numel(), dtype=torch.float64, device=device)
             gather(gathered, row)
             handed(gathered, row)
@@ -208,6 +212,7 @@ class ReportCollective:
             return out
         withheld = {id(w[0]) for w in out.withheld}
         offsets = _offsets(heads)
+        aligned = all(o == offsets[me] for o in offsets)  # the common case: one slice for all ranks
         for m in entries:
             if not m.reduces or id(m.owner) in withheld:
                 continue
@@ -215,7 +220,10 @@ class ReportCollective:
             at = [offsets[r][k] for r in range(world)]
             for r in m.reduces:
                 n = r.tensor.numel()
-                block = torch.stack([gathered[q, HEADER + at[q] : HEADER + at[q] + n] for q in range(world)])
+                if aligned:
+                    block = gathered[:, HEADER + at[me] : HEADER + at[me] + n]
+                else:
+                    block = torch.stack([gathered[q, HEADER + at[q] : HEADER + at[q] + n] for q in range(world)])
                 at = [a + n for a in at]
                 if r.op == "sum":
                     combined = block.sum(0)

@@ -44,7 +44,8 @@ def plain(ctx: StepContext) -> None:
     packed = torch.cat([r.tensor.to(torch.float64) for r in reduces])
     world = dist.get_world_size()
     gathered = torch.empty(world * packed.numel(), dtype=packed.dtype)
-    dist.all_gather_into_tensor(gathered, packed)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(gathered, packed)
     gathered = gathered.view(world, -1)
     offset = 0
     for r in reduces:
@@ -87,7 +88,10 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], rounds: int) -> No
         p, a = statistics.median(times["plain"]), statistics.median(times["agreed"])
         rows.append((size, p * 1e6, a * 1e6))
     if rank == 0:
-        print(f"{'floats':>8} {'plain us':>10} {'agreed us':>10} {'extra us':>9}  (world {world}, gloo, median of {rounds})")
+        print(
+            f"{'floats':>8} {'plain us':>10} {'agreed us':>10} {'extra us':>9}"
+            f"  (world {world}, gloo, median of {rounds})"
+        )
         for size, p, a in rows:
             print(f"{size:>8} {p:>10.1f} {a:>10.1f} {a - p:>9.1f}")
         print(" ".join(f"extra_us_{s}={a - p:.1f}" for s, p, a in rows) + f" header_floats={distributed.HEADER}")
