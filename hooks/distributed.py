@@ -170,8 +170,8 @@ class ReportCollective:
         mine = Member("trainvitals.monitor")
         by_owner = {id(m.owner): m for m in members if m.owner is not None}
         for r in reduces:
-            m = by_owner.get(id(r.owner)) if r.owner is not None else None
-            (m if m is not None and not m.off else mine).reduces.append(r)
+            member = by_owner.get(id(r.owner)) if r.owner is not None else None
+            (member if member is not None and not member.off else mine).reduces.append(r)
         entries = [*members, mine]
         world, me = dist.get_world_size(), dist.get_rank()
         device = ctx.device

@@ -147,8 +147,10 @@ def test_live_settings_reaching_rank0_first_switch_both_ranks_at_once(tmp_path):
         try:
             wait_until(
                 lambda: (
-                    (collector.client.get("/v1/runs").status_code == 200
-                    and "faults" in collector.client.get("/v1/runs").text)
+                    (
+                        collector.client.get("/v1/runs").status_code == 200
+                        and "faults" in collector.client.get("/v1/runs").text
+                    )
                     or any(p.poll() is not None for p in procs)
                 ),
                 120,
