@@ -11,7 +11,9 @@ cross-rank step is timed both ways, side by side in alternating rounds:
   read and compared on the host, then the same local sums.
 
 Printed per size: the median of each in microseconds over the rounds and the
-difference. Last line: ``key=value``.
+difference, as wall time (which includes waiting for the other rank) and as the
+calling thread's CPU time (the host work the header adds: building it, reading and
+comparing the ranks' headers). Last line: ``key=value``.
 
     python tests/benchmarks/bench_collective.py
     python tests/benchmarks/bench_collective.py --sizes 64,1024,65536 --rounds 400
@@ -74,27 +76,33 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], rounds: int) -> No
     rows = []
     for size in sizes:
         times: dict[str, list[float]] = {"plain": [], "agreed": []}
+        cpu: dict[str, list[float]] = {"plain": [], "agreed": []}
         for k in range(rounds + 20):  # the first 20 warm up (and agree the capacity)
             for name in ("plain", "agreed") if k % 2 else ("agreed", "plain"):
                 ctx = context(size, owners)
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 if name == "plain":
                     plain(ctx)
                 else:
                     agreed.combine(ctx, members)
                 if k >= 20:
                     times[name].append(time.perf_counter() - t0)
+                    cpu[name].append(time.thread_time() - c0)
         p, a = statistics.median(times["plain"]), statistics.median(times["agreed"])
-        rows.append((size, p * 1e6, a * 1e6))
+        cp, ca = statistics.median(cpu["plain"]), statistics.median(cpu["agreed"])
+        rows.append((size, p * 1e6, a * 1e6, cp * 1e6, ca * 1e6))
     if rank == 0:
         print(
             f"{'floats':>8} {'plain us':>10} {'agreed us':>10} {'extra us':>9}"
-            f"  (world {world}, gloo, median of {rounds})"
+            f" {'plain cpu':>10} {'agreed cpu':>10} {'extra cpu':>10}  (world {world}, gloo, median of {rounds})"
         )
-        for size, p, a in rows:
-            print(f"{size:>8} {p:>10.1f} {a:>10.1f} {a - p:>9.1f}")
-        print(" ".join(f"extra_us_{s}={a - p:.1f}" for s, p, a in rows) + f" header_floats={distributed.HEADER}")
+        for size, p, a, cp, ca in rows:
+            print(f"{size:>8} {p:>10.1f} {a:>10.1f} {a - p:>9.1f} {cp:>10.1f} {ca:>10.1f} {ca - cp:>10.1f}")
+        print(
+            " ".join(f"extra_us_{s}={a - p:.1f} extra_cpu_us_{s}={ca - cp:.1f}" for s, p, a, cp, ca in rows)
+            + f" header_floats={distributed.HEADER}"
+        )
     dist.destroy_process_group()
 
 
