@@ -9,7 +9,8 @@ the combined figures are the single process's) while one rank only meets a fault
 - ``empty``: nothing goes wrong; the 1-element ``scale`` leaves rank 1 an empty shard;
 - ``ahead``: rank 0's monitor resumes one step ahead of rank 1's (its checkpoint is a
   step later): their step counters are one off;
-- ``live``: rank 0 alone hears the collector's live settings (every=1 mid-run).
+- ``live``: rank 0 alone hears the collector's live settings (every=1 mid-run);
+- ``interval``: rank 1 attaches with another report interval (every=3, rank 0's 2).
 
 Every rank writes ``rank<R>.json`` beside OUT: its report steps, the interval at each
 step, and each report's samples and coverage.
@@ -113,6 +114,8 @@ def _rank_main(rank: int, world: int, port: int, out: str, mode: str, collector:
     wrapped = fully_shard(model, mesh=mesh)
     opt = dp_optimizer(wrapped)
     kwargs = attach_kwargs(mode)
+    if mode == "interval" and rank == 1:
+        kwargs.update(every=3)
     if mode == "live" and rank == 0:
         kwargs.update(sink=None, collector=collector)
     mon = attach(wrapped, opt, **kwargs)

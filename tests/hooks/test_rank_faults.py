@@ -131,6 +131,25 @@ def test_step_counters_one_off_are_withheld_then_realigned(tmp_path):
         assert all(e["active"] for s, e in coverage(got["coverage"][k]).items() if s in ("params", "adam"))
 
 
+def test_a_report_interval_set_on_one_rank_only_is_withheld_then_rank0s(tmp_path):
+    """Rank 1 attaches with every=3, rank 0 with every=2: both report step 1, whose
+    cross-rank figures are withheld, said why; every rank takes rank 0's interval, so
+    the later reports pair and are exact."""
+    got = run(tmp_path, "interval")
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    want = single_process("interval")
+    assert got["steps"] == want["steps"] == r1["steps"] == [1, 2, 4, 6]
+    assert r1["every"] == got["every"] == [2] * 6
+    cov = coverage(got["coverage"][0])
+    for signal in ("optimizer", "params", "adam"):
+        assert cov[signal]["reason"] == "ranks_disagree", cov[signal]
+        assert "rank 0 every 2, rank 1 every 3" in cov[signal]["detail"], cov[signal]
+    assert {s["name"] for s in got["reports"][0]} <= {"optimizer_state_resets_total"}, got["reports"][0]
+    for k in (1, 2, 3):
+        assert_exact(got["reports"][k], want["reports"][k], f"step {got['steps'][k]}", but=("param_drift",))
+        assert all(e["active"] for s, e in coverage(got["coverage"][k]).items() if s in ("params", "adam"))
+
+
 def test_live_settings_reaching_rank0_first_switch_both_ranks_at_once(tmp_path):
     out = tmp_path / "out.json"
     with running_collector(state_path=None) as collector:
