@@ -61,6 +61,7 @@ _WHY_NOT = {
     "no_parameters": "nothing to watch",
     "not_packed": "no packed rows",
     "withheld": "every figure withheld",
+    "ranks_disagree": "data-parallel ranks disagreed",
 }
 """A coverage reason in a few words, for the verdict's headline (the full detail is in
 the coverage lines)."""

@@ -44,7 +44,7 @@ from typing import Any
 from trainvitals.wire.coverage import MAX_COVERAGE_DETAIL, NOT_BLIND, REASONS, SIGNALS
 from trainvitals.wire.signals import spec_of
 
-__all__ = ["CoverageTracker", "without_figures"]
+__all__ = ["CoverageTracker", "withhold", "without_figures"]
 
 
 def _how_to_ask(name: str) -> str:
@@ -232,3 +232,14 @@ def without_figures(coverage: list[dict[str, Any]], samples: Iterable[Mapping[st
     for e in coverage:
         if e.get("active") and e["signal"] in groups and e["signal"] not in present:
             e.update(active=False, reason="withheld", detail="its figures were all withheld in this report")
+
+
+def withhold(coverage: list[dict[str, Any]], final: set[str], signal: str, reason: str, detail: str) -> None:
+    """``signal``'s figures of this report were withheld (the ranks disagreed): its
+    entry turns inactive for ``reason``, in place, unless it is final already."""
+    if signal in final:
+        return
+    for e in coverage:
+        if e["signal"] == signal:
+            e.clear()
+            e.update(_entry(signal, False, reason, detail))

@@ -8,8 +8,9 @@ Data flow of one report step (each stage its own module):
    (:mod:`trainvitals.hooks.grad_norms`) are taken once before the step, for the
    signals that use them, and every signal's ``collect`` writes batched tensor
    statistics into a :class:`~trainvitals.hooks.step.StepContext`.
-2. :func:`trainvitals.hooks.distributed.combine` runs the cross-rank partials in one
-   collective.
+2. :class:`trainvitals.hooks.distributed.ReportCollective` runs the cross-rank partials
+   in one collective the ranks agree on (a header says what each rank sent; what
+   differs is withheld, said why, the same way on every rank).
 3. :func:`trainvitals.hooks.pack.pack` concatenates everything into one vector and
    starts its one copy to the host.
 4. :class:`trainvitals.hooks.sender.Sender` (one thread) materializes, validates,
@@ -18,12 +19,14 @@ Data flow of one report step (each stage its own module):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from trainvitals.hooks import distributed
 from trainvitals.hooks import pack as packing
+from trainvitals.hooks.coverage import withhold
 from trainvitals.hooks.grad_norms import GradNorms
 from trainvitals.hooks.live_settings import LiveSettings
 from trainvitals.hooks.pack import PendingReport
@@ -64,6 +67,8 @@ class StepLifecycle:
         """The latest report made (handed to the sender)."""
         self.last_coverage: list[dict[str, Any]] | None = None
         """The latest report's coverage entries as the training thread wrote them."""
+        self.collective = distributed.ReportCollective()
+        """The report's collective across data-parallel ranks (its agreed capacity)."""
 
     def before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         mon = self.monitor
@@ -131,10 +136,15 @@ class StepLifecycle:
         emitted: dict[str, bool] = {}
         for s in self.signals.items:
             sections = len(ctx.sections)
+            reduces = len(ctx.reduces)
             before = len(ctx.emits) + len(ctx.reduces) + sections
             s.run_guarded("collect", s.collect, mon, ctx)
+            if s.broken:  # failed in collect: its partials are not this report's (nor the other ranks')
+                del ctx.reduces[reduces:]
             for sec in ctx.sections[sections:]:  # a failure on the sender thread is this signal's
                 sec.owner = s
+            for red in ctx.reduces[reduces:]:
+                red.owner = s
             if s.covers is not None:
                 emitted[s.covers] = len(ctx.emits) + len(ctx.reduces) + len(ctx.sections) > before
         try:
@@ -145,7 +155,7 @@ class StepLifecycle:
         except Exception as exc:  # noqa: BLE001
             mon.warn_once("coverage", "could not assemble the coverage of step %d: %s", mon.step, exc)
         self.live.contribute(mon, ctx)
-        distributed.combine(ctx)
+        self._combine(ctx)
         self.events.move_to(ctx)
         pending = packing.pack(ctx, run=self.run, rank=mon.rank)
         if ctx.coverage:
@@ -153,3 +163,39 @@ class StepLifecycle:
             pending.settle = mon.coverage.settle
         self.latest = pending
         self.sender.put(pending)
+
+    def _combine(self, ctx: StepContext) -> None:
+        """The report's collective, and what the ranks' headers said: figures withheld
+        (their coverage says why), signals that failed on another rank turned off here,
+        the step and interval realigned so the next reports pair."""
+        mon = self.monitor
+        members: list[distributed.Member] = []
+        names: dict[str, int] = {}
+        for s in self.signals.items:
+            name = f"{type(s).__module__}.{type(s).__qualname__}"
+            names[name] = names.get(name, 0) + 1
+            if names[name] > 1:
+                name += f"#{names[name]}"
+            members.append(distributed.Member(name, off=s.broken, owner=s))
+        out = self.collective.combine(ctx, members, every=mon.config.every)
+        for owner, reason, detail in out.withheld:
+            covers = getattr(owner, "covers", None)
+            if covers is not None:
+                withhold(ctx.coverage, ctx.final, covers, reason, detail)
+        if out.withheld:
+            mon.warn_once(
+                "ranks_disagree",
+                "step %d: the ranks' reports disagree, figures withheld: %s",
+                ctx.step,
+                "; ".join(sorted({d for _, _, d in out.withheld})),
+            )
+        for signal, rank in out.failed_on:
+            signal.turn_off(f"collect on rank {rank}", RuntimeError("the signal failed on another rank"))
+            signal.failure = (
+                f"{type(signal).__name__} failed on rank {rank} and is turned off on every rank "
+                f"(rank {rank}'s log has the error)"
+            )
+        if out.step is not None:
+            mon.step = out.step
+        if out.every is not None and out.every != mon.config.every:
+            mon.config = dataclasses.replace(mon.config, every=out.every)

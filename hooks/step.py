@@ -80,6 +80,7 @@ class _Reduce:
     tensor: torch.Tensor  # 1-D float
     op: ReduceOp
     then: Callable[[torch.Tensor], None]
+    owner: Any = None  # the signal whose collect added it (set by the step lifecycle)
 
 
 @dataclass(slots=True)

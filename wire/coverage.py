@@ -57,6 +57,7 @@ ReasonName = Literal[
     "no_parameters",
     "not_packed",
     "withheld",
+    "ranks_disagree",
 ]
 
 SIGNALS = _SIGNALS
@@ -92,6 +93,8 @@ REASONS: Mapping[str, str] = {
     "not_packed": "no row of the reported step's micro-batch holds several samples: no packing to check",
     "withheld": "it ran and got input, but every figure it made for the report was withheld (undefined on "
     "the step, or not exact for the job's layout): blind while it lasts",
+    "ranks_disagree": "data-parallel ranks disagreed on this report (their steps, report intervals or the partials "
+    "they sent differ): its cross-rank figures are withheld, the ranks realigned for the next report",
 }
 """Why a signal is inactive: the closed list (a reason is a label value on /metrics)."""
 assert tuple(REASONS) == get_args(ReasonName), "REASONS and ReasonName list the same reasons"

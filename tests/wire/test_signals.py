@@ -87,3 +87,19 @@ def test_registering_adds_the_metrics_under_the_signal_and_unregistering_takes_t
     assert _snapshot() == before
     with pytest.raises(ValueError, match="built in"):
         unregister_spec("loss")
+
+
+def test_every_coverage_reason_is_documented_and_has_a_headline_word():
+    """The closed list of reasons is the wire's: each one has a row in docs/wire.md's
+    table and a few words for a verdict's headline (a reason added, e.g.
+    ``ranks_disagree``, is said everywhere a user reads it)."""
+    from pathlib import Path
+
+    from trainvitals.alerts.verdict_text import _WHY_NOT
+    from trainvitals.wire.coverage import REASONS
+
+    table = (Path(__file__).resolve().parents[2] / "docs" / "wire.md").read_text()
+    assert "ranks_disagree" in REASONS
+    missing = [r for r in REASONS if f"| `{r}` |" not in table]
+    assert not missing, f"docs/wire.md has no row for the coverage reasons {missing}"
+    assert set(_WHY_NOT) == set(REASONS)
