@@ -142,17 +142,50 @@ def _grow(n: int) -> int:
     return max(64, math.ceil(n * 1.125 / 64) * 64)
 
 
-class ReportCollective:
-    """The report's one collective, agreed across ranks (see the module docstring).
+HEADER_APART: bool | None = None
+"""Whether the headers travel apart from the partials, over a gloo group on the host:
+None decides by the job's backend (apart under any backend but gloo: NCCL's partials are
+on the GPU, where reading the gathered headers on the host would wait for the device);
+a test sets it to take that path on the CPU."""
 
-    The capacity starts at 0 on every rank: the first report gathers the headers alone
+
+class ReportCollective:
+    """The report's collective, agreed across ranks (see the module docstring).
+
+    On gloo (a CPU job) the header and the partials travel in one all-gather. The
+    capacity starts at 0 on every rank: the first report gathers the headers alone
     (every rank knows their size), then the partials at the capacity all agreed from
     them; a payload that outgrows it later is gathered again, the same way, in the same
     report (all ranks saw the same headers, so all do). In the steady state: one
-    all-gather of ``HEADER + capacity`` float64 per rank."""
+    all-gather of ``HEADER + capacity`` float64 per rank.
+
+    Under NCCL (partials on the GPU) the headers are gathered first on the host, over
+    a gloo group the monitor makes at attach, then the partials on the device at the
+    capacity they agreed: two collectives per report and no wait for the device (the
+    host never reads a device tensor on the training thread)."""
 
     def __init__(self) -> None:
         self.capacity = 0
+        self._host_group: Any = None
+        dist = _dist()
+        apart = HEADER_APART if HEADER_APART is not None else (dist is not None and dist.get_backend() != "gloo")
+        if dist is not None and dist.get_world_size() > 1 and apart:
+            # Collective: made at attach on every rank, in the same order.
+            self._host_group = dist.new_group(backend="gloo")
+
+    def _header(self, ctx: StepContext, entries: list[Member], length: int, every: int) -> list[float]:
+        head = [_MAGIC, float(ctx.step), float(length), float(len(entries)), float(every)]
+        for m in entries[:SLOTS]:
+            head += [float(key_of(m.name)), OFF if m.off else RUNNING, float(m.fingerprint), float(m.size)]
+        return head + [0.0] * (HEADER - len(head))
+
+    def _gather(self, row: torch.Tensor, world: int, group: Any = None) -> torch.Tensor:
+        dist = _dist()
+        gathered = torch.empty(world * row.numel(), dtype=row.dtype, device=row.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(gathered, row, group=group)
+        handed(gathered, row)
+        return gathered.view(world, -1)
 
     def combine(self, ctx: StepContext, members: list[Member], every: int = 0) -> Outcome:
         """Run ``ctx``'s partials across ranks, then their callbacks; ``members``: the
@@ -179,33 +212,38 @@ class ReportCollective:
             device = torch.device("cuda", torch.cuda.current_device())
         payload_parts = [r.tensor.to(device, torch.float64) for m in entries if not m.off for r in m.reduces]
         length = sum(p.numel() for p in payload_parts)
-        head = [_MAGIC, float(ctx.step), float(length), float(len(entries)), float(every)]
-        for m in entries[:SLOTS]:
-            head += [float(key_of(m.name)), OFF if m.off else RUNNING, float(m.fingerprint), float(m.size)]
-        head += [0.0] * (HEADER - len(head))
-        header = torch.tensor(head, dtype=torch.float64)
-        if device.type == "cuda":
-            header = header.pin_memory().to(device, non_blocking=True)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        while True:
-            cap = self.capacity
-            if cap >= length:  # one op: the header, the partials, the padding
-                pad = torch.zeros(cap - length, dtype=torch.float64, device=device)
-                row = torch.cat([header, *payload_parts, pad])
-            else:  # outgrown: the header alone says so (the partials follow at the new capacity)
-                row = torch.cat([header, torch.zeros(cap, dtype=torch.float64, device=device)])
-            gathered = torch.empty(world * row.numel(), dtype=torch.float64, device=device)
-            gather(gathered, row)
-            handed(gathered, row)
+        head = self._header(ctx, entries, length, every)
+        if self._host_group is not None:
+            heads = self._gather(torch.tensor(head, dtype=torch.float64), world, self._host_group).tolist()
             out.gathers += 1
-            gathered = gathered.view(world, -1)
-            # The headers on the host: the decision must be the same on every rank.
-            heads = gathered[:, :HEADER].cpu().tolist()
             longest = max(int(h[2]) for h in heads)
-            if all(h[0] == _MAGIC for h in heads) and longest > cap:
+            if all(h[0] == _MAGIC for h in heads) and longest > self.capacity:
                 self.capacity = _grow(longest)  # every rank saw the same lengths
-                continue
-            break
+            base, cap = 0, self.capacity
+            pad = torch.zeros(cap - length, dtype=torch.float64, device=device)
+            gathered = self._gather(torch.cat([*payload_parts, pad]), world)
+            out.gathers += 1
+        else:
+            base = HEADER
+            header = torch.tensor(head, dtype=torch.float64)
+            if device.type == "cuda":
+                header = header.pin_memory().to(device, non_blocking=True)
+            while True:
+                cap = self.capacity
+                if cap >= length:  # one op: the header, the partials, the padding
+                    pad = torch.zeros(cap - length, dtype=torch.float64, device=device)
+                    row = torch.cat([header, *payload_parts, pad])
+                else:  # outgrown: the header alone says so (the partials follow at the new capacity)
+                    row = torch.cat([header, torch.zeros(cap, dtype=torch.float64, device=device)])
+                gathered = self._gather(row, world)
+                out.gathers += 1
+                # The headers on the host: the decision must be the same on every rank.
+                heads = gathered[:, :HEADER].cpu().tolist()
+                longest = max(int(h[2]) for h in heads)
+                if all(h[0] == _MAGIC for h in heads) and longest > cap:
+                    self.capacity = _grow(longest)  # every rank saw the same lengths
+                    continue
+                break
         self._judge(heads, entries, me, out)
         if any(w[0] is _ALL for w in out.withheld):
             out.withheld = [(m.owner, *out.withheld[0][1:]) for m in entries if m.reduces]
@@ -217,13 +255,13 @@ class ReportCollective:
             if not m.reduces or id(m.owner) in withheld:
                 continue
             k = key_of(m.name)
-            at = [offsets[r][k] for r in range(world)]
+            at = [base + offsets[r][k] for r in range(world)]
             for r in m.reduces:
                 n = r.tensor.numel()
                 if aligned:
-                    block = gathered[:, HEADER + at[me] : HEADER + at[me] + n]
+                    block = gathered[:, at[me] : at[me] + n]
                 else:
-                    block = torch.stack([gathered[q, HEADER + at[q] : HEADER + at[q] + n] for q in range(world)])
+                    block = torch.stack([gathered[q, at[q] : at[q] + n] for q in range(world)])
                 at = [a + n for a in at]
                 if r.op == "sum":
                     combined = block.sum(0)

@@ -12,6 +12,10 @@ the combined figures are the single process's) while one rank only meets a fault
 - ``live``: rank 0 alone hears the collector's live settings (every=1 mid-run);
 - ``interval``: rank 1 attaches with another report interval (every=3, rank 0's 2).
 
+A mode ending ``+apart`` sends the report headers apart from the partials, over a gloo
+group of the monitor's own (the path an NCCL job takes: no host read of a device
+tensor), here on the CPU.
+
 Every rank writes ``rank<R>.json`` beside OUT: its report steps, the interval at each
 step, and each report's samples and coverage.
 """
@@ -96,10 +100,12 @@ def _rank_main(rank: int, world: int, port: int, out: str, mode: str, collector:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from trainvitals.hooks import attach
+    from trainvitals.hooks import attach, distributed
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
+    mode, _, apart = mode.partition("+")
+    distributed.HEADER_APART = apart == "apart"
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

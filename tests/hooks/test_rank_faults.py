@@ -67,8 +67,13 @@ def run(tmp_path: Path, mode: str) -> dict:
     return run_ranks(WORKER, tmp_path / "out.json", mode, timeout=TIMEOUT_S)
 
 
-def test_a_signal_failing_on_one_rank_is_turned_off_on_every_rank(tmp_path):
-    got = run(tmp_path, "fail")
+# "+apart": the headers over the monitor's own gloo group, as under NCCL
+APART = pytest.mark.parametrize("how", ["", "+apart"], ids=["one-gather", "header-apart"])
+
+
+@APART
+def test_a_signal_failing_on_one_rank_is_turned_off_on_every_rank(tmp_path, how):
+    got = run(tmp_path, "fail" + how)
     want = single_process("fail")
     assert got["steps"] == want["steps"] == [1, 2, 4, 6]
     for k, step in enumerate(got["steps"]):
@@ -98,8 +103,9 @@ def test_a_non_finite_gradient_on_one_rank_reads_as_one_process_reads_it(tmp_pat
     assert math.isnan(at2["param_norm"]) and math.isnan(at2["update_ratio"]), at2
 
 
-def test_an_empty_shard_on_one_rank_is_exact(tmp_path):
-    got = run(tmp_path, "empty")
+@APART
+def test_an_empty_shard_on_one_rank_is_exact(tmp_path, how):
+    got = run(tmp_path, "empty" + how)
     assert got["sharded"]
     want = single_process("empty")
     assert got["steps"] == want["steps"] == [1, 2, 4, 6]
@@ -108,11 +114,12 @@ def test_an_empty_shard_on_one_rank_is_exact(tmp_path):
         assert any(s["labels"].get("param") == "scale" for s in got["reports"][k]), step
 
 
-def test_step_counters_one_off_are_withheld_then_realigned(tmp_path):
+@APART
+def test_step_counters_one_off_are_withheld_then_realigned(tmp_path, how):
     """Rank 0's monitor resumed one step ahead of rank 1's: both report the first step
     (steps 2 and 1); that report's cross-rank figures are withheld, said why, and every
     rank goes on from the larger step, so the later reports pair and are exact."""
-    got = run(tmp_path, "ahead")
+    got = run(tmp_path, "ahead" + how)
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     want = single_process("ahead")
     assert got["steps"] == want["steps"] == r1["steps"] == [2, 4, 6]
