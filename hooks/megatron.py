@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MegatronLayout", "megatron_layout", "vocab_shard_group"]
+__all__ = ["MegatronLayout", "megatron_layout", "private_group", "vocab_shard_group"]
 
 
 class MegatronLayout:
@@ -120,7 +120,16 @@ def vocab_shard_group(head: torch.nn.Module) -> Any:
         return None
     import torch.distributed as dist
 
-    mine = tuple(dist.get_process_group_ranks(module.get_tensor_model_parallel_group()))
+    return private_group(tuple(dist.get_process_group_ranks(module.get_tensor_model_parallel_group())))
+
+
+def private_group(mine: tuple[int, ...]) -> Any:
+    """This process's own copy of a process group over the ranks ``mine`` (this rank's
+    group of a partition of the job, e.g. its tensor-parallel group), made once. Collective:
+    every rank calls it, each with its own group's ranks; every group of the partition is
+    made on every rank, in the same order (``new_group`` is collective)."""
+    import torch.distributed as dist
+
     if mine not in _PRIVATE:
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)

@@ -41,8 +41,9 @@ class Placement:
         self._grad_checked: tuple[tuple[int, ...], str | None] | None = None
         self._megatron: MegatronLayout | None = None
         self.data_parallel_size = world_size
-        """The ranks that hold the same parameters and see different data (Megatron's
-        data-parallel group; the world otherwise)."""
+        """The ranks that see different data: Megatron's data-parallel group; under
+        DTensor, FSDP2's mesh (``fully_shard``) or 1 for tensor parallelism alone on a
+        1-D mesh spanning the job (its ranks see the same tokens); the world otherwise."""
         self.layout_problem = self._placements(model, optimizer)
         """A parameter layout whose per-rank sums cannot be combined (named), or None."""
         self.weighted = self.sharded and any(w != 1.0 for w in self._weights.values())
@@ -61,6 +62,7 @@ class Placement:
         ]
         if not any(is_dtensor(p) for _, p in named):
             return self._megatron_placements(named)
+        self.data_parallel_size = dtensor_data_parallel_size(model, named, self.world_size)
         for name, p in named:
             weight = rank_weight(p, self.world_size)
             if isinstance(weight, str):
@@ -129,3 +131,26 @@ class Placement:
 
     def name_of(self, p: torch.Tensor, fallback: str = "") -> str:
         return self.param_names.get(id(p), fallback)
+
+
+def dtensor_data_parallel_size(model: nn.Module, named: Sequence[tuple[str, torch.Tensor]], world_size: int) -> int:
+    """The ranks of a DTensor job that see different data. FSDP2 (``fully_shard``): its
+    data-parallel mesh (sharded and replicated dims, a submesh of a 2-D mesh with tensor
+    parallelism); no FSDP and every DTensor parameter on a 1-D mesh spanning the job:
+    tensor parallelism alone, whose ranks all see the same tokens, so 1; else the world
+    (read as data-parallel, as before)."""
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        if state is None:
+            continue
+        try:
+            groups = state()._fsdp_param_group
+            mesh = groups.mesh_info.mesh if groups is not None else None
+        except Exception:  # noqa: BLE001 - another torch's FSDP internals: the world, as before
+            return world_size
+        if mesh is not None:
+            return int(mesh.size())
+    meshes = [getattr(p, "device_mesh", None) for _, p in named if is_dtensor(p)]
+    if meshes and all(m.ndim == 1 and m.size() == world_size for m in meshes):
+        return 1
+    return world_size
