@@ -18,6 +18,8 @@ that knows nothing of trainvitals, for ``trainvitals run``). Options:
   gradient is zero), fed biased rounding noise below Adam's eps as in
   ``tests/e2e/_jobs.py``'s drift job, in a param group without weight decay (I4);
   ``fixed=1`` zeros that gradient (the fix), the twin.
+- ``tokens=shard``: the per-token losses redistributed ``Shard(0)`` (each rank holds
+  other samples') before ``track_loss`` and the loss.
 - ``steps``, ``every``, ``figures=1``: the optimizer/params/adam truth from full tensors.
 
 Each step is one micro-batch of 25 samples: 21 text samples of 40 label tokens and 4 image
@@ -84,7 +86,7 @@ def optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 def main(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 
     how, head, norm = opts.get("how", "track"), opts.get("head", "plain"), opts.get("norm", "token")
@@ -140,6 +142,8 @@ def main(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
                 labels = DTensor.from_local(labels, mesh, [Replicate()], run_check=False)
             per_token = F.cross_entropy(logits.flatten(0, 1), labels, reduction="none")
             per_token = per_token.view(SAMPLES, SEQ)
+            if opts.get("tokens") == "shard":  # each rank holds other samples' losses
+                per_token = per_token.redistribute(mesh, [Shard(0)])
             weights: list[torch.Tensor] = []
 
             def grab(grad: torch.Tensor, _into: list = weights) -> None:
@@ -158,6 +162,8 @@ def main(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
                 loss = ((per_token * m).sum(dim=1) / mask.sum(dim=1)).mean()
             loss.backward()
         w = weights[0]
+        if w.shape != mask.shape:  # a rank's shard of the losses: no truth recorded
+            w = torch.zeros(mask.shape, dtype=torch.float64)
         recorded.append(
             {
                 "mass": float(w[mask].sum()),
@@ -194,6 +200,7 @@ def main(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
             "truths": truths,
             "coverage": coverage,
             "gain": float(full(model.gain)[0]),
+            "data_parallel_size": None if mon is None else mon.data_parallel_size,
         }
         Path(out).write_text(json.dumps(result))
     dist.barrier()
