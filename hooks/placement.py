@@ -143,9 +143,8 @@ def dtensor_data_parallel_size(model: nn.Module, named: Sequence[tuple[str, torc
         state = getattr(module, "_get_fsdp_state", None)
         if state is None:
             continue
-        try:
-            groups = state()._fsdp_param_group
-            mesh = groups.mesh_info.mesh if groups is not None else None
+        try:  # FSDP2's state (torch internals, read like DTensor's _local_tensor: by name, defensively)
+            mesh = getattr(getattr(getattr(state(), "_fsdp_param_group", None), "mesh_info", None), "mesh", None)
         except Exception:  # noqa: BLE001 - another torch's FSDP internals: the world, as before
             return world_size
         if mesh is not None:

@@ -18,6 +18,9 @@ that knows nothing of trainvitals, for ``trainvitals run``). Options:
   gradient is zero), fed biased rounding noise below Adam's eps as in
   ``tests/e2e/_jobs.py``'s drift job, in a param group without weight decay (I4);
   ``fixed=1`` zeros that gradient (the fix), the twin.
+- ``layout=fsdp``: no tensor parallelism: FSDP2 ``fully_shard`` on the same mesh of two
+  (data parallel: the data-parallel size is 2; both ranks are given the same batch, so
+  one rank's truth is the step's).
 - ``tokens=shard``: the per-token losses redistributed ``Shard(0)`` (each rank holds
   other samples') before ``track_loss`` and the loss.
 - ``steps``, ``every``, ``figures=1``: the optimizer/params/adam truth from full tensors.
@@ -97,7 +100,14 @@ def main(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
     with torch.no_grad():
         model.gain.fill_(GAIN_INIT)
     mesh = init_device_mesh("cpu", (world,))
-    parallelize(model, mesh)
+    if opts.get("layout") == "fsdp":  # data parallel instead: FSDP2 over the same mesh, whole params in forward
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        parallelize(model, mesh)
     if head == "vocab":
         parallelize_module(model, mesh, {"head": ColwiseParallel(input_layouts=Replicate(), use_local_output=False)})
     elif head == "replicate":
@@ -111,7 +121,9 @@ def main(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
             return torch.full_like(grad, -NOISE if negative else NOISE)
 
         model.gain.register_hook(rounding_noise)
-    if fixed or not drift:  # the fix: its gradient zeroed (the RMSNorm's eps leaves a tiny true one)
+    if opts.get("layout") == "fsdp":
+        pass  # a sharded gain's hooks see no gradient: the short FSDP run leaves it be
+    elif fixed or not drift:  # the fix: its gradient zeroed (the RMSNorm's eps leaves a tiny true one)
         model.gain.register_hook(torch.zeros_like)
     names = {id(p): n for n, p in model.named_parameters()}
     opt = optimizer(model)
@@ -153,13 +165,14 @@ def main(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
             per_token.register_hook(grab)
             if mon is not None and how == "track":
                 mon.track_loss(per_token, mask=mask, modality=modality)
-            m = mask.float()
-            if isinstance(per_token, DTensor):
+            m, lengths = mask.float(), mask.sum(dim=1).float()
+            if isinstance(per_token, DTensor):  # the loss's other operands DTensors alike
                 m = DTensor.from_local(m, mesh, [Replicate()], run_check=False)
+                lengths = DTensor.from_local(lengths, mesh, [Replicate()], run_check=False)
             if norm == "token":
                 loss = (per_token * m).sum() / mask.sum()
             else:
-                loss = ((per_token * m).sum(dim=1) / mask.sum(dim=1)).mean()
+                loss = ((per_token * m).sum(dim=1) / lengths).mean()
             loss.backward()
         w = weights[0]
         if w.shape != mask.shape:  # a rank's shard of the losses: no truth recorded
@@ -193,13 +206,14 @@ def main(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
     if mon is not None:
         coverage = {e["signal"]: e for e in mon.latest_coverage()}
         mon.close()
+    gain = float(full(model.gain)[0])  # a collective for a DTensor: every rank
     if rank == 0:
         result = {
             "truth": recorded,
             "reports": reports,
             "truths": truths,
             "coverage": coverage,
-            "gain": float(full(model.gain)[0]),
+            "gain": gain,
             "data_parallel_size": None if mon is None else mon.data_parallel_size,
         }
         Path(out).write_text(json.dumps(result))

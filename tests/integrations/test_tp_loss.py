@@ -138,6 +138,20 @@ def test_gain_with_its_gradient_zeroed_twin_is_silent(tmp_path, head):
     assert not firing(reports) & LOSS_RULES
 
 
+def test_fsdp2_data_parallel_size_is_its_mesh(tmp_path):
+    """FSDP2 (``fully_shard``) on the same mesh of two: its ranks are data-parallel (the
+    data-parallel size is the mesh's 2, not tensor parallelism's 1), so the loss averaged
+    over them has a weight mass of 1 summing both ranks' tokens."""
+    got, reports = _run(tmp_path, "layout=fsdp", "how=track", "norm=token", "steps=3")
+    assert got["data_parallel_size"] == 2
+    mass = figures(reports, "loss_weight_mass", objective="main")
+    share = figures(reports, "modality_grad_share_ratio", modality="image")
+    truth = _loss_truth(got)
+    for s in (1, 2, 3):
+        assert mass[s] == pytest.approx(truth[s]["mass"], rel=1e-5) == pytest.approx(1.0), s
+        assert share[s] == pytest.approx(truth[s]["share"], rel=1e-5), s
+
+
 def test_token_sharded_losses_are_withheld_naming_the_layout(tmp_path):
     """Per-token losses sharded over the ranks (``Shard(0)``: each rank holds other
     samples): the mask and tags passed do not say which, so nothing is read and the loss
