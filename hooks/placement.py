@@ -149,7 +149,7 @@ def dtensor_data_parallel_size(model: nn.Module, named: Sequence[tuple[str, torc
             return world_size
         if mesh is not None:
             return int(mesh.size())
-    meshes = [getattr(p, "device_mesh", None) for _, p in named if is_dtensor(p)]
+    meshes: list[Any] = [getattr(p, "device_mesh", None) for _, p in named if is_dtensor(p)]
     if meshes and all(m.ndim == 1 and m.size() == world_size for m in meshes):
         return 1
     return world_size

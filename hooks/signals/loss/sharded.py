@@ -61,13 +61,13 @@ def vocab_group(head: torch.nn.Module) -> VocabShards | None:
     weight = getattr(head, "weight", None)
     if weight is None or not is_dtensor(weight):
         return None
-    placements: Any = weight.placements
+    placements: Any = getattr(weight, "placements", ())
     dims = [d for d, p in enumerate(placements) if p.is_shard() and getattr(p, "dim", None) == 0]
     if len(dims) != 1 or any(p.is_shard() for d, p in enumerate(placements) if d != dims[0]):
         return None
     import torch.distributed as dist
 
-    mesh: Any = weight.device_mesh
+    mesh: Any = getattr(weight, "device_mesh", None)
     if not dist.is_initialized() or mesh.size(dims[0]) <= 1:
         return None
     ranks = tuple(dist.get_process_group_ranks(mesh.get_group(dims[0])))
@@ -78,14 +78,14 @@ def vocab_split(logits: torch.Tensor, shards: VocabShards | None) -> str | bool:
     """How DTensor ``logits`` are placed: False when every rank holds them whole
     (``Replicate``), True when they are split on the vocabulary along ``shards``' mesh dim
     and whole on the others, else why they cannot be read (a sentence)."""
-    placements: Any = logits.placements
+    placements: Any = getattr(logits, "placements", ())
     if all(p.is_replicate() for p in placements):
         return False
     last = logits.dim() - 1
     split = [d for d, p in enumerate(placements) if p.is_shard()]
     if (
         shards is not None
-        and logits.device_mesh == shards.mesh
+        and getattr(logits, "device_mesh", None) == shards.mesh
         and split == [shards.dim]
         and placements[shards.dim].dim in (-1, last)
         and all(p.is_replicate() for d, p in enumerate(placements) if d != shards.dim)

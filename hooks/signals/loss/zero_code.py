@@ -433,9 +433,9 @@ class ZeroCodeSeams(StepBook):
         def weights(grad: torch.Tensor) -> None:
             assert step.sums is not None and step.output is not None
             if is_dtensor(grad):  # DTensor logits: this rank's piece, placed as the logits were
-                expected = (False, True)[seam.shards is not None]
-                if vocab_split(grad, self._shards) is not expected:
-                    step.layout = f"the gradient at the output of {self._head!r} is placed {tuple(grad.placements)}"
+                if vocab_split(grad, self._shards) is not (seam.shards is not None):
+                    placed = tuple(getattr(grad, "placements", ()))
+                    step.layout = f"the gradient at the output of {self._head!r} is placed {placed}"
                     return
                 grad = local(grad)
             fdt = step.sums.dtype
