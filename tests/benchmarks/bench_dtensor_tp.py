@@ -5,7 +5,8 @@ micro-batch's logits hook reads the weights from the shard's gradient and logits
 values (C: the checked positions, at most ``logits_max_positions``) and one all-reduce of 2
 over the monitor's own group. This times, on two gloo ranks of this machine (one torch
 thread each, medians over repeats): the same maths on one rank's shard without the
-collectives (``recover`` + ``cross_entropy_residual`` on ``[N, V / 2]``), the whole
+collectives (``recover`` + ``cross_entropy_residual`` + the output norms on ``[N, V / 2]``),
+the whole
 ``recover_shards``, and its two collectives alone.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/benchmarks/bench_dtensor_tp.py
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trainvitals.hooks.config import Config
 from trainvitals.hooks.megatron import private_group
+from trainvitals.hooks.signals.loss.binning import output_norms
 from trainvitals.hooks.signals.loss.logits import cross_entropy_residual, recover
 from trainvitals.hooks.signals.loss.sharded import VocabShards, recover_shards
 
@@ -69,6 +71,7 @@ def main() -> None:
         def local(grad=grad, z=z, n=n):
             rec = recover(grad, z, torch.float64)
             cross_entropy_residual(grad, z, rec, cap=cap, period=n, chunk_bytes=chunk)
+            output_norms(grad, 1)  # the per-modality output norms, taken on whole logits too
 
         def sharded(grad=grad, z=z, n=n):
             recover_shards(grad, z, shards, torch.float64, cap=cap, period=n, chunk_bytes=chunk)
@@ -84,7 +87,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         ranks = dist.get_world_size()
         print(
-            f"| tokens per micro-batch | recover + residual on one shard [N, {args.vocab_shard}], ms "
+            f"| tokens per micro-batch | recover, residual, norms on one shard [N, {args.vocab_shard}], ms "
             f"| recover_shards over {ranks} ranks, ms | its all-gather + all-reduce alone, ms |"
         )
         print("|---|---|---|---|")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from trainvitals.hooks.megatron import private_group
+from trainvitals.hooks.signals.loss.binning import output_norms
 from trainvitals.hooks.signals.loss.logits import BYTES_PER_CHECKED_LOGIT, Recovered, recovered
 from trainvitals.hooks.signals.softmax.maths import subsample_stride
 from trainvitals.hooks.tensors import is_dtensor
@@ -127,8 +128,8 @@ def recover_shards(
     g_max, i_max = grad.max(dim=1)
     z_min = logits.gather(1, i_min[:, None])[:, 0]
     z_max = logits.gather(1, i_max[:, None])[:, 0]
-    square = grad.to(dtype).square().sum(dim=1)
-    lse = torch.logsumexp(logits[::stride].to(dtype), dim=1)
+    square = output_norms(grad, 1).to(dtype).square()  # one fused reduction, no [N, V] temporary
+    lse = torch.logsumexp(logits[::stride].float(), dim=1).to(dtype)
     mine = torch.cat([g_min.to(dtype), z_min.to(dtype), g_max.to(dtype), z_max.to(dtype), square, lse])
     everyone = [torch.empty_like(mine) for _ in range(shards.size)]
     dist.all_gather(everyone, mine, group=shards.group)
@@ -144,13 +145,15 @@ def recover_shards(
     here = (at_y[::stride] == shards.rank) & rec.label[::stride]  # the label's column is in this shard
     w_rows = rec.weight[::stride]
     step = max(1, chunk_bytes // (BYTES_PER_CHECKED_LOGIT * width))
-    sums = torch.zeros(2, dtype=dtype, device=grad.device)  # residual, L1 norm
+    # in float32, as on whole logits (cross_entropy_residual): a few roundings per entry
+    sums = torch.zeros(2, dtype=torch.float32, device=grad.device)  # residual, L1 norm
+    w_rows, lse_rows = w_rows.float(), lse_all.float()
     for start in range(0, c, step):
         stop = min(start + step, c)
         at = slice(start * stride, (stop - 1) * stride + 1, stride)
-        g = grad[at].to(dtype)
+        g = grad[at].float()
         w = w_rows[start:stop, None]
-        rebuilt = torch.exp(logits[at].to(dtype) - lse_all[start:stop, None]).mul_(w)
+        rebuilt = torch.exp(logits[at].float() - lse_rows[start:stop, None]).mul_(w)
         label_w = torch.where(here[start:stop], w_rows[start:stop], 0.0)
         rebuilt.scatter_add_(1, i_min[at][:, None], -label_w[:, None])
         sums[0] += rebuilt.sub_(g).abs_().sum()
