@@ -44,6 +44,7 @@ __all__ = [
     "WatchedOptimizer",
     "global_names",
     "megatron_layout",
+    "private_group",
     "tensor_parallel_groups",
     "vocab_shard_group",
 ]
@@ -148,7 +149,16 @@ def tensor_parallel_groups() -> Any:
         return None
     import torch.distributed as dist
 
-    mine = tuple(dist.get_process_group_ranks(module.get_tensor_model_parallel_group()))
+    return private_group(tuple(dist.get_process_group_ranks(module.get_tensor_model_parallel_group())))
+
+
+def private_group(mine: tuple[int, ...]) -> Any:
+    """This process's own copy of a process group over the ranks ``mine`` (this rank's
+    group of a partition of the job, e.g. its tensor-parallel group), made once. Collective:
+    every rank calls it, each with its own group's ranks; every group of the partition is
+    made on every rank, in the same order (``new_group`` is collective)."""
+    import torch.distributed as dist
+
     if mine not in _PRIVATE:
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)

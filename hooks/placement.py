@@ -53,9 +53,10 @@ class Placement:
         self._spanning: list[Any] = []  # the named meshes DTensor parameters span the job on
         self._pipeline: PipelineTable | None = None
         self.data_parallel_size = world_size
-        """The ranks that hold the same parameters and see different data (Megatron's
-        data-parallel group; the mesh FSDP2 shards over, ``mesh["dp"]`` beside tensor
-        parallelism; the world otherwise)."""
+        """The ranks that see different data: Megatron's data-parallel group; under
+        DTensor, FSDP2's mesh (``fully_shard``; ``mesh["dp"]`` beside tensor parallelism)
+        or 1 for tensor parallelism alone on a 1-D mesh spanning the job (its ranks see
+        the same tokens); the world otherwise."""
         self.pipeline_stages = 1
         """Megatron's pipeline-parallel size: the stages hold different parameters."""
         self.pipeline_last = True
@@ -79,9 +80,7 @@ class Placement:
         if not any(is_dtensor(p) for _, p in named):
             return self._megatron_placements(named)
         self._spanning = spanning_meshes((p for _, p in named), self.world_size)
-        fsdp = _fsdp_data_parallel_size(model)
-        if fsdp is not None:
-            self.data_parallel_size = fsdp
+        self.data_parallel_size = dtensor_data_parallel_size(model, named, self.world_size)
         for name, p in named:
             weight = rank_weight(p, self.world_size, self._spanning)
             if isinstance(weight, str):
@@ -217,3 +216,17 @@ def _fsdp_data_parallel_size(model: nn.Module) -> int | None:
                 return None
             sizes.append(int(mesh.size()))
     return max(sizes) if sizes else None
+
+
+def dtensor_data_parallel_size(model: nn.Module, named: Sequence[tuple[str, torch.Tensor]], world_size: int) -> int:
+    """The ranks of a DTensor job that see different data. FSDP2 (``fully_shard``): its
+    data-parallel mesh (:func:`_fsdp_data_parallel_size`); no FSDP and every DTensor
+    parameter on a 1-D mesh spanning the job: tensor parallelism alone, whose ranks all
+    see the same tokens, so 1; else the world (read as data-parallel, as before)."""
+    fsdp = _fsdp_data_parallel_size(model)
+    if fsdp is not None:
+        return fsdp
+    meshes: list[Any] = [getattr(p, "device_mesh", None) for _, p in named if is_dtensor(p)]
+    if meshes and all(m is not None and m.ndim == 1 and m.size() == world_size for m in meshes):
+        return 1
+    return world_size

@@ -39,7 +39,15 @@ import torch
 
 from trainvitals.hooks.signals.softmax.maths import subsample_stride
 
-__all__ = ["CE_RTOL", "Recovered", "cross_entropy_residual", "recover", "residual_tolerance", "uniform_tolerance"]
+__all__ = [
+    "CE_RTOL",
+    "Recovered",
+    "cross_entropy_residual",
+    "recover",
+    "recovered",
+    "residual_tolerance",
+    "uniform_tolerance",
+]
 
 CE_RTOL = 1e-4
 """Relative L1 residual below which a float32 gradient counts as plain cross-entropy:
@@ -82,10 +90,18 @@ def recover(grad: torch.Tensor, logits: torch.Tensor, dtype: torch.dtype) -> Rec
     [N, V] (see the module docstring); two passes over the gradient."""
     g_min, target = grad.min(dim=1)
     g_max, other = grad.max(dim=1)
-    label = g_min < 0
-    z_y = logits.gather(1, target[:, None])[:, 0].to(dtype)
-    z_k = logits.gather(1, other[:, None])[:, 0].to(dtype)
-    g_y, g_k = g_min.to(dtype), g_max.to(dtype)
+    z_y = logits.gather(1, target[:, None])[:, 0]
+    z_k = logits.gather(1, other[:, None])[:, 0]
+    return recovered(g_min, z_y, g_max, z_k, target, dtype)
+
+
+def recovered(
+    g_y: torch.Tensor, z_y: torch.Tensor, g_k: torch.Tensor, z_k: torch.Tensor, target: torch.Tensor, dtype: torch.dtype
+) -> Recovered:
+    """:func:`recover` from each position's smallest gradient entry ``g_y`` (the label's
+    when negative) and largest ``g_k``, with the logits ``z_y``, ``z_k`` there."""
+    label = g_y < 0
+    z_y, z_k, g_y, g_k = z_y.to(dtype), z_k.to(dtype), g_y.to(dtype), g_k.to(dtype)
     w_py = g_k * torch.exp(z_y - z_k)  # w_t * p_{t,y}
     weight = torch.where(label, w_py - g_y, 0.0)
     loss = torch.where(

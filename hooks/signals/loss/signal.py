@@ -53,9 +53,11 @@ from trainvitals.hooks.signals.loss.binning import Batch, bin_batch
 from trainvitals.hooks.signals.loss.layout import SumsLayout
 from trainvitals.hooks.signals.loss.probe import ModalityProbe
 from trainvitals.hooks.signals.loss.report import Accumulated, LossReport
+from trainvitals.hooks.signals.loss.sharded import token_layout_problem
 from trainvitals.hooks.signals.loss.step import LossStep
 from trainvitals.hooks.signals.loss.zero_code import ZeroCodeSeams
 from trainvitals.hooks.step import StepContext
+from trainvitals.hooks.tensors import is_dtensor, local
 from trainvitals.wire.signals import SignalSpec
 
 __all__ = ["HEAD_BYPASS_REPORTS", "LossAccounting"]
@@ -164,6 +166,20 @@ class LossAccounting(ZeroCodeSeams):
             self.bind(monitor)
         if self._closed or self.broken:
             return
+        hooked = per_token  # a DTensor's gradient arrives at the DTensor: hooked there
+        if is_dtensor(per_token):
+            problem = token_layout_problem(per_token, "per-token losses")
+            if problem:
+                self.run_guarded("track_loss", self._withhold, monitor, problem)
+                return
+            per_token = local(per_token)  # replicated: every rank holds all of its tokens
+        if output is not None and is_dtensor(output) and token_layout_problem(output, "output"):
+            monitor.warn_once(
+                "track_loss_output_layout",
+                "track_loss: %s; the per-modality output-gradient norms are withheld",
+                token_layout_problem(output, "output"),
+            )
+            output = None  # a shard's gradient gives no sample's norm
         # Statistics only: no autograd (no detach per tensor). The grad mode is set by a
         # plain call, not a context manager: this runs once per micro-batch.
         grad_was = torch.is_grad_enabled()
@@ -183,9 +199,18 @@ class LossAccounting(ZeroCodeSeams):
                 slot,
                 weight,
                 normalization,
+                hooked,
             )
         finally:
             torch.set_grad_enabled(grad_was)
+
+    def _withhold(self, monitor: MonitorView, problem: str) -> None:
+        """A micro-batch whose per-token losses cannot be read exactly: nothing of it is
+        counted, the step's loss coverage names why (and a log line, once)."""
+        self._late.poll(monitor)
+        step = self._current(monitor)
+        step.layout = f"track_loss: the {problem}"
+        monitor.warn_once("track_loss_layout", "%s; loss figures withheld", step.layout)
 
     def _track(
         self,
@@ -200,6 +225,7 @@ class LossAccounting(ZeroCodeSeams):
         slot: int,
         weight: float | None,
         normalization: str | None,
+        hooked: torch.Tensor,
     ) -> None:
         self._late.poll(monitor)
         step = self._current(monitor)
@@ -227,7 +253,7 @@ class LossAccounting(ZeroCodeSeams):
         )
         self._count_nonfinite(loss, label, batch.row_loss)
         batch.row_loss = None  # it may be a kept buffer's row, written by the next micro-batch
-        per_token.register_hook(self._weight_hook(monitor, step, batch, per_token, slot))
+        hooked.register_hook(self._weight_hook(monitor, step, batch, per_token, slot))
         if output is not None:
             step.outputs += 1
             lead = per_token.dim() if tuple(output.shape[: per_token.dim()]) == tuple(per_token.shape) else 1
@@ -242,6 +268,12 @@ class LossAccounting(ZeroCodeSeams):
         per_token_ref = weakref.ref(per_token)
 
         def weights(grad: torch.Tensor) -> None:
+            if is_dtensor(grad):  # the gradient at replicated DTensor losses: every rank's is whole
+                problem = token_layout_problem(grad, "gradient at the per-token losses")
+                if problem:
+                    step.layout = f"track_loss: the {problem}"
+                    return
+                grad = local(grad)
             step.fired += 1
             w = grad.detach() if grad.requires_grad else grad  # weight_rows widens what it sums
             inv = self._inv_scale(monitor, grad.device, b.fdt)
@@ -265,6 +297,10 @@ class LossAccounting(ZeroCodeSeams):
         assert layout is not None
 
         def norms(grad: torch.Tensor) -> None:
+            if is_dtensor(grad):
+                if token_layout_problem(grad, "output gradient"):
+                    return  # a partial or sharded gradient: no sample's norm from this rank's piece
+                grad = local(grad)
             self._outputs(step, b, grad, lead_dims, self._inv_scale(monitor, grad.device, b.fdt))
 
         return self._hook("the output hook", norms)
@@ -280,6 +316,9 @@ class LossAccounting(ZeroCodeSeams):
             monitor.coverage.set_inactive("probe", "sharded", "probe_every needs unsharded parameters")
         else:
             monitor.coverage.set_active("probe")
+        if not self._zero_code and step is not None and step.layout:
+            ctx.inactive_when("loss", None, "sharded", step.layout)
+            return
         if step is not None and step.fired:
             self._unfed = 0
             return

@@ -42,6 +42,7 @@ from trainvitals.hooks.signals.loss.logits import (
     uniform_tolerance,
 )
 from trainvitals.hooks.signals.loss.modality import input_ids, media_codes, sample_codes
+from trainvitals.hooks.signals.loss.sharded import VocabShards, recover_shards, vocab_group, vocab_split
 from trainvitals.hooks.signals.loss.step import LossStep, StepBook
 from trainvitals.hooks.signals.packing.boundaries import (
     Boundaries,
@@ -49,6 +50,7 @@ from trainvitals.hooks.signals.packing.boundaries import (
     packed_segments,
     read_boundaries,
 )
+from trainvitals.hooks.tensors import is_dtensor, local
 
 __all__ = ["ZeroCodeSeams"]
 
@@ -68,6 +70,7 @@ class _Seam:
     loss: torch.Tensor | None = None  # [N]
     batch: Batch | None = None
     inv: torch.Tensor | None = None
+    shards: VocabShards | None = None  # DTensor logits split on the vocabulary over these ranks
 
 
 class ZeroCodeSeams(StepBook):
@@ -87,6 +90,7 @@ class ZeroCodeSeams(StepBook):
         self._logits_handles: list[Removable] = []
         self._auto_head = False
         self._vocab_group: Any = None  # the logits are a vocabulary shard over this group (Megatron TP)
+        self._shards: VocabShards | None = None  # the head's DTensor weight is split on the vocabulary
 
     @property
     def reads_logits(self) -> bool:
@@ -121,6 +125,7 @@ class ZeroCodeSeams(StepBook):
         vocab = expected_vocab(root, module)
         megatron = type(module).__module__.startswith("megatron.")
         self._vocab_group = vocab_shard_group(module) if megatron else None
+        self._shards = None if megatron else vocab_group(module)  # collective: every rank attaches
         fired = [False]  # the head ran in the model's current forward
         media = media_codes(root, monitor.modalities)
 
@@ -156,8 +161,21 @@ class ZeroCodeSeams(StepBook):
                 )
                 return
             assert logits is not None
+            split: str | bool = False
+            if is_dtensor(logits):
+                split = vocab_split(logits, self._shards)
+                if isinstance(split, str):  # sharded otherwise: no rank holds a token's whole gradient
+                    self._current(monitor).layout = f"the output of {self._head!r} {split}"
+                    monitor.warn_once(
+                        "logits_layout",
+                        "loss_from_logits: the output of %s %s; loss figures withheld (track_loss on the "
+                        "replicated per-token losses reads them)",
+                        self._head,
+                        split,
+                    )
+                    return
             with self.guard("the logits forward hook"):
-                self._watch(monitor, logits, tags, slot, self._sequence_first(logits, megatron))
+                self._watch(monitor, logits, tags, slot, self._sequence_first(logits, megatron), split is True)
 
         def after(mod: Any, args: Any, output: Any) -> None:
             tags, self._tags = self._tags, None
@@ -247,14 +265,23 @@ class ZeroCodeSeams(StepBook):
         return segments.detach().reshape(rows, cols).to(device, non_blocking=True)
 
     def _watch(
-        self, monitor: MonitorView, logits: torch.Tensor, tags: tuple[Any, Any] | None, slot: int, seq_first: bool
+        self,
+        monitor: MonitorView,
+        logits: torch.Tensor,
+        tags: tuple[Any, Any] | None,
+        slot: int,
+        seq_first: bool,
+        split: bool = False,
     ) -> None:
+        """``split``: DTensor logits split on the vocabulary over ``self._shards`` (others
+        that are DTensors are replicated: the local tensor is all of them)."""
         self._late.poll(monitor)
         step = self._current(monitor)
         step.calls[slot] += 1
         if not step.reporting:
             return
         modality, segments = tags if tags is not None else (None, None)
+        hooked, logits = logits, local(logits)  # a DTensor's gradient arrives at the DTensor
         view = logits.detach().transpose(0, 1) if seq_first else logits.detach()
         shape = tuple(view.shape[:-1])
         bounds, self._bounds = self._bounds, None
@@ -269,9 +296,9 @@ class ZeroCodeSeams(StepBook):
         seg = self._segments(segments, shape, rows, cols, logits.device)
         self._imply_intent(step, rows if seg is None else 2)
         self._ensure_sums(step, logits.device)
-        seam = self._seam = _Seam((rows, cols), codes, seg)
+        seam = self._seam = _Seam((rows, cols), codes, seg, shards=self._shards if split else None)
         hook = self._logits_hook(monitor, step, view, logits._version, seam, slot, seq_first)
-        logits.register_hook(hook)
+        hooked.register_hook(hook)
 
     def _imply_intent(self, step: LossStep, samples: int) -> None:
         """Megatron's default (``calculate_per_token_loss`` off) averages each micro-batch
@@ -405,6 +432,12 @@ class ZeroCodeSeams(StepBook):
 
         def weights(grad: torch.Tensor) -> None:
             assert step.sums is not None and step.output is not None
+            if is_dtensor(grad):  # DTensor logits: this rank's piece, placed as the logits were
+                if vocab_split(grad, self._shards) is not (seam.shards is not None):
+                    placed = tuple(getattr(grad, "placements", ()))
+                    step.layout = f"the gradient at the output of {self._head!r} is placed {placed}"
+                    return
+                grad = local(grad)
             fdt = step.sums.dtype
             vocab = grad.shape[-1]
             g = (grad.detach().transpose(0, 1) if seq_first else grad.detach()).reshape(-1, vocab)
@@ -422,10 +455,22 @@ class ZeroCodeSeams(StepBook):
                 step.sums[layout.overwritten].add_(1.0)
                 return
             z = logits.reshape(-1, vocab)
-            rec = recover(g, z, fdt)
-            residual, scale = cross_entropy_residual(
-                g, z, rec, cap=config.logits_max_positions, period=cols, chunk_bytes=config.softmax_chunk_bytes
-            )
+            norms = g
+            if seam.shards is not None:  # a vocabulary shard: each position's extremes over the group's
+                rec, residual, scale, norms = recover_shards(
+                    g,
+                    z,
+                    seam.shards,
+                    fdt,
+                    cap=config.logits_max_positions,
+                    period=cols,
+                    chunk_bytes=config.softmax_chunk_bytes,
+                )
+            else:
+                rec = recover(g, z, fdt)
+                residual, scale = cross_entropy_residual(
+                    g, z, rec, cap=config.logits_max_positions, period=cols, chunk_bytes=config.softmax_chunk_bytes
+                )
             step.sums[layout.not_ce].add_((residual > scale * residual_tolerance(grad.dtype)).to(fdt))
             inv = self._inv_scale(monitor, grad.device, fdt)
             w = rec.weight if inv is None else rec.weight * inv
@@ -435,7 +480,7 @@ class ZeroCodeSeams(StepBook):
             self._weights(step, slot, batch, w, uniform_tolerance(grad.dtype, UNIFORM_RTOL))
             if m:
                 step.outputs += 1
-                self._outputs(step, batch, g, 1, inv)
+                self._outputs(step, batch, norms, 1, inv)
 
         return self._hook("the logits hook", weights)
 
