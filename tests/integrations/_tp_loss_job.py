@@ -58,14 +58,30 @@ NOISE, NEGATIVE_SHARE = 5e-9, 0.82
 GAIN_INIT, LR = 0.25, 0.05
 
 
+class _ZeroGradient(torch.autograd.Function):
+    """The identity whose backward is zero: the fix for I4 where tensor hooks cannot
+    reach the gain's gradient (FSDP2 runs the forward on an unsharded copy of it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(grad)
+
+
 class GainDecoder(Decoder):
     """The decoder with its ``[1]`` gain in front of the final RMSNorm, which divides it out."""
+
+    zero_gain_gradient = False
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.emb(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x * self.gain))
+        gain = _ZeroGradient.apply(self.gain) if self.zero_gain_gradient else self.gain
+        return self.head(self.norm(x * gain))
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,8 +137,8 @@ def main(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
             return torch.full_like(grad, -NOISE if negative else NOISE)
 
         model.gain.register_hook(rounding_noise)
-    if opts.get("layout") == "fsdp":
-        pass  # a sharded gain's hooks see no gradient: the short FSDP run leaves it be
+    if opts.get("layout") == "fsdp":  # a sharded gain's tensor hooks see no gradient
+        model.zero_gain_gradient = fixed  # the fix, inside the forward FSDP runs
     elif fixed or not drift:  # the fix: its gradient zeroed (the RMSNorm's eps leaves a tiny true one)
         model.gain.register_hook(torch.zeros_like)
     names = {id(p): n for n, p in model.named_parameters()}

@@ -184,3 +184,32 @@ def test_trainvitals_run_reads_the_vocab_parallel_head(tmp_path):
     assert sorted(figures(reports, "grad_norm")) == [1, 2, 3, 4]
     kinds = {e["kind"] for r in reports for e in r.get("events", [])}
     assert "loss_not_cross_entropy" not in kinds
+
+
+@pytest.mark.parametrize(
+    ("norm", "fixed", "fires"),
+    [
+        pytest.param("token", "0", {"GradientDilution", "ParamDrift"}, id="I1-I4"),
+        pytest.param("sample", "1", set(), id="twins"),
+    ],
+)
+def test_fsdp2_pages_dilution_and_drift_and_its_twins_are_silent(tmp_path, norm, fixed, fires):
+    """FSDP2 alone (``fully_shard`` on the mesh of two, the 1-element gain an empty shard
+    on rank 1): I1's dilution (16.96 from autograd's weights) and I4's drifting gain page,
+    every optimizer/params/adam figure exact; the per-sample loss and the zeroed gain
+    (the twins) page nothing."""
+    options = [f"norm={norm}", "drift=1", f"fixed={fixed}", "steps=56", "figures=1", "every=4"]
+    got, reports = _run(tmp_path, "layout=fsdp", "how=track", *options)
+    assert got["data_parallel_size"] == 2
+    _check_figures(got)
+    truth = _loss_truth(got)
+    mass = figures(reports, "loss_weight_mass", objective="main")
+    dilution = figures(reports, "modality_dilution_ratio", modality="image")
+    assert sorted(mass) == [1, *range(4, 57, 4)]  # step 1 always reports
+    for s in mass:
+        assert mass[s] == pytest.approx(truth[s]["mass"], rel=1e-5) == pytest.approx(1.0), s
+        assert dilution[s] == pytest.approx(truth[s]["dilution"], rel=1e-5), s
+    if norm == "token":
+        assert truth[56]["dilution"] == pytest.approx(16.96)
+    fired = firing(reports)
+    assert fired & (LOSS_RULES | {"ParamDrift"}) == fires
