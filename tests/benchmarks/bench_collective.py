@@ -8,7 +8,9 @@ cross-rank step is timed both ways, side by side in alternating rounds:
   taken locally (what ``combine`` did before the header: a copy kept here);
 - ``agreed``: :class:`trainvitals.hooks.distributed.ReportCollective`, the header
   (``HEADER`` float64) and the partials padded to the agreed capacity, the headers
-  read and compared on the host, then the same local sums.
+  read and compared on the host, then the same local sums;
+- ``apart``: the same with the headers gathered first over a gloo group of their own,
+  the partials after them (the path an NCCL job takes, run here on gloo).
 
 Printed per size: the median of each in microseconds over the rounds and the
 difference, as wall time (which includes waiting for the other rank) and as the
@@ -72,35 +74,42 @@ def _rank(rank: int, world: int, port: int, sizes: list[int], rounds: int) -> No
     dist.init_process_group("gloo", rank=rank, world_size=world)
     owners = [object() for _ in range(SIGNALS)]
     members = [distributed.Member(f"signal{i}", owner=o) for i, o in enumerate(owners)]
+    distributed.HEADER_APART = False
     agreed = distributed.ReportCollective()
+    distributed.HEADER_APART = True
+    apart = distributed.ReportCollective()  # makes its gloo group: every rank, here
+    names = ("plain", "agreed", "apart")
     rows = []
     for size in sizes:
-        times: dict[str, list[float]] = {"plain": [], "agreed": []}
-        cpu: dict[str, list[float]] = {"plain": [], "agreed": []}
+        times: dict[str, list[float]] = {n: [] for n in names}
+        cpu: dict[str, list[float]] = {n: [] for n in names}
         for k in range(rounds + 20):  # the first 20 warm up (and agree the capacity)
-            for name in ("plain", "agreed") if k % 2 else ("agreed", "plain"):
+            for name in names[k % 3 :] + names[: k % 3]:
                 ctx = context(size, owners)
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.thread_time()
                 if name == "plain":
                     plain(ctx)
                 else:
-                    agreed.combine(ctx, members)
+                    (agreed if name == "agreed" else apart).combine(ctx, members)
                 if k >= 20:
                     times[name].append(time.perf_counter() - t0)
                     cpu[name].append(time.thread_time() - c0)
-        p, a = statistics.median(times["plain"]), statistics.median(times["agreed"])
-        cp, ca = statistics.median(cpu["plain"]), statistics.median(cpu["agreed"])
-        rows.append((size, p * 1e6, a * 1e6, cp * 1e6, ca * 1e6))
+        wall = [statistics.median(times[n]) * 1e6 for n in names]
+        own = [statistics.median(cpu[n]) * 1e6 for n in names]
+        rows.append((size, *wall, *own))
     if rank == 0:
         print(
-            f"{'floats':>8} {'plain us':>10} {'agreed us':>10} {'extra us':>9}"
-            f" {'plain cpu':>10} {'agreed cpu':>10} {'extra cpu':>10}  (world {world}, gloo, median of {rounds})"
+            f"{'floats':>8} {'plain us':>10} {'agreed us':>10} {'apart us':>10}"
+            f" {'plain cpu':>10} {'agreed cpu':>10} {'apart cpu':>10}  (world {world}, gloo, median of {rounds})"
         )
-        for size, p, a, cp, ca in rows:
-            print(f"{size:>8} {p:>10.1f} {a:>10.1f} {a - p:>9.1f} {cp:>10.1f} {ca:>10.1f} {ca - cp:>10.1f}")
+        for size, p, a, ap, cp, ca, cap in rows:
+            print(f"{size:>8} {p:>10.1f} {a:>10.1f} {ap:>10.1f} {cp:>10.1f} {ca:>10.1f} {cap:>10.1f}")
         print(
-            " ".join(f"extra_us_{s}={a - p:.1f} extra_cpu_us_{s}={ca - cp:.1f}" for s, p, a, cp, ca in rows)
+            " ".join(
+                f"extra_us_{s}={a - p:.1f} apart_extra_us_{s}={ap - p:.1f} extra_cpu_us_{s}={ca - cp:.1f}"
+                for s, p, a, ap, cp, ca, cap in rows
+            )
             + f" header_floats={distributed.HEADER}"
         )
     dist.destroy_process_group()
