@@ -77,15 +77,20 @@ def _loss_truth(result: dict, per_token: bool) -> dict[int, dict]:
 
 
 def test_calculate_per_token_loss_at_tp2_every_figure_exact_and_dilution_pages(tmp_path):
-    got, reports = _run(tmp_path, "per_token=1", "steps=24", "figures=1", "logits=1")
+    """I1 (``calculate_per_token_loss``) and I4 (a replicated ``[1]`` gain whose true
+    gradient is zero, walked by Adam) at TP=2: every figure exact, both page."""
+    got, reports = _run(tmp_path, "per_token=1", "steps=30", "figures=1", "logits=1", "gain=1")
     _check_figures(got)
+    assert "param_drift_log2|param=gain" in got["truths"][0]
+    drift = figures(reports, "param_drift_log2", param="gain")
+    assert drift[30] > 1 and drift[30] == pytest.approx(got["truths"][-1]["param_drift_log2|param=gain"], rel=1e-4)
     assert got["coverage"]["loss"]["active"]
     truth = _loss_truth(got, True)
     mass = figures(reports, "loss_weight_mass", objective="main")
     share = figures(reports, "modality_grad_share_ratio", modality="image")
     dilution = figures(reports, "modality_dilution_ratio", modality="image")
-    assert sorted(mass) == list(range(1, 25))
-    for s in range(1, 25):
+    assert sorted(mass) == list(range(1, 31))
+    for s in range(1, 31):
         assert mass[s] == pytest.approx(truth[s]["mass"], rel=1e-5) == pytest.approx(1.0), s
         assert share[s] == pytest.approx(truth[s]["image_grad_share"], rel=1e-5), s
         assert dilution[s] == pytest.approx(truth[s]["dilution"], rel=1e-5), s
@@ -93,23 +98,27 @@ def test_calculate_per_token_loss_at_tp2_every_figure_exact_and_dilution_pages(t
     kinds = {e["kind"] for r in reports for e in r.get("events", [])}
     assert "loss_not_cross_entropy" not in kinds
     assert firing(reports) & LOSS_RULES == {"GradientDilution"}
+    assert "ParamDrift" in firing(reports)
 
 
 def test_per_sample_default_at_tp2_named_head_is_silent(tmp_path):
     """Megatron's default (each one-sample micro-batch averaged over its tokens) is the
-    per-sample intent: the twin, with the head named as the wrapped model spells it."""
-    got, reports = _run(tmp_path, "per_token=0", "steps=21", "logits=module.output_layer")
+    per-sample intent: the twin, with the head named as the wrapped model spells it, and
+    the gain's gradient left at its true zero (I4's fix): it never moves."""
+    got, reports = _run(tmp_path, "per_token=0", "steps=30", "logits=module.output_layer", "gain=2")
     assert got["coverage"]["loss"]["active"]
     truth = _loss_truth(got, False)
     mass = figures(reports, "loss_weight_mass", objective="main")
     share = figures(reports, "modality_grad_share_ratio", modality="image")
-    assert sorted(mass) == list(range(1, 22))
-    for s in range(1, 22):
+    assert sorted(mass) == list(range(1, 31))
+    for s in range(1, 31):
         assert mass[s] == pytest.approx(truth[s]["mass"], rel=1e-5) == pytest.approx(1.0), s
         assert share[s] == pytest.approx(truth[s]["image_grad_share"], rel=1e-5), s
     kinds = {e["kind"] for r in reports for e in r.get("events", [])}
     assert "loss_not_cross_entropy" not in kinds
     assert not firing(reports) & LOSS_RULES
+    assert "ParamDrift" not in firing(reports)
+    assert max(figures(reports, "param_drift_log2", param="gain").values()) == 0
 
 
 def test_trainvitals_run_at_tp2_reads_the_vocab_parallel_head(tmp_path):
