@@ -25,6 +25,7 @@ finalization), waits until the threads have let go of every tensor we handed the
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
 import weakref
@@ -170,8 +171,15 @@ class ReportCollective:
         dist = _dist()
         apart = HEADER_APART if HEADER_APART is not None else (dist is not None and dist.get_backend() != "gloo")
         if dist is not None and dist.get_world_size() > 1 and apart:
-            # Collective: made at attach on every rank, in the same order.
-            self._host_group = dist.new_group(backend="gloo")
+            try:  # collective: made at attach on every rank, in the same order
+                self._host_group = dist.new_group(backend="gloo")
+            except Exception as exc:  # noqa: BLE001 - a torch built without gloo: the one gather
+                logging.getLogger("trainvitals").warning(
+                    "no gloo group for the report headers (%s: %s): they travel with the partials, "
+                    "and each report step waits for the device to read them",
+                    type(exc).__name__,
+                    exc,
+                )
 
     def _header(self, ctx: StepContext, entries: list[Member], length: int, every: int) -> list[float]:
         head = [_MAGIC, float(ctx.step), float(length), float(len(entries)), float(every)]
@@ -210,9 +218,19 @@ class ReportCollective:
         device = ctx.device
         if dist.get_backend() == "nccl" and device.type != "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
-        payload_parts = [r.tensor.to(device, torch.float64) for m in entries if not m.off for r in m.reduces]
+        try:
+            payload_parts = [r.tensor.to(device, torch.float64) for m in entries if not m.off for r in m.reduces]
+        except Exception as exc:  # noqa: BLE001 - out of memory on one rank: the others wait in the gather
+            logging.getLogger("trainvitals").warning(
+                "could not pack the report's partials: %s: %s", type(exc).__name__, exc
+            )
+            payload_parts = []
+            entries = [Member(m.name, off=m.off, owner=m.owner) for m in entries]  # nothing sent
+            unpacked = True
+        else:
+            unpacked = False
         length = sum(p.numel() for p in payload_parts)
-        head = self._header(ctx, entries, length, every)
+        head = self._header(ctx, entries, -1 if unpacked else length, every)
         if self._host_group is not None:
             heads = self._gather(torch.tensor(head, dtype=torch.float64), world, self._host_group).tolist()
             out.gathers += 1
@@ -277,6 +295,10 @@ class ReportCollective:
         if not all(h[0] == _MAGIC for h in heads):
             bad = [r for r, h in enumerate(heads) if h[0] != _MAGIC]
             out.withheld.append((_ALL, "ranks_disagree", f"rank {bad[0]} sent no report header"))
+            return
+        unpacked = [r for r, h in enumerate(heads) if h[2] < 0]
+        if unpacked:
+            out.withheld.append((_ALL, "ranks_disagree", f"rank {unpacked[0]} could not pack its partials"))
             return
         steps = [int(h[1]) for h in heads]
         if len(set(steps)) > 1:

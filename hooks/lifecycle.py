@@ -190,7 +190,7 @@ class StepLifecycle:
                 "; ".join(sorted({d for _, _, d in out.withheld})),
             )
         for signal, rank in out.failed_on:
-            signal.turn_off(f"collect on rank {rank}", RuntimeError("the signal failed on another rank"))
+            signal.turn_off(f"collect on rank {rank}", RuntimeError("the signal failed on another rank"), agreed=True)
             signal.failure = (
                 f"{type(signal).__name__} failed on rank {rank} and is turned off on every rank "
                 f"(rank {rank}'s log has the error)"

@@ -121,6 +121,7 @@ class Signal:
     trainvitals.hooks.signals.catalogue --write``), for the collector."""
     _failed_later: tuple[str, BaseException] | None = None
     """A failure off the training thread (:meth:`fail_later`), not yet acted on."""
+    _collecting = False  # inside run_guarded("collect"): a failure turns the signal off at once
     uses_grad_norms: bool = False
     """True: its ``collect`` reads ``ctx.grad_norms``, the step's gradient norms
     (:mod:`trainvitals.hooks.grad_norms`), which are then taken before the step."""
@@ -163,9 +164,23 @@ class Signal:
         self.reset()
 
     # -- failure handling: one way for every signal ----------------------------
-    def turn_off(self, where: str, exc: BaseException) -> None:
-        """Mark the signal broken, drop its buffers, log once."""
+    def collectives_in_step(self) -> bool:
+        """Whether the signal issues collectives of its own during the step (in the
+        backward's hooks), which the other ranks issue too: then a failure on one rank
+        must not stop its share of them mid-step (:meth:`turn_off`)."""
+        return False
+
+    def turn_off(self, where: str, exc: BaseException, *, agreed: bool = False) -> None:
+        """Mark the signal broken, drop its buffers, log once. A signal whose hooks issue
+        collectives (:meth:`collectives_in_step`) is turned off at its next ``collect``
+        only, where the report's header tells every rank and all turn it off together:
+        until then it keeps issuing its share of the collectives, so no rank waits for
+        it in one (a hang). ``agreed``: every rank turns it off at this point (the
+        report's header said so), at once."""
         if self.broken:
+            return
+        if not (agreed or self._collecting) and self.collectives_in_step():
+            self.fail_later(where, exc)
             return
         self.broken = True
         self.failure = f"{type(self).__name__} failed in {where}: {type(exc).__name__}: {exc}"
@@ -196,12 +211,18 @@ class Signal:
 
     def run_guarded(self, where: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` unless the signal is broken; a failure turns it off (returns None)."""
-        if self._failed_later is not None:
-            self.turn_off(*self._failed_later)
-        if self.broken:
-            return None
+        collecting = where == "collect"
+        self._collecting = collecting
         try:
-            return fn(*args)
-        except Exception as exc:  # noqa: BLE001
-            self.turn_off(where, exc)
-            return None
+            if self._failed_later is not None:
+                self.turn_off(*self._failed_later)
+            if self.broken:
+                return None
+            try:
+                return fn(*args)
+            except Exception as exc:  # noqa: BLE001
+                self.turn_off(where, exc)
+                return None
+        finally:
+            if collecting:
+                self._collecting = False

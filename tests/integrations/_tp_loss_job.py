@@ -24,6 +24,8 @@ that knows nothing of trainvitals, for ``trainvitals run``). Options:
 - ``tokens=shard``: the per-token losses redistributed ``Shard(0)`` (each rank holds
   other samples') before ``track_loss`` and the loss.
 - ``steps``, ``every``, ``figures=1``: the optimizer/params/adam truth from full tensors.
+- ``fault=K``: on rank 1 only, the vocabulary shards' maths raise at their K-th call
+  (between the shards' two collectives' inputs): one rank's loss signal fails mid-step.
 
 Each step is one micro-batch of 25 samples: 21 text samples of 40 label tokens and 4 image
 samples (16%) whose answer is the last 2 tokens. The truth, independent of trainvitals: a
@@ -156,6 +158,18 @@ def main(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
             modalities=("text", "image"),
             loss_from_logits=how == "logits",
         )
+    if opts.get("fault") and rank == 1:  # the shard's maths raise on this rank only, at that step
+        from trainvitals.hooks.signals.loss import sharded
+
+        norms, calls = sharded.output_norms, [0]
+
+        def failing(*args: object, **kwargs: object) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] == int(opts["fault"]):
+                raise RuntimeError("injected on rank 1")
+            return norms(*args, **kwargs)
+
+        sharded.output_norms = failing
     attached = {n: full(p) for n, p in model.named_parameters()} if figures else {}
     recorded: list[dict] = []
     reports, truths = [], []

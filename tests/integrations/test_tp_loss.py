@@ -213,3 +213,22 @@ def test_fsdp2_pages_dilution_and_drift_and_its_twins_are_silent(tmp_path, norm,
         assert truth[56]["dilution"] == pytest.approx(16.96)
     fired = firing(reports)
     assert fired & (LOSS_RULES | {"ParamDrift"}) == fires
+
+
+def test_loss_failing_on_one_shard_mid_step_never_hangs(tmp_path):
+    """The vocabulary shards' maths raise on rank 1 only, in the backward of step 3, while
+    rank 0 waits in the shards' collectives: rank 1 still joins them, its loss signal is
+    turned off at that report on both ranks together (coverage ``failed`` naming rank 1,
+    no loss figure from then on: rank 1's sums of that step miss a micro-batch), the
+    other signals and the job go on, within the timeout."""
+    got, reports = _run(tmp_path, "head=vocab", "how=logits", "norm=token", "steps=6", "fault=3")
+    mass = figures(reports, "loss_weight_mass", objective="main")
+    assert sorted(mass) == [1, 2]
+    truth = _loss_truth(got)
+    for s in (1, 2):
+        assert mass[s] == pytest.approx(truth[s]["mass"], rel=1e-5), s
+    at3 = {e["signal"]: e for r in reports if r["step"] == 3 for e in r["coverage"]}
+    assert (at3["loss"]["active"], at3["loss"]["reason"]) == (False, "failed"), at3["loss"]
+    assert "rank 1" in at3["loss"]["detail"]
+    assert (got["coverage"]["loss"]["active"], got["coverage"]["loss"]["reason"]) == (False, "failed")
+    assert got["coverage"]["optimizer"]["active"] and sorted(figures(reports, "grad_norm")) == list(range(1, 7))

@@ -122,41 +122,52 @@ def recover_shards(
 
     n, width = grad.shape
     stride = subsample_stride(n, cap, period)
-    rows = torch.arange(0, n, stride, device=grad.device)
-    c = rows.shape[0]
-    g_min, i_min = grad.min(dim=1)
-    g_max, i_max = grad.max(dim=1)
-    z_min = logits.gather(1, i_min[:, None])[:, 0]
-    z_max = logits.gather(1, i_max[:, None])[:, 0]
-    square = output_norms(grad, 1).to(dtype).square()  # one fused reduction, no [N, V] temporary
-    lse = torch.logsumexp(logits[::stride].float(), dim=1).to(dtype)
-    mine = torch.cat([g_min.to(dtype), z_min.to(dtype), g_max.to(dtype), z_max.to(dtype), square, lse])
+    c = len(range(0, n, stride))
+    # The other shards wait in both collectives: a failure here joins them, then raises.
+    failure: Exception | None = None
+    try:
+        g_min, i_min = grad.min(dim=1)
+        g_max, i_max = grad.max(dim=1)
+        z_min = logits.gather(1, i_min[:, None])[:, 0]
+        z_max = logits.gather(1, i_max[:, None])[:, 0]
+        square = output_norms(grad, 1).to(dtype).square()  # one fused reduction, no [N, V] temporary
+        lse = torch.logsumexp(logits[::stride].float(), dim=1).to(dtype)
+        mine = torch.cat([g_min.to(dtype), z_min.to(dtype), g_max.to(dtype), z_max.to(dtype), square, lse])
+    except Exception as exc:  # noqa: BLE001
+        failure, mine = exc, torch.zeros(5 * n + c, dtype=dtype, device=grad.device)
     everyone = [torch.empty_like(mine) for _ in range(shards.size)]
     dist.all_gather(everyone, mine, group=shards.group)
-    table = torch.stack(everyone)  # [W, 5 N + C]
-    g_y, at_y = table[:, :n].min(dim=0)
-    z_y = table[:, n : 2 * n].gather(0, at_y[None])[0]
-    g_k, at_k = table[:, 2 * n : 3 * n].max(dim=0)
-    z_k = table[:, 3 * n : 4 * n].gather(0, at_k[None])[0]
-    norm = table[:, 4 * n : 5 * n].sum(dim=0).sqrt()[:, None].float()
-    lse_all = torch.logsumexp(table[:, 5 * n :], dim=0)
-    rec = recovered(g_y, z_y, g_k, z_k, torch.full_like(at_y, -1), dtype)
-    # the residual of this shard's part of the checked positions
-    here = (at_y[::stride] == shards.rank) & rec.label[::stride]  # the label's column is in this shard
-    w_rows = rec.weight[::stride]
-    step = max(1, chunk_bytes // (BYTES_PER_CHECKED_LOGIT * width))
-    # in float32, as on whole logits (cross_entropy_residual): a few roundings per entry
     sums = torch.zeros(2, dtype=torch.float32, device=grad.device)  # residual, L1 norm
-    w_rows, lse_rows = w_rows.float(), lse_all.float()
-    for start in range(0, c, step):
-        stop = min(start + step, c)
-        at = slice(start * stride, (stop - 1) * stride + 1, stride)
-        g = grad[at].float()
-        w = w_rows[start:stop, None]
-        rebuilt = torch.exp(logits[at].float() - lse_rows[start:stop, None]).mul_(w)
-        label_w = torch.where(here[start:stop], w_rows[start:stop], 0.0)
-        rebuilt.scatter_add_(1, i_min[at][:, None], -label_w[:, None])
-        sums[0] += rebuilt.sub_(g).abs_().sum()
-        sums[1] += g.abs().sum()
+    if failure is None:
+        try:
+            table = torch.stack(everyone)  # [W, 5 N + C]
+            g_y, at_y = table[:, :n].min(dim=0)
+            z_y = table[:, n : 2 * n].gather(0, at_y[None])[0]
+            g_k, at_k = table[:, 2 * n : 3 * n].max(dim=0)
+            z_k = table[:, 3 * n : 4 * n].gather(0, at_k[None])[0]
+            norm = table[:, 4 * n : 5 * n].sum(dim=0).sqrt()[:, None].float()
+            lse_all = torch.logsumexp(table[:, 5 * n :], dim=0)
+            rec = recovered(g_y, z_y, g_k, z_k, torch.full_like(at_y, -1), dtype)
+            # the residual of this shard's part of the checked positions
+            here = (at_y[::stride] == shards.rank) & rec.label[::stride]  # the label's column is in this shard
+            w_rows = rec.weight[::stride]
+            step = max(1, chunk_bytes // (BYTES_PER_CHECKED_LOGIT * width))
+            # in float32, as on whole logits (cross_entropy_residual): a few roundings per entry
+            w_rows, lse_rows = w_rows.float(), lse_all.float()
+            for start in range(0, c, step):
+                stop = min(start + step, c)
+                at = slice(start * stride, (stop - 1) * stride + 1, stride)
+                g = grad[at].float()
+                w = w_rows[start:stop, None]
+                rebuilt = torch.exp(logits[at].float() - lse_rows[start:stop, None]).mul_(w)
+                label_w = torch.where(here[start:stop], w_rows[start:stop], 0.0)
+                rebuilt.scatter_add_(1, i_min[at][:, None], -label_w[:, None])
+                sums[0] += rebuilt.sub_(g).abs_().sum()
+                sums[1] += g.abs().sum()
+        except Exception as exc:  # noqa: BLE001
+            failure = exc
+            sums.zero_()
     dist.all_reduce(sums, group=shards.group)
+    if failure is not None:
+        raise failure
     return rec, sums[0], sums[1], norm

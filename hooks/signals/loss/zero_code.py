@@ -92,6 +92,11 @@ class ZeroCodeSeams(StepBook):
         self._vocab_group: Any = None  # the logits are a vocabulary shard over this group (Megatron TP)
         self._shards: VocabShards | None = None  # the head's DTensor weight is split on the vocabulary
 
+    def collectives_in_step(self) -> bool:
+        """A vocabulary-parallel head: the backward's hooks gather each micro-batch's
+        extremes over the head's shards (:func:`recover_shards`, :func:`_over_shards`)."""
+        return self._shards is not None or self._vocab_group is not None
+
     @property
     def reads_logits(self) -> bool:
         """Zero-code accounting is on: every micro-batch is read at the LM head."""
@@ -514,8 +519,14 @@ def _over_shards(g: torch.Tensor, group: Any, dtype: torch.dtype) -> tuple[torch
     norm as a [N, 1] stand-in for the gradient (the per-modality output-gradient norms)."""
     import torch.distributed as dist
 
-    sums = torch.stack([g.abs().sum(dim=1, dtype=torch.float32), g.square().sum(dim=1, dtype=torch.float32)], 1)
+    failure: Exception | None = None
+    try:
+        sums = torch.stack([g.abs().sum(dim=1, dtype=torch.float32), g.square().sum(dim=1, dtype=torch.float32)], 1)
+    except Exception as exc:  # noqa: BLE001 - the other shards wait in the all-reduce: join it, then raise
+        failure, sums = exc, torch.zeros(g.shape[0], 2, dtype=torch.float32, device=g.device)
     dist.all_reduce(sums, group=group)
+    if failure is not None:
+        raise failure
     return sums[:, 0].to(dtype), sums[:, 1:].sqrt()
 
 
