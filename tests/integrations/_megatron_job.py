@@ -268,9 +268,9 @@ def main(
 def attach_gain(gpt, *, noisy: bool) -> None:
     """I4 on the last pipeline stage: ``gpt.gain`` [1], added to the final layernorm's output
     times 0, so its true gradient is exactly zero. ``noisy``: a tensor hook adds positive-biased
-    noise of order 1e-7 (low-precision rounding stands for it in the write-up), which Adam,
+    noise of order 1e-7 (standing in for low-precision rounding, I4 in docs/incidents.md), which Adam,
     with no weight decay on a 1D parameter, turns into steps of about lr every step;
-    without it (the write-up's fix, a gradient hook that zeros it) the gain never moves."""
+    without it (I4's fix, a gradient hook that zeros it) the gain never moves."""
     gpt.gain = torch.nn.Parameter(torch.full((1,), 2e-3))
     noise = torch.Generator().manual_seed(7)
 

@@ -91,7 +91,7 @@ def test_pp2_per_token_every_figure_exact_dilution_and_gain_drift_page(tmp_path)
 def test_pp2_per_sample_default_and_zeroed_gain_are_silent(tmp_path):
     """The twins: Megatron's default per-sample loss, the head named as the wrapped model
     spells it (found on the last stage, nothing to find on the first), and the gain whose
-    gradient is left at its true zero (the write-up's fix)."""
+    gradient is left at its true zero (I4's fix)."""
     got, reports, _ = _run(tmp_path, "per_token=0", "steps=30", "logits=module.output_layer", "gain=2")
     assert got["coverage"]["loss"]["active"]
     _check_loss(reports, _loss_truth(got, False), list(range(1, 31)))
