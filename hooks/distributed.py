@@ -396,9 +396,3 @@ def _offsets(heads: list[list[float]]) -> list[dict[int, int]]:
                 at += int(size)
         out.append(offs)
     return out
-
-
-def combine(ctx: StepContext) -> None:
-    """Run the context's cross-rank reductions, then their callbacks, in one agreed
-    collective (a one-off :class:`ReportCollective`; a monitor keeps its own)."""
-    ReportCollective().combine(ctx, [])

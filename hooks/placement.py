@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from trainvitals.hooks.grad_norms import GradNorms
+from trainvitals.hooks.indices import IndexCache
 from trainvitals.hooks.megatron import (
     MegatronLayout,
     PipelineTable,
@@ -42,7 +43,8 @@ class Placement:
         self.world_size = world_size
         self._warn_once = warn_once
         self._model, self._optimizer = model, optimizer
-        self._grad_index: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._grad_index: tuple[tuple[int, ...], list[int]] | None = None  # params with a gradient, their rows
+        self._indices = IndexCache()
         self.param_names: dict[int, str] = {id(p): clean_name(n) for n, p in model.named_parameters()}
         first = next(iter(model.parameters()), None)
         self.device = first.device if first is not None else torch.device("cpu")
@@ -132,12 +134,14 @@ class Placement:
         if table is None:
             return norms
         key = tuple(map(id, norms.params))
-        if self._grad_index is None or self._grad_index[0] != key or self._grad_index[1].device != norms.norms.device:
+        if self._grad_index is None or self._grad_index[0] != key:
             position = {id(p): j for j, p in enumerate(table.everything)}
-            index = torch.tensor([position[id(p)] for p in norms.params], dtype=torch.long)
-            self._grad_index = (key, index.to(norms.norms.device))
+            self._grad_index = (key, [position[id(p)] for p in norms.params])
+        # made on the device once per set of parameters with a gradient (not at every
+        # report where the set alternates: a blocking copy on a GPU)
+        index = self._indices.get(self._grad_index[1], norms.norms.device)
         out = norms.norms.new_zeros(len(table.everything))
-        out.index_copy_(0, self._grad_index[1], norms.norms)
+        out.index_copy_(0, index, norms.norms)
         return GradNorms(list(table.everything), out, norms.measured)
 
     def grad_layout_problem(self, params: list[torch.Tensor]) -> str | None:

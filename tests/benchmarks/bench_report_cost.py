@@ -181,12 +181,15 @@ def _instrument(mon: Any, around: Callable[[str, Callable[[], Any]], Any]) -> Ca
 
         loss._hook = hook
     _wrap(mon._sender, "_encode", around, "sender encoding (its own thread)")
-    pack, combine = pack_module.pack, distributed.combine
+    pack, combine = pack_module.pack, distributed.ReportCollective.combine
     pack_module.pack = lambda *a, **k: around("pack", lambda: pack(*a, **k))
-    distributed.combine = lambda ctx: around("loss emission (combine)", lambda: combine(ctx))
+    distributed.ReportCollective.combine = lambda self, *a, **k: around(  # type: ignore[method-assign]
+        "loss emission (combine)", lambda: combine(self, *a, **k)
+    )
 
     def undo() -> None:
-        pack_module.pack, distributed.combine = pack, combine
+        pack_module.pack = pack
+        distributed.ReportCollective.combine = combine  # type: ignore[method-assign]
 
     return undo
 
