@@ -47,7 +47,7 @@ if __name__ == "__main__":
 import torch
 import torch.nn.functional as F
 
-from tests.hooks._tp_models import VOCAB, Decoder, flat_report, full, parallelize, truth
+from tests.hooks._tp_models import VOCAB, Decoder, flat_report, full, parallelize, step_with_truth
 
 SAMPLES, IMAGE_ROWS, SEQ = 25, (3, 9, 15, 21), 21
 TEXT_ANSWER, IMAGE_ANSWER = 20, 1
@@ -189,17 +189,9 @@ def main(rank: int, world: int, port: str, out: str, mode: str, steps: int) -> N
         loss.backward()
         weights.append(record)
         reporting = mon is not None and mon.reporting_next
-        if reporting:
-            grads = {n: full(p.grad) for n, p in model.named_parameters()}
-            before = {n: full(p) for n, p in model.named_parameters()}
-        opt.step()
-        if reporting:
-            after = {n: full(p) for n, p in model.named_parameters()}
-            states = {
-                names[id(p)]: {"step": st["step"], "exp_avg": full(st["exp_avg"]), "exp_avg_sq": full(st["exp_avg_sq"])}
-                for p, st in opt.state.items()
-            }
-            truths.append(truth(model, opt, names, grads, before, after, attached, states))
+        found = step_with_truth(model, opt, names, attached, reporting)
+        if found is not None:
+            truths.append(found)
         opt.zero_grad(set_to_none=True)
         if reporting:
             assert mon is not None

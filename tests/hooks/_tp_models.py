@@ -164,6 +164,29 @@ def truth(
     return out
 
 
+def step_with_truth(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    names: dict[int, str],
+    attached: dict[str, torch.Tensor],
+    reporting: bool,
+) -> dict[str, float] | None:
+    """``opt.step()``; on a reporting step, with the figures of :func:`truth` from the
+    full tensors before and after it (collectives for DTensors: every rank calls it)."""
+    if reporting:
+        grads = {n: full(p.grad) for n, p in model.named_parameters()}
+        before = {n: full(p) for n, p in model.named_parameters()}
+    opt.step()
+    if not reporting:
+        return None
+    after = {n: full(p) for n, p in model.named_parameters()}
+    states = {
+        names[id(p)]: {"step": st["step"], "exp_avg": full(st["exp_avg"]), "exp_avg_sq": full(st["exp_avg_sq"])}
+        for p, st in opt.state.items()
+    }
+    return truth(model, opt, names, grads, before, after, attached, states)
+
+
 def flat_report(samples: list[dict]) -> dict[str, float]:
     return {s["name"] + "|" + ",".join(f"{k}={v}" for k, v in sorted(s["labels"].items())): s["value"] for s in samples}
 
@@ -210,17 +233,9 @@ def _rank_main(rank: int, world: int, port: int, out: str, mode: str) -> None:
         logits = model(tokens)
         F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)).backward()
         reporting = mon.reporting_next
-        if reporting:
-            grads = {n: full(p.grad) for n, p in model.named_parameters()}
-            before = {n: full(p) for n, p in model.named_parameters()}
-        opt.step()
-        if reporting:
-            after = {n: full(p) for n, p in model.named_parameters()}
-            states = {
-                names[id(p)]: {"step": st["step"], "exp_avg": full(st["exp_avg"]), "exp_avg_sq": full(st["exp_avg_sq"])}
-                for p, st in opt.state.items()
-            }
-            truths.append(truth(model, opt, names, grads, before, after, attached, states))
+        found = step_with_truth(model, opt, names, attached, reporting)
+        if found is not None:
+            truths.append(found)
         opt.zero_grad(set_to_none=True)
         if reporting:
             reports.append(flat_report(mon.latest()))

@@ -52,7 +52,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from tests.hooks._tp_models import VOCAB, Decoder, flat_report, full, parallelize, truth  # noqa: E402
+from tests.hooks._tp_models import VOCAB, Decoder, flat_report, full, parallelize, step_with_truth  # noqa: E402
 
 SAMPLES, IMAGES, SEQ = 25, 4, 40
 IMAGE_ANSWER = 2
@@ -217,17 +217,9 @@ def main(rank: int, world: int, out: str, opts: dict[str, str]) -> None:
             }
         )
         reporting = figures and mon is not None and mon.reporting_next
-        if reporting:
-            grads = {n: full(p.grad) for n, p in model.named_parameters()}
-            before = {n: full(p) for n, p in model.named_parameters()}
-        opt.step()
-        if reporting:
-            after = {n: full(p) for n, p in model.named_parameters()}
-            states = {
-                names[id(p)]: {"step": st["step"], "exp_avg": full(st["exp_avg"]), "exp_avg_sq": full(st["exp_avg_sq"])}
-                for p, st in opt.state.items()
-            }
-            truths.append(truth(model, opt, names, grads, before, after, attached, states))
+        found = step_with_truth(model, opt, names, attached, reporting)
+        if found is not None:
+            truths.append(found)
         opt.zero_grad(set_to_none=True)
         if reporting:
             assert mon is not None
